@@ -1,0 +1,45 @@
+"""The named device mesh a Plan runs on. No global process groups: callers pass the mesh."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shoal.plan import Plan
+
+
+def device_type() -> str:
+    """"cuda" when this process has a GPU and the NCCL backend, else "cpu" (gloo)."""
+    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+        return "cuda"
+    return "cpu"
+
+
+def build_mesh(plan: Plan, device: str | None = None) -> DeviceMesh:
+    """A DeviceMesh with one named dimension per axis (pp, dp, fsdp, cp, tp), size-1 ones included,
+    so that code can always ask for `mesh["tp"]` and get a degree-1 group when tp is off."""
+    names, sizes = plan.resolve(dist.get_world_size()).mesh_shape()
+    return init_device_mesh(device or device_type(), sizes, mesh_dim_names=names)
+
+
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    return mesh[axis].size()
+
+
+def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """(index, count) of this rank among the ranks that see different sequences (dp x fsdp)."""
+    dp, fsdp = mesh["dp"], mesh["fsdp"]
+    return dp.get_local_rank() * fsdp.size() + fsdp.get_local_rank(), dp.size() * fsdp.size()
+
+
+def all_reduce_mean(value: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...] = ("dp", "fsdp")) -> torch.Tensor:
+    """Average a local tensor over the named mesh axes (skips axes of size 1)."""
+    value = value.detach().clone()
+    count = 1
+    for axis in axes:
+        sub = mesh[axis]
+        if sub.size() > 1:
+            dist.all_reduce(value, group=sub.get_group())
+            count *= sub.size()
+    return value / count

@@ -1,0 +1,167 @@
+"""Model shape as data: the fields `--set key=value` overrides, and the named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and style of a decoder-only transformer (Llama-style by default)."""
+
+    num_layers: int = 4
+    dim: int = 128
+    num_heads: int = 8
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means num_heads (plain multi-head)."""
+    ffn_dim: int = 384
+    """Hidden width of the feed-forward block (per expert in MoE layers)."""
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    norm: str = "rmsnorm"
+    """rmsnorm (Llama) or layernorm (GPT-2)."""
+    activation: str = "swiglu"
+    """swiglu (Llama, three matrices) or gelu (GPT-2, two matrices)."""
+    pos_emb: str = "rope"
+    """rope (rotary, Llama) or learned (absolute positions, GPT-2)."""
+    bias: bool = False
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    init_std: float = 0.02
+    num_experts: int = 0
+    """Experts per MoE layer; 0 makes every layer dense."""
+    top_k: int = 2
+    """Experts each token is routed to in MoE layers."""
+    moe_every: int = 1
+    """Every moe_every-th layer is an MoE layer (when num_experts > 0)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("norm", self.norm, ("rmsnorm", "layernorm"))
+        _check_choice("activation", self.activation, ("swiglu", "gelu"))
+        _check_choice("pos_emb", self.pos_emb, ("rope", "learned"))
+        for name in ("num_layers", "dim", "num_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model field {name}={getattr(self, name)} must be >= 1")
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_kv_heads={self.kv_heads} does not divide num_heads={self.num_heads}")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dim; dim/num_heads = {self.head_dim}")
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.top_k <= self.num_experts):
+            raise ValueError(f"top_k={self.top_k} must lie in 1..num_experts={self.num_experts}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and (index + 1) % self.moe_every == 0
+
+    def num_params(self, *, embedding: bool = True, active: bool = False) -> int:
+        """Parameter count from the shape. `active`: count only the top_k experts a token uses."""
+        D, F, L = self.dim, self.ffn_dim, self.num_layers
+        attn = D * self.num_heads * self.head_dim * 2 + D * self.kv_heads * self.head_dim * 2
+        mlp = (3 if self.activation == "swiglu" else 2) * D * F
+        norms = 2 * D * (2 if self.norm == "layernorm" and self.bias else 1)
+        if self.bias:
+            attn += (self.num_heads + 2 * self.kv_heads) * self.head_dim + D
+            mlp += F * (2 if self.activation == "swiglu" else 1) + D
+        num_moe = sum(self.is_moe_layer(i) for i in range(L))
+        experts = self.top_k if active else self.num_experts
+        total = L * (attn + norms) + (L - num_moe) * mlp + num_moe * (experts * mlp + D * self.num_experts)
+        total += D * (2 if self.norm == "layernorm" and self.bias else 1)  # final norm
+        if embedding:
+            total += self.vocab_size * D * (1 if self.tie_embeddings else 2)
+            total += self.max_seq_len * D if self.pos_emb == "learned" else 0
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N + 12 L H E T, N the active non-embedding parameters
+        plus the output projection (PaLM, Chowdhery et al. 2022, appendix B)."""
+        n = self.num_params(embedding=False, active=True) + self.vocab_size * self.dim
+        return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
+    def replace(self, **overrides: object) -> ModelConfig:
+        return dataclasses.replace(self, **overrides)  # type: ignore[arg-type]
+
+    def with_overrides(self, pairs: list[str] | dict[str, str]) -> ModelConfig:
+        """Apply `key=value` overrides (strings, as from `--set`), converting to each field's type."""
+        items = pairs.items() if isinstance(pairs, dict) else (_split_pair(p) for p in pairs)
+        types = {f.name: f.type for f in dataclasses.fields(self)}
+        values: dict[str, object] = {}
+        for key, raw in items:
+            if key not in types:
+                raise ValueError(f"unknown model field {key!r} in --set; valid: {', '.join(sorted(types))}")
+            values[key] = _convert(key, str(raw), str(types[key]))
+        return self.replace(**values)
+
+
+def _split_pair(pair: str) -> tuple[str, str]:
+    key, sep, value = pair.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set takes key=value, got {pair!r}")
+    return key.strip(), value.strip()
+
+
+def _convert(key: str, raw: str, type_name: str) -> object:
+    try:
+        if "None" in type_name and raw.lower() in ("none", "null", ""):
+            return None
+        if type_name.startswith("bool"):
+            if raw.lower() not in ("true", "false", "1", "0", "on", "off"):
+                raise ValueError
+            return raw.lower() in ("true", "1", "on")
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"model field {key}={raw!r} is not a valid {type_name.split()[0]}") from None
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"model field {name}={value!r} is not valid; valid: {', '.join(choices)}")
+
+
+_GPT = dict(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
+_LLAMA3 = dict(vocab_size=128256, max_seq_len=8192, rope_theta=500000.0)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Small shapes that train on a laptop CPU (tests and the default demo).
+    "tiny": ModelConfig(num_layers=4, dim=128, num_heads=8, num_kv_heads=4, ffn_dim=384),
+    "tiny-moe": ModelConfig(num_layers=4, dim=128, num_heads=8, num_kv_heads=4, ffn_dim=256, num_experts=4, top_k=2),
+    "tiny-gpt": ModelConfig(num_layers=4, dim=128, num_heads=8, ffn_dim=512, **_GPT),
+    "small": ModelConfig(num_layers=8, dim=256, num_heads=8, num_kv_heads=4, ffn_dim=768, max_seq_len=512),
+    # Well-known large shapes, for the planner (GPT-3: Brown et al. 2020, table 2.1).
+    "gpt3-1.3b": ModelConfig(num_layers=24, dim=2048, num_heads=16, ffn_dim=8192, vocab_size=50304, max_seq_len=2048, **_GPT),
+    "gpt3-2.7b": ModelConfig(num_layers=32, dim=2560, num_heads=32, ffn_dim=10240, vocab_size=50304, max_seq_len=2048, **_GPT),
+    "gpt3-6.7b": ModelConfig(num_layers=32, dim=4096, num_heads=32, ffn_dim=16384, vocab_size=50304, max_seq_len=2048, **_GPT),
+    "gpt3-13b": ModelConfig(num_layers=40, dim=5120, num_heads=40, ffn_dim=20480, vocab_size=50304, max_seq_len=2048, **_GPT),
+    "gpt3-175b": ModelConfig(num_layers=96, dim=12288, num_heads=96, ffn_dim=49152, vocab_size=50304, max_seq_len=2048, **_GPT),
+    # Llama 3 (Meta 2024, "The Llama 3 Herd of Models", table 3).
+    "llama3-8b": ModelConfig(num_layers=32, dim=4096, num_heads=32, num_kv_heads=8, ffn_dim=14336, **_LLAMA3),
+    "llama3-70b": ModelConfig(num_layers=80, dim=8192, num_heads=64, num_kv_heads=8, ffn_dim=28672, **_LLAMA3),
+    "llama3-405b": ModelConfig(num_layers=126, dim=16384, num_heads=128, num_kv_heads=8, ffn_dim=53248, **_LLAMA3),
+    # BERT-Large's shape (Devlin et al. 2019) as a decoder, for planning.
+    "bert-large": ModelConfig(num_layers=24, dim=1024, num_heads=16, ffn_dim=4096, vocab_size=30528, max_seq_len=512, **_GPT),
+    # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2, in every layer.
+    "mixtral-8x7b": ModelConfig(num_layers=32, dim=4096, num_heads=32, num_kv_heads=8, ffn_dim=14336, vocab_size=32000,
+                                max_seq_len=32768, rope_theta=1e6, num_experts=8, top_k=2),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset called `name`; ValueError listing the valid names otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(PRESETS)} or hf:<dir or config.json>")
+    return PRESETS[name]

@@ -1,0 +1,173 @@
+"""A decoder-only transformer, Llama-style by default (RMSNorm, RoPE, SwiGLU, GQA), GPT-2-style
+by switches (LayerNorm, GELU, learned positions). Plain PyTorch: no distributed imports.
+
+Parallelism is applied from outside by module name (`layers.0.attention.wq`, ...), so the
+code below infers head counts from tensor shapes (`view(B, T, -1, head_dim)`): a tensor-parallel
+rank that holds 1/t of the heads runs the same code unchanged.
+
+Shape legend: B batch, T sequence, D model dim, H heads, K key/value heads, E head dim,
+F feed-forward dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.models.config import ModelConfig
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (max_seq_len, E/2) (Su et al. 2021, RoFormer)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x_BTHE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BTHE.float().unflatten(-1, (-1, 2)).unbind(-1)  # interleaved pairs
+    cos, sin = cos_TE[None, :, None, :], sin_TE[None, :, None, :]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return rotated.type_as(x_BTHE)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.use_rope = cfg.pos_emb == "rope"
+        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BTHE = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        k_BTKE = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        v_BTKE = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+        if self.use_rope and rope is not None:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q_BTHE, k_BTKE = apply_rope(q_BTHE, cos, sin), apply_rope(k_BTKE, cos, sin)
+        groups = q_BTHE.shape[2] // k_BTKE.shape[2]
+        if groups > 1:
+            k_BTKE = k_BTKE.repeat_interleave(groups, dim=2)
+            v_BTKE = v_BTKE.repeat_interleave(groups, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q_BTHE, k_BTKE, v_BTKE))  # (B, H, T, E)
+        y_BHTE = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.wo(y_BHTE.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x), Shazeer 2020) or GELU MLP (w2(gelu(w1 x)))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.activation == "swiglu" else None
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(F.gelu(self.w1(x_BTD), approximate="tanh"))
+        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
+
+
+def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
+    """The feed-forward slot of block `index`: dense, or a Mixture-of-Experts layer."""
+    if cfg.is_moe_layer(index):
+        raise ValueError(
+            f"num_experts={cfg.num_experts}: Mixture-of-Experts layers are not available in this version of "
+            "shoal yet; use a dense model (num_experts=0, for example the preset 'tiny')"
+        )
+    return FeedForward(cfg)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.attention_norm = make_norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = make_norm(cfg)
+        self.feed_forward = make_ffn(cfg, index)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x_BTD = x_BTD + self.dropout(self.attention(self.attention_norm(x_BTD), rope))
+        return x_BTD + self.dropout(self.feed_forward(self.ffn_norm(x_BTD)))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V).
+
+    `layers` is a ModuleDict keyed "0".."L-1" so that a pipeline split can keep a subset by
+    name; a stage that lacks `tok_embeddings` takes hidden states as input, one that lacks
+    `output` returns them.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embeddings: nn.Module | None = (
+            nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos_emb == "learned" else None
+        )
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
+        self.norm: nn.Module | None = make_norm(cfg)
+        self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight  # type: ignore[union-attr]
+        if cfg.pos_emb == "rope":
+            cos, sin = rope_tables(cfg)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2L) (GPT-2)."""
+        std = self.config.init_std
+        for name, param in self.named_parameters():
+            if param.dim() == 1:
+                nn.init.ones_(param) if name.endswith("norm.weight") else nn.init.zeros_(param)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(param, std=std / math.sqrt(2 * self.config.num_layers))
+            else:
+                nn.init.normal_(param, std=std)
+
+    def num_params(self) -> int:
+        """Parameters this module holds (a pipeline stage counts its own; shared ones once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of the whole model (see ModelConfig.flops_per_token)."""
+        return self.config.flops_per_token(seq_len)
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
+        if self.pos_embeddings is not None:
+            h_BTD = h_BTD + self.pos_embeddings(torch.arange(h_BTD.shape[1], device=h_BTD.device))
+        h_BTD = self.dropout(h_BTD)
+        rope = (self.rope_cos, self.rope_sin) if hasattr(self, "rope_cos") else None
+        for layer in self.layers.values():
+            h_BTD = layer(h_BTD, rope)
+        if self.norm is not None:
+            h_BTD = self.norm(h_BTD)
+        return self.output(h_BTD) if self.output is not None else h_BTD

@@ -1,0 +1,1 @@
+"""One module per parallelism; each `apply_x(model, *, mesh, plan)` is a no-op at degree 1."""

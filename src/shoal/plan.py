@@ -1,0 +1,259 @@
+"""The parallel strategy as data.
+
+A `Plan` says how many ways each parallel axis splits the work and how the axes behave.
+It is what `--plan` takes ("dp2,tp2,pp2,mb=8") and what `str(plan)` prints back.
+
+Axes (degree after the name): dp replicated data, fsdp sharded data, tp tensor, pp pipeline,
+cp context (sequence), ep expert. dp takes up whatever the others leave of the world size;
+ep is carved out of the ranks that see different tokens (dp x fsdp x cp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shoal.models.config import ModelConfig
+
+AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+# Mesh dimension order, outermost first: pipeline stages span the slowest links, tensor
+# parallel the fastest (the torchtitan / Megatron convention).
+MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
+
+_CHOICES = {
+    "sched": ("gpipe", "1f1b", "interleaved", "zb"),
+    "cp_mode": ("ring", "a2a"),
+    "ac": ("none", "selective", "full"),
+    "precision": ("fp32", "bf16", "fp16"),
+    "sp": ("on", "off"),
+    "zero": ("1", "2", "3"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How one training run is split across processes."""
+
+    dp: int | None = None
+    """Replicated data-parallel degree; None takes whatever the other axes leave."""
+    fsdp: int = 1
+    """Sharded data-parallel degree (ZeRO)."""
+    tp: int = 1
+    """Tensor-parallel degree (attention heads and MLP columns split)."""
+    pp: int = 1
+    """Pipeline-parallel degree (layers split into stages)."""
+    cp: int = 1
+    """Context-parallel degree (the sequence split, ring self-attention)."""
+    ep: int = 1
+    """Expert-parallel degree (experts split over data ranks)."""
+    zero: int = 3
+    """ZeRO stage of the fsdp axis: 1 optimizer state, 2 + gradients, 3 + parameters."""
+    mb: int | None = None
+    """Pipeline micro-batches per step (None: 2 x pp)."""
+    sched: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved or zb."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank (interleaved schedules)."""
+    cp_mode: str = "ring"
+    """How context parallelism exchanges keys/values: ring (pass K/V) or a2a (all-to-all heads)."""
+    sp: bool = True
+    """Sequence-parallel norms and residuals between tensor-parallel sublayers."""
+    ac: str = "none"
+    """Activation recompute: none, selective or full (per block)."""
+    precision: str = "fp32"
+    """Parameter/compute precision: fp32, bf16 (fp32 master weights) or fp16 (loss scaling)."""
+    auto: bool = False
+    """Ask the planner to choose the plan."""
+
+    # ------------------------------------------------------------------ parsing / printing
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        """Parse a plan string such as "dp2,tp2", "fsdp4,zero=1" or "auto"."""
+        text = text.strip()
+        if not text:
+            raise ValueError("empty plan; valid: a comma-separated list such as 'dp2', 'fsdp4,zero=1', 'tp2,pp2' or 'auto'")
+        fields: dict[str, object] = {}
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                raise ValueError(f"plan {text!r} has an empty item; items are separated by single commas")
+            key = part.partition("=")[0].strip().rstrip("0123456789") if "=" not in part else part.partition("=")[0].strip()
+            if key in fields:
+                raise ValueError(f"plan {text!r} names {key!r} twice")
+            if part == "auto":
+                fields["auto"] = True
+            elif "=" in part:
+                key, _, value = part.partition("=")
+                fields[key.strip()] = _parse_option(key.strip(), value.strip(), text)
+            else:
+                name = part.rstrip("0123456789")
+                digits = part[len(name):]
+                if name not in AXES:
+                    raise ValueError(
+                        f"unknown plan axis {part!r} in {text!r}; valid axes: "
+                        + ", ".join(f"{a}N" for a in AXES) + ", options key=value, or 'auto'"
+                    )
+                if not digits or int(digits) < 1:
+                    raise ValueError(f"plan axis {part!r} needs a degree >= 1, as in '{name}2'")
+                fields[name] = int(digits)
+        return cls(**fields)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        parts = ["auto"] if self.auto else []
+        for axis in AXES:
+            degree = getattr(self, axis)
+            if degree is not None and (degree != 1 or (axis == "dp" and not parts and self._only_dp())):
+                parts.append(f"{axis}{degree}")
+        defaults = Plan()
+        for key in ("zero", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision"):
+            value = getattr(self, key)
+            if value == getattr(defaults, key):
+                continue
+            if key == "zero" and self.fsdp == 1:
+                continue
+            shown = ("on" if value else "off") if key == "sp" else value
+            parts.append(f"{key}={shown}")
+        return ",".join(parts) if parts else "dp1"
+
+    def _only_dp(self) -> bool:
+        return all(getattr(self, a) == 1 for a in AXES if a != "dp")
+
+    # ------------------------------------------------------------------ degrees
+    @property
+    def non_dp_product(self) -> int:
+        return self.fsdp * self.tp * self.pp * self.cp
+
+    def resolve(self, world_size: int) -> Plan:
+        """Fill in dp from the world size and check that the degrees multiply to it."""
+        if world_size < 1:
+            raise ValueError(f"world size {world_size} must be >= 1")
+        others = self.non_dp_product
+        if self.dp is None:
+            if world_size % others:
+                raise ValueError(
+                    f"plan {self} needs a multiple of {others} processes (fsdp*tp*pp*cp = {others}); "
+                    f"got {world_size}; valid: {', '.join(str(others * k) for k in range(1, 5))}, ..."
+                )
+            plan = dataclasses.replace(self, dp=world_size // others)
+        else:
+            plan = self
+            if plan.dp * others != world_size:
+                raise ValueError(
+                    f"plan {self} uses dp*fsdp*tp*pp*cp = {plan.dp * others} processes but the world size is "
+                    f"{world_size}; leave dp out to let it take what the other axes leave"
+                )
+        if world_size % plan.ep or plan.data_ranks * plan.cp % plan.ep:
+            raise ValueError(
+                f"ep={plan.ep} must divide the ranks that see different tokens (dp*fsdp*cp = "
+                f"{plan.data_ranks * plan.cp}); valid: {_divisors(plan.data_ranks * plan.cp)}"
+            )
+        return plan
+
+    @property
+    def data_ranks(self) -> int:
+        """Number of ranks that see different sequences (dp x fsdp); dp must be resolved."""
+        assert self.dp is not None, "call Plan.resolve(world_size) first"
+        return self.dp * self.fsdp
+
+    @property
+    def world_size(self) -> int:
+        assert self.dp is not None, "call Plan.resolve(world_size) first"
+        return self.dp * self.non_dp_product
+
+    def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Names and sizes of the device-mesh dimensions (every axis, size-1 ones too)."""
+        assert self.dp is not None, "call Plan.resolve(world_size) first"
+        return MESH_AXES, tuple(getattr(self, a) for a in MESH_AXES)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, model: ModelConfig, *, global_batch: int, seq_len: int) -> None:
+        """Check the (resolved) plan against a model shape and batch; one-line ValueError if wrong."""
+        assert self.dp is not None, "call Plan.resolve(world_size) first"
+        num_kv = model.num_kv_heads or model.num_heads
+        for what, size in (
+            ("attention heads", model.num_heads),
+            ("KV heads", num_kv),
+            ("FFN hidden size", model.ffn_dim),
+            ("vocabulary size", model.vocab_size),
+        ):
+            if size % self.tp:
+                raise ValueError(f"tp={self.tp} does not divide {size} {what}; valid: {_divisors(size)}")
+        if self.pp > model.num_layers:
+            raise ValueError(f"pp={self.pp} exceeds the model's {model.num_layers} layers; valid: 1..{model.num_layers}")
+        if self.cp > 1 and seq_len % (2 * self.cp) and seq_len % self.cp:
+            raise ValueError(f"cp={self.cp} does not divide the sequence length {seq_len}; valid: {_divisors(seq_len)}")
+        if self.ep > 1:
+            if model.num_experts == 0:
+                raise ValueError(f"ep={self.ep} needs a Mixture-of-Experts model; this one has num_experts=0")
+            if model.num_experts % self.ep:
+                raise ValueError(
+                    f"ep={self.ep} does not divide {model.num_experts} experts; valid: {_divisors(model.num_experts)}"
+                )
+        if global_batch % self.data_ranks:
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by the {self.data_ranks} data-parallel ranks "
+                f"(dp*fsdp); valid: multiples of {self.data_ranks}"
+            )
+        if self.pp > 1:
+            micro = self.micro_batches
+            if (global_batch // self.data_ranks) % micro:
+                raise ValueError(
+                    f"mb={micro} does not divide the {global_batch // self.data_ranks} sequences each pipeline "
+                    f"gets per step; valid: {_divisors(global_batch // self.data_ranks)}"
+                )
+
+    @property
+    def micro_batches(self) -> int:
+        return self.mb if self.mb is not None else 2 * self.pp
+
+    # ------------------------------------------------------------------ words
+    def describe(self) -> str:
+        """The plan in words, one line per axis in use."""
+        assert self.dp is not None, "call Plan.resolve(world_size) first"
+        lines = [f"plan {self} on {self.world_size} process(es):"]
+        if self.pp > 1:
+            lines.append(
+                f"  pipeline: layers split into {self.pp} stages ({self.sched}, {self.micro_batches} micro-batches"
+                + (f", {self.vpp} virtual stages per rank" if self.vpp > 1 else "") + ")"
+            )
+        if self.tp > 1:
+            lines.append(
+                f"  tensor: attention heads and MLP columns split {self.tp} ways"
+                + (", norms/residuals sequence-sharded" if self.sp else "")
+            )
+        if self.cp > 1:
+            lines.append(f"  context: each sequence split into {self.cp} chunks ({self.cp_mode} attention)")
+        if self.fsdp > 1:
+            what = {1: "optimizer state", 2: "optimizer state and gradients",
+                    3: "parameters, gradients and optimizer state"}[self.zero]
+            lines.append(f"  sharded data: ZeRO-{self.zero}, {what} sharded {self.fsdp} ways")
+        if self.dp > 1 or self.data_ranks == 1:
+            lines.append(f"  data: {self.dp} replica(s), each sees 1/{self.data_ranks} of every global batch")
+        if self.ep > 1:
+            lines.append(f"  expert: experts split {self.ep} ways over the data ranks")
+        if self.ac != "none":
+            lines.append(f"  recompute: {self.ac} activation checkpointing")
+        lines.append(f"  precision: {self.precision}")
+        return "\n".join(lines)
+
+
+def _parse_option(key: str, value: str, text: str) -> object:
+    if key in ("mb", "vpp"):
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"plan option {key}={value!r} in {text!r} needs a whole number >= 1")
+        return int(value)
+    if key in _CHOICES:
+        if value not in _CHOICES[key]:
+            raise ValueError(f"plan option {key}={value!r} is not valid; valid: {', '.join(_CHOICES[key])}")
+        if key == "zero":
+            return int(value)
+        if key == "sp":
+            return value == "on"
+        return value
+    valid = ", ".join(["mb", "vpp", *_CHOICES])
+    raise ValueError(f"unknown plan option {key!r} in {text!r}; valid options: {valid}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) if n > 0 else "none"

@@ -1,0 +1,160 @@
+"""Text in, token batches out: the offline default corpus, the user's own data, tokenizers,
+and a sampler that is a pure function of (seed, step).
+
+Because batch `step` is computed from the seed and the step alone, a run that resumes at step
+s sees exactly the sequences an unbroken run would have, whatever the number of processes:
+each data-parallel rank takes its contiguous slice of the same global batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the text comes from and how it becomes tokens."""
+
+    path: str | None = None
+    """None: the built-in corpus (Python's pydoc topics, offline). Else a folder of .txt files,
+    a .txt file, or a pre-tokenized .bin (uint16, nanoGPT layout) or .npy token file."""
+    tokenizer: str = "byte"
+    """byte (UTF-8 bytes, 256 ids) or the path of a local Hugging Face tokenizer folder."""
+    val_fraction: float = 0.05
+    """Share of the tokens (at the end) held out for evaluation."""
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids; needs no files and no training."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer loaded from a local folder (never downloaded)."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # transformers raises several types for a bad folder
+            raise ValueError(f"tokenizer {path!r} could not be loaded locally ({type(exc).__name__}); "
+                             "valid: 'byte' or a folder holding tokenizer.json / tokenizer_config.json") from None
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    if name == "byte":
+        return ByteTokenizer()
+    if not Path(name).exists():
+        raise ValueError(f"tokenizer {name!r} not found; valid: 'byte' or a local Hugging Face tokenizer folder")
+    return HFTokenizer(name)
+
+
+def default_corpus() -> str:
+    """About 465K characters of English prose that ship with every Python: the pydoc topics."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def load_tokens(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
+    """The whole corpus as a 1-D array of token ids (memory-mapped for token files)."""
+    if cfg.path is None:
+        return _encode(default_corpus(), tokenizer)
+    path = Path(cfg.path)
+    if not path.exists():
+        raise ValueError(f"data path {cfg.path!r} does not exist; valid: a folder of .txt files, a .txt, .bin or .npy file")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise ValueError(f"data folder {cfg.path!r} holds no .txt files")
+        return _encode("\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files), tokenizer)
+    if path.suffix == ".bin":
+        return np.memmap(path, dtype=np.uint16, mode="r")
+    if path.suffix == ".npy":
+        tokens = np.load(path, mmap_mode="r")
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"token file {cfg.path!r} must hold a 1-D integer array; got {tokens.dtype} {tokens.shape}")
+        return tokens
+    if path.suffix in (".txt", ".md", ""):
+        return _encode(path.read_text(encoding="utf-8", errors="replace"), tokenizer)
+    raise ValueError(f"data file {cfg.path!r} has an unknown type; valid: a folder, .txt, .bin (uint16) or .npy")
+
+
+def _encode(text: str, tokenizer: Tokenizer) -> np.ndarray:
+    ids = tokenizer.encode(text)
+    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
+    return np.asarray(ids, dtype=dtype)
+
+
+class TokenBatches:
+    """Non-overlapping windows of seq_len + 1 tokens, visited in a seeded random order per epoch.
+
+    `global_batch(step, size)` is a pure function of (seed, step, size): that is what makes
+    resume exact and lets any number of ranks agree on the batch without talking.
+    """
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, seed: int) -> None:
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}; "
+                             "use a shorter --seq-len or more data")
+
+    @functools.lru_cache(maxsize=4)
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+
+    def windows(self, first: int, count: int) -> np.ndarray:
+        """Window indices of samples first .. first+count-1 of the endless shuffled stream."""
+        samples = np.arange(first, first + count)
+        return np.array([self._order(int(s // self.num_windows))[s % self.num_windows] for s in samples])
+
+    def batch(self, step: int, size: int, part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (B, T) of this rank's slice `part` = (index, count) of global batch `step`."""
+        index, count = part
+        local = size // count
+        rows = [self._window(w) for w in self.windows(step * size + index * local, local)]
+        seq = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return seq[:, :-1], seq[:, 1:]
+
+    def _window(self, w: int) -> np.ndarray:
+        start = int(w) * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1])
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Train and held-out tokens: the last val_fraction of the corpus (at least one sequence)."""
+    num_val = max(int(len(tokens) * val_fraction), seq_len + 1)
+    if len(tokens) - num_val < seq_len + 1:
+        raise ValueError(f"the data holds {len(tokens)} tokens: too few for a training and a held-out split "
+                         f"at --seq-len {seq_len}")
+    return tokens[:-num_val], tokens[-num_val:]
