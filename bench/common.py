@@ -1,0 +1,127 @@
+"""Shared pieces of the benchmarks: time a step, measure its peak memory, launch ranks, report.
+
+Benchmarks compare shoal with a peer *in the same process tree*: both run inside one launch,
+alternating repeat by repeat (ABAB...), so machine drift hits both alike. Timings are medians
+over repeats after warm-up; the spread is reported beside them, and a ratio whose difference
+from 1 is smaller than the spread is noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shoal.train.memory import current_mb, peak_mb, reset_peak
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and the inter-quartile range relative to the median."""
+    ordered = sorted(samples)
+    q = statistics.quantiles(ordered, n=4) if len(ordered) >= 2 else [ordered[0]] * 3
+    median = statistics.median(ordered)
+    return {"median": median, "min": ordered[0], "max": ordered[-1],
+            "iqr_rel": (q[2] - q[0]) / median if median else 0.0, "n": len(ordered)}
+
+
+def time_step(step_fn: Callable[[], Any]) -> tuple[float, float]:
+    """(seconds, peak MiB above the memory in use before the step) of one call."""
+    reset_peak()
+    before = current_mb()
+    start = time.perf_counter()
+    step_fn()
+    elapsed = time.perf_counter() - start
+    return elapsed, peak_mb() - before
+
+
+def measure(step_fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10) -> dict[str, Any]:
+    """Time `step_fn` `repeats` times after `warmup` calls; medians and spread of time and memory."""
+    for _ in range(warmup):
+        step_fn()
+    times, peaks, absolute = [], [], []
+    for _ in range(repeats):
+        t, m = time_step(step_fn)
+        times.append(t)
+        peaks.append(m)
+        absolute.append(peak_mb())
+    return {"time_s": summarize(times), "step_peak_mb": summarize(peaks), "peak_mb": summarize(absolute)}
+
+
+def measure_pair(fns: dict[str, Callable[[], Any]], *, warmup: int = 3, repeats: int = 10) -> dict[str, Any]:
+    """Like `measure` for several step functions, interleaved repeat by repeat (A B A B ...)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, dict[str, list[float]]] = {k: {"t": [], "m": [], "a": []} for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if dist.is_initialized():
+                dist.barrier()
+            t, m = time_step(fn)
+            samples[name]["t"].append(t)
+            samples[name]["m"].append(m)
+            samples[name]["a"].append(peak_mb())
+    return {name: {"time_s": summarize(s["t"]), "step_peak_mb": summarize(s["m"]), "peak_mb": summarize(s["a"])}
+            for name, s in samples.items()}
+
+
+def _entry(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        return fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
+    """Run fn(*args) on `nproc` local ranks (gloo, one thread each) through torch's elastic
+    launcher (what torchrun uses); returns the per-rank results in rank order."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    results = elastic_launch(config, _entry)(fn, args)
+    return [results[r] for r in range(nproc)]
+
+
+def environment() -> dict[str, Any]:
+    return {"torch": torch.__version__, "python": platform.python_version(), "cores": os.cpu_count(),
+            "machine": platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def report(name: str, rows: list[dict[str, Any]], *, notes: str = "") -> Path:
+    """Print `rows` as a table and write them (with the environment) to bench/results/<name>.json."""
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    cells = [[_fmt(row.get(k, "")) for k in keys] for row in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print(f"\n== {name}")
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    for c in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
+    if notes:
+        print(notes)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"name": name, "env": environment(), "rows": rows, "notes": notes,
+                                "argv": sys.argv}, indent=2))
+    return path
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
