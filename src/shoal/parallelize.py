@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shoal.parallel.data import apply_data_parallel
+from shoal.parallel.recompute import apply_recompute
 from shoal.plan import Plan
 
 # Axes and options a Plan can name that this version does not run yet.
@@ -21,12 +22,6 @@ def check_supported(plan: Plan) -> None:
     for axis, what in _NOT_YET.items():
         if getattr(plan, axis) > 1:
             raise ValueError(f"{axis}{getattr(plan, axis)}: {what} parallelism is not available in this version of shoal yet")
-    if plan.fsdp > 1:
-        raise ValueError(f"fsdp{plan.fsdp}: sharded data parallelism is not available in this version of shoal yet")
-    if plan.ac != "none":
-        raise ValueError(f"ac={plan.ac}: activation recompute is not available in this version of shoal yet")
-    if plan.precision != "fp32":
-        raise ValueError(f"precision={plan.precision}: mixed precision is not available in this version of shoal yet")
     if plan.auto:
         raise ValueError("plan 'auto' needs the planner, which is not available in this version of shoal yet")
 
@@ -34,6 +29,7 @@ def check_supported(plan: Plan) -> None:
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
     """Apply `plan` to `model` on `mesh`; returns the model to train (possibly a wrapper)."""
     check_supported(plan)
+    model = apply_recompute(model, plan=plan)
     return apply_data_parallel(model, mesh=mesh, plan=plan)
 
 

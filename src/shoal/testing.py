@@ -131,7 +131,8 @@ def assert_close(actual: Any, expected: Any, *, rtol: float, atol: float, what: 
             )
 
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+# Longest first: "module." is a suffix of the checkpoint/FSDP wrappers' prefixes.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "module.")
 
 
 def clean_name(name: str) -> str:

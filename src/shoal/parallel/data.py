@@ -1,25 +1,99 @@
-"""Data parallelism over the mesh's dp axis (and, with the fsdp axis, sharded data parallelism).
+"""Data parallelism over the mesh's dp axis and sharded data parallelism (ZeRO) over its fsdp axis.
 
-dp alone uses torch's DistributedDataParallel on the dp sub-mesh's process group: bucketed
-gradient all-reduce overlapped with backward, the well-kept path for replicated training.
+Two engines, both torch's own:
+- dp alone, fp32, no tensor parallel: DistributedDataParallel on the dp sub-mesh's process
+  group (bucketed gradient all-reduce overlapped with backward, the well-kept replicated path).
+- everything else (an fsdp axis, dp x fsdp hybrid, dp or fsdp over a tensor-parallel model,
+  mixed precision): FSDP2 `fully_shard`, one parameter group per transformer block plus the root.
+  Its sharded parameters are DTensors, so a stock optimizer built from `model.parameters()` keeps
+  sharded state, and DCP checkpoints reshard to any other layout.
+
+How the ZeRO stages map onto FSDP2 (one honest mapping, no private copy of FSDP):
+- zero=3: parameters, gradients and optimizer state sharded; a block's full parameters exist only
+  while it runs forward or backward (`reshard_after_forward=True`).
+- zero=2: gradients and optimizer state sharded; a block's full parameters are gathered once per
+  micro-batch and kept from its forward through its backward (`reshard_after_forward=False`),
+  ZeRO-2's traffic (one all-gather + one reduce-scatter = one all-reduce's worth). Unlike
+  DeepSpeed's ZeRO-2 the full copy is dropped between steps, which only lowers memory.
+- zero=1: as zero=2, and the gradients are reduced once per optimizer step: across micro-batches
+  they accumulate unsharded (ZeRO-1's full gradient buffer) and are reduce-scattered on the last
+  one (`model.no_sync()` below, which `train_step` already uses). With one micro-batch per step
+  zero=1 runs exactly as zero=2.
+A hand-written sharded optimizer (reduce-scatter, update the shard, all-gather) would give ZeRO-1
+persistently full parameters and gradients, i.e. strictly more memory and the same traffic, at the
+price of its own state-dict format that DCP could not reshard; FSDP2 already is that optimizer.
+
+Hybrid `dp2,fsdp2` is FSDP2's HSDP on the 2-D mesh ("dp", "fsdp"): shard within fsdp, replicate
+across dp. Replicated dp over a tensor-parallel model (or in mixed precision) is HSDP with a
+shard degree of 1, so no DDP ever sees a DTensor.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from shoal.parallel.precision import PrecisionPolicy
 from shoal.plan import Plan
 
 
 def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan) -> nn.Module:
-    """Replicate `model` over the dp axis; returns the wrapped model (the same one at degree 1)."""
-    if plan.fsdp > 1:
-        raise ValueError(f"fsdp={plan.fsdp}: sharded data parallelism is not available in this version of shoal yet")
-    dp = mesh["dp"]
-    if dp.size() == 1:
-        return model
-    if plan.tp > 1:
-        raise ValueError("dp combined with tp is not available in this version of shoal yet")
-    return DistributedDataParallel(model, process_group=dp.get_group(), broadcast_buffers=False)
+    """Replicate and/or shard `model` over the dp and fsdp axes; returns the model to train
+    (a DDP wrapper, the same module turned into an FSDP module, or `model` at degree 1)."""
+    if plan.zero not in (1, 2, 3):
+        raise ValueError(f"zero={plan.zero} is not a ZeRO stage; valid: 1, 2, 3")
+    precision = PrecisionPolicy.from_name(plan.precision)
+    has_dtensors = any(isinstance(p, DTensor) for p in model.parameters())
+    dp, fsdp = mesh["dp"].size(), mesh["fsdp"].size()
+    if fsdp == 1 and not has_dtensors and precision.is_full:
+        if dp == 1:
+            return model
+        return DistributedDataParallel(model, process_group=mesh["dp"].get_group(), broadcast_buffers=False)
+    # Replicated only (fsdp1): nothing to free after forward, so keep the gathered copy (zero=2).
+    return _fully_shard(model, mesh=mesh, zero=plan.zero if fsdp > 1 else 2, precision=precision)
+
+
+def _data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 runs on: 1-D fsdp (pure sharding) or 2-D (dp, fsdp) HSDP (replicate x shard)."""
+    if mesh["dp"].size() == 1 and mesh["fsdp"].size() > 1:
+        return mesh["fsdp"]
+    return mesh["dp", "fsdp"]
+
+
+def _fully_shard(model: nn.Module, *, mesh: DeviceMesh, zero: int, precision: PrecisionPolicy) -> nn.Module:
+    data_mesh = _data_mesh(mesh)
+    keep_full = zero < 3  # ZeRO-1/2 keep a block's gathered parameters from forward to backward
+    kwargs = dict(mesh=data_mesh, mp_policy=precision.fsdp_policy())
+    for block in transformer_blocks(model):
+        fully_shard(block, reshard_after_forward=not keep_full, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed first in backward
+    if zero == 1:
+        model.no_sync = lambda: _no_gradient_sync(model)  # type: ignore[assignment]
+    return model
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate unsharded gradients without reducing them (ZeRO-1 between micro-batches)."""
+    assert isinstance(model, FSDPModule)
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a transformer: the children of its largest ModuleList/ModuleDict
+    (shoal's `layers`, Hugging Face's `model.layers` or `transformer.h`), in order."""
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > len(best):
+            best = list(module.values() if isinstance(module, nn.ModuleDict) else module)
+    return best

@@ -1,0 +1,92 @@
+"""Mixed-precision policies: which dtype parameters are computed in, which dtype gradients are
+reduced in, and whether the loss is scaled.
+
+- fp32 (default; the right choice on CPU): everything in float32.
+- bf16: parameters cast to bfloat16 for forward/backward, float32 master weights (the sharded
+  parameters the optimizer updates) and float32 gradient reduction. bf16 has float32's exponent
+  range, so no loss scaling is needed.
+- fp16: as bf16 with float16 compute, plus dynamic loss scaling (`LossScaler`): float16's small
+  range underflows small gradients unless the loss is multiplied up before backward.
+
+The cast itself is FSDP2's `MixedPrecisionPolicy` (data.py applies it; a replicated run uses FSDP2
+with a shard degree of 1 for it, since DDP has no parameter-dtype policy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """The dtypes of one training run."""
+
+    param_dtype: torch.dtype = torch.float32
+    """Dtype of the parameters during forward and backward (the master copy stays float32)."""
+    reduce_dtype: torch.dtype = torch.float32
+    """Dtype gradients are reduced (all-reduced / reduce-scattered) in."""
+    loss_scaling: bool = False
+    """Multiply the loss before backward and divide the gradients after (fp16)."""
+
+    @classmethod
+    def from_name(cls, name: str, *, reduce: str = "fp32") -> PrecisionPolicy:
+        """The policy for a plan's `precision=` value; `reduce` chooses the gradient-reduction dtype."""
+        for what, value in (("precision", name), ("reduce precision", reduce)):
+            if value not in _DTYPES:
+                raise ValueError(f"{what} {value!r} is not valid; valid: {', '.join(_DTYPES)}")
+        return cls(param_dtype=_DTYPES[name], reduce_dtype=_DTYPES[reduce], loss_scaling=name == "fp16")
+
+    @property
+    def is_full(self) -> bool:
+        """True when nothing is cast (plain float32 training)."""
+        return self.param_dtype == torch.float32 and self.reduce_dtype == torch.float32
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy:
+        """FSDP2's policy: cast parameters (and floating inputs) to param_dtype, reduce in reduce_dtype."""
+        if self.is_full:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, "Mixed Precision Training").
+
+    `scale(loss)` before backward; `unscale_(params, grad_norm)` after: divides the gradients by the
+    scale and reports whether the step may be taken. The overflow check uses the *global* gradient
+    norm the step already computes (all ranks agree on it), so no extra collective is needed. On an
+    overflow the step is skipped and the scale halves; after `growth_interval` good steps it doubles.
+    """
+
+    def __init__(self, *, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.scale_value, self.growth_interval, self._good_steps = init_scale, growth_interval, 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_value
+
+    @torch.no_grad()
+    def unscale_(self, params: list[torch.nn.Parameter], scaled_grad_norm: torch.Tensor) -> tuple[bool, torch.Tensor]:
+        """(step ok, true gradient norm). Divides every gradient by the scale when the norm is finite."""
+        norm = float(scaled_grad_norm)
+        if not math.isfinite(norm):
+            self.scale_value /= 2
+            self._good_steps = 0
+            return False, scaled_grad_norm
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(self.scale_value)
+        self._good_steps += 1
+        if self._good_steps % self.growth_interval == 0:
+            self.scale_value *= 2
+        return True, scaled_grad_norm / self.scale_value
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale_value, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale_value, self._good_steps = float(state["scale"]), int(state["good_steps"])
