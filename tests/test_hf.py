@@ -1,0 +1,137 @@
+"""Hugging Face config.json -> ModelConfig: field mapping per family, and parameter counts that
+equal transformers' own models built from the same tiny config (exact integers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
+
+from shoal.models import ModelConfig, Transformer  # noqa: E402
+from shoal.models.hf import config_from_hf, load_model_config  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+
+
+def _write(tmp_path, config, name="config.json"):
+    folder = tmp_path / config.model_type
+    folder.mkdir()
+    config.to_json_file(str(folder / name))
+    return folder
+
+
+def _map(folder, *expect_warnings: str) -> ModelConfig:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = config_from_hf(str(folder))
+    messages = " | ".join(str(w.message) for w in caught)
+    for words in expect_warnings:
+        assert words in messages, messages
+    if not expect_warnings:
+        assert not caught, messages
+    return cfg
+
+
+def _hf_count(config, cls) -> int:
+    return cls(config).num_parameters()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_llama_maps_and_counts_like_transformers(tmp_path, tied):
+    hf = transformers.LlamaConfig(**TINY, rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=tied)
+    cfg = _map(_write(tmp_path, hf))
+    assert cfg == ModelConfig(num_layers=2, dim=64, num_heads=4, num_kv_heads=2, ffn_dim=96, vocab_size=100,
+                              max_seq_len=64, norm="rmsnorm", activation="swiglu", pos_emb="rope", bias=False,
+                              tie_embeddings=tied, rope_theta=5e5, norm_eps=1e-5, init_std=0.02)
+    expected = _hf_count(hf, transformers.LlamaForCausalLM)
+    assert Transformer(cfg).num_params() == expected
+    assert cfg.num_params() == expected
+
+
+def test_llama_with_bias_and_mha(tmp_path):
+    hf = transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 4}, attention_bias=True, mlp_bias=True)
+    cfg = _map(_write(tmp_path, hf))
+    assert cfg.num_kv_heads is None and cfg.bias
+    assert Transformer(cfg).num_params() == _hf_count(hf, transformers.LlamaForCausalLM)
+
+
+def test_gpt2_maps_and_counts_like_transformers(tmp_path):
+    hf = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32)
+    cfg = _map(_write(tmp_path, hf))
+    assert (cfg.norm, cfg.activation, cfg.pos_emb, cfg.bias, cfg.tie_embeddings) == ("layernorm", "gelu", "learned", True, True)
+    assert (cfg.dim, cfg.num_layers, cfg.num_heads, cfg.ffn_dim, cfg.max_seq_len) == (64, 2, 4, 256, 32)
+    expected = _hf_count(hf, transformers.GPT2LMHeadModel)
+    assert Transformer(cfg).num_params() == expected == cfg.num_params()
+
+
+def test_mistral_maps_and_warns_about_the_window(tmp_path):
+    hf = transformers.MistralConfig(**TINY, sliding_window=16)
+    cfg = _map(_write(tmp_path, hf), "sliding_window=16")
+    assert (cfg.num_kv_heads, cfg.ffn_dim, cfg.norm_eps) == (2, 96, 1e-6)
+    assert Transformer(cfg).num_params() == _hf_count(hf, transformers.MistralForCausalLM)
+
+
+def test_mixtral_maps_experts_and_counts(tmp_path):
+    hf = transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
+    cfg = _map(_write(tmp_path, hf))
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_every, cfg.rope_theta) == (4, 2, 1, 1e6)
+    # shoal's MoE layer is a later piece: the count formula (router + experts) is checked here.
+    assert cfg.num_params() == _hf_count(hf, transformers.MixtralForCausalLM)
+
+
+def test_qwen2_drops_only_the_qkv_biases(tmp_path):
+    hf = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
+    cfg = _map(_write(tmp_path, hf), "query/key/value biases")
+    qkv_biases = TINY["num_hidden_layers"] * (4 + 2 * 2) * (64 // 4)  # L * (H + 2K) * E
+    assert cfg.tie_embeddings and not cfg.bias
+    assert Transformer(cfg).num_params() == _hf_count(hf, transformers.Qwen2ForCausalLM) - qkv_biases
+
+
+def test_gpt_neox_keeps_the_shape(tmp_path):
+    hf = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, vocab_size=100, max_position_embeddings=64)
+    cfg = _map(_write(tmp_path, hf), "use_parallel_residual", "rotary on 0.25")
+    assert (cfg.norm, cfg.activation, cfg.pos_emb, cfg.bias, cfg.tie_embeddings) == ("layernorm", "gelu", "rope", True, False)
+    assert Transformer(cfg).num_params() == _hf_count(hf, transformers.GPTNeoXForCausalLM)
+
+
+def test_transformers_4_layout_and_file_path(tmp_path):
+    """A hand-written config in the older layout: rope_theta at the top level, no kv heads field."""
+    raw = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 64, "rope_theta": 123.0}
+    (tmp_path / "my.json").write_text(json.dumps(raw))
+    cfg = config_from_hf(tmp_path / "my.json")
+    assert cfg.rope_theta == 123.0 and cfg.num_kv_heads is None and cfg.norm_eps == 1e-6
+    assert load_model_config(f"hf:{tmp_path / 'my.json'}") == cfg
+    assert load_model_config("tiny").num_layers >= 4
+
+
+def test_bad_configs_give_one_line_errors(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
+    (tmp_path / "nodim.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    (tmp_path / "hd.json").write_text(json.dumps({**TINY, "model_type": "llama", "head_dim": 32}))
+    (tmp_path / "odd.json").write_text(json.dumps({**TINY, "model_type": "llama", "num_key_value_heads": 3}))
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (tmp_path / "missing", "does not exist"),
+        (tmp_path / "empty", "holds no config.json"),
+        (tmp_path / "bad.json", "is not valid JSON"),
+        (tmp_path / "list.json", "not an object"),
+        (tmp_path / "bert.json", "model_type 'bert'; supported: gpt2, gpt_neox, llama, mistral, mixtral, qwen2"),
+        (tmp_path / "nodim.json", "needs 'hidden_size'"),
+        (tmp_path / "hd.json", "head_dim=32"),
+        (tmp_path / "odd.json", "num_kv_heads=3 does not divide"),
+    ]
+    for path, words in cases:
+        with pytest.raises(ValueError) as info:
+            config_from_hf(path)
+        message = str(info.value)
+        assert words in message and "\n" not in message, message
