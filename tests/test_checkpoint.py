@@ -299,6 +299,40 @@ def test_save_dp2_load_single_process_and_dp4(pools, tmp_path):
         _assert_equal(res["optim"], saved["optim"], f"dp4 rank {rank} optimizer")
 
 
+def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Params and optimizer state as full (gathered) tensors: comparable across layouts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return {"params": _copy(model_sd), "optim": _copy(optim_sd)}
+
+
+def _save_under(plan: str, run_dir: str) -> dict:
+    model, opt, rows = _ddp(plan, seed=0)
+    _train(model, opt, range(2), rows)
+    save_checkpoint(Path(run_dir), 2, model=model, optimizer=opt, extra=EXTRA)
+    return _full(model, opt)
+
+
+def _load_under(plan: str, run_dir: str) -> dict:
+    model, opt, _ = _ddp(plan, seed=4)
+    assert load_checkpoint(latest_checkpoint(Path(run_dir)), model=model, optimizer=opt) == EXTRA
+    return _full(model, opt)
+
+
+def test_reshard_fsdp2_to_single_process_and_hybrid(pools, tmp_path):
+    """Saved sharded (fsdp2: each rank writes half of every tensor), loaded whole in one process,
+    sharded 2 ways and replicated 2 ways (dp2,fsdp2 on 4 ranks), and sharded 4 ways (fsdp4)."""
+    saved = pools(2).run(_save_under, "fsdp2", str(tmp_path))[0]
+    model, opt = _fresh(seed=9)
+    load_checkpoint(latest_checkpoint(tmp_path), model=model, optimizer=opt)
+    _assert_equal(_params(model), saved["params"], "single-process params")
+    _assert_equal(_optim_state(model, opt), saved["optim"], "single-process optimizer")
+    for plan in ("dp2,fsdp2", "fsdp4"):
+        for rank, res in enumerate(pools(4).run(_load_under, plan, str(tmp_path))):
+            _assert_equal(res, saved, f"{plan} rank {rank}")
+
+
 def _load_incompatible(path: str) -> str:
     import torch.distributed as dist
 
