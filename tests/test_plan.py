@@ -1,0 +1,150 @@
+"""Plan: parse and print plan strings, resolve against a world size, validate against a model and
+a batch, describe in words. Pure: no process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.models import PRESETS
+from shoal.plan import Plan
+
+TINY = PRESETS["tiny"]  # 8 heads, 4 KV heads, ffn 384, vocab 256, 4 layers
+
+# DESIGN.md's examples and how Plan prints them (options at their default value are left out).
+EXAMPLES = {
+    "dp2": "dp2",
+    "fsdp4": "fsdp4",
+    "dp2,fsdp2": "dp2,fsdp2",
+    "fsdp4,zero=1": "fsdp4,zero=1",
+    "dp2,tp2": "dp2,tp2",
+    "pp2,mb=8,sched=1f1b": "pp2,mb=8",
+    "tp2,pp2,cp2": "tp2,pp2,cp2",
+    "ep4": "ep4",
+    "auto": "auto",
+}
+
+
+def _error(fn, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("text", list(EXAMPLES))
+def test_design_examples_round_trip(text):
+    plan = Plan.parse(text)
+    assert str(plan) == EXAMPLES[text]
+    assert Plan.parse(str(plan)) == plan
+    assert str(Plan.parse(str(plan))) == str(plan)
+
+
+def test_parse_fields():
+    plan = Plan.parse(" pp2 , mb=8 ,sched=interleaved,vpp=2,cp_mode=a2a,sp=off,ac=selective,precision=bf16,zero=2")
+    assert (plan.dp, plan.pp, plan.mb, plan.sched, plan.vpp) == (None, 2, 8, "interleaved", 2)
+    assert (plan.cp_mode, plan.sp, plan.ac, plan.precision, plan.zero) == ("a2a", False, "selective", "bf16", 2)
+    assert Plan.parse(str(plan)) == plan.__class__(**{**plan.__dict__, "zero": 3})  # zero shows only with fsdp
+    assert Plan.parse("fsdp2,zero=2,precision=fp16") == Plan(fsdp=2, zero=2, precision="fp16")
+    assert Plan.parse("dp4,ep2,auto") == Plan(dp=4, ep=2, auto=True)
+    assert Plan.parse("fsdp2,sp=off,ac=full").__str__() == "fsdp2,sp=off,ac=full"
+
+
+@pytest.mark.parametrize("text, world, resolved", [
+    ("tp2", 8, "dp4,tp2"),
+    ("dp2", 2, "dp2"),
+    ("fsdp4", 8, "dp2,fsdp4"),
+    ("tp2,pp2,cp2", 8, "tp2,pp2,cp2"),
+    ("ep4", 4, "dp4,ep4"),
+    ("dp1", 1, "dp1"),
+])
+def test_resolve_fills_dp(text, world, resolved):
+    plan = Plan.parse(text).resolve(world)
+    assert str(plan) == resolved and plan.world_size == world
+    names, sizes = plan.mesh_shape()
+    assert names == ("pp", "dp", "fsdp", "cp", "tp")
+    assert dict(zip(names, sizes)) == {a: getattr(plan, a) for a in names}
+
+
+def test_degrees():
+    plan = Plan.parse("dp2,fsdp2,tp2").resolve(8)
+    assert (plan.data_ranks, plan.world_size, plan.non_dp_product) == (4, 8, 4)
+    assert Plan.parse("pp4").micro_batches == 8 and Plan.parse("pp4,mb=3").micro_batches == 3
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "empty plan; valid:"),
+    ("dp2,,tp2", "empty item"),
+    ("xp2", "unknown plan axis 'xp2' in 'xp2'; valid axes: dpN, fsdpN, tpN, ppN, cpN, epN"),
+    ("dp", "plan axis 'dp' needs a degree >= 1"),
+    ("tp0", "plan axis 'tp0' needs a degree >= 1"),
+    ("dp2,dp4", "plan 'dp2,dp4' names 'dp' twice"),
+    ("mb=2,pp2,mb=4", "names 'mb' twice"),
+    ("auto,auto", "names 'auto' twice"),
+    ("pp2,sched=foo", "sched='foo' is not valid; valid: gpipe, 1f1b, interleaved, zb"),
+    ("fsdp2,zero=4", "zero='4' is not valid; valid: 1, 2, 3"),
+    ("precision=fp8", "precision='fp8' is not valid; valid: fp32, bf16, fp16"),
+    ("ac=some", "valid: none, selective, full"),
+    ("cp2,cp_mode=star", "valid: ring, a2a"),
+    ("sp=yes", "valid: on, off"),
+    ("pp2,mb=0", "mb='0' in 'pp2,mb=0' needs a whole number >= 1"),
+    ("pp2,vpp=x", "vpp='x'"),
+    ("dp2,foo=1", "unknown plan option 'foo' in 'dp2,foo=1'; valid options: mb, vpp, sched"),
+])
+def test_parse_errors_are_one_line(text, words):
+    assert words in _error(Plan.parse, text)
+
+
+def test_resolve_errors():
+    assert "plan tp3 needs a multiple of 3 processes" in _error(Plan.parse("tp3").resolve, 8)
+    assert "valid: 3, 6, 9, 12" in _error(Plan.parse("tp3").resolve, 8)
+    message = _error(Plan.parse("dp2,tp2").resolve, 8)
+    assert "4 processes" in message and "world size is 8" in message and "leave dp out" in message
+    assert "ep=4 must divide" in _error(Plan.parse("ep4").resolve, 2) and "valid: 1, 2" in _error(Plan.parse("ep4").resolve, 2)
+    assert "world size 0 must be >= 1" in _error(Plan.parse("dp1").resolve, 0)
+
+
+def test_validate_against_model_and_batch():
+    Plan.parse("dp2,tp2").resolve(4).validate(TINY, global_batch=8, seq_len=64)
+    tp3 = Plan.parse("tp3").resolve(3)
+    assert _error(tp3.validate, TINY, global_batch=3, seq_len=64) == (
+        "tp=3 does not divide 8 attention heads; valid: 1, 2, 4, 8"
+    )
+    kv = Plan.parse("tp8").resolve(8)
+    assert "tp=8 does not divide 4 KV heads; valid: 1, 2, 4" in _error(kv.validate, TINY, global_batch=8, seq_len=64)
+    assert "pp=8 exceeds the model's 4 layers; valid: 1..4" in _error(
+        Plan.parse("pp8").resolve(8).validate, TINY, global_batch=16, seq_len=64)
+    assert "cp=4 does not divide the sequence length 30; valid: 1, 2, 3, 5, 6, 10, 15, 30" in _error(
+        Plan.parse("cp4").resolve(4).validate, TINY, global_batch=4, seq_len=30)
+    assert "global batch 6 is not divisible by the 4 data-parallel ranks (dp*fsdp); valid: multiples of 4" in _error(
+        Plan.parse("dp2,fsdp2").resolve(4).validate, TINY, global_batch=6, seq_len=64)
+    assert "mb=3 does not divide the 8 sequences each pipeline gets per step; valid: 1, 2, 4, 8" in _error(
+        Plan.parse("pp2,mb=3").resolve(2).validate, TINY, global_batch=8, seq_len=64)
+    assert "ep=2 needs a Mixture-of-Experts model; this one has num_experts=0" in _error(
+        Plan.parse("ep2").resolve(2).validate, TINY, global_batch=8, seq_len=64)
+    moe = PRESETS["tiny-moe"]  # 4 experts
+    Plan.parse("ep4").resolve(4).validate(moe, global_batch=8, seq_len=64)
+    assert "ep=8 does not divide 4 experts; valid: 1, 2, 4" in _error(
+        Plan.parse("ep8").resolve(8).validate, moe, global_batch=8, seq_len=64)
+
+
+@pytest.mark.parametrize("text, world, words", [
+    ("dp2", 2, ["data: 2 replica(s)", "1/2"]),
+    ("fsdp4,zero=1", 4, ["sharded data: ZeRO-1, optimizer state sharded 4 ways"]),
+    ("fsdp2", 2, ["ZeRO-3, parameters, gradients and optimizer state sharded 2 ways"]),
+    ("dp2,tp2", 4, ["tensor: attention heads and MLP columns split 2 ways", "sequence-sharded", "data: 2"]),
+    ("pp2,mb=8,sched=gpipe", 2, ["pipeline: layers split into 2 stages (gpipe, 8 micro-batches)"]),
+    ("pp2,sched=interleaved,vpp=2", 2, ["2 virtual stages per rank"]),
+    ("tp2,pp2,cp2", 8, ["pipeline", "tensor", "context: each sequence split into 2 chunks (ring attention)"]),
+    ("ep4", 4, ["expert: experts split 4 ways"]),
+    ("dp2,ac=full,precision=bf16", 2, ["recompute: full", "precision: bf16"]),
+])
+def test_describe_mentions_every_axis_in_use(text, world, words):
+    plan = Plan.parse(text).resolve(world)
+    text_out = plan.describe()
+    assert text_out.startswith(f"plan {plan} on {world} process(es):")
+    for w in words:
+        assert w in text_out, text_out
+    for axis, word in (("pp", "pipeline:"), ("tp", "tensor:"), ("cp", "context:"), ("fsdp", "sharded data:"),
+                       ("ep", "expert:")):
+        assert (word in text_out) == (getattr(plan, axis) > 1), (axis, text_out)
