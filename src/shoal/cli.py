@@ -1,0 +1,246 @@
+"""The `shoal` command line: `shoal train` and `shoal sample`.
+
+Every check of the user's input runs here, in the parent process, before any worker starts:
+a mistake prints one line `shoal: error: <message>` on stderr and exits with status 2, and
+nothing is written. Flags map onto the run config's keys (config.py): `--global-batch 16` is
+`global_batch = 16` in a `--config` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+USER_ERROR = 2
+RUN_FAILED = 1
+
+
+class UserError(ValueError):
+    """A mistake in the user's input: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse would print usage and exit itself
+        raise UserError(message)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a `shoal` command; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return USER_ERROR
+        return int(args.func(args))
+    except ValueError as exc:  # UserError and every one-line ValueError of the library
+        return fail(str(exc), USER_ERROR)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+
+
+def fail(message: str, status: int) -> int:
+    """Print `shoal: error: <message>` on one line (under torchrun, on rank 0 only); returns `status`."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"shoal: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return status
+
+
+# ----------------------------------------------------------------------------- the parser
+
+# (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
+_TRAIN_FLAGS: list[tuple[str, Any, str]] = [
+    ("--model", str, "preset name (tiny, tiny-gpt, small, llama3-8b, ...) or hf:<dir or config.json> [tiny]"),
+    ("--plan", str, "parallel plan such as dp2 (see README) [dp over all processes]"),
+    ("--nproc", int, "local worker processes to start; ignored under torchrun [2]"),
+    ("--steps", int, "total optimizer steps of the run [300]"),
+    ("--global-batch", int, "sequences per optimizer step, whatever the plan [16]"),
+    ("--micro-batch", int, "sequences per forward per data rank; accumulation = B/(data ranks*M) [B/data ranks]"),
+    ("--seq-len", int, "tokens per sequence [128]"),
+    ("--lr", float, "peak learning rate [3e-3]"),
+    ("--min-lr", float, "floor of the cosine decay [lr/10]"),
+    ("--warmup-steps", int, "linear warm-up steps [10%% of decay steps]"),
+    ("--decay-steps", int, "step where the cosine reaches min-lr [--steps]"),
+    ("--weight-decay", float, "AdamW weight decay on matrices [0.1]"),
+    ("--grad-clip", float, "clip the gradient norm to this; 0: off [1.0]"),
+    ("--seed", int, "seed of weights, data order and dropout [0]"),
+    ("--out", str, "run folder [runs/<timestamp>]"),
+    ("--ckpt-every", int, "checkpoint every K steps, and at the end [100]"),
+    ("--eval-every", int, "held-out loss every K steps, and at the end [50]"),
+    ("--eval-batches", int, "global batches per held-out evaluation [4]"),
+    ("--data", str, "a folder of .txt files, a .txt, .bin (uint16) or .npy token file [built-in corpus]"),
+    ("--tokenizer", str, "byte, or a local Hugging Face tokenizer folder [byte]"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="shoal", description="Hybrid-parallel training of dense and MoE transformers.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    train = sub.add_parser("train", help="train a model", description="Train a model; with no flags, the "
+                           "tiny preset on the built-in corpus on 2 local processes.")
+    for flag, type_, help_ in _TRAIN_FLAGS:
+        train.add_argument(flag, type=type_, help=help_, default=argparse.SUPPRESS)
+    train.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
+                       help="override a model field (repeatable), e.g. --set num_layers=2")
+    train.add_argument("--resume", metavar="DIR", help="continue this run folder from its latest checkpoint")
+    train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys)")
+    train.set_defaults(func=_train)
+
+    sample = sub.add_parser("sample", help="generate text from a trained run")
+    sample.add_argument("--run", required=True, metavar="DIR", help="the run folder")
+    sample.add_argument("--prompt", default="", help="text to continue")
+    sample.add_argument("--max-new-tokens", type=int, default=200)
+    sample.add_argument("--temperature", type=float, default=0.8)
+    sample.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0: all")
+    sample.add_argument("--seed", type=int, default=0)
+    sample.set_defaults(func=_sample)
+    return parser
+
+
+# ----------------------------------------------------------------------------- shoal train
+
+
+def _train(args: argparse.Namespace) -> int:
+    from shoal.launch import WorkerFailed, launch, under_torchrun
+    from shoal.train.loop import run_worker
+
+    job = prepare_job(args)
+    try:
+        if under_torchrun():
+            result = run_worker(job)
+            if result is not None and "error" in result:
+                return fail(result["error"], USER_ERROR)
+            return 0
+        results = launch(run_worker, job, nproc=job.config.nproc)
+    except WorkerFailed as exc:
+        return fail(str(exc), RUN_FAILED)
+    if "error" in (results.get(0) or {}):
+        return fail(results[0]["error"], USER_ERROR)
+    return 0
+
+
+def prepare_job(args: argparse.Namespace) -> Any:
+    """Validate everything the user gave and return the Job the workers run (ValueError if wrong)."""
+    from shoal.launch import under_torchrun
+    from shoal.train.config import from_flat, load_toml, resolve_model
+    from shoal.train.loop import Job, default_run_dir, with_model
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
+    if under_torchrun() and "nproc" in flags and flags["nproc"] != int(os.environ["WORLD_SIZE"]):
+        raise UserError(f"--nproc {flags['nproc']} but torchrun started {os.environ['WORLD_SIZE']} processes; "
+                        "leave --nproc out under torchrun")
+    if args.resume is not None:
+        cfg = _resume_config(args, flags)
+        run_dir: str | None = args.resume
+    else:
+        base = from_flat(load_toml(args.config)) if args.config else None
+        cfg = from_flat(flags, base)
+        run_dir = cfg.out if cfg.out is not None else (None if under_torchrun() else default_run_dir())
+    model = resolve_model(cfg)
+    cfg = with_model(cfg, model)
+    validate(cfg)
+    if args.resume is not None:
+        _check_resumable(Path(args.resume), cfg.loop.steps)
+    elif run_dir is not None:
+        _check_fresh_out(Path(run_dir))
+    return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None)
+
+
+def _resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
+    """The run folder's config with the flags a resumed run may change."""
+    from shoal.train.config import RESUMABLE, from_flat, to_flat
+    from shoal.train.loop import read_run_config
+
+    folder = Path(args.resume)
+    if not folder.is_dir():
+        raise UserError(f"--resume {args.resume!r}: no such run folder")
+    if args.config:
+        raise UserError("--config cannot be combined with --resume: the run folder's config.toml is the config")
+    base = read_run_config(folder)
+    stored = to_flat(base)
+    for key, value in flags.items():
+        if key not in RESUMABLE and stored.get(key) != (list(value) if isinstance(value, tuple) else value):
+            valid = ", ".join("--" + k.replace("_", "-") for k in RESUMABLE)
+            raise UserError(f"--{key.replace('_', '-')} cannot change when resuming {args.resume!r} (its config.toml "
+                            f"has {stored.get(key)!r}); flags a resumed run may change: {valid}")
+    return from_flat(flags, base)
+
+
+def validate(cfg: Any) -> None:
+    """Model, plan, batch and data against each other, for the world the run will have."""
+    import torch
+
+    from shoal.launch import under_torchrun
+    from shoal.models import Transformer
+    from shoal.parallelize import check_supported
+    from shoal.train.config import parse_plan
+    from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
+
+    model, loop = cfg.model_config, cfg.loop
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
+    if not under_torchrun() and torch.cuda.is_available() and cfg.nproc > torch.cuda.device_count():
+        raise UserError(f"--nproc {cfg.nproc} exceeds the {torch.cuda.device_count()} GPUs of this machine")
+    with torch.device("meta"):  # builds no weights: catches what the model itself refuses
+        Transformer(model)
+    if loop.seq_len > model.max_seq_len:
+        raise UserError(f"--seq-len {loop.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
+                        f"valid: 1..{model.max_seq_len} (or --set max_seq_len={loop.seq_len})")
+    plan = parse_plan(cfg.plan).resolve(world)
+    plan.validate(model, global_batch=loop.global_batch, seq_len=loop.seq_len)
+    check_supported(plan)
+    local = loop.global_batch // plan.data_ranks
+    if loop.micro_batch is not None and local % loop.micro_batch:
+        raise UserError(f"--micro-batch {loop.micro_batch} does not divide the {local} sequences each of the "
+                        f"{plan.data_ranks} data ranks gets (global batch {loop.global_batch}); valid: "
+                        + ", ".join(str(d) for d in range(1, local + 1) if local % d == 0))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokens = load_tokens(cfg.data, tokenizer)
+    train, held_out = split_tokens(tokens, cfg.data.val_fraction, loop.seq_len)
+    TokenBatches(train, seq_len=loop.seq_len, seed=loop.seed)
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= model.vocab_size:
+        raise UserError(f"the data holds token id {top} but the model's vocab_size is {model.vocab_size}; "
+                        f"use --set vocab_size={max(top + 1, tokenizer.vocab_size)}")
+
+
+def _check_resumable(folder: Path, steps: int) -> None:
+    from shoal.train.checkpoint import TRAINER_STATE, latest_checkpoint
+
+    path = latest_checkpoint(folder)
+    if path is None:
+        raise UserError(f"--resume {str(folder)!r}: the run folder holds no complete checkpoint to resume from")
+    try:
+        done = int(json.loads((path / TRAINER_STATE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"checkpoint {path} is corrupt: its {TRAINER_STATE} cannot be read") from None
+    if done >= steps:
+        raise UserError(f"--steps {steps}: the run in {str(folder)!r} is already at step {done}; "
+                        f"give a larger --steps to continue it")
+
+
+def _check_fresh_out(folder: Path) -> None:
+    from shoal.train.checkpoint import latest_checkpoint
+
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--out {str(folder)!r} is a file, not a folder")
+    if folder.is_dir() and latest_checkpoint(folder) is not None:
+        raise UserError(f"--out {str(folder)!r} already holds a trained run; continue it with --resume "
+                        f"{folder} or choose another --out")
+
+
+# ----------------------------------------------------------------------------- shoal sample
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from shoal.train.sample import sample
+
+    text = sample(Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_k=args.top_k, seed=args.seed)
+    print(text, flush=True)
+    return 0

@@ -1,0 +1,218 @@
+"""The run config: what `shoal train` flags and a `--config FILE.toml` set, as small dataclasses.
+
+One flat namespace of keys serves the flags, the TOML file and the run folder's `config.toml`:
+`--global-batch 16` on the command line is `global_batch = 16` in the file. Each key belongs to
+the small dataclass of the module that uses it (`OptimConfig` to optim.py, `DataConfig` to
+data.py, `LoopConfig` to loop.py); `RunConfig` nests them.
+
+Precedence: dataclass defaults < `--config` file < explicit flags. A resumed run takes its
+config from the run folder; only the keys in `RESUMABLE` may change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shoal.models import ModelConfig, get_preset
+from shoal.plan import Plan
+from shoal.train.data import DataConfig
+from shoal.train.optim import OptimConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    """How long to train, on what batches, and how often to evaluate and save."""
+
+    steps: int = 300
+    """Total optimizer steps of the run (a resumed run continues up to this)."""
+    global_batch: int = 16
+    """Sequences per optimizer step, the same whatever the plan."""
+    micro_batch: int | None = None
+    """Sequences per forward on each data rank; None: the whole per-rank batch (no accumulation)."""
+    seq_len: int = 128
+    seed: int = 0
+    ckpt_every: int = 100
+    """Save a checkpoint every K steps (and always at the end); 0: only at the end."""
+    eval_every: int = 50
+    """Held-out loss every K steps (and always at the end); 0: only at the end."""
+    eval_batches: int = 4
+    """Global batches of held-out data per evaluation."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "seq_len", "eval_batches"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("ckpt_every", "eval_every", "seed"):
+            _at_least(name, getattr(self, name), 0)
+        if self.micro_batch is not None:
+            _at_least("micro_batch", self.micro_batch, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything `shoal train` needs to know, before the world size is known."""
+
+    model: str = "tiny"
+    """A preset name or hf:<dir or config.json>."""
+    set: tuple[str, ...] = ()
+    """Model field overrides, key=value."""
+    model_config: ModelConfig | None = None
+    """The resolved model shape; when given it wins over `model` and `set` (run folders store it)."""
+    plan: str | None = None
+    """A plan string (see DESIGN.md); None: data parallel over every process."""
+    nproc: int = 2
+    """Local worker processes to start (ignored under torchrun, which gives the world)."""
+    out: str | None = None
+    """The run folder; None: runs/<timestamp>."""
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        _at_least("nproc", self.nproc, 1)
+
+
+# key -> (section, field name); section None is RunConfig itself.
+KEYS: dict[str, tuple[str | None, str]] = {
+    "model": (None, "model"), "set": (None, "set"), "plan": (None, "plan"), "nproc": (None, "nproc"),
+    "out": (None, "out"),
+    **{f.name: ("loop", f.name) for f in dataclasses.fields(LoopConfig)},
+    **{f.name: ("optim", f.name) for f in dataclasses.fields(OptimConfig)},
+    "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),
+}
+RESUMABLE = ("steps", "plan", "nproc", "ckpt_every", "eval_every", "micro_batch")
+"""Keys a resumed run may change: none of them changes the loss curve."""
+_SECTIONS = {"loop": LoopConfig, "optim": OptimConfig, "data": DataConfig}
+
+
+def from_flat(values: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
+    """A RunConfig from flat keys (flag names with underscores), on top of `base`.
+
+    Values are checked against each field's type; a wrong key or value is a one-line ValueError.
+    """
+    base = base or RunConfig()
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    for key, value in values.items():
+        key = key.replace("-", "_")
+        if key == "model_config":
+            top[key] = _model_config(value)
+            continue
+        if key not in KEYS:
+            raise ValueError(f"unknown config key {key!r}; valid: {', '.join(sorted(KEYS))}, model_config")
+        section, name = KEYS[key]
+        cls = RunConfig if section is None else _SECTIONS[section]
+        typed = _coerce(key, value, _field_type(cls, name))
+        (top if section is None else sections[section])[name] = typed
+    for name, changes in sections.items():
+        if changes:
+            top[name] = dataclasses.replace(getattr(base, name), **changes)
+    return dataclasses.replace(base, **top)
+
+
+def to_flat(cfg: RunConfig) -> dict[str, Any]:
+    """The flat key -> value view of `cfg` (what `from_flat` reads back); None values left out."""
+    out: dict[str, Any] = {}
+    for key, (section, name) in KEYS.items():
+        value = getattr(cfg if section is None else getattr(cfg, section), name)
+        if value is not None:
+            out[key] = list(value) if isinstance(value, tuple) else value
+    if cfg.model_config is not None:
+        out["model_config"] = {k: v for k, v in dataclasses.asdict(cfg.model_config).items() if v is not None}
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The flat keys of a TOML config file; a one-line ValueError for a missing or malformed file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist; valid: a TOML file with keys such as steps = 100")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {' '.join(str(exc).split())}") from None
+
+
+def dump_toml(values: dict[str, Any]) -> str:
+    """Flat scalars and lists, then `model_config` as a table: enough TOML for `to_flat`'s output
+    (tomllib reads but does not write)."""
+    lines = ["# shoal run config (resolved). Reuse: shoal train --config this-file.toml", ""]
+    tables = {k: v for k, v in values.items() if isinstance(v, dict)}
+    lines += [f"{key} = {_toml_value(v)}" for key, v in values.items() if key not in tables]
+    for name, table in tables.items():
+        lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def resolve_model(cfg: RunConfig) -> ModelConfig:
+    """The model shape a run trains: the stored shape, or the preset / hf: config with --set."""
+    if cfg.model_config is not None:
+        return cfg.model_config
+    if cfg.model.startswith("hf:"):
+        from shoal.models.hf import config_from_hf  # transformers is optional: import on demand
+
+        base = config_from_hf(cfg.model.removeprefix("hf:"))
+    else:
+        base = get_preset(cfg.model)
+    return base.with_overrides(list(cfg.set))
+
+
+def parse_plan(text: str | None) -> Plan:
+    """The run's Plan; None or "dp" mean data parallel over every process."""
+    if text is None or text.strip() == "dp":
+        return Plan()
+    return Plan.parse(text)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"--{name.replace('_', '-')} {value} is not valid; it must be >= {low}")
+
+
+def _model_config(value: Any) -> ModelConfig:
+    if not isinstance(value, dict):
+        raise ValueError(f"model_config must be a table of model fields, got {value!r}")
+    return ModelConfig().with_overrides({k: str(v) for k, v in value.items()})
+
+
+def _field_type(cls: type, name: str) -> str:
+    return str(next(f.type for f in dataclasses.fields(cls) if f.name == name))
+
+
+def _coerce(key: str, value: Any, type_name: str) -> Any:
+    """Check `value` (from TOML or argparse) against a field's annotation, as text."""
+    if value is None and "None" in type_name:
+        return None
+    base = type_name.split("|")[0].strip()
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+    }.get(base)
+    if base.startswith("tuple"):
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ValueError(f"config key {key} must be a list of strings, got {value!r}")
+    if not ok:
+        raise ValueError(f"config key {key} = {value!r} is not valid; it must be {type_name}")
+    return float(value) if base == "float" else value
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,271 @@
+"""The training loop every rank runs: set up, train, evaluate, checkpoint, report.
+
+`run_worker(job)` is the entry point of each worker process, whether `shoal train --nproc N`
+started it through torch's elastic launcher or `torchrun` did. It always joins a process
+group (gloo on CPU, NCCL on GPUs), even alone, so that one code path serves every world size.
+
+Rank 0 alone prints and writes the run folder's files (config, metrics, plot, summary);
+checkpoints are collective. Batch `s` is a pure function of (seed, s), so resuming at step s
+continues the exact sequence of batches an unbroken run would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shoal.mesh import all_reduce_mean, build_mesh, data_rank
+from shoal.models import ModelConfig, Transformer
+from shoal.parallelize import parallelize
+from shoal.plan import Plan
+from shoal.train import memory
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from shoal.train.config import RunConfig, dump_toml, parse_plan, to_flat
+from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
+from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
+                                 write_summary)
+from shoal.train.optim import build_optimizer, build_scheduler
+from shoal.train.step import cross_entropy, split_micro, train_step
+
+CONFIG_FILE = "config.toml"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """What every worker is given: a validated config with its model shape resolved."""
+
+    config: RunConfig
+    """The run config; `config.model_config` is set."""
+    run_dir: str | None
+    """The run folder; None: rank 0 names one runs/<timestamp> and tells the others."""
+    resume: bool = False
+    """Continue the run folder from its latest checkpoint."""
+
+
+def run_worker(job: Job) -> dict[str, Any] | None:
+    """Train `job` on this rank. Returns rank 0's summary (None on other ranks), or
+    {"error": message} on every rank when the job fails for a reason the user can fix."""
+    device = init_distributed()
+    try:
+        trainer, error = None, None
+        try:
+            trainer = Trainer(job, device)
+        except ValueError as exc:  # a user's mistake found only here (a corrupt checkpoint, ...)
+            error = str(exc)
+        error = _first_error(error)
+        if error is not None:
+            return {"error": error}
+        assert trainer is not None
+        return trainer.run()
+    finally:
+        dist.destroy_process_group()
+
+
+def init_distributed() -> torch.device:
+    """Join the process group the launcher described in the environment; threads per rank."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+class Trainer:
+    """One rank's model, optimizer, data and run folder."""
+
+    def __init__(self, job: Job, device: torch.device) -> None:
+        cfg = job.config
+        assert cfg.model_config is not None, "the CLI resolves the model before launching"
+        self.cfg, self.loop, self.model_cfg, self.device = cfg, cfg.loop, cfg.model_config, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.run_dir = Path(_agree(job.run_dir or default_run_dir()))
+        self.plan: Plan = parse_plan(cfg.plan).resolve(self.world)
+        self.plan.validate(self.model_cfg, global_batch=self.loop.global_batch, seq_len=self.loop.seq_len)
+        self.mesh = build_mesh(self.plan)
+        self.part = data_rank(self.mesh)
+        self.local_batch = self.loop.global_batch // self.part[1]
+        self.num_micro = self.local_batch // (self.loop.micro_batch or self.local_batch)
+
+        torch.manual_seed(self.loop.seed)  # identical initial weights on every rank
+        self.model = parallelize(Transformer(self.model_cfg).to(device), self.plan, self.mesh)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps)
+
+        tokens = load_tokens(cfg.data, load_tokenizer(cfg.data.tokenizer))
+        train, held_out = split_tokens(tokens, cfg.data.val_fraction, self.loop.seq_len)
+        self.batches = TokenBatches(train, seq_len=self.loop.seq_len, seed=self.loop.seed)
+        self.held_out = TokenBatches(held_out, seq_len=self.loop.seq_len, seed=self.loop.seed)
+        self.num_train_tokens, self.num_held_out = len(train), len(held_out)
+
+        self.start = 0
+        if job.resume:
+            path = latest_checkpoint(self.run_dir)
+            if path is None:
+                raise ValueError(f"run folder {str(self.run_dir)!r} holds no checkpoint to resume from")
+            state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+            self.start = int(state["step"])
+            self.scheduler.restore(state["scheduler"])
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict[str, Any] | None:
+        t0 = time.perf_counter()
+        lead = self.rank == 0
+        writer = self._open_run_folder() if lead else None
+        peak = peak_flops(self.device, self.world) if lead else (1.0, "")
+        bar = None
+        if lead:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.loop.steps, initial=self.start, desc="train", unit="step", file=sys.stderr,
+                       dynamic_ncols=True, mininterval=0.5)
+        for s in range(self.start, self.loop.steps):
+            record = self.train_one(s)
+            n = s + 1
+            if _due(n, self.loop.eval_every, self.loop.steps):
+                record["eval_loss"] = self.evaluate()
+            if writer is not None and bar is not None:
+                writer.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                bar.update(1)
+                if "eval_loss" in record:
+                    bar.write(f"step {n}: held-out loss {record['eval_loss']:.4f}")
+            if _due(n, self.loop.ckpt_every, self.loop.steps):
+                path = save_checkpoint(self.run_dir, n, model=self.model, optimizer=self.optimizer,
+                                       extra=self._trainer_state(n))
+                if writer is not None:
+                    writer.plot()
+                    if n < self.loop.steps:
+                        bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]
+        if writer is None or bar is None:
+            return None
+        bar.close()
+        writer.plot()
+        writer.close()
+        summary = summarize(writer.records, flops_per_token=self.model_cfg.flops_per_token(self.loop.seq_len),
+                            peak=peak, wall_s=time.perf_counter() - t0)
+        summary["run_dir"] = str(self.run_dir)
+        write_summary(self.run_dir, summary)
+        print(format_summary(summary) + f"\n  run folder {self.run_dir}", flush=True)
+        return summary
+
+    def train_one(self, s: int) -> dict[str, Any]:
+        """Optimizer step `s` (0-based); its metrics record (step counts from 1)."""
+        _seed_step(self.loop.seed, s, self.part[0])  # dropout masks: resumable, per data rank
+        memory.reset_peak()
+        lr = self.optimizer.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        inputs, targets = self.batches.batch(s, self.loop.global_batch, self.part)
+        micro = split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro)
+        loss, grad_norm = train_step(self.model, self.optimizer, micro, mesh=self.mesh,
+                                     grad_clip=self.cfg.optim.grad_clip or None, scheduler=self.scheduler)
+        step_time = time.perf_counter() - t0
+        mem = torch.tensor([memory.peak_mb()], device=self.device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        return {
+            "step": s + 1, "loss": loss, "lr": lr,
+            "tokens_per_s": self.loop.global_batch * self.loop.seq_len / step_time,
+            "step_time_s": step_time, "mem_peak_mb": float(mem.item()), "grad_norm": grad_norm,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over `eval_batches` global batches of held-out data (the same ones each time)."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for i in range(self.loop.eval_batches):
+            inputs, targets = self.held_out.batch(i, self.loop.global_batch, self.part)
+            for x, y in split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro):
+                total += cross_entropy(self.model(x), y)
+        self.model.train()
+        return float(all_reduce_mean(total / (self.loop.eval_batches * self.num_micro), self.mesh))
+
+    # ------------------------------------------------------------------ the run folder
+    def _open_run_folder(self) -> MetricsWriter:
+        """Rank 0: create the folder, write the resolved config, say what will happen."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        flat = {k: v for k, v in to_flat(self.cfg).items() if k != "out"}  # reusable with --config elsewhere
+        (self.run_dir / CONFIG_FILE).write_text(dump_toml(flat))
+        print(self._describe(), flush=True)
+        return MetricsWriter(self.run_dir, start_step=self.start)
+
+    def _describe(self) -> str:
+        m, loop = self.model_cfg, self.loop
+        n = m.num_params()
+        data = self.cfg.data.path or "built-in corpus (Python's pydoc topics)"
+        lines = [
+            f"shoal: model {self.cfg.model}: {n / 1e6:.2f}M parameters, {m.num_layers} layers, dim {m.dim}, "
+            f"{m.num_heads} heads, vocab {m.vocab_size}",
+            f"data: {data}, tokenizer {self.cfg.data.tokenizer}: {self.num_train_tokens:,} training tokens, "
+            f"{self.num_held_out:,} held out",
+            f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {self.local_batch} per data "
+            f"rank in {self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}",
+            self.plan.describe(),
+            f"run folder: {self.run_dir}"
+            + (f" (resuming at step {self.start} of {loop.steps})" if self.start else f" ({loop.steps} steps)"),
+        ]
+        return "\n".join(lines)
+
+    def _trainer_state(self, step: int) -> dict[str, Any]:
+        return {"step": step, "scheduler": self.scheduler.state_dict(), "plan": str(self.plan),
+                "world_size": self.world, "config": to_flat(self.cfg)}
+
+
+def default_run_dir() -> str:
+    """runs/<UTC timestamp>, with a suffix if that folder exists."""
+    base = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, k = base, 1
+    while path.exists():
+        path, k = base.with_name(f"{base.name}-{k}"), k + 1
+    return str(path)
+
+
+def read_run_config(run_dir: str | Path) -> RunConfig:
+    """The config a run folder was trained with (its config.toml)."""
+    from shoal.train.config import from_flat, load_toml
+
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"{str(run_dir)!r} is not a shoal run folder: it has no {CONFIG_FILE}")
+    return from_flat(load_toml(path))
+
+
+def _due(n: int, every: int, last: int) -> bool:
+    return n == last or (every > 0 and n % every == 0)
+
+
+def _seed_step(seed: int, step: int, index: int) -> None:
+    torch.manual_seed(int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0]))
+
+
+def _agree(value: Any) -> Any:
+    """Rank 0's value on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _first_error(error: str | None) -> str | None:
+    """The first rank's error on every rank, so that all stop or none does."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def with_model(cfg: RunConfig, model: ModelConfig) -> RunConfig:
+    return dataclasses.replace(cfg, model_config=model)

@@ -1,0 +1,154 @@
+"""What a run records (rank 0 only): metrics.jsonl, TensorBoard events, loss.png, the summary.
+
+metrics.jsonl holds one JSON object per optimizer step: step, loss, lr, tokens_per_s,
+step_time_s, mem_peak_mb, grad_norm, and eval_loss on evaluation steps. A resumed run first
+drops the lines after its checkpoint (they belong to the lost tail of the earlier attempt), so
+the file always reads as one unbroken run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS = "metrics.jsonl"
+PLOT = "loss.png"
+TB_DIR = "tb"
+SUMMARY = "summary.json"
+
+# Dense peak FLOP/s of one device, from the vendors' data sheets (without sparsity).
+_GPU_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+
+
+class MetricsWriter:
+    """Appends step records to the run folder's metrics.jsonl and TensorBoard events."""
+
+    def __init__(self, run_dir: Path, *, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: rank 0 only
+
+        self.run_dir = run_dir
+        self.path = run_dir / METRICS
+        self.records = [r for r in read_metrics(self.path) if r["step"] <= start_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        self._file = self.path.open("a")
+        # purge_step drops events the earlier attempt wrote after the checkpoint we resume from.
+        self._tb = SummaryWriter(str(run_dir / TB_DIR), purge_step=start_step + 1 if start_step else None)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self._tb.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, record["step"])
+
+    def plot(self) -> Path:
+        """Write loss.png: training loss per step, held-out loss where measured."""
+        return plot_losses(self.records, self.run_dir / PLOT)
+
+    def close(self) -> None:
+        self._file.close()
+        self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The step records of a metrics.jsonl ([] when there is none)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write files only
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss", lw=1)
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def peak_flops(device: torch.device, world_size: int) -> tuple[float, str]:
+    """Peak FLOP/s of the whole job and where the number comes from.
+
+    CUDA: the data-sheet table (bf16 dense) when the GPU is listed, else measured. CPU: a short
+    fp32 matmul timing on this process's threads, times the world size (each rank has its own cores).
+    """
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in _GPU_PEAK.items():
+            if key in name:
+                return flops * world_size, f"{name} data sheet, bf16 dense"
+    return measure_matmul_flops(device) * world_size, f"measured: fp32 matmul on {device.type}"
+
+
+def measure_matmul_flops(device: torch.device, *, size: int = 512, budget_s: float = 0.2) -> float:
+    """FLOP/s of repeated size x size fp32 matmuls for about `budget_s` seconds (best of the runs)."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    a @ b  # warm-up
+    best, spent = 0.0, 0.0
+    while spent < budget_s:
+        t0 = time.perf_counter()
+        (a @ b).sum().item()  # .item() waits for the GPU
+        dt = time.perf_counter() - t0
+        spent += dt
+        best = max(best, 2 * size**3 / dt)
+    return best
+
+
+def summarize(records: list[dict[str, Any]], *, flops_per_token: float, peak: tuple[float, str],
+              wall_s: float) -> dict[str, Any]:
+    """The end-of-run summary: final losses, median tokens/s, MFU estimate, peak memory."""
+    if not records:
+        return {"steps": 0, "wall_s": round(wall_s, 1)}
+    # The first step of an attempt pays warm-up costs; the median ignores it.
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in records[1:] or records)
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    return {
+        "steps": records[-1]["step"],
+        "final_loss": records[-1]["loss"],
+        "final_eval_loss": evals[-1] if evals else None,
+        "first_loss": records[0]["loss"],
+        "tokens_per_s": tokens_per_s,
+        "mfu": flops_per_token * tokens_per_s / peak[0],
+        "peak_flops": peak[0],
+        "peak_flops_source": peak[1],
+        "mem_peak_mb": max(r["mem_peak_mb"] for r in records),
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    if not summary.get("steps"):
+        return "no steps were run"
+    lines = [
+        f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s",
+        f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+        + (f" (held-out {summary['final_eval_loss']:.3f})" if summary["final_eval_loss"] is not None else ""),
+        f"  throughput {summary['tokens_per_s']:,.0f} tokens/s (median over steps)",
+        f"  model FLOPs utilisation {100 * summary['mfu']:.1f}% of {summary['peak_flops'] / 1e9:,.1f} GFLOP/s "
+        f"({summary['peak_flops_source']})",
+        f"  peak memory {summary['mem_peak_mb']:,.0f} MiB per process (highest rank)",
+    ]
+    return "\n".join(lines)
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")

@@ -1,0 +1,60 @@
+"""`shoal sample`: continue a prompt with a trained run's latest checkpoint.
+
+One process, no process group: the checkpoint (written by any number of ranks under any plan)
+loads into a plain single-process model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shoal.models import Transformer
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint
+from shoal.train.config import resolve_model
+from shoal.train.data import load_tokenizer
+from shoal.train.loop import read_run_config
+
+
+def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
+           top_k: int = 40, seed: int = 0) -> str:
+    """The prompt followed by up to `max_new_tokens` sampled tokens, as text."""
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 0")
+    if temperature < 0:
+        raise ValueError(f"--temperature {temperature} must be >= 0 (0: always the likeliest token)")
+    if top_k < 0:
+        raise ValueError(f"--top-k {top_k} must be >= 0 (0: no limit)")
+    cfg = read_run_config(run_dir)
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"run folder {str(run_dir)!r} holds no checkpoint yet")
+    model = Transformer(resolve_model(cfg))
+    load_checkpoint(path, model=model, optimizer=None)
+    model.eval()
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    ids = tokenizer.encode(prompt) or tokenizer.encode("\n")
+    generator = torch.Generator().manual_seed(seed)
+    new = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                   generator=generator)
+    return (prompt if prompt else "") + tokenizer.decode(new)
+
+
+@torch.no_grad()
+def generate(model: Transformer, ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
+             generator: torch.Generator) -> list[int]:
+    """Sample tokens one at a time (no key/value cache: the models here are small)."""
+    window = model.config.max_seq_len
+    seq = list(ids)
+    for _ in range(max_new_tokens):
+        logits_V = model(torch.tensor([seq[-window:]]))[0, -1].float()
+        if temperature == 0:
+            seq.append(int(logits_V.argmax()))
+            continue
+        logits_V = logits_V / temperature
+        if 0 < top_k < logits_V.numel():
+            kth = torch.topk(logits_V, top_k).values[-1]
+            logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
+        seq.append(int(torch.multinomial(logits_V.softmax(-1), 1, generator=generator)))
+    return seq[len(ids):]

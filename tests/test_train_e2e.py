@@ -1,0 +1,98 @@
+"""`shoal train` end to end: real launches through the elastic launcher, compared run against run.
+
+The runs are small (a 2-layer model, 6 steps) and shared by the tests through module fixtures:
+five launches in all, about 40 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shoal import cli
+
+SMALL = ["--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "8",
+         "--seq-len", "32", "--eval-every", "3", "--eval-batches", "2", "--seed", "3"]
+
+
+def train(out: Path, *flags: str) -> list[dict]:
+    assert cli.main(["train", "--out", str(out), *SMALL, *flags]) == 0
+    return metrics(out)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    out = {"dp2": root / "dp2", "single": root / "single", "part": root / "part", "part-copy": root / "part-copy"}
+    train(out["dp2"], "--plan", "dp2", "--nproc", "2", "--steps", "6", "--ckpt-every", "3")
+    train(out["single"], "--nproc", "1", "--steps", "6", "--ckpt-every", "3")
+    # The same run stopped after 3 steps. --decay-steps 6 gives it the 6-step run's schedule,
+    # as a 6-step run that crashed at step 3 would have had.
+    train(out["part"], "--nproc", "2", "--steps", "3", "--decay-steps", "6", "--ckpt-every", "3")
+    shutil.copytree(out["part"], out["part-copy"])
+    return out
+
+
+def test_dp2_equals_single_process(runs):
+    dp2, single = metrics(runs["dp2"]), metrics(runs["single"])
+    assert [r["step"] for r in dp2] == [r["step"] for r in single] == [1, 2, 3, 4, 5, 6]
+    # Not bit-exact: DDP sums the two ranks' gradients in its own order, and each rank's matmuls
+    # see half the batch, so the sums differ in the last bits; over 6 Adam steps that stays at
+    # float32 rounding (measured: ~1e-7 relative).
+    assert losses(dp2) == pytest.approx(losses(single), rel=1e-5)
+    assert [r["eval_loss"] for r in dp2 if "eval_loss" in r] == pytest.approx(
+        [r["eval_loss"] for r in single if "eval_loss" in r], rel=1e-5)
+    assert losses(dp2)[-1] < losses(dp2)[0]
+
+
+def test_resume_continues_the_exact_loss_curve(runs):
+    unbroken = metrics(runs["dp2"])
+    assert cli.main(["train", "--resume", str(runs["part"]), "--steps", "6"]) == 0
+    resumed = metrics(runs["part"])
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    # Same processes, same threads, state restored bit for bit: the same floats exactly.
+    assert losses(resumed) == losses(unbroken)
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in unbroken]
+
+
+def test_resume_on_another_world_size(runs):
+    unbroken = metrics(runs["dp2"])
+    assert cli.main(["train", "--resume", str(runs["part-copy"]), "--steps", "6", "--nproc", "1"]) == 0
+    resumed = metrics(runs["part-copy"])
+    assert losses(resumed)[:3] == losses(unbroken)[:3]  # written by the first attempt
+    # The checkpoint reshards from 2 ranks to 1; the rest differs from the unbroken dp2 run only
+    # by the order of sums (see test_dp2_equals_single_process).
+    assert losses(resumed)[3:] == pytest.approx(losses(unbroken)[3:], rel=1e-5)
+
+
+def test_run_folder_contents(runs):
+    run = runs["dp2"]
+    records = metrics(run)
+    for r in records:
+        assert {"step", "loss", "lr", "tokens_per_s", "step_time_s", "mem_peak_mb", "grad_norm"} <= set(r)
+        assert r["tokens_per_s"] > 0 and r["mem_peak_mb"] > 0 and r["step_time_s"] > 0
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert (run / "config.toml").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step_00000003", "step_00000006"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["final_loss"] == records[-1]["loss"] and 0 < summary["mfu"] < 1
+
+
+def test_sample_prints_text(runs, capsys):
+    capsys.readouterr()
+    assert cli.main(["sample", "--run", str(runs["dp2"]), "--prompt", "The ", "--max-new-tokens", "16"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("The ") and len(text.rstrip("\n")) > len("The ")
