@@ -42,16 +42,18 @@ class ModelConfig:
         _check_choice("norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice("activation", self.activation, ("swiglu", "gelu"))
         _check_choice("pos_emb", self.pos_emb, ("rope", "learned"))
-        for name in ("num_layers", "dim", "num_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        for name in ("num_layers", "dim", "num_heads", "ffn_dim", "vocab_size", "max_seq_len", "moe_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 1")
         if self.dim % self.num_heads:
             raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
-        if self.num_heads % self.kv_heads:
+        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
             raise ValueError(f"num_kv_heads={self.kv_heads} does not divide num_heads={self.num_heads}")
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head dim; dim/num_heads = {self.head_dim}")
-        if self.num_experts < 0 or (self.num_experts and not 1 <= self.top_k <= self.num_experts):
+        if self.num_experts < 0:
+            raise ValueError(f"model field num_experts={self.num_experts} must be >= 0 (0 makes every layer dense)")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must lie in 1..num_experts={self.num_experts}")
 
     @property
