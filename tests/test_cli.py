@@ -1,0 +1,154 @@
+"""Bad input: one line `shoal: error: <message naming the value>` on stderr, exit status 2, no
+traceback, and nothing written over a good checkpoint.
+
+Checks that stop in the parent process run in-process (cli.main); two run as real
+`python -m shoal` processes to show the exit status and stderr of the actual command.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shoal import cli
+
+SMALL = ["--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "8", "--seq-len", "32"]
+
+
+def assert_user_error(capsys, argv: list[str], *names: str) -> str:
+    """cli.main(argv) exits 2 with exactly one stderr line that names every string in `names`."""
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shoal: error: "), err
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--model", "gpt-9000"], ["'gpt-9000'", "tiny"]),
+    (["--plan", "dp2,,tp"], ["'dp2,,tp'"]),
+    (["--plan", "tp3", "--nproc", "3"], ["tp=3", "8 attention heads", "valid: 1, 2, 4, 8"]),
+    (["--plan", "pp2"], ["pp2", "pipeline"]),
+    (["--plan", "dp3"], ["dp3", "world size is 2"]),
+    (["--data", "/no/such/corpus"], ["'/no/such/corpus'"]),
+    (["--steps", "0"], ["--steps 0", ">= 1"]),
+    (["--steps", "-1"], ["--steps -1", ">= 1"]),
+    (["--global-batch", "3"], ["global batch 3", "multiples of 2"]),
+    (["--micro-batch", "3"], ["--micro-batch 3", "valid: 1, 2, 4, 8"]),
+    (["--set", "nope=1"], ["'nope'", "num_layers"]),
+    (["--set", "num_layers=four"], ["num_layers='four'", "int"]),
+    (["--set", "norm=batchnorm"], ["'batchnorm'", "rmsnorm"]),
+    (["--seq-len", "4096"], ["--seq-len 4096", "max_seq_len=256"]),
+    (["--lr", "-1"], ["--lr -1.0"]),
+    (["--model", "tiny-moe"], ["num_experts=4", "not available"]),
+    (["--tokenizer", "/no/such/tokenizer"], ["'/no/such/tokenizer'", "byte"]),
+    (["--bogus", "1"], ["--bogus"]),
+    (["--steps", "ten"], ["'ten'"]),
+], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("-") else None)
+def test_bad_train_flags(capsys, tmp_path, argv, names):
+    assert_user_error(capsys, ["train", "--out", str(tmp_path / "run"), *argv], *names)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_bad_config_files(capsys, tmp_path):
+    assert_user_error(capsys, ["train", "--config", str(tmp_path / "none.toml")], "none.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 3\n")
+    assert_user_error(capsys, ["train", "--config", str(bad)], "bad.toml", "not valid TOML")
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("stepz = 3\n")
+    assert_user_error(capsys, ["train", "--config", str(unknown)], "'stepz'", "steps")
+    typed = tmp_path / "typed.toml"
+    typed.write_text('steps = "many"\n')
+    assert_user_error(capsys, ["train", "--config", str(typed)], "steps = 'many'", "int")
+
+
+def test_config_file_and_flags_layer(tmp_path):
+    from shoal.train.config import dump_toml, from_flat, load_toml, to_flat
+
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 40\nlr = 1e-3\nset = ["num_layers=2"]\nplan = "dp2"\n')
+    cfg = from_flat({"steps": 7}, from_flat(load_toml(path)))  # flags win over the file
+    assert (cfg.loop.steps, cfg.optim.lr, cfg.set, cfg.plan) == (7, 1e-3, ("num_layers=2",), "dp2")
+    path.write_text(dump_toml(to_flat(cfg)))
+    assert from_flat(load_toml(path)) == cfg  # the written config reads back the same
+
+
+def test_resume_errors(capsys, tmp_path):
+    assert_user_error(capsys, ["train", "--resume", str(tmp_path / "gone")], "gone", "no such run folder")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_user_error(capsys, ["train", "--resume", str(empty)], "empty", "config.toml")
+    (empty / "config.toml").write_text('model = "tiny"\n')
+    assert_user_error(capsys, ["train", "--resume", str(empty)], "empty", "no complete checkpoint")
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("cli") / "good"
+    assert cli.main(["train", "--out", str(run), "--nproc", "1", "--steps", "2", *SMALL]) == 0
+    return run
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_good_run_is_never_overwritten(capsys, good_run):
+    before = _digest(good_run / "checkpoints")
+    assert_user_error(capsys, ["train", "--out", str(good_run), *SMALL], str(good_run), "--resume")
+    assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "2"], "already at step 2")
+    assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "4", "--lr", "0.1"],
+                      "--lr", "cannot change", "--steps")
+    assert _digest(good_run / "checkpoints") == before
+
+
+def _run_shoal(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "shoal", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_real_process_unknown_model():
+    proc = _run_shoal("train", "--model", "gpt-9000")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("shoal: error: unknown model 'gpt-9000'")
+
+
+def test_corrupt_checkpoints(capsys, good_run, tmp_path):
+    """A truncated data file is found by the workers (the checkpoint's manifest records every
+    file's size); a garbled trainer state already by the parent. Both: one line, exit 2."""
+    latest = good_run / "checkpoints" / (good_run / "checkpoints" / "latest").read_text().strip()
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good_run, truncated)
+    data = sorted((truncated / "checkpoints" / latest.name).glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    before = _digest(truncated)
+    proc = _run_shoal("train", "--resume", str(truncated), "--steps", "3")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("shoal: error:")]
+    assert len(errors) == 1 and data.name in errors[0] and "truncated" in errors[0], proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == errors[0]
+    assert _digest(truncated) == before  # nothing written
+
+    garbled = tmp_path / "garbled"
+    shutil.copytree(good_run, garbled)
+    (garbled / "checkpoints" / latest.name / "trainer_state.json").write_text("{not json")
+    assert_user_error(capsys, ["train", "--resume", str(garbled), "--steps", "3"], "corrupt", "trainer_state.json")
+
+
+def test_sample_errors(capsys, tmp_path, good_run):
+    assert_user_error(capsys, ["sample", "--run", str(tmp_path), "--prompt", "x"], str(tmp_path), "config.toml")
+    assert_user_error(capsys, ["sample", "--run", str(good_run), "--temperature", "-1"], "--temperature -1")
