@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from shoal.parallel.precision import PrecisionPolicy
+from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.plan import Plan
 
 
@@ -73,6 +73,8 @@ def _fully_shard(model: nn.Module, *, mesh: DeviceMesh, zero: int, precision: Pr
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=not keep_full, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed first in backward
+    if precision.loss_scaling:
+        model.loss_scaler = LossScaler()  # type: ignore[assignment]  # train_step looks for it
     if zero == 1:
         model.no_sync = lambda: _no_gradient_sync(model)  # type: ignore[assignment]
     return model

@@ -57,8 +57,8 @@ class PrecisionPolicy:
 class LossScaler:
     """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, "Mixed Precision Training").
 
-    `scale(loss)` before backward; `unscale_(params, grad_norm)` after: divides the gradients by the
-    scale and reports whether the step may be taken. The overflow check uses the *global* gradient
+    `scale(loss)` before backward; `unscale_and_clip_(model, grad_norm, max_norm)` after: divides the
+    gradients by the scale, clips them, and reports whether the step may be taken. The overflow check uses the *global* gradient
     norm the step already computes (all ranks agree on it), so no extra collective is needed. On an
     overflow the step is skipped and the scale halves; after `growth_interval` good steps it doubles.
     """
@@ -70,20 +70,25 @@ class LossScaler:
         return loss * self.scale_value
 
     @torch.no_grad()
-    def unscale_(self, params: list[torch.nn.Parameter], scaled_grad_norm: torch.Tensor) -> tuple[bool, torch.Tensor]:
-        """(step ok, true gradient norm). Divides every gradient by the scale when the norm is finite."""
-        norm = float(scaled_grad_norm)
-        if not math.isfinite(norm):
+    def unscale_and_clip_(
+        self, model: torch.nn.Module, scaled_grad_norm: torch.Tensor, max_norm: float | None
+    ) -> tuple[bool, torch.Tensor]:
+        """(take the step?, true gradient norm). When the norm of the scaled gradients is finite,
+        divide them by the scale and clip them to `max_norm`; otherwise halve the scale."""
+        if not math.isfinite(float(scaled_grad_norm)):
             self.scale_value /= 2
             self._good_steps = 0
             return False, scaled_grad_norm
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(self.scale_value)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for g in grads:
+            g.div_(self.scale_value)
+        norm = scaled_grad_norm / self.scale_value
+        if max_norm is not None and max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
         self._good_steps += 1
         if self._good_steps % self.growth_interval == 0:
             self.scale_value *= 2
-        return True, scaled_grad_norm / self.scale_value
+        return True, norm
 
     def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale_value, "good_steps": self._good_steps}

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shoal.mesh import all_reduce_mean
+from shoal.parallel.vocab import local_value, vocab_parallel_loss
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -29,13 +30,16 @@ def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.T
 def forward_backward(model: nn.Module, micro_batches: Sequence[Batch]) -> torch.Tensor:
     """Run forward and backward over the micro-batches; returns this rank's mean loss (detached)."""
     total = torch.zeros(())
+    scaler = getattr(model, "loss_scaler", None)  # fp16 only: shoal.parallel.precision.LossScaler
     for i, (inputs, targets) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
-            loss = cross_entropy(model(inputs), targets) / len(micro_batches)
-            loss.backward()
-        total += loss.detach().float().cpu()
+            logits = model(inputs)
+            with vocab_parallel_loss(logits):  # tp: vocab-sharded logits, softmax across shards
+                loss = cross_entropy(logits, targets) / len(micro_batches)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += local_value(loss)
     return total
 
 
@@ -62,8 +66,13 @@ def train_step(
     """forward/backward, clip, optimizer (and scheduler) step; returns (global mean loss, grad norm)."""
     optimizer.zero_grad(set_to_none=True)
     local_loss = forward_backward(model, micro_batches)
-    grad_norm = clip_grad_norm(model, grad_clip)
-    optimizer.step()
+    scaler = getattr(model, "loss_scaler", None)  # fp16: unscale, clip, skip the step on overflow
+    grad_norm = clip_grad_norm(model, grad_clip if scaler is None else None)
+    step_ok = True
+    if scaler is not None:
+        step_ok, grad_norm = scaler.unscale_and_clip_(model, grad_norm, grad_clip)
+    if step_ok:
+        optimizer.step()
     if scheduler is not None:
         scheduler.step()
     return float(all_reduce_mean(local_loss, mesh)), float(grad_norm)
