@@ -97,10 +97,12 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
         if not files:
             raise ValueError(f"data folder {cfg.path!r} holds no .txt files")
         return _encode("\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files), tokenizer)
-    if path.suffix == ".bin":
-        return np.memmap(path, dtype=np.uint16, mode="r")
-    if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+    if path.suffix in (".bin", ".npy"):
+        try:  # numpy's own errors (odd byte count, empty file, not an .npy) do not name the file
+            tokens = np.memmap(path, dtype=np.uint16, mode="r") if path.suffix == ".bin" else np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as exc:
+            raise ValueError(f"token file {cfg.path!r} cannot be read ({' '.join(str(exc).split())[:120]}); "
+                             "valid: a .bin of uint16 tokens or an .npy 1-D integer array") from None
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"token file {cfg.path!r} must hold a 1-D integer array; got {tokens.dtype} {tokens.shape}")
         return tokens
