@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import shoal.train.checkpoint as ckpt
 from shoal.models import ModelConfig, Transformer
-from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, prune, save_checkpoint
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, prune, read_trainer_state, save_checkpoint
 
 CFG = ModelConfig(num_layers=2, dim=32, num_heads=4, num_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
 EXTRA = {"step": 2, "scheduler": {"last_epoch": 2, "base_lrs": [0.001]}, "plan": "dp2", "note": "é"}
@@ -127,10 +127,13 @@ def test_missing_and_corrupt_checkpoints_give_one_line(tmp_path):
     assert "does not exist" in _load_error(tmp_path / "checkpoints" / "step_00000099")
     path, _, _ = _saved(tmp_path)
 
+    assert read_trainer_state(path) == EXTRA
     state = path / "trainer_state.json"
     good = state.read_bytes()
     state.write_bytes(good.replace(b'"step": 2', b'"step": 3'))
     assert "trainer_state.json checksum mismatch" in _load_error(path)
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        read_trainer_state(path)
     state.write_bytes(b"{garbled")
     message = _load_error(path)
     assert "corrupt" in message and "trainer_state.json" in message

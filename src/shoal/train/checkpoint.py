@@ -148,6 +148,16 @@ def load_checkpoint(
     return json.loads((path / TRAINER_STATE).read_text())
 
 
+def read_trainer_state(path: Path | str) -> dict[str, Any]:
+    """The `extra` saved with checkpoint `path`, after checking its files (no tensors are read,
+    no process group needed): lets a launcher validate `--resume` before starting workers."""
+    path = Path(path)
+    error = _check_files(path)
+    if error is not None:
+        raise ValueError(f"checkpoint {path} {error}")
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
 def prune(run_dir: Path | str, keep: int) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints (never the one `latest` names);
     returns the folders removed. Call on one rank (rank 0)."""
