@@ -348,7 +348,19 @@ def _load_incompatible(path: str) -> str:
     return "loaded"
 
 
+def _save_into_a_file(path: str) -> str:
+    model, opt = _fresh()
+    try:
+        save_checkpoint(Path(path), 1, model=model, optimizer=opt, extra={})
+    except RuntimeError as exc:
+        return str(exc)
+    return "saved"
+
+
 def test_an_error_on_one_rank_raises_on_every_rank(pools, tmp_path):
     path, _, _ = _saved(tmp_path)
     messages = pools(2).run(_load_incompatible, str(path))
     assert messages[0] == messages[1] and "does not match this model" in messages[0]
+    (tmp_path / "a-file").write_text("")  # rank 0 cannot create checkpoints/ under it
+    messages = pools(2).run(_save_into_a_file, str(tmp_path / "a-file"))
+    assert messages[0] == messages[1] and "saving checkpoint" in messages[0] and "\n" not in messages[0]

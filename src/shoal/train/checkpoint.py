@@ -77,22 +77,31 @@ def save_checkpoint(
     state_json = json.dumps(extra, sort_keys=True, indent=1)  # every rank: fail early and together
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:08d}"
-    tmp = root / f"{final.name}.tmp-{_shared_token()}"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(root)
+    token, error = secrets.token_hex(4), None
+    if _rank() == 0:  # before the broadcast below: no rank has created the new folder yet
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temporaries(root)
+        except OSError as exc:
+            error = f"saving checkpoint {final} failed: {_one_line(exc)}"
+    token, error = _broadcast_from_rank0((token, error))  # rank 0's name for the folder, and its error
+    if error is not None:
+        raise RuntimeError(error)
+    tmp = root / f"{final.name}.tmp-{token}"
     model_sd, optim_sd = _state_dicts(model, optimizer)
     state: dict[str, Any] = {"model": model_sd}
     if optim_sd is not None:
         state["optimizer"] = optim_sd
-    with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
-    error = None
+    try:
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, raised on every rank
+        raise RuntimeError(f"saving checkpoint {final} failed: {_one_line(exc)}") from None
     if _rank() == 0:  # dcp.save returns on rank 0 only after every rank's files are written
         try:
             _finish(tmp, final, root, step=step, state_json=state_json, has_optimizer=optim_sd is not None)
         except Exception as exc:  # report to every rank, not just this one
-            error = f"saving checkpoint {final} failed: {type(exc).__name__}: {exc}"
+            error = f"saving checkpoint {final} failed: {_one_line(exc)}"
     error = _broadcast_from_rank0(error)
     if error is not None:
         raise RuntimeError(error)
@@ -318,11 +327,6 @@ def _broadcast_from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _shared_token() -> str:
-    """A random name part that every rank agrees on (rank 0 draws it)."""
-    return _broadcast_from_rank0(secrets.token_hex(4))
 
 
 def _union(keys: set[str]) -> set[str]:
