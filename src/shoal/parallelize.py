@@ -11,10 +11,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shoal.parallel.data import apply_data_parallel
 from shoal.parallel.recompute import apply_recompute
+from shoal.parallel.tensor import apply_tensor_parallel
 from shoal.plan import Plan
 
 # Axes and options a Plan can name that this version does not run yet.
-_NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert", "tp": "tensor"}
+_NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert"}
 
 
 def check_supported(plan: Plan) -> None:
@@ -29,6 +30,7 @@ def check_supported(plan: Plan) -> None:
 def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
     """Apply `plan` to `model` on `mesh`; returns the model to train (possibly a wrapper)."""
     check_supported(plan)
+    model = apply_tensor_parallel(model, mesh=mesh, plan=plan)
     model = apply_recompute(model, plan=plan)
     return apply_data_parallel(model, mesh=mesh, plan=plan)
 

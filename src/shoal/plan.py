@@ -179,6 +179,9 @@ class Plan:
         ):
             if size % self.tp:
                 raise ValueError(f"tp={self.tp} does not divide {size} {what}; valid: {_divisors(size)}")
+        if self.tp > 1 and self.sp and seq_len % self.tp:
+            raise ValueError(f"tp={self.tp} with sequence parallelism does not divide the sequence length {seq_len}; "
+                             f"valid: tp in {_divisors(seq_len)}, or the plan option sp=off")
         if self.pp > model.num_layers:
             raise ValueError(f"pp={self.pp} exceeds the model's {model.num_layers} layers; valid: 1..{model.num_layers}")
         if self.cp > 1 and seq_len % (2 * self.cp) and seq_len % self.cp:

@@ -173,6 +173,10 @@ class ParityCase:
     lr: float = 1e-3
     grad_clip: float | None = 1.0
     seed: int = 0
+    adam_eps: float = 1e-8
+    """AdamW's eps. Its first step moves an entry by lr * g / (|g| + eps): for |g| near eps a
+    rounding difference in g (1e-9 from a different summation order) moves it by up to lr/10,
+    so cases whose sums are reordered inside a layer (tensor parallel) use 1e-6."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form knobs for cases that later parallelisms add."""
 
@@ -187,7 +191,7 @@ class ParityCase:
         return Transformer(self.model)
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.1, foreach=False)
+        return torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.1, eps=self.adam_eps, foreach=False)
 
 
 def run_reference(case: ParityCase) -> dict[str, Any]:

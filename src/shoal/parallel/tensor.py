@@ -1,0 +1,221 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) over the mesh's "tp" axis.
+
+Attention is split by heads and the MLP by columns: the first projection of each sublayer is
+column-parallel (wq/wk/wv, w1/w3: each rank holds 1/t of the output features), the second
+row-parallel (wo, w2: 1/t of the input features, partial sums reduced). That costs one
+all-reduce of the (B, T, D) activations per sublayer forward and one in backward.
+
+With sequence parallelism (Korthikanti et al. 2022, on by default, `sp=off` disables it) the
+residual stream, norms and dropout between the sublayers are sharded on the sequence dim: the
+all-reduce becomes a reduce-scatter after the row-parallel projection and an all-gather before
+the column-parallel one (the same bytes), and the activations there take 1/t of the memory.
+
+The embedding is vocabulary-parallel (each rank holds 1/t of the rows; a token's row lives on
+one rank, the others contribute zeros to the reduction) and so is the output classifier: its
+logits stay sharded on the vocabulary dim (a DTensor, Shard(-1)) and the loss is computed
+across shards by `shoal.parallel.vocab.vocab_parallel_cross_entropy`, never gathering them.
+
+The plan is data: a dict from module-name pattern to a DTensor ParallelStyle, applied with
+`parallelize_module` to the unmodified model (shoal's Transformer infers local head counts
+from tensor shapes). Every parameter of a tp model ends up a DTensor on mesh["tp"] (modules
+that every rank runs whole get `ReplicateParallel`), so the gradient norm, the optimizer and
+the data-parallel wrappers see one kind of tensor.
+
+Shape legend: B batch, T sequence (T/t when sequence-sharded), D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from shoal.plan import Plan
+
+TPPlan = Mapping[str, ParallelStyle]
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters become replicated DTensors; inputs and outputs stay plain local tensors.
+
+    For the modules every tp rank runs whole on the same data (norms without sequence
+    parallelism): their gradients are already identical on every rank, so nothing is
+    communicated; the point is only that every parameter of the model is a DTensor on the tp
+    mesh. (torch has no such style; SequenceParallel would shard the input.)
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_params, _inputs_to_replicate, _output_to_local)
+
+
+class ShardedPositions(ParallelStyle):
+    """Learned absolute positions under sequence parallelism.
+
+    The model asks its position table for `arange(T_local)` because it sees only its own
+    sequence shard; this style offsets those ids by rank * T_local, so that rank r looks up
+    positions r*T/t .. (r+1)*T/t - 1, and returns the (T/t, D) rows as a local tensor. The table
+    is a replicated DTensor: each rank's gradient touches only its rows and DTensor sums them
+    over tp (a Partial gradient reduced into the replicated parameter).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_params, _offset_positions, _output_to_local)
+
+
+class CheckSequenceShardable(ParallelStyle):
+    """A check on the model's input (no parameters): the sequence must split evenly over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        size = device_mesh.size()
+
+        def check(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            length = args[0].shape[1]
+            if length % size:
+                raise ValueError(
+                    f"sequence length {length} does not split over tp={size} with sequence parallelism; "
+                    f"valid: multiples of {size}, or the plan option sp=off"
+                )
+
+        module.register_forward_pre_hook(check)
+        return module
+
+
+def _replicate_params(_name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    # Every rank built the same model from the same seed, so from_local needs no broadcast.
+    for name, param in list(module.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):
+            module.register_parameter(
+                name, nn.Parameter(DTensor.from_local(param.data, mesh, [Replicate()], run_check=False),
+                                   requires_grad=param.requires_grad)
+            )
+
+
+def _inputs_to_replicate(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+        for x in inputs
+    )
+
+
+def _offset_positions(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    positions_T = inputs[0]
+    offset = mesh.get_local_rank() * positions_T.shape[0]
+    return (DTensor.from_local(positions_T + offset, mesh, [Shard(0)], run_check=False),)
+
+
+def _output_to_local(_module: nn.Module, output: Any, _mesh: DeviceMesh) -> Any:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def transformer_tp_plan(model: nn.Module, *, sp: bool = True) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan for shoal's Transformer: module-name pattern -> style.
+
+    Residual stream between sublayers: sequence-sharded local tensors (B, T/t, D) with sp,
+    full replicated ones without. Each attention/MLP input is a replicated DTensor, so that the
+    gradients of wq, wk and wv (w1, w3) add up as partial sums before one reduction in backward.
+    """
+    seq = Shard(1) if sp else Replicate()  # layout of the residual stream
+    plan: dict[str, ParallelStyle] = {}
+    if sp:
+        plan[""] = CheckSequenceShardable()
+    if getattr(model, "tok_embeddings", None) is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "pos_embeddings", None) is not None:
+        plan["pos_embeddings"] = ShardedPositions() if sp else ReplicateParallel()
+    norm = SequenceParallel() if sp else ReplicateParallel()
+    plan.update({
+        "layers.*.attention_norm": norm,
+        "layers.*.attention": PrepareModuleInput(
+            input_layouts=(seq, None), desired_input_layouts=(Replicate(), None), use_local_output=False),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.ffn_norm": norm,
+        "layers.*.feed_forward": PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    })
+    if any(getattr(getattr(block, "feed_forward", None), "w3", None) is not None for block in _blocks(model)):
+        plan["layers.*.feed_forward.w3"] = ColwiseParallel()  # SwiGLU's gate
+    if getattr(model, "norm", None) is not None:
+        plan["norm"] = norm
+    if getattr(model, "output", None) is not None:
+        # Logits stay vocabulary-sharded DTensors: the loss reads them shard by shard.
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model, "layers", None)
+    return list(layers.children()) if layers is not None else []
+
+
+def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
+                          tp_plan: TPPlan | None = None) -> nn.Module:
+    """Shard `model` over mesh["tp"] (in place; returns it). A no-op when tp has size 1.
+
+    `tp_plan` overrides the default plan for shoal's Transformer (`transformer_tp_plan`).
+    Parameters shared between modules (tied input/output embeddings) stay shared: both sides
+    are sharded the same way (rows of the (V, D) table), and are tied again afterwards.
+    """
+    tp_mesh = mesh["tp"]
+    if tp_mesh.size() == 1:
+        return model
+    if plan.tp != tp_mesh.size():
+        raise ValueError(f"plan tp={plan.tp} does not match the mesh's tp axis of size {tp_mesh.size()}")
+    _check_divisible(model, tp_mesh.size())
+    shared = _shared_parameters(model)
+    parallelize_module(model, tp_mesh, dict(tp_plan or transformer_tp_plan(model, sp=plan.sp)))
+    _tie_again(model, shared)
+    return model
+
+
+def _check_divisible(model: nn.Module, tp: int) -> None:
+    """One-line ValueError when tp does not divide a dimension it splits (Plan.validate says
+    the same from the config; this catches a model passed here directly)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return
+    for what, size in (("attention heads", cfg.num_heads), ("KV heads", cfg.kv_heads),
+                       ("FFN hidden size", cfg.ffn_dim), ("vocabulary size", cfg.vocab_size)):
+        if size % tp:
+            valid = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
+            raise ValueError(f"tp={tp} does not divide {size} {what}; valid: {valid}")
+
+
+def _shared_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of names (two or more) that refer to one parameter object."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _tie_again(model: nn.Module, shared: list[list[str]]) -> None:
+    for first, *others in shared:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            old = model.get_parameter(name)
+            if isinstance(param, DTensor) and isinstance(old, DTensor) and old.placements != param.placements:
+                raise ValueError(f"tied parameters {first} and {name} are sharded differently "
+                                 f"({param.placements} vs {old.placements}); give them one style")
+            setattr(model.get_submodule(owner), attr, param)

@@ -1,0 +1,112 @@
+"""Tensor parallelism (with and without sequence parallelism, alone and under data parallelism)
+equals the single-process run: logits, every gradient, parameters after one AdamW step, the loss
+over several steps and the final parameters.
+
+Tolerances are check_parity's defaults (rtol 1e-5, atol 1e-6; parameters atol 1e-5): tensor
+parallelism changes only the order of floating-point sums (a row-parallel matmul adds t partial
+sums of D/t terms, the softmax's sum of exponentials is added shard by shard), so fp32 results
+differ from the single process by a few ulps, like data parallelism's all-reduce. The cases use
+AdamW eps=1e-6 (ParityCase.adam_eps): with the default 1e-8 an entry whose gradient is ~1e-9
+(there are some in w3) turns a 3e-10 rounding difference into a 2.5e-5 move after one step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.models import PRESETS, ModelConfig
+from shoal.plan import Plan
+from shoal.testing import SMALL, case, check_parity, run_parallel, run_reference
+
+EPS = 1e-6  # see the module docstring
+GPT = PRESETS["tiny-gpt"].replace(num_layers=2, max_seq_len=32)
+# The Whale case at small scale: a 100,000-class classifier over a one-layer body.
+WIDE = ModelConfig(num_layers=1, dim=32, num_heads=4, ffn_dim=64, vocab_size=100_000, max_seq_len=16)
+
+
+@pytest.mark.parametrize(
+    "world, plan, model",
+    [
+        (2, "tp2", SMALL),
+        (2, "tp2,sp=off", SMALL),
+        (4, "tp4", SMALL),
+        (4, "tp4,sp=off", SMALL),
+        (4, "dp2,tp2", SMALL),
+        (4, "dp2,tp2,sp=off", SMALL),
+        (4, "fsdp2,tp2", SMALL),
+        (2, "tp2", GPT),
+        (2, "tp2,sp=off", GPT),
+    ],
+    ids=["tp2", "tp2-nosp", "tp4", "tp4-nosp", "dp2-tp2", "dp2-tp2-nosp", "fsdp2-tp2", "gpt-tp2", "gpt-tp2-nosp"],
+)
+def test_tp_matches_single_process(pools, world, plan, model):
+    c = case(plan=plan, model=model, adam_eps=EPS)
+    check_parity(pools(world).run(run_parallel, c), run_reference(c))
+
+
+def test_tp_gradient_accumulation(pools):
+    c = case(plan="tp2", num_micro=2, adam_eps=EPS)
+    check_parity(pools(2).run(run_parallel, c), run_reference(c))
+
+
+def test_wide_classifier_tp(pools):
+    """100k classes, vocabulary-parallel embedding and loss: the logits are never gathered."""
+    c = case(plan="tp2", model=WIDE, steps=3, global_batch=4, seq_len=8, adam_eps=EPS)
+    check_parity(pools(2).run(run_parallel, c), run_reference(c))
+
+
+def test_layout_after_tp(pools):
+    """Every parameter is a DTensor on the tp mesh, tied embeddings stay one (vocab-sharded)
+    parameter, the logits stay vocab-sharded, and the residual stream is sequence-sharded."""
+    assert pools(2).run(_layout, GPT) == [True, True]
+
+
+def _layout(model_cfg: ModelConfig) -> bool:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    from shoal.parallel.tensor import apply_tensor_parallel
+    from shoal.testing import cached_mesh
+
+    plan = Plan.parse("tp2").resolve(dist.get_world_size())
+    torch.manual_seed(0)
+    from shoal.models import Transformer
+
+    model = apply_tensor_parallel(Transformer(model_cfg), mesh=cached_mesh(plan), plan=plan)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.placements == (Shard(0),)
+    seen = {}
+    model.layers["0"].register_forward_pre_hook(lambda _m, args: seen.update(h=args[0].shape))
+    logits = model(torch.zeros(2, 8, dtype=torch.long))
+    assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)
+    assert logits.to_local().shape == (2, 8, model_cfg.vocab_size // 2)
+    assert seen["h"] == (2, 4, model_cfg.dim)  # sequence-sharded between sublayers
+    with pytest.raises(ValueError, match="sequence length 7 does not split over tp=2"):
+        model(torch.zeros(2, 7, dtype=torch.long))
+    return True
+
+
+@pytest.mark.parametrize(
+    "plan, cfg, message",
+    [
+        ("tp3", SMALL, "tp=3 does not divide 8 attention heads; valid: 1, 2, 4, 8"),
+        ("tp8", SMALL, "tp=8 does not divide 4 KV heads; valid: 1, 2, 4"),
+        ("tp4", SMALL.replace(ffn_dim=130), "tp=4 does not divide 130 FFN hidden size; valid: 1, 2, 5, 10"),
+        ("tp4", SMALL.replace(vocab_size=130), "tp=4 does not divide 130 vocabulary size; valid: 1, 2, 5, 10"),
+        ("tp2", SMALL, "tp=2 with sequence parallelism does not divide the sequence length 15; valid: tp in 1, 3, 5, 15"),
+    ],
+)
+def test_tp_degree_errors(plan, cfg, message):
+    p = Plan.parse(plan).resolve(Plan.parse(plan).tp)
+    with pytest.raises(ValueError, match=message.split(";")[0]):
+        p.validate(cfg, global_batch=8, seq_len=15 if "sequence" in message else 16)
+
+
+def test_tp_error_for_a_model_passed_directly():
+    from shoal.parallel.tensor import _check_divisible
+    from shoal.models import Transformer
+
+    with pytest.raises(ValueError, match="tp=3 does not divide 8 attention heads; valid: 1, 2, 4, 8"):
+        _check_divisible(Transformer(SMALL), 3)
