@@ -1,11 +1,12 @@
 """A checkpoint saved under one layout resumes under others, and the loss curve goes on exactly as
 in one unbroken single-process run.
 
-The run's 8 steps are split into segments, each trained under a different layout and world size,
+The run's 9 steps are split into segments, each trained under a different layout and world size,
 each starting from the previous segment's DCP checkpoint (model and AdamW state, resharded on load):
 
     fsdp4 (ZeRO-3, 4 ranks) -> dp2 (DDP, 2 ranks) -> single process (plain module, no process
-    group) -> fsdp2,zero=1 (2 ranks, 2 micro-batches) -> dp2,fsdp2 (hybrid, 4 ranks)
+    group) -> fsdp2,zero=1 (2 ranks, 2 micro-batches) -> fsdp2,tp2 (ZeRO-3 x tensor parallel,
+    4 ranks) -> dp2,fsdp2 (hybrid, 4 ranks)
 
 Tolerance: check_parity's fp32 values (rtol 1e-5 on losses, atol 1e-5 on parameters). A checkpoint
 stores every tensor exactly, so a resumed step differs from the unbroken one only by the
@@ -24,10 +25,10 @@ from shoal.testing import assert_close, cached_mesh, case, full_tensors, run_ref
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from shoal.train.step import split_micro, train_step
 
-RUN = case(steps=8)
+RUN = case(steps=9, adam_eps=1e-6)  # eps: see ParityCase.adam_eps (the tp segment reorders sums)
 # (plan, world size or 0 for a plain single process, first step, end step, micro-batches)
 SEGMENTS = [("fsdp4", 4, 0, 2, 1), ("dp2", 2, 2, 4, 1), ("single", 0, 4, 5, 1),
-            ("fsdp2,zero=1", 2, 5, 7, 2), ("dp2,fsdp2", 4, 7, 8, 1)]
+            ("fsdp2,zero=1", 2, 5, 7, 2), ("fsdp2,tp2", 4, 7, 8, 1), ("dp2,fsdp2", 4, 8, 9, 1)]
 
 
 def train_segment(run_dir: str, plan_text: str, start: int, end: int, num_micro: int) -> dict:
