@@ -127,26 +127,37 @@ def test_real_process_unknown_model():
 
 
 def test_corrupt_checkpoints(capsys, good_run, tmp_path):
-    """A truncated data file is found by the workers (the checkpoint's manifest records every
-    file's size); a garbled trainer state already by the parent. Both: one line, exit 2."""
+    """A truncated file or a garbled trainer state is found by the parent before any worker
+    starts (the checkpoint's manifest records sizes and a checksum); a garbled DCP index of the
+    right size only by the workers, which report it the same way. All: one line, exit 2."""
     latest = good_run / "checkpoints" / (good_run / "checkpoints" / "latest").read_text().strip()
-    truncated = tmp_path / "truncated"
-    shutil.copytree(good_run, truncated)
-    data = sorted((truncated / "checkpoints" / latest.name).glob("*.distcp"))[0]
+
+    def broken(name: str) -> tuple[Path, Path]:
+        run = tmp_path / name
+        shutil.copytree(good_run, run)
+        return run, run / "checkpoints" / latest.name
+
+    truncated, ckpt = broken("truncated")
+    data = sorted(ckpt.glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     before = _digest(truncated)
     proc = _run_shoal("train", "--resume", str(truncated), "--steps", "3")
     assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("shoal: error:")]
-    assert len(errors) == 1 and data.name in errors[0] and "truncated" in errors[0], proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == errors[0]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("shoal: error: checkpoint ") and data.name in proc.stderr
+    assert "truncated" in proc.stderr
     assert _digest(truncated) == before  # nothing written
 
-    garbled = tmp_path / "garbled"
-    shutil.copytree(good_run, garbled)
-    (garbled / "checkpoints" / latest.name / "trainer_state.json").write_text("{not json")
+    garbled, ckpt = broken("garbled")
+    (ckpt / "trainer_state.json").write_text("{not json")
     assert_user_error(capsys, ["train", "--resume", str(garbled), "--steps", "3"], "corrupt", "trainer_state.json")
+
+    index, ckpt = broken("index")
+    meta = ckpt / ".metadata"
+    meta.write_bytes(bytes(b ^ 0x5A for b in meta.read_bytes()))  # same size, garbage content
+    before = _digest(index)
+    assert_user_error(capsys, ["train", "--resume", str(index), "--steps", "3", "--nproc", "1"], ".metadata")
+    assert _digest(index) == before
 
 
 def test_sample_errors(capsys, tmp_path, good_run):

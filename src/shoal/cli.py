@@ -9,7 +9,6 @@ nothing is written. Flags map onto the run config's keys (config.py): `--global-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -210,15 +209,16 @@ def validate(cfg: Any) -> None:
 
 
 def _check_resumable(folder: Path, steps: int) -> None:
-    from shoal.train.checkpoint import TRAINER_STATE, latest_checkpoint
+    from shoal.train.checkpoint import TRAINER_STATE, latest_checkpoint, read_trainer_state
 
     path = latest_checkpoint(folder)
     if path is None:
         raise UserError(f"--resume {str(folder)!r}: the run folder holds no complete checkpoint to resume from")
+    state = read_trainer_state(path)  # checks every file's size and the trainer state's checksum
     try:
-        done = int(json.loads((path / TRAINER_STATE).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"checkpoint {path} is corrupt: its {TRAINER_STATE} cannot be read") from None
+        done = int(state["step"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"checkpoint {path} is not a shoal train checkpoint: its {TRAINER_STATE} has no step") from None
     if done >= steps:
         raise UserError(f"--steps {steps}: the run in {str(folder)!r} is already at step {done}; "
                         f"give a larger --steps to continue it")

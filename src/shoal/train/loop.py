@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from shoal.mesh import all_reduce_mean, build_mesh, data_rank
 from shoal.models import ModelConfig, Transformer
+from shoal.parallel.vocab import local_value, vocab_parallel_loss
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train import memory
@@ -191,7 +192,9 @@ class Trainer:
         for i in range(self.loop.eval_batches):
             inputs, targets = self.held_out.batch(i, self.loop.global_batch, self.part)
             for x, y in split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro):
-                total += cross_entropy(self.model(x), y)
+                logits = self.model(x)
+                with vocab_parallel_loss(logits):  # tp: vocab-sharded logits, as in train_step
+                    total += local_value(cross_entropy(logits, y)).to(self.device)
         self.model.train()
         return float(all_reduce_mean(total / (self.loop.eval_batches * self.num_micro), self.mesh))
 

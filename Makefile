@@ -1,0 +1,35 @@
+# Set-up and the two jobs of the README. The venv is built once (a stamp file marks it done)
+# and rebuilt when pyproject.toml changes.
+#
+#   make train   install, then train the default model (shoal train)
+#   make test    install, then run the test suite
+#
+# torch is installed first, on its own, so that pip takes the CPU build named here and the
+# package's `torch` range is already satisfied (pip never pulls a CUDA build on a CPU machine).
+# Elsewhere, point pip at PyTorch's CPU index: make test TORCH_PIP_FLAGS="--index-url https://download.pytorch.org/whl/cpu"
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+TORCH_PIP_FLAGS ?=
+STAMP := $(VENV)/.shoal-installed
+RUN_ENV := OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+
+.PHONY: setup train test clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(TORCH_PIP_FLAGS) $(TORCH) numpy
+	$(VENV)/bin/pip install -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(RUN_ENV) $(VENV)/bin/shoal train
+
+test: $(STAMP)
+	$(RUN_ENV) $(VENV)/bin/python -m pytest -q tests
+
+clean-venv:
+	rm -rf $(VENV)
