@@ -163,3 +163,19 @@ def test_corrupt_checkpoints(capsys, good_run, tmp_path):
 def test_sample_errors(capsys, tmp_path, good_run):
     assert_user_error(capsys, ["sample", "--run", str(tmp_path), "--prompt", "x"], str(tmp_path), "config.toml")
     assert_user_error(capsys, ["sample", "--run", str(good_run), "--temperature", "-1"], "--temperature -1")
+
+
+def _fail_on_rank_1(_: object) -> int:
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("first line\nthe last line says what broke")
+    return int(os.environ["RANK"])
+
+
+def test_launcher_names_the_failed_rank():
+    """A worker that fails at run time ends the run with its rank and its error's last line."""
+    from shoal.launch import WorkerFailed, launch
+
+    with pytest.raises(WorkerFailed, match=r"^rank 1 of 2 failed: the last line says what broke$"):
+        launch(_fail_on_rank_1, None, nproc=2)
