@@ -85,8 +85,11 @@ def kept_activation_bytes(forward: Callable[[], T]) -> tuple[int, T]:
     class _Track(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             out = func(*args, **(kwargs or {}))
+            # A view (of a weight, say) shares its input's storage: only new storages are created.
+            inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
             for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
                     storage = t.untyped_storage()
                     created.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
             return out
