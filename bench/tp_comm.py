@@ -134,10 +134,11 @@ def main() -> None:
                      "ratio": total / minimum,
                      "per_layer_calls": ", ".join(f"{k} {v:g}" for k, v in sorted(calls.items())),
                      "outside_layers_kib": rest / 1024})
-    report("tp_comm", rows, notes=(
+    report(f"tp_comm_w{t}", rows, notes=(
         f"world {t}, model {args.model} (dim {res[plans[0]][2]['dim']}), batch {args.batch}, seq {args.seq_len}, fp32; "
         "bus bytes per rank per training step (forward + backward + grad norm + optimizer); per layer = "
-        "(4 layers - 2 layers)/2; minimum = 4 all-reduces of b*s*h; goal ratio 1.00"))
+        "(4 layers - 2 layers)/2; minimum = 4 all-reduces of b*s*h; goal ratio 1.00; with sp the 2 extra "
+        "all-reduces per layer are the norm weights' gradients (2 x dim floats: Partial sums over the sequence shards)"))
 
 
 if __name__ == "__main__":

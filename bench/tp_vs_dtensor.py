@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from bench.common import launch, measure_pair, report
+from bench.wide_classifier import tensor_peak_mb
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
 from shoal.parallelize import parallelize
@@ -60,6 +61,18 @@ def hand_written_tp(model: Transformer, tp_mesh, sp: bool) -> Transformer:
     return model
 
 
+def clip_mixed(model: torch.nn.Module, max_norm: float) -> None:
+    """Gradient clipping for a model that mixes DTensor and plain parameters (DTensor TP without
+    sequence parallelism leaves the norms plain): torch's clip_grad_norm_ fails there with "got
+    mixed torch.Tensor and DTensor", so the peer computes the norm tensor by tensor."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norms = [g.norm() for g in grads]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+
+
 def _rank(model_name: str, batch: int, seq_len: int, repeats: int, sp: bool) -> dict:
     cfg = get_preset(model_name).replace(max_seq_len=max(seq_len, 32))
     t = dist.get_world_size()
@@ -86,11 +99,17 @@ def _rank(model_name: str, batch: int, seq_len: int, repeats: int, sp: bool) -> 
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        if sp:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        else:
+            clip_mixed(ref, 1.0)
         ref_opt.step()
         loss.full_tensor().item()
 
-    return measure_pair({"shoal": shoal_step, "dtensor": dtensor_step}, warmup=3, repeats=repeats)
+    res = measure_pair({"shoal": shoal_step, "dtensor": dtensor_step}, warmup=3, repeats=repeats)
+    res["shoal"]["tensor_peak_mb"] = tensor_peak_mb(shoal_model, shoal_opt, shoal_step)
+    res["dtensor"]["tensor_peak_mb"] = tensor_peak_mb(ref, ref_opt, dtensor_step)
+    return res
 
 
 def main() -> None:
@@ -110,11 +129,14 @@ def main() -> None:
         rows.append({"rank": rank, "sp": args.sp, "shoal_ms": 1e3 * s["median"], "shoal_iqr%": 100 * s["iqr_rel"],
                      "dtensor_ms": 1e3 * d["median"], "dtensor_iqr%": 100 * d["iqr_rel"],
                      "ratio": s["median"] / d["median"],
-                     "shoal_peak_mb": res["shoal"]["step_peak_mb"]["median"],
-                     "dtensor_peak_mb": res["dtensor"]["step_peak_mb"]["median"]})
+                     "shoal_peak_mb": res["shoal"]["tensor_peak_mb"]["total"],
+                     "dtensor_peak_mb": res["dtensor"]["tensor_peak_mb"]["total"],
+                     "peak_ratio": res["shoal"]["tensor_peak_mb"]["total"] / res["dtensor"]["tensor_peak_mb"]["total"],
+                     "shoal_by_kind": {k: round(v, 2) for k, v in res["shoal"]["tensor_peak_mb"].items()},
+                     "dtensor_by_kind": {k: round(v, 2) for k, v in res["dtensor"]["tensor_peak_mb"].items()}})
     report(f"tp_vs_dtensor_sp_{args.sp}", rows, notes=(
         f"world {args.nproc}, model {args.model}, batch {args.batch}, seq {args.seq_len}, {args.repeats} "
-        "interleaved repeats; peak = per-step resident-set rise; goal ratio <= 1.05"))
+        "interleaved repeats; peak = MemTracker peak of live tensors in one step (MiB); goal ratio <= 1.05"))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def _state_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
     return _local_mb(params) + _local_mb(grads) + _local_mb(states)
 
 
-def _tensor_peak_mb(model: torch.nn.Module, opt: torch.optim.Optimizer, step) -> dict[str, float]:
+def tensor_peak_mb(model: torch.nn.Module, opt: torch.optim.Optimizer, step) -> dict[str, float]:
     """Peak bytes of live tensors during one step, by kind (torch's MemTracker; exact, unlike the
     resident set, which keeps freed pages that the allocator reuses)."""
     tracker = MemTracker()
@@ -83,7 +83,7 @@ def _rank(cfg: ModelConfig, plans: list[str], global_batch: int, seq_len: int, r
     res = measure_pair(steps, warmup=2, repeats=repeats)
     for text, (model, opt) in models.items():
         res[text]["state_mb"] = _state_mb(model, opt)
-        res[text]["tensor_peak_mb"] = _tensor_peak_mb(model, opt, steps[text])
+        res[text]["tensor_peak_mb"] = tensor_peak_mb(model, opt, steps[text])
     return res
 
 
