@@ -1,0 +1,146 @@
+"""shoal's ZeRO stages side by side with torch FSDP2 used directly and DeepSpeed ZeRO 1/2/3.
+
+Same model, seed, batch and fp32 AdamW in every system. Each (system, stage, world size) runs in
+its own launch, so that its memory is its own: peak resident memory during a step minus the
+resident memory before the model was built (after imports and process-group start-up), max over
+ranks. Step time: median over repeats after warm-up (max over ranks of each rank's median), with
+the inter-quartile range. Goal: shoal / peer <= 1.05 in time and <= 1.0 in memory.
+
+FSDP2 direct: `fully_shard` per block and on the root, reshard_after_forward=True (stage 3) or
+False (stage 2); it has no ZeRO-1 mode. DeepSpeed: default ZeRO settings except
+stage3_param_persistence_threshold=0 (by default stage 3 leaves every parameter under 100k elements,
+i.e. most of this small model, unpartitioned, which would not be ZeRO-3). DeepSpeed is a bench-only dependency
+(`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8`); without it those rows are
+skipped.
+
+    python -m bench.zero_vs_peers [--nprocs 2 4] [--stages 1 2 3] [--repeats 6] [--model small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from bench.common import launch, measure, report
+from shoal.mesh import build_mesh
+from shoal.models import Transformer, get_preset
+from shoal.parallelize import parallelize
+from shoal.plan import Plan
+from shoal.train.memory import current_mb
+from shoal.train.step import split_micro, train_step
+
+
+def _batch(cfg, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    seq = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _shoal(cfg, stage: int, x: torch.Tensor, y: torch.Tensor):
+    n = dist.get_world_size()
+    plan = Plan.parse(f"fsdp{n},zero={stage}").resolve(n)
+    mesh = build_mesh(plan)
+    model = parallelize(Transformer(cfg), plan, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return lambda: train_step(model, optimizer, split_micro(x, y, 1), mesh=mesh, grad_clip=1.0)
+
+
+def _fsdp2(cfg, stage: int, x: torch.Tensor, y: torch.Tensor):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Transformer(cfg)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=stage == 3)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loss.item()
+
+    return step
+
+
+def _deepspeed(cfg, stage: int, x: torch.Tensor, y: torch.Tensor):
+    import deepspeed
+
+    model = Transformer(cfg)
+    config = {"train_micro_batch_size_per_gpu": x.shape[0], "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "gradient_clipping": 1.0, "steps_per_print": 10**9}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+
+    def step() -> None:
+        loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+        engine.backward(loss)
+        engine.step()
+        loss.item()
+
+    return step
+
+
+SYSTEMS = {"shoal": _shoal, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
+
+
+def _rank(system: str, stage: int, model_name: str, batch: int, seq_len: int, repeats: int) -> dict:
+    cfg = get_preset(model_name).replace(max_seq_len=max(seq_len, 32))
+    x, y = _batch(cfg, batch, seq_len)
+    if system == "deepspeed":
+        import deepspeed  # noqa: F401  (import before the baseline: its libraries are not model memory)
+    baseline = current_mb()
+    torch.manual_seed(0)
+    step = SYSTEMS[system](cfg, stage, x, y)
+    stats = measure(step, warmup=2, repeats=repeats)
+    return {"time": stats["time_s"], "mem_mb": stats["peak_mb"]["max"] - baseline}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq-len", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    peers = ["fsdp2"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
+    rows = []
+    for n in args.nprocs:
+        for stage in args.stages:
+            results = {}
+            for system in ["shoal", *peers]:
+                if system == "fsdp2" and stage == 1:
+                    continue
+                per_rank = launch(_rank, n, system, stage, args.model, args.batch, args.seq_len, args.repeats)
+                slowest = max(per_rank, key=lambda r: r["time"]["median"])
+                results[system] = {"ms": 1e3 * slowest["time"]["median"], "iqr%": 100 * slowest["time"]["iqr_rel"],
+                                   "mem_mb": max(r["mem_mb"] for r in per_rank)}
+            for peer in peers:
+                if peer not in results:
+                    continue
+                s, p = results["shoal"], results[peer]
+                rows.append({"N": n, "stage": stage, "peer": peer, "shoal_ms": s["ms"], "shoal_iqr%": s["iqr%"],
+                             "peer_ms": p["ms"], "peer_iqr%": p["iqr%"], "time_ratio": s["ms"] / p["ms"],
+                             "shoal_mb": s["mem_mb"], "peer_mb": p["mem_mb"], "mem_ratio": s["mem_mb"] / p["mem_mb"]})
+    report("zero_vs_peers", rows, notes=(
+        f"model {args.model}, {args.batch} x {args.seq_len} tokens per rank, fp32 AdamW, {args.repeats} repeats after "
+        "2 warm-up, each system in its own launch (not interleaved: drift between launches is noise); mem = peak "
+        "RSS during a step minus RSS before the model was built, max over ranks; 2 shared cores, so N=4 is "
+        "oversubscribed; goals: time_ratio <= 1.05, mem_ratio <= 1.0"))
+
+
+if __name__ == "__main__":
+    main()
