@@ -13,6 +13,11 @@ activations, so it is compared with formula + A, where A is the bytes the same f
 for backward on this rank's micro-batch (measured with shoal.parallel.recompute.kept_activation_bytes).
 Goal: measured / (formula + A) within 10%.
 
+Stages 1 and 2 also keep a sharded fp32 copy of the parameters beside the gathered full ones
+(FSDP2's sharded parameter, which the optimizer updates; DeepSpeed keeps the same fp32 partition),
+4Ψ/N more: the paper's K=12 optimizer bytes include it, the 4/4/8 adaptation does not. The last
+column adds it (stage 1: 8Ψ+12Ψ/N, stage 2: 4Ψ+16Ψ/N; stage 3's shard *is* the fp32 parameter).
+
 ZeRO-1 runs 2 micro-batches (its gradients accumulate unsharded between reductions, which is
 where ZeRO-1 and ZeRO-2 differ; with one micro-batch shoal's ZeRO-1 runs exactly as ZeRO-2).
 
@@ -49,6 +54,12 @@ class TotalTracker(MemTracker):
 def zero_formula_bytes(stage: int, psi: int, n: int) -> float:
     """Model-state bytes per rank for fp32 Adam (4Ψ params, 4Ψ grads, 8Ψ moments) at ZeRO `stage`."""
     return {1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def master_formula_bytes(stage: int, psi: int, n: int) -> float:
+    """As zero_formula_bytes plus the sharded fp32 copy that stages 1-2 keep beside the full parameters
+    (FSDP2's sharded parameter; DeepSpeed's fp32 partition): the paper's K=12 optimizer bytes, in fp32."""
+    return zero_formula_bytes(stage, psi, n) + (4 * psi / n if stage < 3 else 0)
 
 
 def _rank(model_name: str, stage: int, batch: int, seq_len: int) -> dict:
@@ -91,14 +102,17 @@ def main() -> None:
             peak = max(r["peak"] for r in per_rank)
             psi, act = per_rank[0]["psi"], per_rank[0]["act"]
             formula = zero_formula_bytes(stage, psi, n)
+            master = master_formula_bytes(stage, psi, n)
             rows.append({"N": n, "stage": stage, "psi_M": psi / 1e6, "measured_mib": peak / mib,
                          "formula_mib": formula / mib, "act_mib": act / mib,
-                         "measured/formula": peak / formula, "measured/(formula+act)": peak / (formula + act)})
+                         "measured/formula": peak / formula, "measured/(formula+act)": peak / (formula + act),
+                         "measured/(master_formula+act)": peak / (master + act)})
     report("zero_memory", rows, notes=(
         f"model {args.model}, {args.batch} sequences x {args.seq_len} tokens per rank, fp32 AdamW; formula: "
         "fp32 adaptation 4Ψ params + 4Ψ grads + 8Ψ moments (stage 1: 8Ψ+8Ψ/N, 2: 4Ψ+12Ψ/N, 3: 16Ψ/N); "
         "measured = MemTracker peak of live tensor bytes on the busiest rank; act = bytes one micro-batch's "
-        "forward keeps for backward; goal measured/(formula+act) within 10%"))
+        "forward keeps for backward; master_formula adds the sharded fp32 parameter copy of stages 1-2 (4Ψ/N); "
+        "goal measured/(formula+act) within 10%"))
 
 
 if __name__ == "__main__":
