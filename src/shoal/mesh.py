@@ -34,12 +34,12 @@ def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
 
 
 def all_reduce_mean(value: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...] = ("dp", "fsdp")) -> torch.Tensor:
-    """Average a local tensor over the named mesh axes (skips axes of size 1)."""
-    value = value.detach().clone()
+    """Average a local tensor over the named mesh axes (skips axes of size 1); returns it on the CPU."""
+    value = value.detach().to(mesh.device_type).clone()  # NCCL reduces only GPU tensors
     count = 1
     for axis in axes:
         sub = mesh[axis]
         if sub.size() > 1:
             dist.all_reduce(value, group=sub.get_group())
             count *= sub.size()
-    return value / count
+    return (value / count).cpu()

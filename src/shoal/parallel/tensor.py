@@ -13,7 +13,7 @@ the column-parallel one (the same bytes), and the activations there take 1/t of 
 The embedding is vocabulary-parallel (each rank holds 1/t of the rows; a token's row lives on
 one rank, the others contribute zeros to the reduction) and so is the output classifier: its
 logits stay sharded on the vocabulary dim (a DTensor, Shard(-1)) and the loss is computed
-across shards by `shoal.parallel.vocab.vocab_parallel_cross_entropy`, never gathering them.
+across shards by `shoal.parallel.vocab` (DTensor's loss_parallel), never gathering them.
 
 The plan is data: a dict from module-name pattern to a DTensor ParallelStyle, applied with
 `parallelize_module` to the unmodified model (shoal's Transformer infers local head counts

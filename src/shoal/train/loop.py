@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from shoal.mesh import all_reduce_mean, build_mesh, data_rank
 from shoal.models import ModelConfig, Transformer
-from shoal.parallel.vocab import local_value, vocab_parallel_loss
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train import memory
@@ -36,7 +35,7 @@ from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_to
 from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
                                  write_summary)
 from shoal.train.optim import build_optimizer, build_scheduler
-from shoal.train.step import cross_entropy, split_micro, train_step
+from shoal.train.step import eval_loss, split_micro, train_step
 
 CONFIG_FILE = "config.toml"
 
@@ -188,15 +187,12 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over `eval_batches` global batches of held-out data (the same ones each time)."""
         self.model.eval()
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros(())
         for i in range(self.loop.eval_batches):
             inputs, targets = self.held_out.batch(i, self.loop.global_batch, self.part)
-            for x, y in split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro):
-                logits = self.model(x)
-                with vocab_parallel_loss(logits):  # tp: vocab-sharded logits, as in train_step
-                    total += local_value(cross_entropy(logits, y)).to(self.device)
+            total += eval_loss(self.model, split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro))
         self.model.train()
-        return float(all_reduce_mean(total / (self.loop.eval_batches * self.num_micro), self.mesh))
+        return float(all_reduce_mean(total / self.loop.eval_batches, self.mesh))
 
     # ------------------------------------------------------------------ the run folder
     def _open_run_folder(self) -> MetricsWriter:

@@ -11,20 +11,25 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shoal.mesh import all_reduce_mean
-from shoal.parallel.vocab import local_value, vocab_parallel_loss
+from shoal.parallel.vocab import cross_entropy, local_value, vocab_parallel_loss
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position."""
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
+@torch.no_grad()
+def eval_loss(model: nn.Module, micro_batches: Sequence[Batch]) -> torch.Tensor:
+    """This rank's mean loss over the micro-batches, without gradients (a CPU scalar)."""
+    total = torch.zeros(())
+    for inputs, targets in micro_batches:
+        logits = model(inputs)
+        with vocab_parallel_loss(logits):  # tp: vocab-sharded logits, as in forward_backward
+            total += local_value(cross_entropy(logits, targets))
+    return total / len(micro_batches)
 
 
 def forward_backward(model: nn.Module, micro_batches: Sequence[Batch]) -> torch.Tensor:
