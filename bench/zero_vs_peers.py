@@ -147,7 +147,7 @@ def main() -> None:
                 rows.append({"N": n, "stage": stage, "peer": peer, "shoal_ms": s["ms"], "shoal_iqr%": s["iqr%"],
                              "peer_ms": p["ms"], "peer_iqr%": p["iqr%"], "time_ratio": s["ms"] / p["ms"],
                              "shoal_mb": s["mem_mb"], "peer_mb": p["mem_mb"], "mem_ratio": s["mem_mb"] / p["mem_mb"]})
-    report("zero_vs_peers", rows, notes=(
+    report("zero_vs_peers_N" + "_".join(map(str, args.nprocs)), rows, notes=(
         f"model {args.model}, {args.batch} x {args.seq_len} tokens per rank, fp32 AdamW; time: {args.repeats} "
         "interleaved repeats after 2 warm-up, slowest rank's median; mem (own launch per system) = peak "
         "RSS during a step minus RSS before the model was built, max over ranks; 2 shared cores, so N=4 is "

@@ -20,9 +20,9 @@ How the ZeRO stages map onto FSDP2 (one honest mapping, no private copy of FSDP)
   one (`model.no_sync()` below, which `train_step` already uses). With one micro-batch per step
   zero=1 runs exactly as zero=2. (Measured alternative: one parameter group for the whole model,
   DeepSpeed stage 1's pattern of one all-gather and one reduce-scatter per step, ran 1.04x
-  DeepSpeed's step time instead of 1.25x at 2 ranks (noisy, shared cores), but its flat reduce-scatter buffer is a
-  second full gradient copy, 1.23x the ZeRO-1 memory formula instead of 1.03x: per-block groups
-  keep the memory ZeRO is for.)
+  DeepSpeed's step time instead of 1.25x at 2 ranks (noisy, shared cores), but its flat
+  reduce-scatter buffer is a second full gradient copy: 1.23x the ZeRO-1 memory formula instead
+  of 1.03x. Per-block groups keep the memory ZeRO is for.)
 A hand-written sharded optimizer (reduce-scatter, update the shard, all-gather) would give ZeRO-1
 persistently full parameters and gradients, i.e. strictly more memory and the same traffic, at the
 price of its own state-dict format that DCP could not reshard; FSDP2 already is that optimizer.
