@@ -35,6 +35,7 @@ shard degree of 1, so no DDP ever sees a DTensor.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 from torch import nn
@@ -55,12 +56,25 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan) -> nn
     precision = PrecisionPolicy.from_name(plan.precision)
     has_dtensors = any(isinstance(p, DTensor) for p in model.parameters())
     dp, fsdp = mesh["dp"].size(), mesh["fsdp"].size()
+    if dp == 1 and fsdp == 1 and precision.is_full:
+        return model  # nothing to replicate (a tp-only model stays as tensor parallel left it)
     if fsdp == 1 and not has_dtensors and precision.is_full:
-        if dp == 1:
-            return model
-        return DistributedDataParallel(model, process_group=mesh["dp"].get_group(), broadcast_buffers=False)
+        return _ddp(model, mesh["dp"])
     # Replicated only (fsdp1): nothing to free after forward, so keep the gathered copy (zero=2).
     return _fully_shard(model, mesh=mesh, zero=plan.zero if fsdp > 1 else 2, precision=precision)
+
+
+def _ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """torch DDP over the dp group. Buffers (the RoPE tables) are the same on every rank by
+    construction, so they are not re-broadcast before each forward; gradients live in the
+    all-reduce buckets (gradient_as_bucket_view) instead of being copied into them."""
+    no_buffer_sync = (  # torch 2.13 renamed the option; older releases only know the old name
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        else {"broadcast_buffers": False}
+    )
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True,
+                                   **no_buffer_sync)
 
 
 def _data_mesh(mesh: DeviceMesh) -> DeviceMesh:
