@@ -133,7 +133,8 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=self.loop.steps, initial=self.start, desc="train", unit="step", file=sys.stderr,
-                       dynamic_ncols=True, mininterval=0.5)
+                       dynamic_ncols=True,
+                       mininterval=0.5 if sys.stderr.isatty() else 15.0)  # a log file: a line every 15 s
         for s in range(self.start, self.loop.steps):
             record = self.train_one(s)
             n = s + 1
