@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.testing import case, check_parity, run_parallel, run_reference
+from shoal.plan import Plan
+from shoal.testing import SMALL, case, check_parity, run_parallel, run_reference
 
 # (world, cases): several plans per worker call, since a call costs a round trip to every rank.
 GROUPS = {
-    2: [case(plan="fsdp2,zero=1", num_micro=2), case(plan="fsdp2,zero=2"), case(plan="fsdp2", num_micro=2)],
+    2: [case(plan="fsdp2,zero=1", num_micro=2), case(plan="fsdp2,zero=2"), case(plan="fsdp2", num_micro=2),
+        case(plan="fsdp2,offload=on", num_micro=2), case(plan="fsdp2,zero=1,offload=on", num_micro=2)],
     4: [case(plan="fsdp4,zero=1", num_micro=2), case(plan="fsdp4,zero=2"), case(plan="fsdp4"),
         case(plan="dp2,fsdp2"), case(plan="dp2,fsdp2,zero=1", num_micro=2),
         # ZeRO-1 over a tensor-parallel model (eps: see ParityCase.adam_eps; tp reorders sums).
@@ -61,3 +63,11 @@ def _sharded_after_forward():
         del model
         torch.distributed.barrier()
     return out
+
+
+def test_offload_needs_fsdp():
+    plan = Plan.parse("dp2,offload=on").resolve(2)
+    assert str(Plan.parse("fsdp2,offload=on")) == "fsdp2,offload=on"
+    assert "CPU memory" in Plan.parse("fsdp2,offload=on").resolve(2).describe()
+    with pytest.raises(ValueError, match="offload=on needs"):
+        plan.validate(SMALL, global_batch=8, seq_len=16)

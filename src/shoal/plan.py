@@ -29,6 +29,7 @@ _CHOICES = {
     "precision": ("fp32", "bf16", "fp16"),
     "sp": ("on", "off"),
     "zero": ("1", "2", "3"),
+    "offload": ("on", "off"),
 }
 
 
@@ -50,6 +51,9 @@ class Plan:
     """Expert-parallel degree (experts split over data ranks)."""
     zero: int = 3
     """ZeRO stage of the fsdp axis: 1 optimizer state, 2 + gradients, 3 + parameters."""
+    offload: bool = False
+    """Keep the fsdp shards (parameters, gradients, optimizer state) in CPU memory; the optimizer
+    step runs on the CPU (FSDP2's CPUOffloadPolicy). Needs fsdp > 1."""
     mb: int | None = None
     """Pipeline micro-batches per step (None: 2 x pp)."""
     sched: str = "1f1b"
@@ -106,13 +110,13 @@ class Plan:
             if degree is not None and (degree != 1 or (axis == "dp" and not parts and self._only_dp())):
                 parts.append(f"{axis}{degree}")
         defaults = Plan()
-        for key in ("zero", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision"):
+        for key in ("zero", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision"):
             value = getattr(self, key)
             if value == getattr(defaults, key):
                 continue
             if key == "zero" and self.fsdp == 1:
                 continue
-            shown = ("on" if value else "off") if key == "sp" else value
+            shown = ("on" if value else "off") if key in ("sp", "offload") else value
             parts.append(f"{key}={shown}")
         return ",".join(parts) if parts else "dp1"
 
@@ -182,6 +186,9 @@ class Plan:
         if self.tp > 1 and self.sp and seq_len % self.tp:
             raise ValueError(f"tp={self.tp} with sequence parallelism does not divide the sequence length {seq_len}; "
                              f"valid: tp in {_divisors(seq_len)}, or the plan option sp=off")
+        if self.offload and self.fsdp == 1:
+            raise ValueError(f"offload=on needs a sharded data axis (fsdp > 1, e.g. 'fsdp2,offload=on'); "
+                             f"plan {self} has fsdp=1; valid: add fsdpN, or offload=off")
         if self.pp > model.num_layers:
             raise ValueError(f"pp={self.pp} exceeds the model's {model.num_layers} layers; valid: 1..{model.num_layers}")
         if self.cp > 1 and seq_len % (2 * self.cp) and seq_len % self.cp:
@@ -230,7 +237,8 @@ class Plan:
         if self.fsdp > 1:
             what = {1: "optimizer state", 2: "optimizer state and gradients",
                     3: "parameters, gradients and optimizer state"}[self.zero]
-            lines.append(f"  sharded data: ZeRO-{self.zero}, {what} sharded {self.fsdp} ways")
+            lines.append(f"  sharded data: ZeRO-{self.zero}, {what} sharded {self.fsdp} ways"
+                         + (", shards kept in CPU memory (optimizer step on the CPU)" if self.offload else ""))
         if self.dp > 1 or self.data_ranks == 1:
             lines.append(f"  data: {self.dp} replica(s), each sees 1/{self.data_ranks} of every global batch")
         if self.ep > 1:
@@ -251,7 +259,7 @@ def _parse_option(key: str, value: str, text: str) -> object:
             raise ValueError(f"plan option {key}={value!r} is not valid; valid: {', '.join(_CHOICES[key])}")
         if key == "zero":
             return int(value)
-        if key == "sp":
+        if key in ("sp", "offload"):
             return value == "on"
         return value
     valid = ", ".join(["mb", "vpp", *_CHOICES])

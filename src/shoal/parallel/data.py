@@ -27,6 +27,11 @@ A hand-written sharded optimizer (reduce-scatter, update the shard, all-gather) 
 persistently full parameters and gradients, i.e. strictly more memory and the same traffic, at the
 price of its own state-dict format that DCP could not reshard; FSDP2 already is that optimizer.
 
+CPU offload (`offload=on`, fsdp > 1): FSDP2's CPUOffloadPolicy keeps the sharded parameters,
+gradients and optimizer state in host memory and runs the optimizer step there; each block's
+shard is copied to the device for its all-gather and its gradient shard copied back after the
+reduce-scatter. On a CPU-only run the same path runs (pinning is off, the copies are no-ops).
+
 Hybrid `dp2,fsdp2` is FSDP2's HSDP on the 2-D mesh ("dp", "fsdp"): shard within fsdp, replicate
 across dp. Replicated dp over a tensor-parallel model (or in mixed precision) is HSDP with a
 shard degree of 1, so no DDP ever sees a DTensor.
@@ -40,7 +45,7 @@ from collections.abc import Iterator
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -56,12 +61,15 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan) -> nn
     precision = PrecisionPolicy.from_name(plan.precision)
     has_dtensors = any(isinstance(p, DTensor) for p in model.parameters())
     dp, fsdp = mesh["dp"].size(), mesh["fsdp"].size()
+    if plan.offload and fsdp == 1:
+        raise ValueError(f"offload=on needs fsdp > 1 (plan {plan}); valid: add fsdpN, or offload=off")
     if dp == 1 and fsdp == 1 and precision.is_full:
         return model  # nothing to replicate (a tp-only model stays as tensor parallel left it)
     if fsdp == 1 and not has_dtensors and precision.is_full:
         return _ddp(model, mesh["dp"])
     # Replicated only (fsdp1): nothing to free after forward, so keep the gathered copy (zero=2).
-    return _fully_shard(model, mesh=mesh, zero=plan.zero if fsdp > 1 else 2, precision=precision)
+    return _fully_shard(model, mesh=mesh, zero=plan.zero if fsdp > 1 else 2, precision=precision,
+                        offload=_offload_policy(mesh) if plan.offload else OffloadPolicy())
 
 
 def _ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
@@ -84,10 +92,20 @@ def _data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "fsdp"]
 
 
-def _fully_shard(model: nn.Module, *, mesh: DeviceMesh, zero: int, precision: PrecisionPolicy) -> nn.Module:
+def _offload_policy(mesh: DeviceMesh) -> CPUOffloadPolicy:
+    """FSDP2's CPU offload: sharded parameters, gradients and optimizer state in CPU memory, copied
+    to the device per block for forward/backward; the optimizer step runs on the CPU. Pinned host
+    memory speeds the copies on a GPU; on a CPU-only mesh pinning needs an accelerator (it raises
+    "Cannot access accelerator device"), and the shards already live in CPU memory, so there the
+    same code path runs with the host-to-device copies being no-ops."""
+    return CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+
+
+def _fully_shard(model: nn.Module, *, mesh: DeviceMesh, zero: int, precision: PrecisionPolicy,
+                 offload: OffloadPolicy) -> nn.Module:
     data_mesh = _data_mesh(mesh)
     keep_full = zero < 3  # ZeRO-1/2 keep a block's gathered parameters from forward to backward
-    kwargs = dict(mesh=data_mesh, mp_policy=precision.fsdp_policy())
+    kwargs = dict(mesh=data_mesh, mp_policy=precision.fsdp_policy(), offload_policy=offload)
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=not keep_full, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed first in backward
