@@ -254,9 +254,12 @@ def run_parallel(case: ParityCase) -> dict[str, Any]:
         if step == 0:  # step by hand to look at the gradients before the update
             optimizer.zero_grad(set_to_none=True)
             loss = float(all_reduce_mean(forward_backward(model, micro), mesh))
-            result["grads"] = full_tensors(model, grads=True)
-            clip_grad_norm(model, case.grad_clip)
-            optimizer.step()
+            scaler = getattr(model, "loss_scaler", None)  # fp16: unscale, clip, skip on overflow (as train_step)
+            scale = scaler.scale_value if scaler is not None else 1.0
+            result["grads"] = {k: g / scale for k, g in full_tensors(model, grads=True).items()}
+            grad_norm = clip_grad_norm(model, case.grad_clip if scaler is None else None)
+            if scaler is None or scaler.unscale_and_clip_(model, grad_norm, case.grad_clip)[0]:
+                optimizer.step()
             result["params"] = full_tensors(model)
         else:
             loss, _ = train_step(model, optimizer, micro, mesh=mesh, grad_clip=case.grad_clip)

@@ -121,6 +121,9 @@ class Trainer:
             state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
             self.start = int(state["step"])
             self.scheduler.restore(state["scheduler"])
+            scaler = getattr(self.model, "loss_scaler", None)  # fp16: the scale it had reached
+            if scaler is not None and "loss_scaler" in state:
+                scaler.load_state_dict(state["loss_scaler"])
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any] | None:
@@ -222,8 +225,12 @@ class Trainer:
         return "\n".join(lines)
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
-        return {"step": step, "scheduler": self.scheduler.state_dict(), "plan": str(self.plan),
-                "world_size": self.world, "config": to_flat(self.cfg)}
+        state = {"step": step, "scheduler": self.scheduler.state_dict(), "plan": str(self.plan),
+                 "world_size": self.world, "config": to_flat(self.cfg)}
+        scaler = getattr(self.model, "loss_scaler", None)  # fp16: same scale on every rank
+        if scaler is not None:
+            state["loss_scaler"] = scaler.state_dict()
+        return state
 
 
 def default_run_dir() -> str:
