@@ -62,7 +62,7 @@ def master_formula_bytes(stage: int, psi: int, n: int) -> float:
     return zero_formula_bytes(stage, psi, n) + (4 * psi / n if stage < 3 else 0)
 
 
-def _rank(model_name: str, stage: int, batch: int, seq_len: int) -> dict:
+def _rank(model_name: str, stage: int, batch: int, seq_len: int, bucket: int | None = None) -> dict:
     n = dist.get_world_size()
     cfg = get_preset(model_name).replace(max_seq_len=max(seq_len, 32))
     num_micro = 2 if stage == 1 else 1
@@ -73,7 +73,7 @@ def _rank(model_name: str, stage: int, batch: int, seq_len: int) -> dict:
     psi = plain.num_params()
     act, _ = kept_activation_bytes(lambda: plain(micro[0][0]))
     del plain
-    plan = Plan.parse(f"fsdp{n},zero={stage}").resolve(n)
+    plan = Plan.parse(f"fsdp{n},zero={stage}" + (f",bucket={bucket}" if bucket else "")).resolve(n)
     mesh = build_mesh(plan)
     torch.manual_seed(0)
     model = parallelize(Transformer(cfg), plan, mesh)
@@ -93,12 +93,13 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--bucket", type=int, default=None, help="blocks per FSDP unit (plan bucket=); default shoal's")
     args = parser.parse_args()
     mib = 2.0**20
     rows = []
     for n in args.nprocs:
         for stage in (1, 2, 3):
-            per_rank = launch(_rank, n, args.model, stage, args.batch, args.seq_len)
+            per_rank = launch(_rank, n, args.model, stage, args.batch, args.seq_len, args.bucket)
             peak = max(r["peak"] for r in per_rank)
             psi, act = per_rank[0]["psi"], per_rank[0]["act"]
             formula = zero_formula_bytes(stage, psi, n)
@@ -107,8 +108,8 @@ def main() -> None:
                          "formula_mib": formula / mib, "act_mib": act / mib,
                          "measured/formula": peak / formula, "measured/(formula+act)": peak / (formula + act),
                          "measured/(master_formula+act)": peak / (master + act)})
-    report("zero_memory", rows, notes=(
-        f"model {args.model}, {args.batch} sequences x {args.seq_len} tokens per rank, fp32 AdamW; formula: "
+    report("zero_memory" + (f"_bucket{args.bucket}" if args.bucket else ""), rows, notes=(
+        f"shoal bucket={args.bucket or 'default'}; model {args.model}, {args.batch} sequences x {args.seq_len} tokens per rank, fp32 AdamW; formula: "
         "fp32 adaptation 4Ψ params + 4Ψ grads + 8Ψ moments (stage 1: 8Ψ+8Ψ/N, 2: 4Ψ+12Ψ/N, 3: 16Ψ/N); "
         "measured = MemTracker peak of live tensor bytes on the busiest rank; act = bytes one micro-batch's "
         "forward keeps for backward; master_formula adds the sharded fp32 parameter copy of stages 1-2 (4Ψ/N); "

@@ -44,7 +44,8 @@ def _batch(cfg, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _shoal(cfg, stage: int, x: torch.Tensor, y: torch.Tensor):
     n = dist.get_world_size()
-    plan = Plan.parse(f"fsdp{n},zero={stage}").resolve(n)
+    bucket = os.environ.get("SHOAL_BENCH_BUCKET")  # --bucket; unset: shoal's default
+    plan = Plan.parse(f"fsdp{n},zero={stage}" + (f",bucket={bucket}" if bucket else "")).resolve(n)
     mesh = build_mesh(plan)
     model = parallelize(Transformer(cfg), plan, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -126,8 +127,11 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--bucket", type=int, default=None, help="shoal's blocks per FSDP unit (plan bucket=)")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.bucket:  # the launched ranks inherit the environment
+        os.environ["SHOAL_BENCH_BUCKET"] = str(args.bucket)
     peers = ["fsdp2"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
     rows = []
     for n in args.nprocs:
@@ -147,8 +151,9 @@ def main() -> None:
                 rows.append({"N": n, "stage": stage, "peer": peer, "shoal_ms": s["ms"], "shoal_iqr%": s["iqr%"],
                              "peer_ms": p["ms"], "peer_iqr%": p["iqr%"], "time_ratio": s["ms"] / p["ms"],
                              "shoal_mb": s["mem_mb"], "peer_mb": p["mem_mb"], "mem_ratio": s["mem_mb"] / p["mem_mb"]})
-    report("zero_vs_peers_N" + "_".join(map(str, args.nprocs)), rows, notes=(
-        f"model {args.model}, {args.batch} x {args.seq_len} tokens per rank, fp32 AdamW; time: {args.repeats} "
+    suffix = f"_bucket{args.bucket}" if args.bucket else ""
+    report("zero_vs_peers_N" + "_".join(map(str, args.nprocs)) + suffix, rows, notes=(
+        f"shoal bucket={args.bucket or 'default'}; model {args.model}, {args.batch} x {args.seq_len} tokens per rank, fp32 AdamW; time: {args.repeats} "
         "interleaved repeats after 2 warm-up, slowest rank's median; mem (own launch per system) = peak "
         "RSS during a step minus RSS before the model was built, max over ranks; 2 shared cores, so N=4 is "
         "oversubscribed; goals: time_ratio <= 1.05, mem_ratio <= 1.0"))

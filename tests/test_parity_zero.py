@@ -15,7 +15,9 @@ from shoal.testing import SMALL, case, check_parity, run_parallel, run_reference
 # (world, cases): several plans per worker call, since a call costs a round trip to every rank.
 GROUPS = {
     2: [case(plan="fsdp2,zero=1", num_micro=2), case(plan="fsdp2,zero=2"), case(plan="fsdp2", num_micro=2),
-        case(plan="fsdp2,offload=on", num_micro=2), case(plan="fsdp2,zero=1,offload=on", num_micro=2)],
+        case(plan="fsdp2,offload=on", num_micro=2), case(plan="fsdp2,zero=1,offload=on", num_micro=2),
+        # FSDP units of several blocks (zero=1/2 default to 2, the whole SMALL model) and of one.
+        case(plan="fsdp2,bucket=2", num_micro=2), case(plan="fsdp2,zero=2,bucket=1")],
     4: [case(plan="fsdp4,zero=1", num_micro=2), case(plan="fsdp4,zero=2"), case(plan="fsdp4"),
         case(plan="dp2,fsdp2"), case(plan="dp2,fsdp2,zero=1", num_micro=2),
         # ZeRO-1 over a tensor-parallel model (eps: see ParityCase.adam_eps; tp reorders sums).
@@ -65,9 +67,30 @@ def _sharded_after_forward():
     return out
 
 
-def test_offload_needs_fsdp():
-    plan = Plan.parse("dp2,offload=on").resolve(2)
-    assert str(Plan.parse("fsdp2,offload=on")) == "fsdp2,offload=on"
-    assert "CPU memory" in Plan.parse("fsdp2,offload=on").resolve(2).describe()
-    with pytest.raises(ValueError, match="offload=on needs"):
-        plan.validate(SMALL, global_batch=8, seq_len=16)
+def test_bucket_groups_blocks_into_units(pools):
+    """bucket=K: K consecutive blocks share one FSDP2 parameter group (one all-gather/reduce-scatter)."""
+    assert pools(2).run(_units, ["fsdp2,zero=2", "fsdp2,zero=2,bucket=1", "fsdp2", "fsdp2,bucket=3"]) == [[1, 2, 2, 1]] * 2
+
+
+def _units(plans):
+    from shoal.models import Transformer
+    from shoal.parallelize import parallelize
+    from shoal.testing import cached_mesh
+
+    out = []
+    for text in plans:
+        plan = Plan.parse(text).resolve(2)
+        model = parallelize(Transformer(SMALL), plan, cached_mesh(plan))
+        out.append(len({id(m._get_fsdp_state()) for m in model.layers.values()}))  # one state per unit
+    return out
+
+
+def test_offload_and_bucket_need_fsdp():
+    assert str(Plan.parse("fsdp2,zero=2,bucket=4,offload=on")) == "fsdp2,zero=2,bucket=4,offload=on"
+    words = Plan.parse("fsdp2,bucket=4,offload=on").resolve(2).describe()
+    assert "CPU memory" in words and "4 block(s) per gather/reduce unit" in words
+    for text, message in (("dp2,offload=on", "offload=on needs"), ("dp2,bucket=2", "bucket=2 groups blocks")):
+        with pytest.raises(ValueError, match=message):
+            Plan.parse(text).resolve(2).validate(SMALL, global_batch=8, seq_len=16)
+    with pytest.raises(ValueError, match="bucket='0'.*needs a whole number"):
+        Plan.parse("fsdp2,bucket=0")

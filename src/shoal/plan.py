@@ -51,6 +51,10 @@ class Plan:
     """Expert-parallel degree (experts split over data ranks)."""
     zero: int = 3
     """ZeRO stage of the fsdp axis: 1 optimizer state, 2 + gradients, 3 + parameters."""
+    bucket: int | None = None
+    """Transformer blocks per FSDP unit (one all-gather and one reduce-scatter per unit and pass):
+    larger units mean fewer, larger collectives and more transient full gradients. None: 2 for
+    zero=1/2 (measured fastest within the memory goal), 1 for zero=3."""
     offload: bool = False
     """Keep the fsdp shards (parameters, gradients, optimizer state) in CPU memory; the optimizer
     step runs on the CPU (FSDP2's CPUOffloadPolicy). Needs fsdp > 1."""
@@ -110,11 +114,11 @@ class Plan:
             if degree is not None and (degree != 1 or (axis == "dp" and not parts and self._only_dp())):
                 parts.append(f"{axis}{degree}")
         defaults = Plan()
-        for key in ("zero", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision"):
+        for key in ("zero", "bucket", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision"):
             value = getattr(self, key)
             if value == getattr(defaults, key):
                 continue
-            if key == "zero" and self.fsdp == 1:
+            if key in ("zero", "bucket") and self.fsdp == 1:
                 continue
             shown = ("on" if value else "off") if key in ("sp", "offload") else value
             parts.append(f"{key}={shown}")
@@ -186,6 +190,9 @@ class Plan:
         if self.tp > 1 and self.sp and seq_len % self.tp:
             raise ValueError(f"tp={self.tp} with sequence parallelism does not divide the sequence length {seq_len}; "
                              f"valid: tp in {_divisors(seq_len)}, or the plan option sp=off")
+        if self.bucket is not None and self.fsdp == 1:
+            raise ValueError(f"bucket={self.bucket} groups blocks of the sharded data axis; plan {self} has "
+                             f"fsdp=1; valid: add fsdpN, or leave bucket out")
         if self.offload and self.fsdp == 1:
             raise ValueError(f"offload=on needs a sharded data axis (fsdp > 1, e.g. 'fsdp2,offload=on'); "
                              f"plan {self} has fsdp=1; valid: add fsdpN, or offload=off")
@@ -238,6 +245,7 @@ class Plan:
             what = {1: "optimizer state", 2: "optimizer state and gradients",
                     3: "parameters, gradients and optimizer state"}[self.zero]
             lines.append(f"  sharded data: ZeRO-{self.zero}, {what} sharded {self.fsdp} ways"
+                         + (f", {self.bucket} block(s) per gather/reduce unit" if self.bucket else "")
                          + (", shards kept in CPU memory (optimizer step on the CPU)" if self.offload else ""))
         if self.dp > 1 or self.data_ranks == 1:
             lines.append(f"  data: {self.dp} replica(s), each sees 1/{self.data_ranks} of every global batch")
@@ -250,7 +258,7 @@ class Plan:
 
 
 def _parse_option(key: str, value: str, text: str) -> object:
-    if key in ("mb", "vpp"):
+    if key in ("mb", "vpp", "bucket"):
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"plan option {key}={value!r} in {text!r} needs a whole number >= 1")
         return int(value)
@@ -262,7 +270,7 @@ def _parse_option(key: str, value: str, text: str) -> object:
         if key in ("sp", "offload"):
             return value == "on"
         return value
-    valid = ", ".join(["mb", "vpp", *_CHOICES])
+    valid = ", ".join(["mb", "vpp", *_CHOICES, "bucket"])
     raise ValueError(f"unknown plan option {key!r} in {text!r}; valid options: {valid}")
 
 

@@ -4,7 +4,8 @@ Two engines, both torch's own:
 - dp alone, fp32, no tensor parallel: DistributedDataParallel on the dp sub-mesh's process
   group (bucketed gradient all-reduce overlapped with backward, the well-kept replicated path).
 - everything else (an fsdp axis, dp x fsdp hybrid, dp or fsdp over a tensor-parallel model,
-  mixed precision): FSDP2 `fully_shard`, one parameter group per transformer block plus the root.
+  mixed precision): FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive
+  transformer blocks (below) plus the root.
   Its sharded parameters are DTensors, so a stock optimizer built from `model.parameters()` keeps
   sharded state, and DCP checkpoints reshard to any other layout.
 
@@ -18,11 +19,28 @@ How the ZeRO stages map onto FSDP2 (one honest mapping, no private copy of FSDP)
 - zero=1: as zero=2, and the gradients are reduced once per optimizer step: across micro-batches
   they accumulate unsharded (ZeRO-1's full gradient buffer) and are reduce-scattered on the last
   one (`model.no_sync()` below, which `train_step` already uses). With one micro-batch per step
-  zero=1 runs exactly as zero=2. (Measured alternative: one parameter group for the whole model,
-  DeepSpeed stage 1's pattern of one all-gather and one reduce-scatter per step, ran 1.04x
-  DeepSpeed's step time instead of 1.25x at 2 ranks (noisy, shared cores), but its flat
-  reduce-scatter buffer is a second full gradient copy: 1.23x the ZeRO-1 memory formula instead
-  of 1.03x. Per-block groups keep the memory ZeRO is for.)
+  zero=1 runs exactly as zero=2.
+
+Units (`bucket=K`): K consecutive blocks form one FSDP2 parameter group, gathered before the
+first of them runs and reduce-scattered once after the last one's backward. FSDP2's cost per unit
+(hooks, copy-in/copy-out, one collective each way) is what made per-block units slower than
+DeepSpeed's flat buckets at stages 1-2; a unit's transient full gradients and its reduce-scatter
+buffer are its memory price. Measured on the `small` preset (8 blocks, Ψ = 6.4M, fp32 AdamW,
+4 x 64 tokens per rank) at 2 ranks on 2 shared cores, 24 interleaved steps, load average 1.6-1.9
+(other jobs were running; IQR 8-37%), shoal / DeepSpeed step time by K:
+    stage 1: K=1 1.13, K=2 1.04, K=4 1.05      stage 2: K=1 1.16, K=2 1.06, K=4 1.04
+and the peak live tensor bytes / (ZeRO formula with the sharded fp32 copy + activations)
+(bench/zero_memory, stage 1 with 2 micro-batches): K=1 1.03 / 0.92, K=2 1.06 / 0.95,
+K=4 1.12 / 1.00 (stage 1 / stage 2), one unit for the whole model 1.23 at stage 1. K=2 is the
+largest unit inside the 10% memory goal, so it is the zero=1/2 default; zero=3 keeps K=1, since
+there a unit's full parameters are what sharding saves (its time was 1.00-1.08x DeepSpeed's
+already). Explicit forward/backward prefetch of the next unit measured no gain on gloo. Figures
+at the default, bench/results/zero_vs_peers_N2.json (16 repeats, load 1.9-2.3, IQR 7-53%):
+shoal / DeepSpeed 0.97 (stage 1), 0.94 (2), 1.00 (3); shoal / FSDP2 used directly 0.96 (2),
+1.04 (3); resident memory / DeepSpeed's 0.58-0.71, / FSDP2's 1.05 (2: its per-block units) and
+0.97 (3). At 4 ranks (oversubscribed, 10 repeats, load 2.4-3.9, IQR 5-28%): / DeepSpeed 1.08,
+1.08, 0.93; / FSDP2 0.93 (2), 1.03 (3); memory / DeepSpeed's 0.57-0.71, / FSDP2's 0.96 (2, 3).
+Peak live tensors / (formula with the fp32 copy + activations) at 4 ranks: 1.07, 1.00, 1.03.
 A hand-written sharded optimizer (reduce-scatter, update the shard, all-gather) would give ZeRO-1
 persistently full parameters and gradients, i.e. strictly more memory and the same traffic, at the
 price of its own state-dict format that DCP could not reshard; FSDP2 already is that optimizer.
@@ -68,7 +86,11 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan) -> nn
     if fsdp == 1 and not has_dtensors and precision.is_full:
         return _ddp(model, mesh["dp"])
     # Replicated only (fsdp1): nothing to free after forward, so keep the gathered copy (zero=2).
-    return _fully_shard(model, mesh=mesh, zero=plan.zero if fsdp > 1 else 2, precision=precision,
+    zero = plan.zero if fsdp > 1 else 2
+    bucket = plan.bucket if plan.bucket is not None else (DEFAULT_BUCKET if zero < 3 else 1)
+    if bucket < 1:
+        raise ValueError(f"bucket={bucket} must be a whole number of blocks >= 1")
+    return _fully_shard(model, mesh=mesh, zero=zero, precision=precision, bucket=bucket,
                         offload=_offload_policy(mesh) if plan.offload else OffloadPolicy())
 
 
@@ -92,6 +114,10 @@ def _data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "fsdp"]
 
 
+DEFAULT_BUCKET = 2
+"""Blocks per FSDP unit at zero=1/2 unless the plan says `bucket=`: see the module docstring."""
+
+
 def _offload_policy(mesh: DeviceMesh) -> CPUOffloadPolicy:
     """FSDP2's CPU offload: sharded parameters, gradients and optimizer state in CPU memory, copied
     to the device per block for forward/backward; the optimizer step runs on the CPU. Pinned host
@@ -102,12 +128,14 @@ def _offload_policy(mesh: DeviceMesh) -> CPUOffloadPolicy:
 
 
 def _fully_shard(model: nn.Module, *, mesh: DeviceMesh, zero: int, precision: PrecisionPolicy,
-                 offload: OffloadPolicy) -> nn.Module:
+                 bucket: int, offload: OffloadPolicy) -> nn.Module:
     data_mesh = _data_mesh(mesh)
     keep_full = zero < 3  # ZeRO-1/2 keep a block's gathered parameters from forward to backward
     kwargs = dict(mesh=data_mesh, mp_policy=precision.fsdp_policy(), offload_policy=offload)
-    for block in transformer_blocks(model):
-        fully_shard(block, reshard_after_forward=not keep_full, **kwargs)
+    blocks = transformer_blocks(model)
+    for unit in (blocks[i:i + bucket] for i in range(0, len(blocks), bucket)):
+        # A list is one FSDP2 parameter group: gathered before the first block runs, reduced once.
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=not keep_full, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed first in backward
     if precision.loss_scaling:
         model.loss_scaler = LossScaler()  # type: ignore[assignment]  # train_step looks for it
