@@ -79,7 +79,9 @@ def init_distributed() -> torch.device:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        # A gloo backend beside NCCL for CPU tensors: under offload=on the gradient shards live in
+        # host memory, and the global gradient norm is all-reduced where they are.
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
