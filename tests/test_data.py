@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from shoal.testing import one_line_error
 from shoal.train.data import (
     ByteTokenizer,
     DataConfig,
@@ -101,19 +102,11 @@ def test_user_files_load(tmp_path):
     assert x.shape == (4, 8) and torch.equal(y[:, :-1], x[:, 1:])
 
 
-def _error(fn, *args, **kwargs) -> str:
-    with pytest.raises(ValueError) as info:
-        fn(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message, message
-    return message
-
-
 def test_bad_data_gives_one_line_errors(tmp_path):
     byte = ByteTokenizer()
 
     def load(name: str) -> str:
-        return _error(load_tokens, DataConfig(path=str(tmp_path / name)), byte)
+        return one_line_error(load_tokens, DataConfig(path=str(tmp_path / name)), byte)
 
     (tmp_path / "empty").mkdir()
     np.save(tmp_path / "float.npy", np.zeros(10, dtype=np.float32))
@@ -128,10 +121,10 @@ def test_bad_data_gives_one_line_errors(tmp_path):
     assert "garbage.npy" in load("garbage.npy") and "cannot be read" in load("garbage.npy")
     assert "odd.bin" in load("odd.bin") and "cannot be read" in load("odd.bin")
     assert "unknown type; valid: a folder, .txt, .bin (uint16) or .npy" in load("data.csv")
-    assert "fewer than one sequence of 17" in _error(TokenBatches, np.arange(10), seq_len=16, seed=0)
-    assert "too few for a training and a held-out split" in _error(split_tokens, np.arange(30), 0.1, 16)
-    assert "tokenizer 'no/such/tok' not found; valid: 'byte'" in _error(load_tokenizer, "no/such/tok")
-    assert "could not be loaded locally" in _error(load_tokenizer, str(tmp_path / "empty"))
+    assert "fewer than one sequence of 17" in one_line_error(TokenBatches, np.arange(10), seq_len=16, seed=0)
+    assert "too few for a training and a held-out split" in one_line_error(split_tokens, np.arange(30), 0.1, 16)
+    assert "tokenizer 'no/such/tok' not found; valid: 'byte'" in one_line_error(load_tokenizer, "no/such/tok")
+    assert "could not be loaded locally" in one_line_error(load_tokenizer, str(tmp_path / "empty"))
 
 
 def test_local_hugging_face_tokenizer(tmp_path):

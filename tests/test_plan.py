@@ -7,6 +7,7 @@ import pytest
 
 from shoal.models import PRESETS
 from shoal.plan import Plan
+from shoal.testing import one_line_error
 
 TINY = PRESETS["tiny"]  # 8 heads, 4 KV heads, ffn 384, vocab 256, 4 layers
 
@@ -22,14 +23,6 @@ EXAMPLES = {
     "ep4": "ep4",
     "auto": "auto",
 }
-
-
-def _error(fn, *args, **kwargs) -> str:
-    with pytest.raises(ValueError) as info:
-        fn(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message, message
-    return message
 
 
 @pytest.mark.parametrize("text", list(EXAMPLES))
@@ -92,39 +85,39 @@ def test_degrees():
     ("dp2,foo=1", "unknown plan option 'foo' in 'dp2,foo=1'; valid options: mb, vpp, sched"),
 ])
 def test_parse_errors_are_one_line(text, words):
-    assert words in _error(Plan.parse, text)
+    assert words in one_line_error(Plan.parse, text)
 
 
 def test_resolve_errors():
-    assert "plan tp3 needs a multiple of 3 processes" in _error(Plan.parse("tp3").resolve, 8)
-    assert "valid: 3, 6, 9, 12" in _error(Plan.parse("tp3").resolve, 8)
-    message = _error(Plan.parse("dp2,tp2").resolve, 8)
+    assert "plan tp3 needs a multiple of 3 processes" in one_line_error(Plan.parse("tp3").resolve, 8)
+    assert "valid: 3, 6, 9, 12" in one_line_error(Plan.parse("tp3").resolve, 8)
+    message = one_line_error(Plan.parse("dp2,tp2").resolve, 8)
     assert "4 processes" in message and "world size is 8" in message and "leave dp out" in message
-    assert "ep=4 must divide" in _error(Plan.parse("ep4").resolve, 2) and "valid: 1, 2" in _error(Plan.parse("ep4").resolve, 2)
-    assert "world size 0 must be >= 1" in _error(Plan.parse("dp1").resolve, 0)
+    assert "ep=4 must divide" in one_line_error(Plan.parse("ep4").resolve, 2) and "valid: 1, 2" in one_line_error(Plan.parse("ep4").resolve, 2)
+    assert "world size 0 must be >= 1" in one_line_error(Plan.parse("dp1").resolve, 0)
 
 
 def test_validate_against_model_and_batch():
     Plan.parse("dp2,tp2").resolve(4).validate(TINY, global_batch=8, seq_len=64)
     tp3 = Plan.parse("tp3").resolve(3)
-    assert _error(tp3.validate, TINY, global_batch=3, seq_len=64) == (
+    assert one_line_error(tp3.validate, TINY, global_batch=3, seq_len=64) == (
         "tp=3 does not divide 8 attention heads; valid: 1, 2, 4, 8"
     )
     kv = Plan.parse("tp8").resolve(8)
-    assert "tp=8 does not divide 4 KV heads; valid: 1, 2, 4" in _error(kv.validate, TINY, global_batch=8, seq_len=64)
-    assert "pp=8 exceeds the model's 4 layers; valid: 1..4" in _error(
+    assert "tp=8 does not divide 4 KV heads; valid: 1, 2, 4" in one_line_error(kv.validate, TINY, global_batch=8, seq_len=64)
+    assert "pp=8 exceeds the model's 4 layers; valid: 1..4" in one_line_error(
         Plan.parse("pp8").resolve(8).validate, TINY, global_batch=16, seq_len=64)
-    assert "cp=4 does not divide the sequence length 30; valid: 1, 2, 3, 5, 6, 10, 15, 30" in _error(
+    assert "cp=4 does not divide the sequence length 30; valid: 1, 2, 3, 5, 6, 10, 15, 30" in one_line_error(
         Plan.parse("cp4").resolve(4).validate, TINY, global_batch=4, seq_len=30)
-    assert "global batch 6 is not divisible by the 4 data-parallel ranks (dp*fsdp); valid: multiples of 4" in _error(
+    assert "global batch 6 is not divisible by the 4 data-parallel ranks (dp*fsdp); valid: multiples of 4" in one_line_error(
         Plan.parse("dp2,fsdp2").resolve(4).validate, TINY, global_batch=6, seq_len=64)
-    assert "mb=3 does not divide the 8 sequences each pipeline gets per step; valid: 1, 2, 4, 8" in _error(
+    assert "mb=3 does not divide the 8 sequences each pipeline gets per step; valid: 1, 2, 4, 8" in one_line_error(
         Plan.parse("pp2,mb=3").resolve(2).validate, TINY, global_batch=8, seq_len=64)
-    assert "ep=2 needs a Mixture-of-Experts model; this one has num_experts=0" in _error(
+    assert "ep=2 needs a Mixture-of-Experts model; this one has num_experts=0" in one_line_error(
         Plan.parse("ep2").resolve(2).validate, TINY, global_batch=8, seq_len=64)
     moe = PRESETS["tiny-moe"]  # 4 experts
     Plan.parse("ep4").resolve(4).validate(moe, global_batch=8, seq_len=64)
-    assert "ep=8 does not divide 4 experts; valid: 1, 2, 4" in _error(
+    assert "ep=8 does not divide 4 experts; valid: 1, 2, 4" in one_line_error(
         Plan.parse("ep8").resolve(8).validate, moe, global_batch=8, seq_len=64)
 
 

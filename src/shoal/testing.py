@@ -132,6 +132,17 @@ def assert_close(actual: Any, expected: Any, *, rtol: float, atol: float, what: 
 
 
 # Longest first: "module." is a suffix of the checkpoint/FSDP wrappers' prefixes.
+def one_line_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """The message of the ValueError that fn(*args, **kwargs) raises, checked to be one line."""
+    try:
+        fn(*args, **kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        assert "\n" not in message, message
+        return message
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} raised no ValueError")
+
+
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "module.")
 
 
