@@ -147,7 +147,7 @@ class Trainer:
                 record["eval_loss"] = self.evaluate()
             if writer is not None and bar is not None:
                 writer.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
                 bar.update(1)
                 if "eval_loss" in record:
                     bar.write(f"step {n}: held-out loss {record['eval_loss']:.4f}")
