@@ -89,9 +89,7 @@ def save_checkpoint(
         raise RuntimeError(error)
     tmp = root / f"{final.name}.tmp-{token}"
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    state: dict[str, Any] = {"model": model_sd}
-    if optim_sd is not None:
-        state["optimizer"] = optim_sd
+    state = _dcp_state(model_sd, optim_sd)
     try:
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
@@ -142,9 +140,7 @@ def load_checkpoint(
     error = _first_error(error)
     if error is not None:
         raise ValueError(f"checkpoint {path} {error}")
-    state: dict[str, Any] = {"model": model_sd}
-    if optim_sd is not None:
-        state["optimizer"] = optim_sd
+    state = _dcp_state(model_sd, optim_sd)
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
@@ -305,6 +301,11 @@ def _check_compatible(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _dcp_state(model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> dict[str, Any]:
+    """What DCP saves and loads: the model, and the optimizer when there is one."""
+    return {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
