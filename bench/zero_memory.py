@@ -36,7 +36,7 @@ from bench.common import launch, report
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
 from shoal.parallel.recompute import kept_activation_bytes
-from shoal.parallelize import parallelize
+from shoal.parallelize import parallelize, unwrap
 from shoal.plan import Plan
 from shoal.train.step import split_micro, train_step
 
@@ -80,7 +80,7 @@ def _rank(model_name: str, stage: int, batch: int, seq_len: int, bucket: int | N
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     train_step(model, optimizer, micro, mesh=mesh, grad_clip=1.0)  # optimizer state now exists
     tracker = TotalTracker()
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, unwrap(model), optimizer)  # the ZeRO-1/2 engine: full parameters too
     with tracker:
         train_step(model, optimizer, micro, mesh=mesh, grad_clip=1.0)
     peak = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())

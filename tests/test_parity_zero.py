@@ -12,14 +12,18 @@ import pytest
 from shoal.plan import Plan
 from shoal.testing import SMALL, case, check_parity, run_parallel, run_reference
 
+GPT_SMALL = SMALL.replace(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
+
 # (world, cases): several plans per worker call, since a call costs a round trip to every rank.
 GROUPS = {
     2: [case(plan="fsdp2,zero=1", num_micro=2), case(plan="fsdp2,zero=2"), case(plan="fsdp2", num_micro=2),
+        # ZeRO-2 reduces every micro-batch into the gradient shard; GPT style ties the embeddings.
+        case(plan="fsdp2,zero=2", num_micro=2), case(plan="fsdp2,zero=2", model=GPT_SMALL),
         case(plan="fsdp2,offload=on", num_micro=2), case(plan="fsdp2,zero=1,offload=on", num_micro=2),
         # FSDP units of several blocks (zero=1/2 default to 2, the whole SMALL model) and of one.
         case(plan="fsdp2,bucket=2", num_micro=2), case(plan="fsdp2,zero=2,bucket=1")],
     4: [case(plan="fsdp4,zero=1", num_micro=2), case(plan="fsdp4,zero=2"), case(plan="fsdp4"),
-        case(plan="dp2,fsdp2"), case(plan="dp2,fsdp2,zero=1", num_micro=2),
+        case(plan="dp2,fsdp2"), case(plan="dp2,fsdp2,zero=1", num_micro=2), case(plan="dp2,fsdp2,zero=2"),
         # ZeRO-1 over a tensor-parallel model (eps: see ParityCase.adam_eps; tp reorders sums).
         case(plan="fsdp2,tp2,zero=1", num_micro=2, adam_eps=1e-6)],
 }
@@ -42,15 +46,17 @@ def test_zero_stages_match_single_process(pools, world):
 
 
 def test_zero_stage_sets_what_is_sharded(pools):
-    """zero=3 frees a block's full parameters after forward; zero=1/2 keep them until backward."""
-    assert pools(2).run(_sharded_after_forward) == [{3: True, 2: False, 1: False}] * 2
+    """zero=3 (FSDP2) frees a block's full parameters after forward; zero=1/2 (shoal's engine) keep
+    them as plain tensors and shard only the float32 masters the optimizer sees."""
+    assert pools(2).run(_sharded_after_forward) == [{3: (True, "FSDPTransformer"), 2: (False, "ZeroDataParallel"),
+                                                     1: (False, "ZeroDataParallel")}] * 2
 
 
 def _sharded_after_forward():
     import torch
     from torch.distributed.tensor import DTensor
 
-    from shoal.parallelize import parallelize
+    from shoal.parallelize import parallelize, unwrap
     from shoal.plan import Plan
     from shoal.testing import cached_mesh
 
@@ -59,17 +65,20 @@ def _sharded_after_forward():
         plan = Plan.parse(f"fsdp2,zero={zero}").resolve(2)
         c = case(plan=str(plan))
         model = parallelize(c.build_model(), plan, cached_mesh(plan))
+        assert all(isinstance(p, DTensor) for p in model.parameters())  # what an optimizer updates
         model(c.batches()[0][0][:2]).sum()  # forward only, graph kept
-        block = model.layers["0"]
-        out[zero] = isinstance(block.attention.wq.weight, DTensor)
+        block = unwrap(model).layers["0"]
+        out[zero] = (isinstance(block.attention.wq.weight, DTensor), type(model).__name__)
         del model
         torch.distributed.barrier()
     return out
 
 
 def test_bucket_groups_blocks_into_units(pools):
-    """bucket=K: K consecutive blocks share one FSDP2 parameter group (one all-gather/reduce-scatter)."""
-    assert pools(2).run(_units, ["fsdp2,zero=2", "fsdp2,zero=2,bucket=1", "fsdp2", "fsdp2,bucket=3"]) == [[1, 2, 2, 1]] * 2
+    """bucket=K: K consecutive blocks share one all-gather/reduce-scatter: an FSDP2 parameter group
+    at zero=3, a bucket of the ZeRO-1/2 engine (which adds one for embeddings and head)."""
+    plans = ["fsdp2,zero=2", "fsdp2,zero=2,bucket=1", "fsdp2", "fsdp2,bucket=3"]
+    assert pools(2).run(_units, plans) == [[2, 3, 2, 1]] * 2
 
 
 def _units(plans):
@@ -81,7 +90,10 @@ def _units(plans):
     for text in plans:
         plan = Plan.parse(text).resolve(2)
         model = parallelize(Transformer(SMALL), plan, cached_mesh(plan))
-        out.append(len({id(m._get_fsdp_state()) for m in model.layers.values()}))  # one state per unit
+        if plan.zero < 3:
+            out.append(len(model.buckets))
+        else:
+            out.append(len({id(m._get_fsdp_state()) for m in model.layers.values()}))  # one state per unit
     return out
 
 

@@ -68,6 +68,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
+from shoal.parallel.zero import ZeroDataParallel
 from shoal.plan import Plan
 
 
@@ -90,6 +91,12 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan) -> nn
     bucket = plan.bucket if plan.bucket is not None else (DEFAULT_BUCKET if zero < 3 else 1)
     if bucket < 1:
         raise ValueError(f"bucket={bucket} must be a whole number of blocks >= 1")
+    if zero < 3 and fsdp > 1 and not has_dtensors and not plan.offload:
+        engine = ZeroDataParallel(model, mesh=mesh, zero=zero, bucket=bucket, precision=precision,
+                                  blocks=transformer_blocks(model))
+        if precision.loss_scaling:
+            engine.loss_scaler = LossScaler()  # type: ignore[assignment]  # train_step looks for it
+        return engine
     return _fully_shard(model, mesh=mesh, zero=zero, precision=precision, bucket=bucket,
                         offload=_offload_policy(mesh) if plan.offload else OffloadPolicy())
 

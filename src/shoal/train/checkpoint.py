@@ -43,6 +43,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from shoal.parallel.zero import ZeroDataParallel
+
 FORMAT = "shoal-checkpoint/1"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -146,10 +148,15 @@ def load_checkpoint(
             dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, raised on every rank
         raise ValueError(f"checkpoint {path} could not be read: {_one_line(exc)}") from None
-    set_state_dict(
-        model, optimizer if optimizer is not None else (),
-        model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}),
-    )
+    if isinstance(model, ZeroDataParallel):  # loaded in place into its shards and optimizer state
+        model.loaded()
+        if optimizer is not None:
+            model.load_optim_state_dict(optimizer, state["optimizer"])
+    else:
+        set_state_dict(
+            model, optimizer if optimizer is not None else (),
+            model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}),
+        )
     return json.loads((path / TRAINER_STATE).read_text())
 
 
@@ -309,7 +316,10 @@ def _dcp_state(model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> dic
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
-    """Model and optimizer state dicts with clean parameter names (DCP's get_state_dict)."""
+    """Model and optimizer state dicts with clean parameter names (DCP's get_state_dict, or the
+    ZeRO-1/2 engine's own, which has the same names and sharded layout)."""
+    if isinstance(model, ZeroDataParallel):
+        return model.model_state_dict(), (model.optim_state_dict(optimizer) if optimizer is not None else None)
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else ())
     return model_sd, (optim_sd if optimizer is not None else None)
 

@@ -27,6 +27,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from shoal.parallel.zero import ZeroDataParallel
 
 MODEL_KEY = "model"  # the top-level key shoal.train.checkpoint saves the model state under
 
@@ -55,8 +58,10 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
 def export_model(model: nn.Module, out: Path | str, *, metadata: dict[str, str] | None = None) -> Path | None:
     """Write `model`'s full weights to one safetensors file. Collective over the default process
     group when there is one (sharded parameters are gathered); only rank 0 writes and returns the path."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
+    if isinstance(model, ZeroDataParallel):  # its own state dict: sharded float32 masters
+        weights = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.model_state_dict().items()}
+    else:
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     return _write({k: v.detach() for k, v in weights.items()}, Path(out), metadata or {})
@@ -70,11 +75,15 @@ def import_weights(path: Path | str, *, model: nn.Module, strict: bool = True) -
         weights = load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"weights file {path} cannot be read as safetensors: {exc}") from None
-    expected = set(get_model_state_dict(model))
+    zero = isinstance(model, ZeroDataParallel)
+    expected = set(model.model_state_dict() if zero else get_model_state_dict(model))
     if strict and set(weights) != expected:
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
         raise ValueError(f"weights file {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
+    if zero:
+        model.load_full_weights(weights)
+    else:
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def _write(weights: dict[str, torch.Tensor], out: Path, metadata: dict[str, str]) -> Path:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from shoal.mesh import all_reduce_mean
 from shoal.parallel.vocab import cross_entropy, local_value, vocab_parallel_loss
+from shoal.parallel.zero import ZeroDataParallel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -50,6 +51,8 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[Batch]) -> torch.
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     """Global gradient L2 norm (sharded gradients included), clipped to `max_norm` when given."""
+    if isinstance(model, ZeroDataParallel):  # its flat gradient shards: one collective, not one per tensor
+        return model.clip_grad_norm_(max_norm).detach().cpu()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
     if isinstance(norm, DTensor):

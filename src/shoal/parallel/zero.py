@@ -1,0 +1,383 @@
+"""ZeRO stages 1 and 2: a small sharded optimizer on plain collectives (DeepSpeed's design, ours).
+
+Why not FSDP2 here: FSDP2 is a ZeRO-3 engine. Run as ZeRO-1/2 it still gathers every unit's
+parameters in every forward, copies them in and out per unit, and reduce-scatters per unit, and
+on gloo that cost 1.10-1.14x DeepSpeed's step time (bench/zero_vs_peers). ZeRO-1/2 keep the full
+parameters anyway, so the module here keeps them as ordinary tensors the model computes with,
+and shards only what the stages shard:
+
+- Parameters are grouped in buckets (`bucket` transformer blocks each, plus one for the rest).
+  Each rank owns, of every parameter, the rows FSDP2/DTensor `Shard(0)` would give it: in fp32
+  those rows of the full parameter itself (no copy), in bf16/fp16 a float32 master copy of them. `parameters()` yields those shards as DTensors, so any stock
+  optimizer, `clip_grad_norm`, the loss scaler and the parity harness work unchanged, and a
+  checkpoint has FSDP2's format: it reshards to every other layout through DCP.
+- Backward: when a bucket's last gradient has been accumulated, its gradients are packed
+  rank-major (`torch._chunk_cat`, FSDP2's own packing) and reduce-scattered, asynchronously, in
+  one collective; the full gradients are freed then (ZeRO-2's memory). With dp x fsdp (hybrid)
+  the shard is then all-reduced across dp. zero=1 differs only in accumulating full gradients
+  across micro-batches (`no_sync`) and reducing on the last one; zero=2 reduces every micro-batch
+  into the gradient shard.
+- After the optimizer step: a step hook common to all optimizers (torch's
+  `register_optimizer_step_post_hook`; it acts only on optimizers holding these shards) marks
+  the full parameters stale, and the next forward all-gathers each bucket once into them (cast
+  to the compute dtype). So any optimizer works, and evaluation between steps sees the update.
+  (The shards' version counters cannot tell: a DTensor's in-place foreach update leaves them as
+  they were.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from shoal.parallel.precision import PrecisionPolicy
+
+
+@dataclass(kw_only=True)
+class _Slot:
+    """One parameter's place in its bucket: `chunk_rows` rows per rank, at `offset` in the shard."""
+
+    names: list[str]  # every name the parameter has (tied weights have two)
+    param: nn.Parameter  # the full parameter the model computes with
+    chunk_rows: int  # ceil(rows / fsdp): Shard(0)'s chunk
+    row_numel: int
+    offset: int  # element offset of this parameter's chunk inside one rank's shard
+    shard: nn.Parameter | None = None  # this rank's float32 rows (of the parameter or the master copy), a DTensor
+    grad: DTensor | None = None  # the shard's gradient, a DTensor view into the bucket's gradient shard
+
+    @property
+    def rows(self) -> int:
+        return self.param.shape[0]
+
+    def local_rows(self, rank: int) -> int:
+        return max(0, min(self.rows, (rank + 1) * self.chunk_rows) - rank * self.chunk_rows)
+
+
+class _Bucket:
+    """Parameters reduced and gathered together; `grad` (and `master`) hold this rank's shard of them,
+    `numel` elements laid out rank-major: each parameter's `chunk_rows` rows, padded."""
+
+    def __init__(self, params: list[tuple[list[str], nn.Parameter]], shards: int, *, master: bool) -> None:
+        self.slots: list[_Slot] = []
+        offset = 0
+        for names, param in params:
+            if param.dim() == 0:
+                raise ValueError(f"parameter {names[0]} is a scalar; ZeRO-1/2 shard parameters by rows")
+            chunk_rows = -(-param.shape[0] // shards)
+            row_numel = param[0].numel()
+            self.slots.append(_Slot(names=names, param=param, chunk_rows=chunk_rows, row_numel=row_numel, offset=offset))
+            offset += chunk_rows * row_numel
+        self.numel = offset  # one rank's shard, padding included
+        # A float32 master copy of this rank's rows when the parameters are computed in 16 bits.
+        self.master = torch.zeros(offset, dtype=torch.float32, device=params[0][1].device) if master else None
+        self.grad: torch.Tensor | None = None  # the reduced gradient shard, from the first reduction of a step
+        self.ready = 0  # gradients accumulated in this backward
+        self.pending: tuple[dist.Work | None, torch.Tensor, bool] | None = None  # reduce-scatter in flight
+
+    def views(self, flat: torch.Tensor, slot: _Slot, rank: int) -> torch.Tensor:
+        """This rank's rows of `slot` inside the shard-layout buffer `flat`."""
+        rows = slot.local_rows(rank)
+        return flat[slot.offset:slot.offset + rows * slot.row_numel].view(rows, *slot.param.shape[1:])
+
+
+class ZeroDataParallel(nn.Module):
+    """`module` trained with ZeRO stage 1 or 2 over the mesh's fsdp axis (replicated across dp)."""
+
+    def __init__(self, module: nn.Module, *, mesh: DeviceMesh, zero: int, bucket: int,
+                 precision: PrecisionPolicy, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        if zero not in (1, 2):
+            raise ValueError(f"zero={zero}: this engine runs ZeRO stages 1 and 2; valid: 1, 2")
+        self.module = module
+        self.zero, self.precision = zero, precision
+        self._fsdp, self._dp = mesh["fsdp"], mesh["dp"]
+        self._shard_mesh = mesh["fsdp"] if self._dp.size() == 1 else mesh["dp", "fsdp"]
+        self._placements = (Shard(0),) if self._dp.size() == 1 else (Replicate(), Shard(0))
+        self._rank, self._shards = self._fsdp.get_local_rank(), self._fsdp.size()
+        self._world = self._shards * self._dp.size()
+        self._all_to_all = dist.get_backend(self._fsdp.get_group()) in _ALL_TO_ALL_ON
+        self._sync = True
+        self._callback_queued = False
+        self._stale = False  # the master shards changed since the full parameters were gathered
+        master = precision.param_dtype != torch.float32
+        self.buckets = [_Bucket(group, self._shards, master=master) for group in _group(module, blocks, bucket)]
+        self._frozen = {n: p for n, p in module.named_parameters() if not p.requires_grad}
+        self._init_shards()
+        for b in self.buckets:
+            for slot in b.slots:
+                slot.param.register_post_accumulate_grad_hook(lambda _p, b=b: self._on_grad(b))
+        shard_ids = {id(p) for p in self.parameters()}
+        me = weakref.ref(self)
+
+        def after_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            engine = me()
+            if engine is not None and any(id(p) in shard_ids for g in optimizer.param_groups for p in g["params"]):
+                engine._stale = True
+
+        handle = register_optimizer_step_post_hook(after_step)
+        weakref.finalize(self, handle.remove)
+
+    # ------------------------------------------------------------------ the module's face
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.gather()
+        return self.module(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's trainable shards (what an optimizer should update), under the parameters' names."""
+        for b in self.buckets:
+            for slot in b.slots:
+                yield prefix + slot.names[0], slot.shard  # type: ignore[misc]
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """zero=1 between micro-batches: accumulate full gradients, reduce on the last micro-batch."""
+        self._sync = self.zero == 2
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
+        """Global gradient L2 norm from the flat gradient shards (one sum per bucket, one
+        all-reduce), clipped to `max_norm` when given: what `clip_grad_norm_` computes over the
+        DTensor shards, without a collective per parameter. Padding rows hold zeros."""
+        grads = [b.grad for b in self.buckets if b.grad is not None and b.slots[0].shard.grad is not None]  # type: ignore[union-attr]
+        squares = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.buckets[0].slots[0].param.device)
+        dist.all_reduce(squares, group=self._fsdp.get_group())  # dp replicas hold the same shards
+        norm = squares.sqrt()
+        if max_norm is not None and max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grads_with_norm_ formula
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    # ------------------------------------------------------------------ gather (after a step)
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """All-gather the master shards into the full parameters, if they changed since the last time."""
+        if not self._stale:
+            return
+        self._stale = False
+        for b in self.buckets:
+            dtype, device = b.slots[0].param.dtype, b.slots[0].param.device
+            if b.master is not None:
+                shard = b.master.to(dtype)
+            else:  # fp32: the rows live in the parameters; pack them (padding rows stay zero)
+                shard = torch.zeros(b.numel, dtype=dtype, device=device)
+                for slot in b.slots:
+                    b.views(shard, slot, self._rank).copy_(self._own_rows(slot))
+            full = torch.empty(self._shards * b.numel, dtype=dtype, device=device)
+            dist.all_gather_into_tensor(full, shard, group=self._fsdp.get_group())
+            full_NS = full.view(self._shards, b.numel)
+            for slot in b.slots:
+                chunk = full_NS[:, slot.offset:slot.offset + slot.chunk_rows * slot.row_numel]
+                rows = chunk.reshape(self._shards * slot.chunk_rows, *slot.param.shape[1:])
+                slot.param.copy_(rows[:slot.rows])
+
+    # ------------------------------------------------------------------ reduce (in backward)
+
+    def _on_grad(self, b: _Bucket) -> None:
+        if not self._callback_queued:  # once per backward: flush and wait when autograd is done
+            self._callback_queued = True
+            self._release_cleared_grads()
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if not self._sync:
+            return
+        b.ready += 1
+        if b.ready == len(b.slots):
+            self._reduce(b)
+
+    @torch.no_grad()
+    def _reduce(self, b: _Bucket) -> None:
+        """Pack the bucket's gradients rank-major, free them, start their reduce-scatter."""
+        for other in self.buckets:  # at most two reductions in flight: bounded transient memory
+            if other.pending is not None and other is not b:
+                self._complete(other)
+        grads = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in b.slots]
+        packed = torch._chunk_cat(grads, dim=0, num_chunks=self._shards).to(self.precision.reduce_dtype)
+        for s in b.slots:
+            s.param.grad = None
+        # The first reduction of a step lands in a new gradient shard itself (when the dtypes
+        # agree); later ones (zero=2 over micro-batches) in a temporary added to it.
+        first = b.grad is None
+        if first:
+            b.grad = torch.empty(b.numel, dtype=torch.float32, device=packed.device)
+        group = self._fsdp.get_group()
+        if self._all_to_all:  # every rank's copy of my rows, summed in _complete (see _ALL_TO_ALL_ON)
+            out = torch.empty_like(packed).view(-1)
+            work = dist.all_to_all_single(out, packed.view(-1), group=group, async_op=True)
+        else:
+            out = b.grad if first and packed.dtype == torch.float32 else torch.empty(b.numel, dtype=packed.dtype, device=packed.device)
+            work = dist.reduce_scatter_tensor(out, packed.view(-1), group=group, async_op=True)
+        b.pending = (work, out, first)
+        b.ready = 0
+
+    @torch.no_grad()
+    def _complete(self, b: _Bucket) -> None:
+        """Wait for the bucket's reduce-scatter; average it into the gradient shard."""
+        assert b.pending is not None
+        work, out, first = b.pending
+        b.pending = None
+        work.wait()
+        if self._all_to_all:
+            out = out.view(self._shards, b.numel).sum(dim=0)
+        if self._dp.size() > 1:
+            dist.all_reduce(out, group=self._dp.get_group())
+        assert b.grad is not None
+        if out is b.grad:
+            b.grad.div_(self._world)
+        elif first:
+            b.grad.copy_(out).div_(self._world)
+        else:
+            b.grad.add_(out.float().div_(self._world))
+        for slot in b.slots:
+            if slot.grad is None:
+                slot.grad = self._dtensor(b.views(b.grad, slot, self._rank), slot)
+            slot.shard.grad = slot.grad  # type: ignore[union-attr]
+
+    def _release_cleared_grads(self) -> None:
+        """Drop gradient shards the optimizer's zero_grad(set_to_none=True) let go of, so that
+        they do not sit in memory through the next backward (FSDP2 frees them the same way)."""
+        for b in self.buckets:
+            if b.grad is not None and all(slot.shard.grad is None for slot in b.slots):  # type: ignore[union-attr]
+                b.grad = None
+                for slot in b.slots:
+                    slot.grad = None
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        for b in self.buckets:  # parameters the forward did not use never report: reduce their zeros
+            if b.ready:
+                self._reduce(b)
+        for b in self.buckets:
+            if b.pending is not None:
+                self._complete(b)
+
+    # ------------------------------------------------------------------ shards and state dicts
+
+    @torch.no_grad()
+    def _init_shards(self) -> None:
+        """This rank's rows become the shards the optimizer updates (ranks start equal: same seed
+        or a loaded checkpoint): in fp32 a view of the parameter's own rows, in 16-bit training a
+        float32 master copy of them, after which the full parameters are cast to the compute dtype."""
+        for b in self.buckets:
+            for slot in b.slots:
+                local = self._own_rows(slot)
+                if b.master is not None:
+                    local = b.views(b.master, slot, self._rank).copy_(local)
+                slot.shard = nn.Parameter(self._dtensor(local, slot))
+                slot.param.data = slot.param.data.to(self.precision.param_dtype)
+
+    def _own_rows(self, slot: _Slot) -> torch.Tensor:
+        """This rank's rows of the full parameter (a view sharing its storage, outside autograd)."""
+        start = self._rank * slot.chunk_rows
+        return slot.param.detach()[start:start + slot.local_rows(self._rank)]
+
+    def _dtensor(self, local: torch.Tensor, slot: _Slot) -> DTensor:
+        shape = slot.param.shape
+        return DTensor.from_local(local, self._shard_mesh, self._placements, run_check=False,
+                                  shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """Every name of the module's state dict: trainable parameters as their float32 sharded
+        DTensors (FSDP2's format, so DCP reshards them to any layout), frozen parameters and
+        persistent buffers as they are. Loading into these tensors writes the master shards."""
+        by_param = {id(s.param): s.shard for b in self.buckets for s in b.slots}
+        return {name: by_param.get(id(value), value).detach()  # type: ignore[union-attr]
+                for name, value in self.module.state_dict(keep_vars=True).items()}
+
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer`'s state keyed by parameter name, as DCP's `get_state_dict` gives it for an
+        FSDP2 model (state tensors are the optimizer's own, so loading into them restores it)."""
+        if any(p not in optimizer.state for g in optimizer.param_groups for p in g["params"]):
+            _init_optimizer_state(optimizer)
+        names = {id(p): name for name, p in self.named_parameters()}
+        groups = optimizer.param_groups
+        return {"state": {names[id(p)]: dict(optimizer.state[p]) for g in groups for p in g["params"]},
+                "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                  "params": [names[id(p)] for p in g["params"]]} for g in groups]}
+
+    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """After DCP loaded into `optim_state_dict`'s tensors in place: its hyperparameters too."""
+        for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    @torch.no_grad()
+    def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take full (unsharded) tensors by name: each rank keeps its rows of the trainable ones."""
+        for name, target in self.model_state_dict().items():
+            source = weights[name]
+            if isinstance(target, DTensor):
+                start = self._rank * -(-source.shape[0] // self._shards)
+                source = source[start:start + target.to_local().shape[0]]
+                target = target.to_local()
+            target.copy_(source)
+        self.loaded()
+
+    def loaded(self) -> None:
+        """After the master shards were written in place (a checkpoint): gather on next use."""
+        self._stale = True
+
+
+@torch.no_grad()
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create a lazily built optimizer state (as DCP's get_state_dict does): one step with zero
+    gradients and a learning rate of 0, which changes no parameter."""
+    grads = {p: p.grad for g in optimizer.param_groups for p in g["params"]}
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in grads:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    for p, grad in grads.items():
+        p.grad = grad
+
+
+_ALL_TO_ALL_ON = ("gloo",)
+"""Backends on which the engine reduce-scatters gradients as all_to_all_single + a local sum: gloo's
+own reduce_scatter is about twice as slow for the same bytes (bench/zero_collectives, 2 ranks, 30
+repeats: 25.7 MB 22.6 ms vs 12.0 ms, 6.4 MB 8.3 vs 4.7 ms; 4 ranks 59 vs 32 ms). It costs one
+bucket of transient memory more (every rank's copy of my rows before the sum). Its all_gather
+is as fast as the all-to-all alternative (11.8 vs 13.4 ms), so it stays. NCCL keeps its own."""
+
+
+def _group(module: nn.Module, blocks: list[nn.Module], per_bucket: int) -> list[list[tuple[list[str], nn.Parameter]]]:
+    """Trainable parameters in buckets of `per_bucket` blocks, the rest (embeddings, head) last."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            names.setdefault(id(p), []).append(name)
+            params[id(p)] = p
+    buckets, seen = [], set()
+    for i in range(0, len(blocks), per_bucket):
+        ids = [id(p) for block in blocks[i:i + per_bucket] for p in block.parameters() if id(p) in params]
+        ids = [k for k in dict.fromkeys(ids) if k not in seen]
+        seen.update(ids)
+        if ids:
+            buckets.append([(names[k], params[k]) for k in ids])
+    rest = [k for k in params if k not in seen]
+    if rest:
+        buckets.append([(names[k], params[k]) for k in rest])
+    return buckets
