@@ -66,12 +66,22 @@ def test_export_and_import_across_layouts(pools, tmp_path):
         logits = plain(RUN.batches()[0][0])
     for key, value in expected.items():
         assert torch.equal(full_tensors(plain)[key], value), key
-    for world, plan_text in ((2, "dp2"), (4, "fsdp2,tp2")):
+    for world, plan_text in ((2, "dp2"), (2, "fsdp2,zero=2"), (4, "fsdp2,tp2")):
         for res in pools(world).run(import_under, str(out), plan_text):
             for key, value in expected.items():
                 assert torch.equal(res["params"][key], value), f"{plan_text}: {key}"
             # Same weights, reordered sums under tp: logits to fp32 rounding.
             torch.testing.assert_close(res["logits"], logits, rtol=1e-5, atol=1e-6)
+
+
+def test_live_export_from_zero12_engine(pools, tmp_path):
+    """ZeRO-1/2 (shoal's own engine, not FSDP2): its live export equals its checkpoint's."""
+    trained = pools(2).run(train_save_export, str(tmp_path), "fsdp2,zero=1")
+    live = load_file(str(tmp_path / "live.safetensors"))
+    exported = load_file(str(export_checkpoint(trained[0]["checkpoint"], tmp_path / "ckpt.safetensors")))
+    assert set(live) == set(exported) == set(trained[0]["params"])
+    for key, value in trained[0]["params"].items():
+        assert torch.equal(live[key], value) and torch.equal(exported[key], value), key
 
 
 def test_bad_files_give_one_line_errors(tmp_path):

@@ -22,7 +22,7 @@ from shoal.testing import assert_close, cached_mesh, case, run_parallel, run_ref
 from shoal.train.step import split_micro, train_step
 
 CASES = [case(plan="fsdp2,precision=bf16", steps=6), case(plan="dp2,precision=bf16", steps=6),
-         case(plan="fsdp2,zero=2,precision=fp16", steps=6)]
+         case(plan="fsdp2,zero=2,precision=fp16", steps=6), case(plan="fsdp2,zero=1,precision=bf16", steps=6, num_micro=2)]
 
 
 def train_losses(cases):

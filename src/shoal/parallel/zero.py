@@ -110,7 +110,11 @@ class ZeroDataParallel(nn.Module):
         self._callback_queued = False
         self._stale = False  # the master shards changed since the full parameters were gathered
         master = precision.param_dtype != torch.float32
-        self.buckets = [_Bucket(group, self._shards, master=master) for group in _group(module, blocks, bucket)]
+        block_groups, rest = _group(module, blocks, bucket)
+        self.buckets = [_Bucket(group, self._shards, master=master) for group in block_groups + [rest] if group]
+        blocks_first = [b for b in block_groups if b]
+        self._order = self.buckets[:len(blocks_first)][::-1] + self.buckets[len(blocks_first):]  # backward's order
+        self._next = 0  # position in _order of the next bucket to reduce in this backward
         self._frozen = {n: p for n, p in module.named_parameters() if not p.requires_grad}
         self._init_shards()
         for b in self.buckets:
@@ -185,7 +189,7 @@ class ZeroDataParallel(nn.Module):
                 for slot in b.slots:
                     b.views(shard, slot, self._rank).copy_(self._own_rows(slot))
             full = torch.empty(self._shards * b.numel, dtype=dtype, device=device)
-            dist.all_gather_into_tensor(full, shard, group=self._fsdp.get_group())
+            _all_gather(full, shard, group=self._fsdp.get_group())
             full_NS = full.view(self._shards, b.numel)
             for slot in b.slots:
                 chunk = full_NS[:, slot.offset:slot.offset + slot.chunk_rows * slot.row_numel]
@@ -202,14 +206,25 @@ class ZeroDataParallel(nn.Module):
         if not self._sync:
             return
         b.ready += 1
-        if b.ready == len(b.slots):
+        self._reduce_in_order()
+
+    def _reduce_in_order(self, *, flush: bool = False) -> None:
+        """Start the reductions of completed buckets, in one fixed order on every rank (the order
+        backward completes them in: the last blocks first, embeddings and head last), so that the
+        collectives pair up even when a rank leaves a parameter unused. `flush` (end of backward):
+        every remaining bucket, its unreported gradients as zeros."""
+        while self._next < len(self._order):
+            b = self._order[self._next]
+            if not flush and b.ready < len(b.slots):
+                return
             self._reduce(b)
+            self._next += 1
 
     @torch.no_grad()
     def _reduce(self, b: _Bucket) -> None:
         """Pack the bucket's gradients rank-major, free them, start their reduce-scatter."""
         for other in self.buckets:  # at most two reductions in flight: bounded transient memory
-            if other.pending is not None and other is not b:
+            if other.pending is not None:
                 self._complete(other)
         grads = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in b.slots]
         packed = torch._chunk_cat(grads, dim=0, num_chunks=self._shards).to(self.precision.reduce_dtype)
@@ -226,7 +241,7 @@ class ZeroDataParallel(nn.Module):
             work = dist.all_to_all_single(out, packed.view(-1), group=group, async_op=True)
         else:
             out = b.grad if first and packed.dtype == torch.float32 else torch.empty(b.numel, dtype=packed.dtype, device=packed.device)
-            work = dist.reduce_scatter_tensor(out, packed.view(-1), group=group, async_op=True)
+            work = _reduce_scatter(out, packed.view(-1), group=group, async_op=True)
         b.pending = (work, out, first)
         b.ready = 0
 
@@ -264,9 +279,9 @@ class ZeroDataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
-        for b in self.buckets:  # parameters the forward did not use never report: reduce their zeros
-            if b.ready:
-                self._reduce(b)
+        if self._sync:
+            self._reduce_in_order(flush=True)
+            self._next = 0
         for b in self.buckets:
             if b.pending is not None:
                 self._complete(b)
@@ -354,6 +369,10 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = grad
 
 
+# torch 2.13 renamed the flat collectives; older releases in shoal's range only have the old names.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 _ALL_TO_ALL_ON = ("gloo",)
 """Backends on which the engine reduce-scatters gradients as all_to_all_single + a local sum: gloo's
 own reduce_scatter is about twice as slow for the same bytes (bench/zero_collectives, 2 ranks, 30
@@ -362,8 +381,11 @@ bucket of transient memory more (every rank's copy of my rows before the sum). I
 is as fast as the all-to-all alternative (11.8 vs 13.4 ms), so it stays. NCCL keeps its own."""
 
 
-def _group(module: nn.Module, blocks: list[nn.Module], per_bucket: int) -> list[list[tuple[list[str], nn.Parameter]]]:
-    """Trainable parameters in buckets of `per_bucket` blocks, the rest (embeddings, head) last."""
+_Group = list[tuple[list[str], nn.Parameter]]
+
+
+def _group(module: nn.Module, blocks: list[nn.Module], per_bucket: int) -> tuple[list[_Group], _Group]:
+    """Trainable parameters in groups of `per_bucket` blocks, and the rest (embeddings, head)."""
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -377,7 +399,4 @@ def _group(module: nn.Module, blocks: list[nn.Module], per_bucket: int) -> list[
         seen.update(ids)
         if ids:
             buckets.append([(names[k], params[k]) for k in ids])
-    rest = [k for k in params if k not in seen]
-    if rest:
-        buckets.append([(names[k], params[k]) for k in rest])
-    return buckets
+    return buckets, [(names[k], params[k]) for k in params if k not in seen]
