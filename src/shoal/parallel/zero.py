@@ -111,9 +111,14 @@ class ZeroDataParallel(nn.Module):
         self._stale = False  # the master shards changed since the full parameters were gathered
         master = precision.param_dtype != torch.float32
         block_groups, rest = _group(module, blocks, bucket)
-        self.buckets = [_Bucket(group, self._shards, master=master) for group in block_groups + [rest] if group]
-        blocks_first = [b for b in block_groups if b]
-        self._order = self.buckets[:len(blocks_first)][::-1] + self.buckets[len(blocks_first):]  # backward's order
+        self.buckets = [_Bucket(group, self._shards, master=master) for _, group in block_groups]
+        self._rest = _Bucket(rest, self._shards, master=master) if rest else None
+        self._order = self.buckets[::-1] + ([self._rest] if self._rest else [])  # backward's order
+        for (first_block, _), b in zip(block_groups, self.buckets):
+            first_block.register_forward_pre_hook(lambda *_, b=b: self._land(b))
+        if self._rest:
+            self.buckets.append(self._rest)
+        self._inflight: dict[_Bucket, tuple[torch.Tensor, torch.Tensor, dist.Work]] = {}  # gathers started
         self._next = 0  # position in _order of the next bucket to reduce in this backward
         self._frozen = {n: p for n, p in module.named_parameters() if not p.requires_grad}
         self._init_shards()
@@ -134,8 +139,14 @@ class ZeroDataParallel(nn.Module):
     # ------------------------------------------------------------------ the module's face
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.gather()
-        return self.module(*args, **kwargs)
+        # After a step: all buckets' all-gathers start now; a block bucket is waited for just
+        # before its first block runs (a forward pre-hook), so later gathers overlap compute.
+        self._launch_gathers()
+        if self._rest is not None:
+            self._land(self._rest)  # embeddings and head: needed first
+        out = self.module(*args, **kwargs)
+        self.gather()  # buckets whose blocks did not run
+        return out
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -174,13 +185,19 @@ class ZeroDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ gather (after a step)
 
-    @torch.no_grad()
     def gather(self) -> None:
         """All-gather the master shards into the full parameters, if they changed since the last time."""
+        self._launch_gathers()
+        for b in list(self._inflight):
+            self._land(b)
+
+    @torch.no_grad()
+    def _launch_gathers(self) -> None:
+        """Start every bucket's all-gather at once (the embeddings' first), if a step changed the shards."""
         if not self._stale:
             return
         self._stale = False
-        for b in self.buckets:
+        for b in self._order[::-1]:
             dtype, device = b.slots[0].param.dtype, b.slots[0].param.device
             if b.master is not None:
                 shard = b.master.to(dtype)
@@ -189,12 +206,21 @@ class ZeroDataParallel(nn.Module):
                 for slot in b.slots:
                     b.views(shard, slot, self._rank).copy_(self._own_rows(slot))
             full = torch.empty(self._shards * b.numel, dtype=dtype, device=device)
-            _all_gather(full, shard, group=self._fsdp.get_group())
-            full_NS = full.view(self._shards, b.numel)
-            for slot in b.slots:
-                chunk = full_NS[:, slot.offset:slot.offset + slot.chunk_rows * slot.row_numel]
-                rows = chunk.reshape(self._shards * slot.chunk_rows, *slot.param.shape[1:])
-                slot.param.copy_(rows[:slot.rows])
+            work = _all_gather(full, shard, group=self._fsdp.get_group(), async_op=True)
+            self._inflight[b] = (full, shard, work)
+
+    @torch.no_grad()
+    def _land(self, b: _Bucket) -> None:
+        """Wait for bucket `b`'s all-gather (if one is in flight) and unpack it into its parameters."""
+        if b not in self._inflight:
+            return
+        full, _, work = self._inflight.pop(b)
+        work.wait()
+        full_NS = full.view(self._shards, b.numel)
+        for slot in b.slots:
+            chunk = full_NS[:, slot.offset:slot.offset + slot.chunk_rows * slot.row_numel]
+            rows = chunk.reshape(self._shards * slot.chunk_rows, *slot.param.shape[1:])
+            slot.param.copy_(rows[:slot.rows])
 
     # ------------------------------------------------------------------ reduce (in backward)
 
@@ -384,8 +410,9 @@ is as fast as the all-to-all alternative (11.8 vs 13.4 ms), so it stays. NCCL ke
 _Group = list[tuple[list[str], nn.Parameter]]
 
 
-def _group(module: nn.Module, blocks: list[nn.Module], per_bucket: int) -> tuple[list[_Group], _Group]:
-    """Trainable parameters in groups of `per_bucket` blocks, and the rest (embeddings, head)."""
+def _group(module: nn.Module, blocks: list[nn.Module], per_bucket: int) -> tuple[list[tuple[nn.Module, _Group]], _Group]:
+    """Trainable parameters in groups of `per_bucket` blocks (with each group's first block), and the
+    rest (embeddings, head)."""
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -398,5 +425,5 @@ def _group(module: nn.Module, blocks: list[nn.Module], per_bucket: int) -> tuple
         ids = [k for k in dict.fromkeys(ids) if k not in seen]
         seen.update(ids)
         if ids:
-            buckets.append([(names[k], params[k]) for k in ids])
+            buckets.append((blocks[i], [(names[k], params[k]) for k in ids]))
     return buckets, [(names[k], params[k]) for k in params if k not in seen]
