@@ -1,58 +1,49 @@
 """Data parallelism over the mesh's dp axis and sharded data parallelism (ZeRO) over its fsdp axis.
 
-Two engines, both torch's own:
-- dp alone, fp32, no tensor parallel: DistributedDataParallel on the dp sub-mesh's process
+Three engines, chosen by the plan:
+- dp alone, fp32, no tensor parallel: torch's DistributedDataParallel on the dp sub-mesh's process
   group (bucketed gradient all-reduce overlapped with backward, the well-kept replicated path).
-- everything else (an fsdp axis, dp x fsdp hybrid, dp or fsdp over a tensor-parallel model,
-  mixed precision): FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive
-  transformer blocks (below) plus the root.
-  Its sharded parameters are DTensors, so a stock optimizer built from `model.parameters()` keeps
-  sharded state, and DCP checkpoints reshard to any other layout.
+- zero=1/2 with an fsdp axis (and dp x fsdp hybrid), on a model without DTensor parameters and
+  without offload: shoal's own small ZeRO-1/2 engine, `shoal.parallel.zero.ZeroDataParallel`
+  (full parameters kept as plain tensors, float32 row shards for the optimizer, one
+  reduce-scatter per bucket in backward, one all-gather per bucket after the step). Its module
+  docstring says why FSDP2 was not good enough there and what was measured.
+- everything else (zero=3, offload, fsdp or dp over a tensor-parallel model, replicated mixed
+  precision): FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive
+  transformer blocks (one by default at zero=3) plus the root.
+Both sharded engines hand the optimizer DTensor shards (`Shard(0)` of every parameter), so a stock
+optimizer built from `model.parameters()` keeps sharded state, the global gradient norm is right,
+and DCP checkpoints have one format that reshards between every layout.
 
-How the ZeRO stages map onto FSDP2 (one honest mapping, no private copy of FSDP):
-- zero=3: parameters, gradients and optimizer state sharded; a block's full parameters exist only
-  while it runs forward or backward (`reshard_after_forward=True`).
-- zero=2: gradients and optimizer state sharded; a block's full parameters are gathered once per
-  micro-batch and kept from its forward through its backward (`reshard_after_forward=False`),
-  ZeRO-2's traffic (one all-gather + one reduce-scatter = one all-reduce's worth). Unlike
-  DeepSpeed's ZeRO-2 the full copy is dropped between steps, which only lowers memory.
-- zero=1: as zero=2, and the gradients are reduced once per optimizer step: across micro-batches
-  they accumulate unsharded (ZeRO-1's full gradient buffer) and are reduce-scattered on the last
-  one (`model.no_sync()` below, which `train_step` already uses). With one micro-batch per step
-  zero=1 runs exactly as zero=2.
+How the ZeRO stages map:
+- zero=3 (FSDP2): parameters, gradients and optimizer state sharded; a block's full parameters
+  exist only while it runs forward or backward (`reshard_after_forward=True`).
+- zero=2 (engine): gradients and optimizer state sharded, full parameters kept; every micro-batch's
+  gradients are reduce-scattered bucket by bucket as backward produces them and freed.
+- zero=1 (engine): as zero=2, but across micro-batches the full gradients accumulate (ZeRO-1's full
+  gradient buffer) and are reduced on the last one (`no_sync`, which `train_step` uses). With one
+  micro-batch per step zero=1 runs exactly as zero=2.
+Over a tensor-parallel model or with offload, zero=1/2 run on FSDP2 with
+`reshard_after_forward=False` instead (gathered parameters kept from forward to backward, dropped
+after the step; zero=1 reduces on the last micro-batch through `set_requires_gradient_sync`).
 
-Units (`bucket=K`): K consecutive blocks form one FSDP2 parameter group, gathered before the
-first of them runs and reduce-scattered once after the last one's backward. FSDP2's cost per unit
-(hooks, copy-in/copy-out, one collective each way) is what made per-block units slower than
-DeepSpeed's flat buckets at stages 1-2; a unit's transient full gradients and its reduce-scatter
-buffer are its memory price. Measured on the `small` preset (8 blocks, Ψ = 6.4M, fp32 AdamW,
-4 x 64 tokens per rank) at 2 ranks on 2 shared cores, 24 interleaved steps, load average 1.6-1.9
-(other jobs were running; IQR 8-37%), shoal / DeepSpeed step time by K:
-    stage 1: K=1 1.13, K=2 1.04, K=4 1.05      stage 2: K=1 1.16, K=2 1.06, K=4 1.04
-and the peak live tensor bytes / (ZeRO formula with the sharded fp32 copy + activations)
-(bench/zero_memory, stage 1 with 2 micro-batches): K=1 1.03 / 0.92, K=2 1.06 / 0.95,
-K=4 1.12 / 1.00 (stage 1 / stage 2), one unit for the whole model 1.23 at stage 1. K=2 is the
-largest unit inside the 10% memory goal, so it is the zero=1/2 default; zero=3 keeps K=1, since
-there a unit's full parameters are what sharding saves (its time was 1.00-1.08x DeepSpeed's
-already). Explicit forward/backward prefetch of the next unit measured no gain on gloo. Figures
-at the default, bench/results/zero_vs_peers_N2.json (16 repeats, load 1.9-2.3, IQR 7-53%):
-shoal / DeepSpeed 0.97 (stage 1), 0.94 (2), 1.00 (3); shoal / FSDP2 used directly 0.96 (2),
-1.04 (3); resident memory / DeepSpeed's 0.58-0.71, / FSDP2's 1.05 (2: its per-block units) and
-0.97 (3). At 4 ranks (oversubscribed, 10 repeats, load 2.4-3.9, IQR 5-28%): / DeepSpeed 1.08,
-1.08, 0.93; / FSDP2 0.93 (2), 1.03 (3); memory / DeepSpeed's 0.57-0.71, / FSDP2's 0.96 (2, 3).
-Peak live tensors / (formula with the fp32 copy + activations) at 4 ranks: 1.07, 1.00, 1.03.
-A hand-written sharded optimizer (reduce-scatter, update the shard, all-gather) would give ZeRO-1
-persistently full parameters and gradients, i.e. strictly more memory and the same traffic, at the
-price of its own state-dict format that DCP could not reshard; FSDP2 already is that optimizer.
+Units (`bucket=K`): K consecutive blocks are gathered and reduced together (an FSDP2 parameter
+group, or an engine bucket): fewer, larger collectives for one unit's transient memory. Default
+K=2 at zero=1/2, 1 at zero=3, where a unit's full parameters are what sharding saves.
 
 CPU offload (`offload=on`, fsdp > 1): FSDP2's CPUOffloadPolicy keeps the sharded parameters,
 gradients and optimizer state in host memory and runs the optimizer step there; each block's
 shard is copied to the device for its all-gather and its gradient shard copied back after the
 reduce-scatter. On a CPU-only run the same path runs (pinning is off, the copies are no-ops).
 
-Hybrid `dp2,fsdp2` is FSDP2's HSDP on the 2-D mesh ("dp", "fsdp"): shard within fsdp, replicate
-across dp. Replicated dp over a tensor-parallel model (or in mixed precision) is HSDP with a
-shard degree of 1, so no DDP ever sees a DTensor.
+Hybrid `dp2,fsdp2` is HSDP on the 2-D mesh ("dp", "fsdp"): shard within fsdp, replicate across dp
+(the engine all-reduces its gradient shards across dp; FSDP2 does the same). Replicated dp over a
+tensor-parallel model (or in mixed precision) is FSDP2 with a shard degree of 1, so no DDP ever
+sees a DTensor.
+
+Measured figures (time and memory against DeepSpeed and FSDP2 used directly, memory against the
+ZeRO formulas) are in the benchmarks (bench/zero_vs_peers.py, bench/zero_memory.py) and the
+issue notes; the engine's design choices cite theirs in shoal/parallel/zero.py.
 """
 
 from __future__ import annotations
@@ -122,7 +113,7 @@ def _data_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 DEFAULT_BUCKET = 2
-"""Blocks per FSDP unit at zero=1/2 unless the plan says `bucket=`: see the module docstring."""
+"""Blocks per gather/reduce unit at zero=1/2 unless the plan says `bucket=`: see the module docstring."""
 
 
 def _offload_policy(mesh: DeviceMesh) -> CPUOffloadPolicy:
