@@ -52,9 +52,9 @@ class Plan:
     zero: int = 3
     """ZeRO stage of the fsdp axis: 1 optimizer state, 2 + gradients, 3 + parameters."""
     bucket: int | None = None
-    """Transformer blocks per FSDP unit (one all-gather and one reduce-scatter per unit and pass):
-    larger units mean fewer, larger collectives and more transient full gradients. None: 2 for
-    zero=1/2 (measured fastest within the memory goal), 1 for zero=3."""
+    """Transformer blocks gathered and reduced together (an FSDP2 unit at zero=3, a bucket of the
+    ZeRO-1/2 engine): larger units mean fewer, larger collectives and more transient memory.
+    None: 2 for zero=1/2, 1 for zero=3."""
     offload: bool = False
     """Keep the fsdp shards (parameters, gradients, optimizer state) in CPU memory; the optimizer
     step runs on the CPU (FSDP2's CPUOffloadPolicy). Needs fsdp > 1."""
