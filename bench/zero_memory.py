@@ -13,10 +13,11 @@ activations, so it is compared with formula + A, where A is the bytes the same f
 for backward on this rank's micro-batch (measured with shoal.parallel.recompute.kept_activation_bytes).
 Goal: measured / (formula + A) within 10%.
 
-Stages 1 and 2 also keep a sharded fp32 copy of the parameters beside the gathered full ones
-(FSDP2's sharded parameter, which the optimizer updates; DeepSpeed keeps the same fp32 partition),
-4Ψ/N more: the paper's K=12 optimizer bytes include it, the 4/4/8 adaptation does not. The last
-column adds it (stage 1: 8Ψ+12Ψ/N, stage 2: 4Ψ+16Ψ/N; stage 3's shard *is* the fp32 parameter).
+In fp32, shoal's ZeRO-1/2 engine keeps no second copy of the parameters (the optimizer's shards
+are views of the full parameters' own rows), so the plain formula is the one to meet. The last
+column adds the sharded fp32 copy that FSDP2-as-ZeRO-2 and DeepSpeed keep beside the full
+parameters (4Ψ/N; the paper's K=12 optimizer bytes include it, the 4/4/8 adaptation does not),
+for comparison with those systems and with 16-bit training, where the engine keeps it too.
 
 ZeRO-1 runs 2 micro-batches (its gradients accumulate unsharded between reductions, which is
 where ZeRO-1 and ZeRO-2 differ; with one micro-batch shoal's ZeRO-1 runs exactly as ZeRO-2).
