@@ -132,7 +132,6 @@ class ZeroDataParallel(nn.Module):
             self.buckets.append(self._rest)
         self._inflight: dict[_Bucket, tuple[torch.Tensor, torch.Tensor, dist.Work]] = {}  # gathers started
         self._next = 0  # position in _order of the next bucket to reduce in this backward
-        self._frozen = {n: p for n, p in module.named_parameters() if not p.requires_grad}
         self._init_shards()
         for b in self.buckets:
             for slot in b.slots:
