@@ -26,6 +26,8 @@ GROUPS = {
         case(plan="dp2,fsdp2"), case(plan="dp2,fsdp2,zero=1", num_micro=2), case(plan="dp2,fsdp2,zero=2"),
         # ZeRO-1 over a tensor-parallel model (eps: see ParityCase.adam_eps; tp reorders sums).
         case(plan="fsdp2,tp2,zero=1", num_micro=2, adam_eps=1e-6)],
+    # All three data/tensor axes at once: HSDP over a tensor-parallel model (8 ranks, ~30 s on 2 cores).
+    8: [case(plan="dp2,fsdp2,tp2", adam_eps=1e-6), case(plan="dp2,fsdp2,tp2,zero=1", num_micro=2, adam_eps=1e-6)],
 }
 
 
