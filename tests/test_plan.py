@@ -39,6 +39,7 @@ def test_parse_fields():
     assert (plan.cp_mode, plan.sp, plan.ac, plan.precision, plan.zero) == ("a2a", False, "selective", "bf16", 2)
     assert Plan.parse(str(plan)) == plan.__class__(**{**plan.__dict__, "zero": 3})  # zero shows only with fsdp
     assert Plan.parse("fsdp2,zero=2,precision=fp16") == Plan(fsdp=2, zero=2, precision="fp16")
+    assert str(Plan.parse("fsdp2,precision=bf16,reduce=bf16")) == "fsdp2,precision=bf16,reduce=bf16"
     assert Plan.parse("dp4,ep2,auto") == Plan(dp=4, ep=2, auto=True)
     assert Plan.parse("fsdp2,sp=off,ac=full").__str__() == "fsdp2,sp=off,ac=full"
 
@@ -77,6 +78,7 @@ def test_degrees():
     ("pp2,sched=foo", "sched='foo' is not valid; valid: gpipe, 1f1b, interleaved, zb"),
     ("fsdp2,zero=4", "zero='4' is not valid; valid: 1, 2, 3"),
     ("precision=fp8", "precision='fp8' is not valid; valid: fp32, bf16, fp16"),
+    ("fsdp2,reduce=int8", "reduce='int8' is not valid; valid: fp32, bf16, fp16"),
     ("ac=some", "valid: none, selective, full"),
     ("cp2,cp_mode=star", "valid: ring, a2a"),
     ("sp=yes", "valid: on, off"),
@@ -131,6 +133,7 @@ def test_validate_against_model_and_batch():
     ("tp2,pp2,cp2", 8, ["pipeline", "tensor", "context: each sequence split into 2 chunks (ring attention)"]),
     ("ep4", 4, ["expert: experts split 4 ways"]),
     ("dp2,ac=full,precision=bf16", 2, ["recompute: full", "precision: bf16"]),
+    ("fsdp2,precision=bf16,reduce=bf16", 2, ["precision: bf16, gradients reduced in bf16"]),
 ])
 def test_describe_mentions_every_axis_in_use(text, world, words):
     plan = Plan.parse(text).resolve(world)

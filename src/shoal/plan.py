@@ -27,6 +27,7 @@ _CHOICES = {
     "cp_mode": ("ring", "a2a"),
     "ac": ("none", "selective", "full"),
     "precision": ("fp32", "bf16", "fp16"),
+    "reduce": ("fp32", "bf16", "fp16"),
     "sp": ("on", "off"),
     "zero": ("1", "2", "3"),
     "offload": ("on", "off"),
@@ -72,6 +73,9 @@ class Plan:
     """Activation recompute: none, selective or full (per block)."""
     precision: str = "fp32"
     """Parameter/compute precision: fp32, bf16 (fp32 master weights) or fp16 (loss scaling)."""
+    reduce: str = "fp32"
+    """Dtype gradients are reduced (all-reduced / reduce-scattered) in: fp32 (exact sums, the
+    default), or bf16/fp16 (half the gradient traffic, rounded sums)."""
     auto: bool = False
     """Ask the planner to choose the plan."""
 
@@ -114,7 +118,7 @@ class Plan:
             if degree is not None and (degree != 1 or (axis == "dp" and not parts and self._only_dp())):
                 parts.append(f"{axis}{degree}")
         defaults = Plan()
-        for key in ("zero", "bucket", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision"):
+        for key in ("zero", "bucket", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision", "reduce"):
             value = getattr(self, key)
             if value == getattr(defaults, key):
                 continue
@@ -253,7 +257,7 @@ class Plan:
             lines.append(f"  expert: experts split {self.ep} ways over the data ranks")
         if self.ac != "none":
             lines.append(f"  recompute: {self.ac} activation checkpointing")
-        lines.append(f"  precision: {self.precision}")
+        lines.append(f"  precision: {self.precision}" + (f", gradients reduced in {self.reduce}" if self.reduce != "fp32" else ""))
         return "\n".join(lines)
 
 

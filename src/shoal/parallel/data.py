@@ -68,7 +68,7 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan) -> nn
     (a DDP wrapper, the same module turned into an FSDP module, or `model` at degree 1)."""
     if plan.zero not in (1, 2, 3):
         raise ValueError(f"zero={plan.zero} is not a ZeRO stage; valid: 1, 2, 3")
-    precision = PrecisionPolicy.from_name(plan.precision)
+    precision = PrecisionPolicy.from_name(plan.precision, reduce=plan.reduce)
     has_dtensors = any(isinstance(p, DTensor) for p in model.parameters())
     dp, fsdp = mesh["dp"].size(), mesh["fsdp"].size()
     if plan.offload and fsdp == 1:
