@@ -1,4 +1,4 @@
-"""The `shoal` command line: `shoal train` and `shoal sample`.
+"""The `shoal` command line: `shoal train`, `shoal sample` and `shoal export`.
 
 Every check of the user's input runs here, in the parent process, before any worker starts:
 a mistake prints one line `shoal: error: <message>` on stderr and exits with status 2, and
@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0: all")
     sample.add_argument("--seed", type=int, default=0)
     sample.set_defaults(func=_sample)
+
+    export = sub.add_parser("export", help="write a checkpoint's weights as one safetensors file or a "
+                            "Hugging Face folder")
+    export.add_argument("--run", required=True, metavar="DIR", help="the run folder")
+    export.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N [the latest]")
+    export.add_argument("--out", required=True, metavar="PATH", help="the .safetensors file (or folder with --hf)")
+    export.add_argument("--hf", action="store_true", help="a folder transformers loads (LlamaForCausalLM: "
+                        "model.safetensors + config.json); Llama-style models only")
+    export.set_defaults(func=_export)
     return parser
 
 
@@ -243,4 +252,30 @@ def _sample(args: argparse.Namespace) -> int:
     text = sample(Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, seed=args.seed)
     print(text, flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- shoal export
+
+
+def _export(args: argparse.Namespace) -> int:
+    from shoal.train.checkpoint import MANIFEST, checkpoint_dir, latest_checkpoint, read_trainer_state
+    from shoal.train.export import export_checkpoint
+
+    run = Path(args.run)
+    if not run.is_dir():
+        raise UserError(f"--run {args.run!r}: no such run folder")
+    if args.step is None:
+        path = latest_checkpoint(run)
+        if path is None:
+            raise UserError(f"--run {args.run!r}: the run folder holds no complete checkpoint")
+    else:
+        path = checkpoint_dir(run) / f"step_{args.step:08d}"
+        if not (path / MANIFEST).is_file():
+            steps = sorted(int(p.name[5:]) for p in checkpoint_dir(run).glob("step_*") if (p / MANIFEST).is_file())
+            raise UserError(f"--step {args.step}: {args.run!r} has no complete checkpoint of that step; "
+                            f"valid: {', '.join(map(str, steps)) or 'none'}")
+    read_trainer_state(path)  # checks every file's size and the trainer state's checksum
+    out = export_checkpoint(path, args.out, hf=args.hf)
+    print(f"wrote {out} ({'Hugging Face folder' if args.hf else 'safetensors'}, from {path})", flush=True)
     return 0

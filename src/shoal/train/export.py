@@ -10,11 +10,14 @@ file into a model under any plan: every rank reads the full tensors (safetensors
 nothing is copied twice) and torch's `set_model_state_dict` keeps each rank's own shard.
 
 Names are the model's own parameter names without wrapper prefixes ("layers.0.attention.wq.weight").
-Only weights travel: optimizer state stays in the checkpoint.
+Only weights travel: optimizer state stays in the checkpoint. With `hf=True` the export is a
+Hugging Face folder instead (model.safetensors in LlamaForCausalLM's names and rotary layout,
+plus config.json) that `transformers` loads directly; `import_weights` reads such folders back.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -29,14 +32,23 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from shoal.models.config import ModelConfig
+from shoal.models.hf_weights import EMBED_KEY, check_llama, from_hf_llama, hf_llama_config, to_hf_llama
 from shoal.parallel.zero import ZeroDataParallel
 
 MODEL_KEY = "model"  # the top-level key shoal.train.checkpoint saves the model state under
 
 
-def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict[str, str] | None = None) -> Path:
-    """Write the model weights of DCP checkpoint folder `checkpoint` to one safetensors file `out`."""
+def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict[str, str] | None = None,
+                      hf: bool = False, config: ModelConfig | None = None) -> Path:
+    """Write the model weights of DCP checkpoint folder `checkpoint` to one safetensors file `out`.
+
+    hf: `out` is a Hugging Face folder instead; the model shape is `config`, or else the one
+    stored in the checkpoint's trainer state (as `shoal train` writes it)."""
     checkpoint, out = Path(checkpoint), Path(out)
+    cfg = (config or _checkpoint_model_config(checkpoint)) if hf else None
+    if cfg is not None:
+        check_llama(cfg)  # before reading any tensor
     try:
         meta = dcp.FileSystemReader(str(checkpoint)).read_metadata()
     except Exception as exc:  # missing folder, no or unreadable .metadata
@@ -52,29 +64,47 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     with warnings.catch_warnings():  # no process group is intended here; DCP warns about it anyway
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({MODEL_KEY: weights}, checkpoint_id=str(checkpoint), no_dist=True)
+    if cfg is not None:
+        return _write_hf(weights, out, cfg, {"source": str(checkpoint), **(metadata or {})})
     return _write(weights, out, {"source": str(checkpoint), **(metadata or {})})
 
 
-def export_model(model: nn.Module, out: Path | str, *, metadata: dict[str, str] | None = None) -> Path | None:
+def export_model(model: nn.Module, out: Path | str, *, metadata: dict[str, str] | None = None,
+                 hf: bool = False) -> Path | None:
     """Write `model`'s full weights to one safetensors file. Collective over the default process
-    group when there is one (sharded parameters are gathered); only rank 0 writes and returns the path."""
+    group when there is one (sharded parameters are gathered); only rank 0 writes and returns the path.
+
+    hf: `out` is a Hugging Face folder instead (shape from the model's own config)."""
+    cfg = _live_model_config(model) if hf else None
+    if cfg is not None:
+        check_llama(cfg)  # every rank raises alike, before any collective
     if isinstance(model, ZeroDataParallel):  # its own state dict: sharded float32 masters
         weights = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.model_state_dict().items()}
     else:
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    return _write({k: v.detach() for k, v in weights.items()}, Path(out), metadata or {})
+    weights = {k: v.detach() for k, v in weights.items()}
+    if cfg is not None:
+        return _write_hf(weights, Path(out), cfg, metadata or {})
+    return _write(weights, Path(out), metadata or {})
 
 
 def import_weights(path: Path | str, *, model: nn.Module, strict: bool = True) -> None:
     """Load a safetensors file of full weights into `model` (plain, DDP, FSDP2 or tensor-parallel:
-    each rank keeps its own shard). Collective when the model is sharded."""
+    each rank keeps its own shard). Collective when the model is sharded.
+
+    A Hugging Face Llama folder (its model.safetensors) or file in transformers' names is
+    converted to shoal's names and rotary layout first."""
     path = Path(path)
+    if path.is_dir():
+        path = path / "model.safetensors"
     try:
         weights = load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"weights file {path} cannot be read as safetensors: {exc}") from None
+    if EMBED_KEY in weights:  # transformers' Llama layout
+        weights = from_hf_llama(weights, _live_model_config(model))
     zero = isinstance(model, ZeroDataParallel)
     expected = set(model.model_state_dict() if zero else get_model_state_dict(model))
     if strict and set(weights) != expected:
@@ -84,6 +114,39 @@ def import_weights(path: Path | str, *, model: nn.Module, strict: bool = True) -
         model.load_full_weights(weights)
     else:
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def _write_hf(weights: dict[str, torch.Tensor], out: Path, cfg: ModelConfig, metadata: dict[str, str]) -> Path:
+    """Folder `out` with model.safetensors (transformers' names) and config.json; returns the folder."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--hf export goes to a folder, but {str(out)!r} is a file")
+    _write(to_hf_llama(weights, cfg), out / "model.safetensors", metadata)
+    tmp = out / f".config.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(hf_llama_config(cfg), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / "config.json")
+    return out
+
+
+def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
+    """The model shape stored in a `shoal train` checkpoint's trainer_state.json."""
+    from shoal.train.config import from_flat, resolve_model  # the trainer's config, only when needed
+
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"checkpoint {checkpoint} has no readable trainer_state.json for --hf ({exc})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
+        raise ValueError(f"checkpoint {checkpoint} stores no run config in trainer_state.json; pass config=")
+    return resolve_model(from_flat(state["config"]))
+
+
+def _live_model_config(model: nn.Module) -> ModelConfig:
+    """The ModelConfig of the shoal Transformer inside `model` (through any wrapper)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "config", None), ModelConfig):
+            return module.config
+    raise ValueError(f"{type(model).__name__} holds no shoal Transformer (no ModelConfig `config`); "
+                     "Hugging Face weights need one to convert")
 
 
 def _write(weights: dict[str, torch.Tensor], out: Path, metadata: dict[str, str]) -> Path:

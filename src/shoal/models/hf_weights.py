@@ -1,0 +1,151 @@
+"""shoal weights <-> Hugging Face `transformers` LlamaForCausalLM weights, by name and layout.
+
+A shoal Llama-style model and transformers' LlamaForCausalLM compute the same function with the
+same matrices, with two differences this module bridges:
+
+- names: `layers.0.attention.wq.weight` is `model.layers.0.self_attn.q_proj.weight`, and so on;
+- rotary layout: shoal rotates interleaved pairs (x[2i], x[2i+1]) of each head (Meta's original
+  convention, see `apply_rope`); transformers rotates halves (x[i], x[i + E/2]) (`rotate_half`).
+  Both use frequency i for pair i, so reordering the rows of each query/key head (shoal row 2i
+  -> HF row i, shoal row 2i+1 -> HF row i + E/2) makes the two attention scores identical. The
+  value and output projections are not rotated and move unchanged.
+
+Only plain Llama-style shapes map one to one (RoPE, RMSNorm, SwiGLU, no biases, dense); anything
+else is a one-line ValueError. Plain tensors only: no torch.distributed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from shoal.models.config import ModelConfig
+
+EMBED_KEY = "model.embed_tokens.weight"
+"""The key that marks a state dict as transformers' Llama layout."""
+
+_SUPPORTED = "rope, rmsnorm, swiglu, bias=False, num_experts=0"
+
+
+def check_llama(cfg: ModelConfig) -> None:
+    """ValueError (one line) unless `cfg` is a Llama-style shape that LlamaForCausalLM can hold."""
+    wanted: dict[str, Any] = dict(pos_emb="rope", norm="rmsnorm", activation="swiglu", bias=False, num_experts=0)
+    for field, value in wanted.items():
+        if getattr(cfg, field) != value:
+            raise ValueError(f"model field {field}={getattr(cfg, field)!r} cannot be written as a Hugging Face "
+                             f"Llama model; supported: Llama-style models only ({_SUPPORTED})")
+
+
+def to_hf_llama(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """shoal parameter names -> LlamaForCausalLM names, with q/k rows reordered for rotate_half.
+
+    With tied embeddings `lm_head.weight` is left out: transformers re-ties it on load.
+    """
+    check_llama(cfg)
+    needed = {s for s, _ in _name_pairs(cfg)}
+    _check_keys(state, needed, optional={"output.weight"}, layout="shoal")
+    out: dict[str, Tensor] = {}
+    for shoal_name, hf_name in _name_pairs(cfg):
+        out[hf_name] = _to_halves(state[shoal_name], _heads(shoal_name, cfg), cfg.head_dim)
+    return out
+
+
+def from_hf_llama(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """LlamaForCausalLM names -> shoal parameter names (the inverse of `to_hf_llama`).
+
+    With tied embeddings `output.weight` is the embedding (any `lm_head.weight` in the file is
+    ignored, as transformers itself does), so the result fits shoal's state dict, which lists both.
+    """
+    check_llama(cfg)
+    needed = {h for _, h in _name_pairs(cfg)}
+    ignored = {"lm_head.weight"} | {k for k in state if k.endswith("rotary_emb.inv_freq")}  # older files
+    _check_keys(state, needed, optional=ignored, layout="Hugging Face Llama")
+    out: dict[str, Tensor] = {}
+    for shoal_name, hf_name in _name_pairs(cfg):
+        out[shoal_name] = _to_pairs(state[hf_name], _heads(shoal_name, cfg), cfg.head_dim)
+    if cfg.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def hf_llama_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json of LlamaForCausalLM for `cfg` (read by transformers 4.x and 5.x alike)."""
+    check_llama(cfg)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": "float32",
+    }
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _name_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(shoal name, HF name) for every tensor; lm_head only when untied."""
+    pairs = [("tok_embeddings.weight", EMBED_KEY)]
+    per_layer = [
+        ("attention_norm", "input_layernorm"),
+        ("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),
+        ("attention.wv", "self_attn.v_proj"), ("attention.wo", "self_attn.o_proj"),
+        ("ffn_norm", "post_attention_layernorm"),
+        ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w3", "mlp.up_proj"), ("feed_forward.w2", "mlp.down_proj"),
+    ]
+    for i in range(cfg.num_layers):
+        pairs += [(f"layers.{i}.{s}.weight", f"model.layers.{i}.{h}.weight") for s, h in per_layer]
+    pairs.append(("norm.weight", "model.norm.weight"))
+    if not cfg.tie_embeddings:
+        pairs.append(("output.weight", "lm_head.weight"))
+    return pairs
+
+
+def _heads(shoal_name: str, cfg: ModelConfig) -> int:
+    """Heads whose rows are rotated in this tensor: H for wq, K for wk, 0 for everything else."""
+    if shoal_name.endswith("attention.wq.weight"):
+        return cfg.num_heads
+    return cfg.kv_heads if shoal_name.endswith("attention.wk.weight") else 0
+
+
+def _to_halves(w: Tensor, heads: int, head_dim: int) -> Tensor:
+    """Rows of each head from interleaved pairs (2i, 2i+1) to halves (i, i + E/2)."""
+    if not heads:
+        return w
+    _check_rows(w, heads, head_dim)
+    return w.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _to_pairs(w: Tensor, heads: int, head_dim: int) -> Tensor:
+    """Rows of each head from halves (i, i + E/2) to interleaved pairs (2i, 2i+1)."""
+    if not heads:
+        return w
+    _check_rows(w, heads, head_dim)
+    return w.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _check_rows(w: Tensor, heads: int, head_dim: int) -> None:
+    if w.dim() != 2 or w.shape[0] != heads * head_dim:
+        raise ValueError(f"a query/key projection of shape {tuple(w.shape)} does not hold {heads} heads of "
+                         f"{head_dim} rows; the weights do not fit the model config")
+
+
+def _check_keys(state: dict[str, Tensor], needed: set[str], *, optional: set[str], layout: str) -> None:
+    missing, unexpected = sorted(needed - set(state)), sorted(set(state) - needed - optional)
+    if missing or unexpected:
+        raise ValueError(f"weights in {layout} layout do not fit the model config: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")

@@ -1,0 +1,175 @@
+"""Weights to and from Hugging Face transformers' LlamaForCausalLM: both directions give the same
+logits as shoal's own model, the name/layout mapping round-trips exactly, and `shoal export --hf`
+writes a folder transformers loads.
+
+Logit tolerance: rtol 1e-5, atol 1e-5 in float32. The two models hold the same numbers and do
+the same arithmetic; only the order of some float ops differs (rotate_half vs interleaved pairs,
+RMSNorm written two ways, SDPA vs eager attention), which moves logits of size ~1 by a few ulps
+(measured max |diff| ~2e-7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
+
+from shoal import cli  # noqa: E402
+from shoal.models import ModelConfig, Transformer  # noqa: E402
+from shoal.models.hf import load_model_config  # noqa: E402
+from shoal.models.hf_weights import from_hf_llama, hf_llama_config, to_hf_llama  # noqa: E402
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from shoal.train.export import export_model, import_weights  # noqa: E402
+
+TINY = ModelConfig(num_layers=2, dim=64, num_heads=8, num_kv_heads=4, ffn_dim=128, vocab_size=128, max_seq_len=32,
+                   rope_theta=500.0)  # a small theta so the rotary angles differ a lot between pairs
+TOL = dict(rtol=1e-5, atol=1e-5)  # see the module docstring
+
+
+def _tokens(vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_logits(folder, tokens_BT: torch.Tensor) -> torch.Tensor:
+    model = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(tokens_BT).logits
+
+
+def _shoal_logits(model: Transformer, tokens_BT: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(tokens_BT)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_shoal_to_transformers_same_logits(tmp_path, tied):
+    cfg = TINY.replace(tie_embeddings=tied)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    out = export_model(model, tmp_path / "hf", hf=True)
+    assert out == tmp_path / "hf"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    tokens = _tokens(cfg.vocab_size)
+    expected, got = _shoal_logits(model, tokens), _hf_logits(out, tokens)
+    print(f"max |logit diff| shoal->hf ({'tied' if tied else 'untied'}): {(got - expected).abs().max():.3g}")
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_transformers_to_shoal_same_logits(tmp_path, tied):
+    hf_cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                      max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=300.0,
+                                      tie_word_embeddings=tied)
+    torch.manual_seed(1)
+    hf_model = transformers.LlamaForCausalLM(hf_cfg)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    cfg = load_model_config(f"hf:{tmp_path / 'hf'}")
+    model = Transformer(cfg)
+    import_weights(tmp_path / "hf", model=model)
+    tokens = _tokens(cfg.vocab_size, seed=1)
+    with torch.no_grad():
+        expected = hf_model.eval()(tokens).logits
+    got = _shoal_logits(model, tokens)
+    print(f"max |logit diff| hf->shoal ({'tied' if tied else 'untied'}): {(got - expected).abs().max():.3g}")
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mapping_round_trips_exactly(tied):
+    cfg = TINY.replace(tie_embeddings=tied)
+    shoal_sd = {k: v.clone() for k, v in Transformer(cfg).state_dict().items()}
+    hf_sd = to_hf_llama(shoal_sd, cfg)
+    assert ("lm_head.weight" in hf_sd) is not tied  # transformers re-ties on load
+    back = to_hf_llama(from_hf_llama(hf_sd, cfg), cfg)
+    assert set(back) == set(hf_sd) and all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
+    again = from_hf_llama(hf_sd, cfg)
+    assert set(again) == set(shoal_sd) and all(torch.equal(again[k], shoal_sd[k]) for k in shoal_sd)
+    # The rotary reorder is a real permutation of q rows (not the identity) within each head.
+    wq, q_proj = shoal_sd["layers.0.attention.wq.weight"], hf_sd["model.layers.0.self_attn.q_proj.weight"]
+    E = cfg.head_dim
+    assert torch.equal(q_proj[1], wq[2]) and torch.equal(q_proj[E // 2], wq[1]) and torch.equal(q_proj[E], wq[E])
+
+
+def test_unsupported_models_give_one_line_errors():
+    for cfg, words in ((ModelConfig(norm="layernorm", activation="gelu", pos_emb="learned", bias=True), "pos_emb='learned'"),
+                       (ModelConfig(bias=True), "bias=True"),
+                       (ModelConfig(num_experts=4), "num_experts=4")):
+        for fn in (lambda: hf_llama_config(cfg), lambda: to_hf_llama({}, cfg), lambda: from_hf_llama({}, cfg)):
+            with pytest.raises(ValueError) as info:
+                fn()
+            message = str(info.value)
+            assert words in message and "Llama-style" in message and "\n" not in message, message
+    with pytest.raises(ValueError, match="do not fit the model config: missing"):
+        from_hf_llama({"model.embed_tokens.weight": torch.zeros(128, 64)}, TINY)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 2-step `shoal train` run of a small Llama-style model, in one process."""
+    run = tmp_path_factory.mktemp("hfexport") / "run"
+    argv = ["train", "--out", str(run), "--nproc", "1", "--steps", "2", "--global-batch", "4", "--seq-len", "32",
+            "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--eval-every", "0"]
+    assert cli.main(argv) == 0
+    return run
+
+
+def test_cli_export_hf_loads_in_transformers(tiny_run, tmp_path, capsys):
+    out = tmp_path / "hf_model"
+    assert cli.main(["export", "--run", str(tiny_run), "--out", str(out), "--hf"]) == 0
+    assert str(out) in capsys.readouterr().out
+    cfg = load_model_config(f"hf:{out}")
+    model = Transformer(cfg)
+    load_checkpoint(latest_checkpoint(tiny_run), model=model, optimizer=None)
+    tokens = _tokens(cfg.vocab_size, seed=2)
+    torch.testing.assert_close(_hf_logits(out, tokens), _shoal_logits(model, tokens), **TOL)
+    # The plain export and an explicit --step still work.
+    flat = tmp_path / "w.safetensors"
+    assert cli.main(["export", "--run", str(tiny_run), "--step", "2", "--out", str(flat)]) == 0
+    assert flat.is_file()
+
+
+def _one_error_line(capsys, argv: list[str], *names: str) -> None:
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shoal: error: "), lines
+    assert all(name in lines[0] for name in names), lines[0]
+
+
+def test_cli_export_errors(tiny_run, tmp_path, capsys):
+    _one_error_line(capsys, ["export", "--run", "/nonexistent", "--out", "x"], "'/nonexistent'", "no such run folder")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_error_line(capsys, ["export", "--run", str(empty), "--out", "x"], "no complete checkpoint")
+    _one_error_line(capsys, ["export", "--run", str(tiny_run), "--step", "7", "--out", "x"], "--step 7", "valid: 2")
+    assert not os.path.exists("x")
+
+
+def test_cli_export_hf_refuses_gpt2_style(tmp_path, capsys):
+    """A GPT-2-style run: --hf names the field and what is supported; nothing is written."""
+    from shoal.train.checkpoint import save_checkpoint
+    from shoal.train.config import from_flat, to_flat
+    from shoal.train.loop import with_model
+
+    cfg = ModelConfig(num_layers=1, dim=32, num_heads=4, ffn_dim=64, vocab_size=64, max_seq_len=16,
+                      norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
+    run_cfg = with_model(from_flat({"model": "tiny-gpt"}), cfg)
+    save_checkpoint(tmp_path / "gpt", 1, model=Transformer(cfg), optimizer=None,
+                    extra={"step": 1, "config": to_flat(run_cfg)})
+    _one_error_line(capsys, ["export", "--run", str(tmp_path / "gpt"), "--out", str(tmp_path / "o"), "--hf"],
+                    "pos_emb='learned'", "Llama-style")
+    assert not (tmp_path / "o").exists()
