@@ -136,7 +136,8 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"checkpoint {checkpoint} has no readable trainer_state.json for --hf ({exc})") from None
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
-        raise ValueError(f"checkpoint {checkpoint} stores no run config in trainer_state.json; pass config=")
+        raise ValueError(f"checkpoint {checkpoint} stores no run config in its trainer_state.json (not written "
+                         "by `shoal train`?); give the model shape as export_checkpoint(..., config=ModelConfig)")
     return resolve_model(from_flat(state["config"]))
 
 
