@@ -218,7 +218,7 @@ class ZeroDataParallel(nn.Module):
                     b.views(shard, slot, self._rank).copy_(self._own_rows(slot))
             full = torch.empty(self._shards * b.numel, dtype=dtype, device=device)
             work = _all_gather(full, shard, group=self._fsdp.get_group(), async_op=True)
-            self._inflight[b] = (full, shard, work)
+            self._inflight[b] = (full, shard, work)  # the input too: alive until the gather lands
 
     @torch.no_grad()
     def _land(self, b: _Bucket) -> None:
@@ -289,11 +289,12 @@ class ZeroDataParallel(nn.Module):
         work, out, first = b.pending
         b.pending = None
         work.wait()
-        if self._all_to_all:
-            out = out.view(self._shards, b.numel).sum(dim=0)
+        assert b.grad is not None
+        if self._all_to_all:  # sum every rank's copy; the first reduction of a step straight into the shard
+            parts = out.view(self._shards, b.numel)
+            out = torch.sum(parts, dim=0, out=b.grad) if first and parts.dtype == b.grad.dtype else parts.sum(dim=0)
         if self._dp.size() > 1:
             dist.all_reduce(out, group=self._dp.get_group())
-        assert b.grad is not None
         if out is b.grad:
             b.grad.div_(self._world)
         elif first:
