@@ -42,7 +42,7 @@ def _rank(model_name: str, global_batch: int, seq_len: int, repeats: int) -> dic
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
     def shoal_step() -> None:
-        train_step(shoal_model, shoal_opt, split_micro(x, y, 1), mesh=mesh, grad_clip=1.0)
+        train_step(shoal_model, shoal_opt, split_micro(x, y, 1), grad_clip=1.0)
 
     def ddp_step() -> None:
         ddp_opt.zero_grad(set_to_none=True)

@@ -100,10 +100,10 @@ def _count(plan_text: str, num_layers: int, model: str, batch: int, seq_len: int
     gen = torch.Generator().manual_seed(1)
     seq = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
     micro = split_micro(seq[:, :-1], seq[:, 1:], 1)
-    train_step(model_, opt, micro, mesh=mesh, grad_clip=1.0)  # warm-up: lazy state outside the count
+    train_step(model_, opt, micro, grad_clip=1.0)  # warm-up: lazy state outside the count
     counter = CountCollectives()
     with counter:
-        train_step(model_, opt, micro, mesh=mesh, grad_clip=1.0)
+        train_step(model_, opt, micro, grad_clip=1.0)
     return {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "dim": cfg.dim}
 
 

@@ -91,7 +91,7 @@ def _rank(model_name: str, batch: int, seq_len: int, repeats: int, sp: bool) -> 
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
 
     def shoal_step() -> None:
-        train_step(shoal_model, shoal_opt, split_micro(x, y, 1), mesh=mesh, grad_clip=1.0)
+        train_step(shoal_model, shoal_opt, split_micro(x, y, 1), grad_clip=1.0)
 
     def dtensor_step() -> None:
         ref_opt.zero_grad(set_to_none=True)

@@ -30,6 +30,7 @@ from bench.common import launch, measure_pair, report
 from shoal.mesh import build_mesh, data_rank
 from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
+from shoal.runtime import Runtime
 from shoal.plan import Plan
 from shoal.train.step import split_micro, train_step
 
@@ -42,18 +43,18 @@ def _local_mb(tensors) -> float:
     return total / 2**20
 
 
-def _state_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+def _state_mb(model: Runtime, opt: torch.optim.Optimizer) -> float:
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
     return _local_mb(params) + _local_mb(grads) + _local_mb(states)
 
 
-def tensor_peak_mb(model: torch.nn.Module, opt: torch.optim.Optimizer, step) -> dict[str, float]:
+def tensor_peak_mb(model: Runtime, opt: torch.optim.Optimizer, step) -> dict[str, float]:
     """Peak bytes of live tensors during one step, by kind (torch's MemTracker; exact, unlike the
     resident set, which keeps freed pages that the allocator reuses)."""
     tracker = MemTracker()
-    tracker.track_external(model, opt)
+    tracker.track_external(*model.parts, opt)
     with tracker:
         step()
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
@@ -77,7 +78,7 @@ def _rank(cfg: ModelConfig, plans: list[str], global_batch: int, seq_len: int, r
         models[text] = (model, opt)
 
         def step(model=model, opt=opt, micro=micro, mesh=mesh) -> None:
-            train_step(model, opt, micro, mesh=mesh, grad_clip=1.0)
+            train_step(model, opt, micro, grad_clip=1.0)
 
         steps[text] = step
     res = measure_pair(steps, warmup=2, repeats=repeats)

@@ -50,7 +50,7 @@ def _shoal(cfg, stage: int, x: torch.Tensor, y: torch.Tensor):
     mesh = build_mesh(plan)
     model = parallelize(Transformer(cfg), plan, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return lambda: train_step(model, optimizer, split_micro(x, y, 1), mesh=mesh, grad_clip=1.0)
+    return lambda: train_step(model, optimizer, split_micro(x, y, 1), grad_clip=1.0)
 
 
 def _fsdp2(cfg, stage: int, x: torch.Tensor, y: torch.Tensor):

@@ -12,20 +12,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 
 import shoal.train.checkpoint as ckpt
 from shoal.models import ModelConfig, Transformer
+from shoal.parallelize import parallelize
+from shoal.runtime import Runtime
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, prune, read_trainer_state, save_checkpoint
 
 CFG = ModelConfig(num_layers=2, dim=32, num_heads=4, num_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
 EXTRA = {"step": 2, "scheduler": {"last_epoch": 2, "base_lrs": [0.001]}, "plan": "dp2", "note": "é"}
 
 
-def _fresh(cfg: ModelConfig = CFG, seed: int = 0) -> tuple[Transformer, torch.optim.Optimizer]:
+def _fresh(cfg: ModelConfig = CFG, seed: int = 0) -> tuple[Runtime, torch.optim.Optimizer]:
+    """A plain model in this process (its runtime) and its optimizer."""
     torch.manual_seed(seed)
-    model = Transformer(cfg)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    runtime = parallelize(Transformer(cfg))
+    return runtime, torch.optim.AdamW(runtime.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
 
 
 def _batch(step: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,32 +37,35 @@ def _batch(step: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Te
     return seq[:, :-1], seq[:, 1:]
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, rows: slice = slice(None)) -> list[float]:
+def _train(runtime: Runtime, opt: torch.optim.Optimizer, steps: range, rows: slice = slice(None)) -> list[float]:
     losses = []
     for step in steps:
         opt.zero_grad(set_to_none=True)
         x, y = _batch(step, rows)
-        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        loss = runtime.forward_backward([(x, y)])
         opt.step()
         losses.append(loss.item())
     return losses
 
 
-def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in get_state_dict(model, ())[0].items()}
+def _params(runtime: Runtime) -> dict[str, torch.Tensor]:
+    """Full copies of the model's state (gathered where sharded)."""
+    return _copy(runtime.state_dict()["model"])
 
 
-def _optim_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    """A copy of the optimizer state keyed by clean parameter name (the same under DDP and in one process)."""
-    return _copy(get_state_dict(model, opt)[1])
+def _optim_state(runtime: Runtime, opt: torch.optim.Optimizer) -> dict:
+    """Full copies of the optimizer state keyed by clean parameter name (the same in every layout)."""
+    return _copy(runtime.state_dict(opt)["optimizer"])
 
 
 def _copy(value):
+    """Detached full copies of every tensor in a nested state (DTensors gathered: collective)."""
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_copy(v) for v in value)
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().clone()
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
@@ -81,13 +87,13 @@ def _assert_equal(actual, expected, what: str = "") -> None:
 def _saved(tmp_path: Path, step: int = 2, seed: int = 0) -> tuple[Path, Transformer, torch.optim.Optimizer]:
     model, opt = _fresh(seed=seed)
     _train(model, opt, range(step))
-    return save_checkpoint(tmp_path, step, model=model, optimizer=opt, extra={**EXTRA, "step": step}), model, opt
+    return save_checkpoint(tmp_path, step, runtime=model, optimizer=opt, extra={**EXTRA, "step": step}), model, opt
 
 
 def _load_error(path: Path) -> str:
     model, opt = _fresh(seed=1)
     with pytest.raises(ValueError) as info:
-        load_checkpoint(path, model=model, optimizer=opt)
+        load_checkpoint(path, runtime=model, optimizer=opt)
     message = str(info.value)
     assert "\n" not in message and str(path) in message, message
     return message
@@ -103,8 +109,8 @@ def test_round_trip_is_exact(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
     other, other_opt = _fresh(seed=1)
-    assert not torch.equal(other.output.weight, model.output.weight)
-    extra = load_checkpoint(path, model=other, optimizer=other_opt)
+    assert not torch.equal(other.parts[0].output.weight, model.parts[0].output.weight)
+    extra = load_checkpoint(path, runtime=other, optimizer=other_opt)
     assert extra == EXTRA
     _assert_equal(_params(other), _params(model), "params")
     _assert_equal(other_opt.state_dict(), opt.state_dict(), "optimizer")
@@ -116,10 +122,10 @@ def test_round_trip_is_exact(tmp_path):
 def test_weights_only_and_optimizer_checks(tmp_path):
     path, model, _ = _saved(tmp_path)
     weights_only, _ = _fresh(seed=1)
-    load_checkpoint(path, model=weights_only, optimizer=None)
+    load_checkpoint(path, runtime=weights_only, optimizer=None)
     _assert_equal(_params(weights_only), _params(model))
 
-    bare = save_checkpoint(tmp_path / "bare", 0, model=model, optimizer=None, extra={})
+    bare = save_checkpoint(tmp_path / "bare", 0, runtime=model, optimizer=None, extra={})
     assert "holds no optimizer state" in _load_error(bare)
 
 
@@ -174,7 +180,7 @@ def test_incompatible_model(tmp_path):
                        (CFG.replace(num_layers=1), "this model lacks")):
         model, opt = _fresh(cfg)
         with pytest.raises(ValueError, match=words) as info:
-            load_checkpoint(path, model=model, optimizer=opt)
+            load_checkpoint(path, runtime=model, optimizer=opt)
         assert "\n" not in str(info.value) and "does not match this model" in str(info.value)
 
 
@@ -190,15 +196,15 @@ def test_crash_before_the_rename_keeps_previous_latest(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt, "_write_synced", crash_on_manifest)
     with pytest.raises(RuntimeError, match="disk full"):
-        save_checkpoint(tmp_path, 4, model=model, optimizer=opt, extra={"step": 4})
+        save_checkpoint(tmp_path, 4, runtime=model, optimizer=opt, extra={"step": 4})
     monkeypatch.undo()
     leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if ".tmp-" in p.name]
     assert len(leftovers) == 1 and not (tmp_path / "checkpoints" / "step_00000004").exists()
     assert latest_checkpoint(tmp_path) == good
-    assert load_checkpoint(good, model=model, optimizer=opt)["step"] == 2
+    assert load_checkpoint(good, runtime=model, optimizer=opt)["step"] == 2
 
     # The next save clears the leftover and moves `latest` on.
-    newer = save_checkpoint(tmp_path, 6, model=model, optimizer=opt, extra={"step": 6})
+    newer = save_checkpoint(tmp_path, 6, runtime=model, optimizer=opt, extra={"step": 6})
     assert latest_checkpoint(tmp_path) == newer
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if ".tmp-" in p.name]
 
@@ -215,16 +221,16 @@ def test_resave_of_a_step_never_exposes_a_half_written_folder(tmp_path, monkeypa
 
     monkeypatch.setattr(ckpt.os, "rename", crash_between_renames)
     with pytest.raises(RuntimeError, match="killed"):
-        save_checkpoint(tmp_path, 2, model=second_model, optimizer=second_opt, extra={"step": 2, "v": 2})
+        save_checkpoint(tmp_path, 2, runtime=second_model, optimizer=second_opt, extra={"step": 2, "v": 2})
     monkeypatch.undo()
     # The old folder was moved aside and `latest` names the new, complete temporary folder.
     latest = latest_checkpoint(tmp_path)
     model, opt = _fresh(seed=1)
-    assert load_checkpoint(latest, model=model, optimizer=opt)["v"] == 2
+    assert load_checkpoint(latest, runtime=model, optimizer=opt)["v"] == 2
     _assert_equal(_params(model), _params(second_model))
 
     # Without the crash a resave swaps the folders and leaves nothing else behind.
-    save_checkpoint(tmp_path, 2, model=first_model, optimizer=None, extra={"step": 2, "v": 3})
+    save_checkpoint(tmp_path, 2, runtime=first_model, optimizer=None, extra={"step": 2, "v": 3})
     assert latest_checkpoint(tmp_path) == first
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000002"]
     assert json.loads((first / "trainer_state.json").read_text())["v"] == 3
@@ -233,7 +239,7 @@ def test_resave_of_a_step_never_exposes_a_half_written_folder(tmp_path, monkeypa
 def test_latest_without_pointer_and_prune(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     model, opt = _fresh()
-    paths = [save_checkpoint(tmp_path, s, model=model, optimizer=opt, extra={"step": s}) for s in (1, 2, 3)]
+    paths = [save_checkpoint(tmp_path, s, runtime=model, optimizer=opt, extra={"step": s}) for s in (1, 2, 3)]
     (tmp_path / "checkpoints" / "latest").unlink()
     assert latest_checkpoint(tmp_path) == paths[-1]
     assert prune(tmp_path, keep=2) == [paths[0]]
@@ -241,7 +247,7 @@ def test_latest_without_pointer_and_prune(tmp_path):
     with pytest.raises(ValueError, match="keep=0"):
         prune(tmp_path, keep=0)
     with pytest.raises(TypeError):  # not JSON: refused before anything is written
-        save_checkpoint(tmp_path, 9, model=model, optimizer=opt, extra={"bad": object()})
+        save_checkpoint(tmp_path, 9, runtime=model, optimizer=opt, extra={"bad": object()})
     assert not (tmp_path / "checkpoints" / "step_00000009").exists()
 
 
@@ -251,35 +257,34 @@ def test_latest_without_pointer_and_prune(tmp_path):
 def _ddp(world_plan: str, seed: int):
     import torch.distributed as dist
 
-    from shoal.parallelize import parallelize
     from shoal.plan import Plan
     from shoal.testing import cached_mesh
 
     plan = Plan.parse(world_plan).resolve(dist.get_world_size())
-    model, _ = _fresh(seed=seed)
-    wrapped = parallelize(model, plan, cached_mesh(plan))
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    torch.manual_seed(seed)
+    runtime = parallelize(Transformer(CFG), plan, cached_mesh(plan))
+    opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     rows_per_rank = 4 // dist.get_world_size()
     rank = dist.get_rank()
-    return wrapped, opt, slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
+    return runtime, opt, slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
 
 
 def _save_under_dp2(run_dir: str) -> dict:
     """On 2 ranks: train 2 steps, save, train 2 more; then a fresh model loads and trains the same 2."""
     model, opt, rows = _ddp("dp2", seed=0)
     _train(model, opt, range(2), rows)
-    save_checkpoint(Path(run_dir), 2, model=model, optimizer=opt, extra=EXTRA)
+    save_checkpoint(Path(run_dir), 2, runtime=model, optimizer=opt, extra=EXTRA)
     saved = {"params": _params(model), "optim": _optim_state(model, opt)}
     unbroken = _train(model, opt, range(2, 4), rows)
     resumed_model, resumed_opt, _ = _ddp("dp2", seed=7)
-    extra = load_checkpoint(latest_checkpoint(Path(run_dir)), model=resumed_model, optimizer=resumed_opt)
+    extra = load_checkpoint(latest_checkpoint(Path(run_dir)), runtime=resumed_model, optimizer=resumed_opt)
     resumed = _train(resumed_model, resumed_opt, range(2, 4), rows)
     return {**saved, "extra": extra, "unbroken": unbroken, "resumed": resumed}
 
 
 def _load_here(run_dir: str) -> dict:
     model, opt, _ = _ddp("dp4", seed=3)
-    extra = load_checkpoint(latest_checkpoint(Path(run_dir)), model=model, optimizer=opt)
+    extra = load_checkpoint(latest_checkpoint(Path(run_dir)), runtime=model, optimizer=opt)
     return {"params": _params(model), "optim": _optim_state(model, opt), "extra": extra}
 
 
@@ -292,7 +297,7 @@ def test_save_dp2_load_single_process_and_dp4(pools, tmp_path):
         _assert_equal(res["params"], saved["params"], "replica params")
 
     model, opt = _fresh(seed=9)
-    assert load_checkpoint(latest_checkpoint(tmp_path), model=model, optimizer=opt) == EXTRA
+    assert load_checkpoint(latest_checkpoint(tmp_path), runtime=model, optimizer=opt) == EXTRA
     _assert_equal(_params(model), saved["params"], "single-process params")
     _assert_equal(_optim_state(model, opt), saved["optim"], "single-process optimizer")
 
@@ -302,24 +307,21 @@ def test_save_dp2_load_single_process_and_dp4(pools, tmp_path):
         _assert_equal(res["optim"], saved["optim"], f"dp4 rank {rank} optimizer")
 
 
-def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+def _full(runtime: Runtime, opt: torch.optim.Optimizer) -> dict:
     """Params and optimizer state as full (gathered) tensors: comparable across layouts."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return {"params": _copy(model_sd), "optim": _copy(optim_sd)}
+    return {"params": _params(runtime), "optim": _optim_state(runtime, opt)}
 
 
 def _save_under(plan: str, run_dir: str) -> dict:
     model, opt, rows = _ddp(plan, seed=0)
     _train(model, opt, range(2), rows)
-    save_checkpoint(Path(run_dir), 2, model=model, optimizer=opt, extra=EXTRA)
+    save_checkpoint(Path(run_dir), 2, runtime=model, optimizer=opt, extra=EXTRA)
     return _full(model, opt)
 
 
 def _load_under(plan: str, run_dir: str) -> dict:
     model, opt, _ = _ddp(plan, seed=4)
-    assert load_checkpoint(latest_checkpoint(Path(run_dir)), model=model, optimizer=opt) == EXTRA
+    assert load_checkpoint(latest_checkpoint(Path(run_dir)), runtime=model, optimizer=opt) == EXTRA
     return _full(model, opt)
 
 
@@ -328,7 +330,7 @@ def test_reshard_fsdp2_to_single_process_and_hybrid(pools, tmp_path):
     sharded 2 ways and replicated 2 ways (dp2,fsdp2 on 4 ranks), and sharded 4 ways (fsdp4)."""
     saved = pools(2).run(_save_under, "fsdp2", str(tmp_path))[0]
     model, opt = _fresh(seed=9)
-    load_checkpoint(latest_checkpoint(tmp_path), model=model, optimizer=opt)
+    load_checkpoint(latest_checkpoint(tmp_path), runtime=model, optimizer=opt)
     _assert_equal(_params(model), saved["params"], "single-process params")
     _assert_equal(_optim_state(model, opt), saved["optim"], "single-process optimizer")
     for plan in ("dp2,fsdp2", "fsdp4"):
@@ -342,7 +344,7 @@ def _load_incompatible(path: str) -> str:
     cfg = CFG.replace(dim=64) if dist.get_rank() == 1 else CFG  # only rank 1's model differs
     model, opt = _fresh(cfg)
     try:
-        load_checkpoint(Path(path), model=model, optimizer=opt)
+        load_checkpoint(Path(path), runtime=model, optimizer=opt)
     except ValueError as exc:
         return str(exc)
     return "loaded"
@@ -351,7 +353,7 @@ def _load_incompatible(path: str) -> str:
 def _save_into_a_file(path: str) -> str:
     model, opt = _fresh()
     try:
-        save_checkpoint(Path(path), 1, model=model, optimizer=opt, extra={})
+        save_checkpoint(Path(path), 1, runtime=model, optimizer=opt, extra={})
     except RuntimeError as exc:
         return str(exc)
     return "saved"

@@ -18,7 +18,9 @@ import pytest
 
 from shoal import cli
 
-SMALL = ["--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "8", "--seq-len", "32"]
+# These tests mean CPU/gloo with 2 processes, also on a machine with GPUs.
+SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "8",
+         "--seq-len", "32"]
 
 
 def assert_user_error(capsys, argv: list[str], *names: str) -> str:
@@ -55,7 +57,7 @@ def assert_user_error(capsys, argv: list[str], *names: str) -> str:
     (["--steps", "ten"], ["'ten'"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("-") else None)
 def test_bad_train_flags(capsys, tmp_path, argv, names):
-    assert_user_error(capsys, ["train", "--out", str(tmp_path / "run"), *argv], *names)
+    assert_user_error(capsys, ["train", "--out", str(tmp_path / "run"), "--device", "cpu", *argv], *names)
     assert not (tmp_path / "run").exists()  # nothing written
 
 
@@ -107,7 +109,8 @@ def _digest(folder: Path) -> dict[str, str]:
 def test_a_good_run_is_never_overwritten(capsys, good_run):
     before = _digest(good_run / "checkpoints")
     assert_user_error(capsys, ["train", "--out", str(good_run), *SMALL], str(good_run), "--resume")
-    assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "2"], "already at step 2")
+    assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "2", "--device", "cpu"],
+                      "already at step 2")
     assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "4", "--lr", "0.1"],
                       "--lr", "cannot change", "--steps")
     assert _digest(good_run / "checkpoints") == before
@@ -141,7 +144,7 @@ def test_corrupt_checkpoints(capsys, good_run, tmp_path):
     data = sorted(ckpt.glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     before = _digest(truncated)
-    proc = _run_shoal("train", "--resume", str(truncated), "--steps", "3")
+    proc = _run_shoal("train", "--resume", str(truncated), "--steps", "3", "--device", "cpu")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("shoal: error: checkpoint ") and data.name in proc.stderr
@@ -150,13 +153,15 @@ def test_corrupt_checkpoints(capsys, good_run, tmp_path):
 
     garbled, ckpt = broken("garbled")
     (ckpt / "trainer_state.json").write_text("{not json")
-    assert_user_error(capsys, ["train", "--resume", str(garbled), "--steps", "3"], "corrupt", "trainer_state.json")
+    assert_user_error(capsys, ["train", "--resume", str(garbled), "--steps", "3", "--device", "cpu"], "corrupt",
+                      "trainer_state.json")
 
     index, ckpt = broken("index")
     meta = ckpt / ".metadata"
     meta.write_bytes(bytes(b ^ 0x5A for b in meta.read_bytes()))  # same size, garbage content
     before = _digest(index)
-    assert_user_error(capsys, ["train", "--resume", str(index), "--steps", "3", "--nproc", "1"], ".metadata")
+    assert_user_error(capsys, ["train", "--resume", str(index), "--steps", "3", "--nproc", "1", "--device", "cpu"],
+                      ".metadata")
     assert _digest(index) == before
 
 
@@ -179,3 +184,37 @@ def test_launcher_names_the_failed_rank():
 
     with pytest.raises(WorkerFailed, match=r"^rank 1 of 2 failed: the last line says what broke$"):
         launch(_fail_on_rank_1, None, nproc=2)
+
+
+def test_gpu_machine_defaults(monkeypatch, tmp_path, capsys):
+    """On a machine with one GPU (simulated: torch reports one), `shoal train` with no flags runs
+    one process on it, in bf16 with fp32 master weights and reduction (main refused it: "--nproc 2
+    exceeds the 1 GPUs"); --nproc beyond the GPUs says how many there are and what else is valid;
+    --device cpu keeps the CPU's defaults."""
+    import torch
+
+    from shoal.train.config import parse_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    out = str(tmp_path / "run")
+    job = cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out]))
+    assert job.device == "cuda" and cli.world_size(job.config, job.device) == 1
+    plan = parse_plan(job.config.plan).resolve(1, job.device)
+    assert (plan.precision, plan.reduce) == ("bf16", "fp32")
+    assert_user_error(capsys, ["train", "--out", out, "--nproc", "2"], "--nproc 2", "1 GPU(s)", "--device cpu")
+    job = cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out, "--device", "cpu"]))
+    assert job.device == "cpu" and cli.world_size(job.config, job.device) == 2
+    assert parse_plan(job.config.plan).resolve(2, job.device).precision == "fp32"
+    assert not (tmp_path / "run").exists()
+
+
+def test_device_errors(monkeypatch, tmp_path, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert_user_error(capsys, ["train", "--out", str(tmp_path / "r"), "--device", "cuda"], "--device cuda",
+                      "no GPU", "valid: auto, cpu")
+    assert_user_error(capsys, ["train", "--out", str(tmp_path / "r"), "--device", "tpu"], "--device 'tpu'",
+                      "valid: auto, cpu, cuda")
+    assert not (tmp_path / "r").exists()

@@ -33,7 +33,7 @@ def test_schedule_defaults():
 def test_scheduler_drives_the_optimizer_and_restores():
     cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizer(model.parameters(), cfg)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # matrices / vectors
     sched = build_scheduler(opt, cfg, total_steps=14)
     seen = []
@@ -43,7 +43,7 @@ def test_scheduler_drives_the_optimizer_and_restores():
         sched.step()
     assert seen[:4] == [0.25, 0.5, 0.75, 1.0] and seen[6] == pytest.approx(0.9140576474687264)
     # A fresh optimizer + scheduler restored from the state continue with the same lr.
-    opt2 = build_optimizer(model, cfg)
+    opt2 = build_optimizer(model.parameters(), cfg)
     sched2 = build_scheduler(opt2, cfg, total_steps=14)
     sched2.restore(sched.state_dict())
     assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups] == [sched.schedule.lr_at(7)] * 2

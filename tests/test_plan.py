@@ -54,10 +54,22 @@ def test_parse_fields():
 ])
 def test_resolve_fills_dp(text, world, resolved):
     plan = Plan.parse(text).resolve(world)
-    assert str(plan) == resolved and plan.world_size == world
+    assert str(plan) == resolved + ",precision=fp32" and plan.world_size == world  # the CPU's default, said
     names, sizes = plan.mesh_shape()
     assert names == ("pp", "dp", "fsdp", "cp", "tp")
     assert dict(zip(names, sizes)) == {a: getattr(plan, a) for a in names}
+
+
+def test_precision_defaults_by_device():
+    """Left out, precision is the device's default: bf16 (fp32 master weights and gradient
+    reduction) on GPUs, fp32 on CPUs; given, it is kept everywhere."""
+    assert Plan.parse("dp2").resolve(2, "cuda").precision == "bf16"
+    assert Plan.parse("dp2").resolve(2, "cuda").reduce == "fp32"
+    assert Plan.parse("dp2").resolve(2).precision == "fp32"
+    assert Plan.parse("dp2,precision=fp32").resolve(2, "cuda").precision == "fp32"
+    assert Plan.parse("fsdp2,precision=fp16").resolve(2, "cpu").precision == "fp16"
+    assert "precision: bf16" in Plan.parse("fsdp2").resolve(2, "cuda").describe()
+    assert one_line_error(Plan.parse("dp2").resolve, 2, "tpu") == "device 'tpu' is not valid; valid: cpu, cuda"
 
 
 def test_degrees():

@@ -14,8 +14,11 @@ import pytest
 
 from shoal import cli
 
-SMALL = ["--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "8",
+SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "8",
          "--seq-len", "32", "--eval-every", "3", "--eval-batches", "2", "--seed", "3"]
+
+
+LOSS_REL = 1e-4  # float32 rounding of one forward, bounded: see test_dp2_equals_single_process
 
 
 def train(out: Path, *flags: str) -> list[dict]:
@@ -47,12 +50,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def test_dp2_equals_single_process(runs):
     dp2, single = metrics(runs["dp2"]), metrics(runs["single"])
     assert [r["step"] for r in dp2] == [r["step"] for r in single] == [1, 2, 3, 4, 5, 6]
-    # Not bit-exact: DDP sums the two ranks' gradients in its own order, and each rank's matmuls
-    # see half the batch, so the sums differ in the last bits; over 6 Adam steps that stays at
-    # float32 rounding (measured: ~1e-7 relative).
-    assert losses(dp2) == pytest.approx(losses(single), rel=1e-5)
+    # Not bit-exact: DDP sums the two ranks' gradients in its own order, each rank's matmuls see
+    # half the batch, and the ranks run a different number of threads than the single process, so
+    # sums are added in other orders. A float32 dot product of n terms is off by at most n u
+    # relative (first order); the forward chains about 2 x 5 + 1 such stages of n <= 128 here,
+    # so a loss may differ by up to ~1400 u = 8e-5 relative on any machine, and a parameter that
+    # AdamW moved differently (a near-zero gradient) barely changes the loss, whose slope there is
+    # near zero. Hence rel=1e-4; a wrong average or a missed step is off by percents.
+    assert losses(dp2) == pytest.approx(losses(single), rel=LOSS_REL)
     assert [r["eval_loss"] for r in dp2 if "eval_loss" in r] == pytest.approx(
-        [r["eval_loss"] for r in single if "eval_loss" in r], rel=1e-5)
+        [r["eval_loss"] for r in single if "eval_loss" in r], rel=LOSS_REL)
     assert losses(dp2)[-1] < losses(dp2)[0]
 
 
@@ -73,7 +80,7 @@ def test_resume_on_another_world_size(runs):
     assert losses(resumed)[:3] == losses(unbroken)[:3]  # written by the first attempt
     # The checkpoint reshards from 2 ranks to 1; the rest differs from the unbroken dp2 run only
     # by the order of sums (see test_dp2_equals_single_process).
-    assert losses(resumed)[3:] == pytest.approx(losses(unbroken)[3:], rel=1e-5)
+    assert losses(resumed)[3:] == pytest.approx(losses(unbroken)[3:], rel=LOSS_REL)
 
 
 def test_run_folder_contents(runs):
@@ -89,6 +96,7 @@ def test_run_folder_contents(runs):
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step_00000003", "step_00000006"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["final_loss"] == records[-1]["loss"] and 0 < summary["mfu"] < 1
+    assert (summary["device"], summary["precision"], summary["plan"]) == ("cpu", "fp32", "dp2,precision=fp32")
 
 
 def test_sample_prints_text(runs, capsys):

@@ -56,7 +56,8 @@ def fail(message: str, status: int) -> int:
 _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "preset name (tiny, tiny-gpt, small, llama3-8b, ...) or hf:<dir or config.json> [tiny]"),
     ("--plan", str, "parallel plan such as dp2 (see README) [dp over all processes]"),
-    ("--nproc", int, "local worker processes to start; ignored under torchrun [2]"),
+    ("--nproc", int, "local worker processes to start; ignored under torchrun [one per GPU; 2 on CPU]"),
+    ("--device", str, "cuda (one GPU per process, NCCL), cpu (gloo) or auto [auto: cuda when there are GPUs]"),
     ("--steps", int, "total optimizer steps of the run [300]"),
     ("--global-batch", int, "sequences per optimizer step, whatever the plan [16]"),
     ("--micro-batch", int, "sequences per forward per data rank; accumulation = B/(data ranks*M) [B/data ranks]"),
@@ -125,7 +126,7 @@ def _train(args: argparse.Namespace) -> int:
             if result is not None and "error" in result:
                 return fail(result["error"], USER_ERROR)
             return 0
-        results = launch(run_worker, job, nproc=job.config.nproc)
+        results = launch(run_worker, job, nproc=world_size(job.config, job.device))
     except WorkerFailed as exc:
         return fail(str(exc), RUN_FAILED)
     if "error" in (results.get(0) or {}):
@@ -135,7 +136,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def prepare_job(args: argparse.Namespace) -> Any:
     """Validate everything the user gave and return the Job the workers run (ValueError if wrong)."""
-    from shoal.launch import under_torchrun
+    from shoal.launch import resolve_device, under_torchrun
     from shoal.train.config import from_flat, load_toml, resolve_model
     from shoal.train.loop import Job, default_run_dir, with_model
 
@@ -152,12 +153,22 @@ def prepare_job(args: argparse.Namespace) -> Any:
         run_dir = cfg.out if cfg.out is not None else (None if under_torchrun() else default_run_dir())
     model = resolve_model(cfg)
     cfg = with_model(cfg, model)
-    validate(cfg)
+    device = resolve_device(cfg.device)
+    validate(cfg, device)
     if args.resume is not None:
         _check_resumable(Path(args.resume), cfg.loop.steps)
     elif run_dir is not None:
         _check_fresh_out(Path(run_dir))
-    return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None)
+    return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None, device=device)
+
+
+def world_size(cfg: Any, device: str) -> int:
+    """The run's number of processes: torchrun's world, --nproc, or one per GPU (2 on CPU)."""
+    from shoal.launch import default_nproc, under_torchrun
+
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.nproc if cfg.nproc is not None else default_nproc(device)
 
 
 def _resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
@@ -180,8 +191,8 @@ def _resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
     return from_flat(flags, base)
 
 
-def validate(cfg: Any) -> None:
-    """Model, plan, batch and data against each other, for the world the run will have."""
+def validate(cfg: Any, device: str) -> None:
+    """Model, plan, batch and data against each other, for the world the run will have on `device`."""
     import torch
 
     from shoal.launch import under_torchrun
@@ -191,15 +202,16 @@ def validate(cfg: Any) -> None:
     from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
 
     model, loop = cfg.model_config, cfg.loop
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
-    if not under_torchrun() and torch.cuda.is_available() and cfg.nproc > torch.cuda.device_count():
-        raise UserError(f"--nproc {cfg.nproc} exceeds the {torch.cuda.device_count()} GPUs of this machine")
+    world = world_size(cfg, device)
+    if device == "cuda" and not under_torchrun() and world > torch.cuda.device_count():
+        raise UserError(f"--nproc {world} exceeds the {torch.cuda.device_count()} GPU(s) of this machine (one "
+                        f"process per GPU); valid: 1..{torch.cuda.device_count()}, or --device cpu")
     with torch.device("meta"):  # builds no weights: catches what the model itself refuses
         Transformer(model)
     if loop.seq_len > model.max_seq_len:
         raise UserError(f"--seq-len {loop.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
                         f"valid: 1..{model.max_seq_len} (or --set max_seq_len={loop.seq_len})")
-    plan = parse_plan(cfg.plan).resolve(world)
+    plan = parse_plan(cfg.plan).resolve(world, device)
     plan.validate(model, global_batch=loop.global_batch, seq_len=loop.seq_len)
     check_supported(plan)
     local = loop.global_batch // plan.data_ranks

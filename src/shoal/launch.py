@@ -13,7 +13,11 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from shoal.world import threads_per_rank
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+CPU_NPROC = 2
+"""Local processes on a machine without GPUs: enough to exercise every collective."""
 
 
 class WorkerFailed(RuntimeError):
@@ -25,9 +29,25 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARS)
 
 
-def threads_per_rank(local_world: int) -> int:
-    """Cores this process may use, shared evenly by the ranks on this machine."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, local_world))
+def resolve_device(requested: str) -> str:
+    """"cpu" or "cuda" for a config's `device` (auto: cuda when torch sees a GPU)."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no GPU on this machine (torch.cuda.is_available() is False); "
+                         "valid: auto, cpu")
+    return requested
+
+
+def default_nproc(device: str) -> int:
+    """Local processes when --nproc is left out: one per visible GPU, or CPU_NPROC on the CPU."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return CPU_NPROC
 
 
 def free_port() -> int:

@@ -10,17 +10,25 @@ from shoal.plan import Plan
 
 
 def device_type() -> str:
-    """"cuda" when this process has a GPU and the NCCL backend, else "cpu" (gloo)."""
-    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+    """"cuda" when this process has a GPU and its process group runs NCCL, else "cpu" (gloo).
+
+    A GPU run's group is "cpu:gloo,cuda:nccl" (NCCL for GPU tensors, gloo beside it for the CPU
+    ones of offload=on), so the test is whether NCCL is among its backends. A pure gloo group on a
+    GPU machine (the CPU parity tests there) stays on the CPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    if not dist.is_initialized():
         return "cuda"
-    return "cpu"
+    return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
 
 
 def build_mesh(plan: Plan, device: str | None = None) -> DeviceMesh:
     """A DeviceMesh with one named dimension per axis (pp, dp, fsdp, cp, tp), size-1 ones included,
-    so that code can always ask for `mesh["tp"]` and get a degree-1 group when tp is off."""
-    names, sizes = plan.resolve(dist.get_world_size()).mesh_shape()
-    return init_device_mesh(device or device_type(), sizes, mesh_dim_names=names)
+    so that code can always ask for `mesh["tp"]` and get a degree-1 group when tp is off.
+    `device`: "cpu" or "cuda"; None: `device_type()`."""
+    device = device or device_type()
+    names, sizes = plan.resolve(dist.get_world_size(), device).mesh_shape()
+    return init_device_mesh(device, sizes, mesh_dim_names=names)
 
 
 def axis_size(mesh: DeviceMesh, axis: str) -> int:

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from shoal.models.config import ModelConfig
 
 AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+DEVICES = ("cpu", "cuda")
+DEVICE_DEFAULTS = {"cpu": {"precision": "fp32"}, "cuda": {"precision": "bf16"}}
+"""Options a plan leaves out take these values on each device: bf16 compute with fp32 master
+weights and fp32 gradient reduction on GPUs (what users expect there), plain fp32 on CPUs (no
+fast bf16 matmuls; exact parity with a single process)."""
 # Mesh dimension order, outermost first: pipeline stages span the slowest links, tensor
 # parallel the fastest (the torchtitan / Megatron convention).
 MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
@@ -71,8 +76,9 @@ class Plan:
     """Sequence-parallel norms and residuals between tensor-parallel sublayers."""
     ac: str = "none"
     """Activation recompute: none, selective or full (per block)."""
-    precision: str = "fp32"
-    """Parameter/compute precision: fp32, bf16 (fp32 master weights) or fp16 (loss scaling)."""
+    precision: str | None = None
+    """Parameter/compute precision: fp32, bf16 (fp32 master weights) or fp16 (loss scaling).
+    None: the device's default (DEVICE_DEFAULTS), filled in by `resolve`."""
     reduce: str = "fp32"
     """Dtype gradients are reduced (all-reduced / reduce-scattered) in: fp32 (exact sums, the
     default), or bf16/fp16 (half the gradient traffic, rounded sums)."""
@@ -136,8 +142,11 @@ class Plan:
     def non_dp_product(self) -> int:
         return self.fsdp * self.tp * self.pp * self.cp
 
-    def resolve(self, world_size: int) -> Plan:
-        """Fill in dp from the world size and check that the degrees multiply to it."""
+    def resolve(self, world_size: int, device: str = "cpu") -> Plan:
+        """Fill in dp from the world size, and the options left out from the device's defaults
+        (DEVICE_DEFAULTS); check that the degrees multiply to the world size."""
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r} is not valid; valid: {', '.join(DEVICES)}")
         if world_size < 1:
             raise ValueError(f"world size {world_size} must be >= 1")
         others = self.non_dp_product
@@ -160,7 +169,8 @@ class Plan:
                 f"ep={plan.ep} must divide the ranks that see different tokens (dp*fsdp*cp = "
                 f"{plan.data_ranks * plan.cp}); valid: {_divisors(plan.data_ranks * plan.cp)}"
             )
-        return plan
+        unset = {k: v for k, v in DEVICE_DEFAULTS[device].items() if getattr(plan, k) is None}
+        return dataclasses.replace(plan, **unset) if unset else plan
 
     @property
     def data_ranks(self) -> int:

@@ -34,7 +34,8 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x_BTHE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_BTHE.float().unflatten(-1, (-1, 2)).unbind(-1)  # interleaved pairs
+    # Rotate in at least float32 (16-bit inputs lose the angle's precision); float64 stays float64.
+    x1, x2 = x_BTHE.to(torch.promote_types(x_BTHE.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos_TE[None, :, None, :], sin_TE[None, :, None, :]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return rotated.type_as(x_BTHE)

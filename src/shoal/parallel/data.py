@@ -1,6 +1,7 @@
 """Data parallelism over the mesh's dp axis and sharded data parallelism (ZeRO) over its fsdp axis.
 
-Three engines, chosen by the plan:
+Three engines, chosen by the plan (`shoal.parallel.choice.choose_engine`, a pure function the
+planner shares):
 - dp alone, fp32, no tensor parallel: torch's DistributedDataParallel on the dp sub-mesh's process
   group (bucketed gradient all-reduce overlapped with backward, the well-kept replicated path).
 - zero=1/2 with an fsdp axis (and dp x fsdp hybrid), on a model without DTensor parameters and
@@ -41,9 +42,13 @@ Hybrid `dp2,fsdp2` is HSDP on the 2-D mesh ("dp", "fsdp"): shard within fsdp, re
 tensor-parallel model (or in mixed precision) is FSDP2 with a shard degree of 1, so no DDP ever
 sees a DTensor.
 
+Each engine is handed to the runtime (shoal/runtime.py) behind one small interface, `DataEngine`:
+what forward calls, what the optimizer updates, gradient-sync control, the gradient norm and
+scaling, and state dicts in DCP's format. Nothing outside shoal/parallel/ asks which engine runs.
+
 Measured figures (time and memory against DeepSpeed and FSDP2 used directly, memory against the
 ZeRO formulas) are in the benchmarks (bench/zero_vs_peers.py, bench/zero_memory.py) and the
-issue notes; the engine's design choices cite theirs in shoal/parallel/zero.py.
+issue notes.
 """
 
 from __future__ import annotations
@@ -51,45 +56,142 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
+from typing import Any, Protocol
 
+import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from shoal.parallel.precision import LossScaler, PrecisionPolicy
+from shoal.parallel.choice import EngineChoice, choose_engine
+from shoal.parallel.precision import PrecisionPolicy
 from shoal.parallel.zero import ZeroDataParallel
 from shoal.plan import Plan
 
 
-def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan) -> nn.Module:
-    """Replicate and/or shard `model` over the dp and fsdp axes; returns the model to train
-    (a DDP wrapper, the same module turned into an FSDP module, or `model` at degree 1)."""
-    if plan.zero not in (1, 2, 3):
-        raise ValueError(f"zero={plan.zero} is not a ZeRO stage; valid: 1, 2, 3")
-    precision = PrecisionPolicy.from_name(plan.precision, reduce=plan.reduce)
-    has_dtensors = any(isinstance(p, DTensor) for p in model.parameters())
-    dp, fsdp = mesh["dp"].size(), mesh["fsdp"].size()
-    if plan.offload and fsdp == 1:
+class DataEngine(Protocol):
+    """One model part replicated and/or sharded over the data axes: what the runtime talks to."""
+
+    model: nn.Module
+    """What forward calls (a wrapper such as DDP, or the module itself)."""
+    module: nn.Module
+    """The user's module, as the parallelisms left it (sharded in place, never wrapped)."""
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """What the optimizer updates (DTensor shards where sharded), under the module's own names."""
+        ...
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Around every micro-batch but the last: accumulate without reducing, where the engine may."""
+        ...
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients over every rank that holds a piece of them (a plain tensor)."""
+        ...
+
+    def scale_grads_(self, factor: torch.Tensor) -> None:
+        """Multiply every gradient by `factor` (a scalar tensor) in place."""
+        ...
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """Clean names -> tensors (sharded ones as DTensors): DCP saves and loads these in place."""
+        ...
+
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer`'s state keyed by parameter name, in DCP's `get_state_dict` format."""
+        ...
+
+    def load_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None,
+                         optimizer: torch.optim.Optimizer | None) -> None:
+        """After DCP loaded into the two state dicts above: make the model and optimizer use them."""
+        ...
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight unsharded, on the CPU (collective; complete on rank 0 at least)."""
+        ...
+
+    def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take full tensors by name (those given); each rank keeps its own shard (collective where sharded)."""
+        ...
+
+
+def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
+                        choice: EngineChoice | None = None) -> DataEngine:
+    """Replicate and/or shard `model` over the dp and fsdp axes with the engine `choice` names
+    (None: `choose_engine(plan, ...)`, the choice the planner costs)."""
+    precision = PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce)
+    blocks = transformer_blocks(model)
+    choice = choice or choose_engine(plan, num_layers=len(blocks))
+    if plan.offload and mesh["fsdp"].size() == 1:
         raise ValueError(f"offload=on needs fsdp > 1 (plan {plan}); valid: add fsdpN, or offload=off")
-    if dp == 1 and fsdp == 1 and precision.is_full:
-        return model  # nothing to replicate (a tp-only model stays as tensor parallel left it)
-    if fsdp == 1 and not has_dtensors and precision.is_full:
-        return _ddp(model, mesh["dp"])
-    # Replicated only (fsdp1): nothing to free after forward, so keep the gathered copy (zero=2).
-    zero = plan.zero if fsdp > 1 else 2
-    bucket = plan.bucket if plan.bucket is not None else (DEFAULT_BUCKET if zero < 3 else 1)
-    if bucket < 1:
-        raise ValueError(f"bucket={bucket} must be a whole number of blocks >= 1")
-    if zero < 3 and fsdp > 1 and not has_dtensors and not plan.offload:
-        engine = ZeroDataParallel(model, mesh=mesh, zero=zero, bucket=bucket, precision=precision,
-                                  blocks=transformer_blocks(model))
-        if precision.loss_scaling:
-            engine.loss_scaler = LossScaler()  # type: ignore[assignment]  # train_step looks for it
-        return engine
-    return _fully_shard(model, mesh=mesh, zero=zero, precision=precision, bucket=bucket,
-                        offload=_offload_policy(mesh) if plan.offload else OffloadPolicy())
+    if choice.kind == "none":
+        return TorchDataEngine(model, model)  # a tp-only model stays as tensor parallel left it
+    if choice.kind == "ddp":
+        return TorchDataEngine(_ddp(model, mesh["dp"]), model)
+    if choice.kind == "zero":
+        return ZeroDataParallel(model, mesh=mesh, zero=choice.zero, bucket=choice.bucket, precision=precision,
+                                blocks=blocks)
+    offload = _offload_policy(mesh) if plan.offload else OffloadPolicy()
+    _fully_shard(model, blocks, mesh=mesh, choice=choice, precision=precision, offload=offload)
+    return TorchDataEngine(model, model, gradient_sync_toggle=choice.zero == 1)
+
+
+class TorchDataEngine:
+    """torch's own engines (none, DDP, FSDP2) behind `DataEngine`: DCP's state-dict API handles
+    every one of them, with names free of wrapper prefixes."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, *, gradient_sync_toggle: bool = False) -> None:
+        self.model, self.module = model, module
+        self._toggle = gradient_sync_toggle  # FSDP2 at ZeRO-1: reduce on the last micro-batch only
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, param in self.module.named_parameters():
+            if param.requires_grad:
+                yield clean_name(name), param
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
+        if self._toggle:
+            return _no_gradient_sync(self.model)
+        return contextlib.nullcontext()
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for _, p in self.named_parameters() if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor:
+        grads = self._grads()
+        if not grads:
+            return torch.zeros(())
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def scale_grads_(self, factor: torch.Tensor) -> None:
+        grads = self._grads()
+        if grads:
+            torch._foreach_mul_(grads, factor.to(grads[0].device))  # what clip_grads_with_norm_ does
+
+    def model_state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return get_state_dict(self.model, optimizer)[1]
+
+    def load_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None,
+                         optimizer: torch.optim.Optimizer | None) -> None:
+        set_state_dict(self.model, optimizer if optimizer is not None else (),
+                       model_state_dict=model_sd, optim_state_dict=optim_sd or {})
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        # strict=False: the runtime checked the names; a partial dict leaves the rest as it is.
+        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def _ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
@@ -112,10 +214,6 @@ def _data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "fsdp"]
 
 
-DEFAULT_BUCKET = 2
-"""Blocks per gather/reduce unit at zero=1/2 unless the plan says `bucket=`: see the module docstring."""
-
-
 def _offload_policy(mesh: DeviceMesh) -> CPUOffloadPolicy:
     """FSDP2's CPU offload: sharded parameters, gradients and optimizer state in CPU memory, copied
     to the device per block for forward/backward; the optimizer step runs on the CPU. Pinned host
@@ -125,21 +223,15 @@ def _offload_policy(mesh: DeviceMesh) -> CPUOffloadPolicy:
     return CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
 
 
-def _fully_shard(model: nn.Module, *, mesh: DeviceMesh, zero: int, precision: PrecisionPolicy,
-                 bucket: int, offload: OffloadPolicy) -> nn.Module:
-    data_mesh = _data_mesh(mesh)
-    keep_full = zero < 3  # ZeRO-1/2 keep a block's gathered parameters from forward to backward
-    kwargs = dict(mesh=data_mesh, mp_policy=precision.fsdp_policy(), offload_policy=offload)
-    blocks = transformer_blocks(model)
-    for unit in (blocks[i:i + bucket] for i in range(0, len(blocks), bucket)):
+def _fully_shard(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh, choice: EngineChoice,
+                 precision: PrecisionPolicy, offload: OffloadPolicy) -> None:
+    kwargs = dict(mesh=_data_mesh(mesh), mp_policy=precision.fsdp_policy(), offload_policy=offload)
+    keep_full = choice.zero < 3  # ZeRO-1/2 keep a block's gathered parameters from forward to backward
+    step = choice.bucket
+    for unit in (blocks[i:i + step] for i in range(0, len(blocks), step)):
         # A list is one FSDP2 parameter group: gathered before the first block runs, reduced once.
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=not keep_full, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed first in backward
-    if precision.loss_scaling:
-        model.loss_scaler = LossScaler()  # type: ignore[assignment]  # train_step looks for it
-    if zero == 1:
-        model.no_sync = lambda: _no_gradient_sync(model)  # type: ignore[assignment]
-    return model
 
 
 @contextlib.contextmanager
@@ -161,3 +253,14 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > len(best):
             best = list(module.values() if isinstance(module, nn.ModuleDict) else module)
     return best
+
+
+# Prefixes that wrappers put into parameter names (recompute, torch.compile, DDP).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as the user's module spells it, without wrapper prefixes."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name

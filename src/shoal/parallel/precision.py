@@ -57,10 +57,11 @@ class PrecisionPolicy:
 class LossScaler:
     """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, "Mixed Precision Training").
 
-    `scale(loss)` before backward; `unscale_and_clip_(model, grad_norm, max_norm)` after: divides the
-    gradients by the scale, clips them, and reports whether the step may be taken. The overflow check uses the *global* gradient
-    norm the step already computes (all ranks agree on it), so no extra collective is needed. On an
-    overflow the step is skipped and the scale halves; after `growth_interval` good steps it doubles.
+    `scale(loss)` before backward; after it, `unscale_factor(norm of the scaled gradients)` says
+    what to multiply the gradients by (1/scale), or None when they overflowed: the step is then
+    skipped and the scale halves. After `growth_interval` good steps in a row the scale doubles.
+    The overflow check uses the *global* gradient norm the step computes anyway (every rank
+    agrees on it), so it needs no collective of its own.
     """
 
     def __init__(self, *, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
@@ -69,26 +70,17 @@ class LossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_value
 
-    @torch.no_grad()
-    def unscale_and_clip_(
-        self, model: torch.nn.Module, scaled_grad_norm: torch.Tensor, max_norm: float | None
-    ) -> tuple[bool, torch.Tensor]:
-        """(take the step?, true gradient norm). When the norm of the scaled gradients is finite,
-        divide them by the scale and clip them to `max_norm`; otherwise halve the scale."""
+    def unscale_factor(self, scaled_grad_norm: torch.Tensor) -> float | None:
+        """1/scale for gradients whose norm is finite (then counts a good step), else None (and halves the scale)."""
         if not math.isfinite(float(scaled_grad_norm)):
             self.scale_value /= 2
             self._good_steps = 0
-            return False, scaled_grad_norm
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        for g in grads:
-            g.div_(self.scale_value)
-        norm = scaled_grad_norm / self.scale_value
-        if max_norm is not None and max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+            return None
+        factor = 1.0 / self.scale_value
         self._good_steps += 1
         if self._good_steps % self.growth_interval == 0:
             self.scale_value *= 2
-        return True, norm
+        return factor
 
     def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale_value, "good_steps": self._good_steps}

@@ -49,8 +49,8 @@ def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.T
 
 
 def local_value(loss: torch.Tensor) -> torch.Tensor:
-    """A detached plain CPU float tensor of `loss` (a replicated DTensor's local copy)."""
+    """A detached plain float tensor of `loss` (a replicated DTensor's local copy), where it lives."""
     loss = loss.detach()
     if isinstance(loss, DTensor):
         loss = loss.to_local()
-    return loss.float().cpu()
+    return loss.float()

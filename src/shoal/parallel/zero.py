@@ -2,8 +2,8 @@
 
 Why not FSDP2 here: FSDP2 is a ZeRO-3 engine. Run as ZeRO-1/2 it still gathers every unit's
 parameters inside every forward, copies them in and out per unit, runs hooks per unit, and lets
-the optimizer see parameters it re-registers per forward; on gloo that cost 1.10-1.14x
-DeepSpeed's step time (bench/zero_vs_peers, 2 ranks, quiet machine). ZeRO-1/2 keep the full
+the optimizer see parameters it re-registers per forward, which made it slower than DeepSpeed's
+ZeRO-1/2 on gloo (bench/zero_vs_peers.py). ZeRO-1/2 keep the full
 parameters anyway, so this module keeps them as ordinary tensors the model computes with, and
 shards only what the stages shard:
 
@@ -30,10 +30,8 @@ shards only what the stages shard:
   Any optimizer works, and evaluation between steps sees the update. (The shards' version
   counters cannot tell: a DTensor's in-place foreach update leaves them as they were.)
 
-Measured at 2 ranks (bench/zero_vs_peers, `small`, fp32 AdamW, 30 interleaved repeats): step time
-1.00x DeepSpeed's at stage 1, 0.95x at stage 2 and 0.86x FSDP2-as-ZeRO-2's; resident memory
-0.62-0.66x DeepSpeed's and 0.93x FSDP2's; peak live tensors within 4% of the fp32 ZeRO formula
-plus activations (bench/zero_memory). FSDP2 for the same stages was 1.10-1.14x DeepSpeed.
+It implements shoal.parallel.data.DataEngine, the interface the runtime uses. Its speed and memory
+against DeepSpeed and FSDP2 are measured by bench/zero_vs_peers.py and bench/zero_memory.py.
 Not covered: tensor-parallel models and offload=on keep FSDP2 (see shoal/parallel/data.py).
 """
 
@@ -179,20 +177,31 @@ class ZeroDataParallel(nn.Module):
         finally:
             self._sync = True
 
+    @property
+    def model(self) -> nn.Module:
+        """What forward calls: the engine itself (it gathers stale buckets around the module's forward)."""
+        return self
+
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
+    def grad_norm(self) -> torch.Tensor:
         """Global gradient L2 norm from the flat gradient shards (one sum per bucket, one
-        all-reduce), clipped to `max_norm` when given: what `clip_grad_norm_` computes over the
-        DTensor shards, without a collective per parameter. Padding rows hold zeros."""
-        grads = [b.grad for b in self.buckets if b.grad is not None and b.slots[0].shard.grad is not None]  # type: ignore[union-attr]
-        squares = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.buckets[0].slots[0].param.device)
+        all-reduce): what `clip_grad_norm_` computes over the DTensor shards, without a collective
+        per parameter. Padding rows hold zeros."""
+        grads = self._flat_grads()
+        device = self.buckets[0].slots[0].param.device
+        squares = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
         dist.all_reduce(squares, group=self._fsdp.get_group())  # dp replicas hold the same shards
-        norm = squares.sqrt()
-        if max_norm is not None and max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grads_with_norm_ formula
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        return squares.sqrt()
+
+    @torch.no_grad()
+    def scale_grads_(self, factor: torch.Tensor) -> None:
+        """Multiply the gradient shards by `factor` (the shards' DTensor grads are views of them)."""
+        grads = self._flat_grads()
+        if grads:
+            torch._foreach_mul_(grads, factor.to(grads[0].device))
+
+    def _flat_grads(self) -> list[torch.Tensor]:
+        return [b.grad for b in self.buckets if b.grad is not None and b.slots[0].shard.grad is not None]  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ gather (after a step)
 
@@ -368,15 +377,25 @@ class ZeroDataParallel(nn.Module):
                 "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
                                   "params": [names[id(p)] for p in g["params"]]} for g in groups]}
 
-    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """After DCP loaded into `optim_state_dict`'s tensors in place: its hyperparameters too."""
-        for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+    def load_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None,
+                         optimizer: torch.optim.Optimizer | None) -> None:
+        """After DCP loaded into `model_state_dict`'s and `optim_state_dict`'s tensors in place: gather
+        the new weights on next use, and take the optimizer's hyperparameters too."""
+        self.loaded()
+        if optimizer is not None and optim_sd is not None:
+            for group, saved in zip(optimizer.param_groups, optim_sd["param_groups"], strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight unsharded on the CPU, from the float32 masters (collective)."""
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in self.model_state_dict().items()}
 
     @torch.no_grad()
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take full (unsharded) tensors by name: each rank keeps its rows of the trainable ones."""
         for name, target in self.model_state_dict().items():
+            if name not in weights:
+                continue
             source = weights[name]
             if isinstance(target, DTensor):
                 start = self._rank * -(-source.shape[0] // self._shards)
@@ -413,10 +432,9 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_ten
 
 _ALL_TO_ALL_ON = ("gloo",)
 """Backends on which the engine reduce-scatters gradients as all_to_all_single + a local sum: gloo's
-own reduce_scatter is about twice as slow for the same bytes (bench/zero_collectives, 2 ranks, 30
-repeats: 25.7 MB 22.6 ms vs 12.0 ms, 6.4 MB 8.3 vs 4.7 ms; 4 ranks 59 vs 32 ms). It costs one
-bucket of transient memory more (every rank's copy of my rows before the sum). Its all_gather
-is as fast as the all-to-all alternative (11.8 vs 13.4 ms), so it stays. NCCL keeps its own."""
+own reduce_scatter is slower for the same bytes (bench/zero_collectives.py measures both). It costs
+one bucket of transient memory more (every rank's copy of my rows before the sum). gloo's
+all_gather is as fast as the all-to-all alternative, so it stays. NCCL keeps its own collectives."""
 
 
 _Group = list[tuple[list[str], nn.Parameter]]

@@ -10,9 +10,9 @@ Layout of a run folder:
             manifest.json         written last: sha256 of trainer_state.json, size of every file
         latest                    text file naming the newest complete checkpoint folder
 
-Why it reshards: the model and optimizer state dicts come from DCP's `get_state_dict`, which
-strips wrapper prefixes (DDP's `module.`, FSDP2, compile) and keeps sharded tensors (DTensor) as
-global tensors with per-rank pieces. DCP stores each tensor once with its global shape, so a
+Why it reshards: the model and optimizer state dicts come from the parallel runtime
+(`Runtime.state_dict`, DCP's format: names without wrapper prefixes, sharded tensors as DTensors
+with their global shapes and per-rank pieces). DCP stores each tensor once with its global shape, so a
 checkpoint written by any number of ranks under any plan loads into any other layout: every
 rank reads just the pieces its own (possibly sharded) parameters need.
 
@@ -39,11 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from shoal.parallel.zero import ZeroDataParallel
+from shoal.runtime import Runtime
+from shoal.world import broadcast_from_rank0, distributed, first_error, rank, world_size
 
 FORMAT = "shoal-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -65,11 +64,12 @@ def save_checkpoint(
     run_dir: Path | str,
     step: int,
     *,
-    model: nn.Module,
+    runtime: Runtime,
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, Any],
 ) -> Path:
-    """Save model, optimizer and `extra` (JSON trainer state) as checkpoint `step`; returns its folder.
+    """Save the runtime's model, the optimizer and `extra` (JSON trainer state) as checkpoint
+    `step`; returns its folder.
 
     Collective: every rank of the default process group calls it (or a single process with none).
     When it returns on any rank, the checkpoint is complete and `latest` names it.
@@ -80,29 +80,28 @@ def save_checkpoint(
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:08d}"
     token, error = secrets.token_hex(4), None
-    if _rank() == 0:  # before the broadcast below: no rank has created the new folder yet
+    if rank() == 0:  # before the broadcast below: no rank has created the new folder yet
         try:
             root.mkdir(parents=True, exist_ok=True)
             _remove_stale_temporaries(root)
         except OSError as exc:
             error = f"saving checkpoint {final} failed: {_one_line(exc)}"
-    token, error = _broadcast_from_rank0((token, error))  # rank 0's name for the folder, and its error
+    token, error = broadcast_from_rank0((token, error))  # rank 0's name for the folder, and its error
     if error is not None:
         raise RuntimeError(error)
     tmp = root / f"{final.name}.tmp-{token}"
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    state = _dcp_state(model_sd, optim_sd)
+    state = runtime.state_dict(optimizer)
     try:
         with _quiet_single_process():
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _distributed())
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed())
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, raised on every rank
         raise RuntimeError(f"saving checkpoint {final} failed: {_one_line(exc)}") from None
-    if _rank() == 0:  # dcp.save returns on rank 0 only after every rank's files are written
+    if rank() == 0:  # dcp.save returns on rank 0 only after every rank's files are written
         try:
-            _finish(tmp, final, root, step=step, state_json=state_json, has_optimizer=optim_sd is not None)
+            _finish(tmp, final, root, step=step, state_json=state_json, has_optimizer=optimizer is not None)
         except Exception as exc:  # report to every rank, not just this one
             error = f"saving checkpoint {final} failed: {_one_line(exc)}"
-    error = _broadcast_from_rank0(error)
+    error = broadcast_from_rank0(error)
     if error is not None:
         raise RuntimeError(error)
     return final
@@ -128,35 +127,26 @@ def latest_checkpoint(run_dir: Path | str) -> Path | None:
 
 
 def load_checkpoint(
-    path: Path | str, *, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    path: Path | str, *, runtime: Runtime, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
-    """Load checkpoint folder `path` into `model` (and `optimizer`), resharding to their current
-    layout; returns the saved `extra`. Collective like save.
+    """Load checkpoint folder `path` into the runtime's model (and `optimizer`), resharding to
+    their current layout; returns the saved `extra`. Collective like save.
 
     A missing, corrupt or incompatible checkpoint raises a one-line ValueError naming the path.
     """
     path = Path(path)
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    model_keys = _union(set(model_sd))  # a pipeline stage holds a subset: compare the whole model
-    error = _check_files(path) or _check_compatible(path, model_sd, optim_sd, model_keys)
-    error = _first_error(error)
+    state = runtime.state_dict(optimizer)
+    model_keys = _union(set(state["model"]))  # a pipeline stage holds a subset: compare the whole model
+    error = _check_files(path) or _check_compatible(path, state["model"], "optimizer" in state, model_keys)
+    error = first_error(error)
     if error is not None:
         raise ValueError(f"checkpoint {path} {error}")
-    state = _dcp_state(model_sd, optim_sd)
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+            dcp.load(state, checkpoint_id=str(path), no_dist=not distributed())
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, raised on every rank
         raise ValueError(f"checkpoint {path} could not be read: {_one_line(exc)}") from None
-    if isinstance(model, ZeroDataParallel):  # loaded in place into its shards and optimizer state
-        model.loaded()
-        if optimizer is not None:
-            model.load_optim_state_dict(optimizer, state["optimizer"])
-    else:
-        set_state_dict(
-            model, optimizer if optimizer is not None else (),
-            model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}),
-        )
+    runtime.load_state_dict(state, optimizer)
     return json.loads((path / TRAINER_STATE).read_text())
 
 
@@ -195,7 +185,7 @@ def _finish(tmp: Path, final: Path, root: Path, *, step: int, state_json: str, h
         "format": FORMAT,
         "step": step,
         "torch": torch.__version__,
-        "world_size": dist.get_world_size() if _distributed() else 1,
+        "world_size": world_size(),
         "has_optimizer": has_optimizer,
         "trainer_state_sha256": hashlib.sha256(state_json.encode()).hexdigest(),
         "file_sizes": files,
@@ -280,9 +270,7 @@ def _check_files(path: Path) -> str | None:
     return None
 
 
-def _check_compatible(
-    path: Path, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None, model_keys: set[str]
-) -> str | None:
+def _check_compatible(path: Path, model_sd: dict[str, Any], has_optimizer: bool, model_keys: set[str]) -> str | None:
     """Compare the checkpoint's tensor index with this model (`model_keys`: its names on all
     ranks): names missing on either side and global shapes."""
     try:
@@ -302,7 +290,7 @@ def _check_compatible(
         have = getattr(saved_model[key], "size", None)
         if want is not None and have is not None and tuple(have) != want:
             return f"does not match this model: {key} has shape {tuple(have)} in the checkpoint, {want} in the model"
-    if optim_sd is not None and not any(k.startswith("optimizer.") for k in saved):
+    if has_optimizer and not any(k.startswith("optimizer.") for k in saved):
         return "holds no optimizer state; load it with optimizer=None (weights only)"
     return None
 
@@ -310,52 +298,13 @@ def _check_compatible(
 # ----------------------------------------------------------------------------- helpers
 
 
-def _dcp_state(model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> dict[str, Any]:
-    """What DCP saves and loads: the model, and the optimizer when there is one."""
-    return {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
-
-
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
-    """Model and optimizer state dicts with clean parameter names (DCP's get_state_dict, or the
-    ZeRO-1/2 engine's own, which has the same names and sharded layout)."""
-    if isinstance(model, ZeroDataParallel):
-        return model.model_state_dict(), (model.optim_state_dict(optimizer) if optimizer is not None else None)
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else ())
-    return model_sd, (optim_sd if optimizer is not None else None)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _broadcast_from_rank0(value: Any) -> Any:
-    if not _distributed() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _union(keys: set[str]) -> set[str]:
     """The union of every rank's `keys`."""
-    if not _distributed() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return keys
-    gathered: list[set[str] | None] = [None] * dist.get_world_size()
+    gathered: list[set[str] | None] = [None] * world_size()
     dist.all_gather_object(gathered, keys)
     return set().union(*(g for g in gathered if g is not None))
-
-
-def _first_error(error: str | None) -> str | None:
-    """Agree across ranks: the first rank's error, so that all raise or none does (no hang)."""
-    if not _distributed() or dist.get_world_size() == 1:
-        return error
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e is not None), None)
 
 
 def _one_line(exc: BaseException) -> str:

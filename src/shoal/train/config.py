@@ -64,8 +64,12 @@ class RunConfig:
     """The resolved model shape; when given it wins over `model` and `set` (run folders store it)."""
     plan: str | None = None
     """A plan string (see DESIGN.md); None: data parallel over every process."""
-    nproc: int = 2
-    """Local worker processes to start (ignored under torchrun, which gives the world)."""
+    nproc: int | None = None
+    """Local worker processes to start; None: one per visible GPU on GPUs, 2 on CPU. Ignored
+    under torchrun, which gives the world."""
+    device: str = "auto"
+    """Where each process computes: cuda (one GPU per process, NCCL), cpu (gloo), or auto
+    (cuda when torch sees a GPU, else cpu)."""
     out: str | None = None
     """The run folder; None: runs/<timestamp>."""
     loop: LoopConfig = field(default_factory=LoopConfig)
@@ -73,19 +77,24 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
-        _at_least("nproc", self.nproc, 1)
+        if self.nproc is not None:
+            _at_least("nproc", self.nproc, 1)
+        if self.device not in DEVICES:
+            raise ValueError(f"--device {self.device!r} is not valid; valid: {', '.join(DEVICES)}")
 
 
 # key -> (section, field name); section None is RunConfig itself.
 KEYS: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"), "set": (None, "set"), "plan": (None, "plan"), "nproc": (None, "nproc"),
-    "out": (None, "out"),
+    "device": (None, "device"), "out": (None, "out"),
     **{f.name: ("loop", f.name) for f in dataclasses.fields(LoopConfig)},
     **{f.name: ("optim", f.name) for f in dataclasses.fields(OptimConfig)},
     "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),
 }
-RESUMABLE = ("steps", "plan", "nproc", "ckpt_every", "eval_every", "micro_batch")
-"""Keys a resumed run may change: none of them changes the loss curve."""
+RESUMABLE = ("steps", "plan", "nproc", "device", "ckpt_every", "eval_every", "micro_batch")
+"""Keys a resumed run may change: none of them changes the loss curve beyond rounding (the plan's
+precision aside, which the user then chose)."""
+DEVICES = ("auto", "cpu", "cuda")
 _SECTIONS = {"loop": LoopConfig, "optim": OptimConfig, "data": DataConfig}
 
 

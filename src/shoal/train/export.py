@@ -5,9 +5,9 @@ servers, converters, a notebook) want one file of full tensors. `export_checkpoi
 checkpoint folder into that file in one process, no process group and no model needed: it reads
 DCP's metadata for the global shapes, allocates full tensors and lets DCP fill them (that is
 DCP's own resharding, to a single unsharded copy). `export_model` writes the same file from a
-live, possibly sharded model (every rank calls it; rank 0 writes). `import_weights` loads such a
-file into a model under any plan: every rank reads the full tensors (safetensors maps the file,
-nothing is copied twice) and torch's `set_model_state_dict` keeps each rank's own shard.
+live, possibly sharded model through its parallel runtime (every rank calls it; rank 0 writes).
+`import_weights` loads such a file into a runtime under any plan: every rank reads the full
+tensors (safetensors maps the file, nothing is copied twice) and keeps its own shard.
 
 Names are the model's own parameter names without wrapper prefixes ("layers.0.attention.wq.weight").
 Only weights travel: optimizer state stays in the checkpoint. With `hf=True` the export is a
@@ -27,14 +27,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError  # the library's own spelling
 from safetensors.torch import load_file, save_file
-from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from shoal.models.config import ModelConfig
 from shoal.models.hf_weights import EMBED_KEY, check_llama, from_hf_llama, hf_llama_config, to_hf_llama
-from shoal.parallel.zero import ZeroDataParallel
+from shoal.runtime import Runtime
 
 MODEL_KEY = "model"  # the top-level key shoal.train.checkpoint saves the model state under
 
@@ -69,19 +66,16 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     return _write(weights, out, {"source": str(checkpoint), **(metadata or {})})
 
 
-def export_model(model: nn.Module, out: Path | str, *, metadata: dict[str, str] | None = None,
+def export_model(runtime: Runtime, out: Path | str, *, metadata: dict[str, str] | None = None,
                  hf: bool = False) -> Path | None:
-    """Write `model`'s full weights to one safetensors file. Collective over the default process
+    """Write the runtime's full weights to one safetensors file. Collective over the default process
     group when there is one (sharded parameters are gathered); only rank 0 writes and returns the path.
 
     hf: `out` is a Hugging Face folder instead (shape from the model's own config)."""
-    cfg = _live_model_config(model) if hf else None
+    cfg = _live_model_config(runtime) if hf else None
     if cfg is not None:
         check_llama(cfg)  # every rank raises alike, before any collective
-    if isinstance(model, ZeroDataParallel):  # its own state dict: sharded float32 masters
-        weights = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.model_state_dict().items()}
-    else:
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights = runtime.full_weights()
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     weights = {k: v.detach() for k, v in weights.items()}
@@ -90,9 +84,9 @@ def export_model(model: nn.Module, out: Path | str, *, metadata: dict[str, str] 
     return _write(weights, Path(out), metadata or {})
 
 
-def import_weights(path: Path | str, *, model: nn.Module, strict: bool = True) -> None:
-    """Load a safetensors file of full weights into `model` (plain, DDP, FSDP2 or tensor-parallel:
-    each rank keeps its own shard). Collective when the model is sharded.
+def import_weights(path: Path | str, *, runtime: Runtime, strict: bool = True) -> None:
+    """Load a safetensors file of full weights into the runtime's model under any plan (each rank
+    keeps its own shard). Collective when the model is sharded.
 
     A Hugging Face Llama folder (its model.safetensors) or file in transformers' names is
     converted to shoal's names and rotary layout first."""
@@ -104,16 +98,11 @@ def import_weights(path: Path | str, *, model: nn.Module, strict: bool = True) -
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"weights file {path} cannot be read as safetensors: {exc}") from None
     if EMBED_KEY in weights:  # transformers' Llama layout
-        weights = from_hf_llama(weights, _live_model_config(model))
-    zero = isinstance(model, ZeroDataParallel)
-    expected = set(model.model_state_dict() if zero else get_model_state_dict(model))
-    if strict and set(weights) != expected:
-        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        raise ValueError(f"weights file {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    if zero:
-        model.load_full_weights(weights)
-    else:
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
+        weights = from_hf_llama(weights, _live_model_config(runtime))
+    try:
+        runtime.load_full_weights(weights, strict=strict)
+    except ValueError as exc:
+        raise ValueError(f"weights file {path} {exc}") from None
 
 
 def _write_hf(weights: dict[str, torch.Tensor], out: Path, cfg: ModelConfig, metadata: dict[str, str]) -> Path:
@@ -141,12 +130,12 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
     return resolve_model(from_flat(state["config"]))
 
 
-def _live_model_config(model: nn.Module) -> ModelConfig:
-    """The ModelConfig of the shoal Transformer inside `model` (through any wrapper)."""
-    for module in model.modules():
+def _live_model_config(runtime: Runtime) -> ModelConfig:
+    """The ModelConfig of the shoal Transformer the runtime trains."""
+    for module in runtime.parts[0].modules():
         if isinstance(getattr(module, "config", None), ModelConfig):
             return module.config
-    raise ValueError(f"{type(model).__name__} holds no shoal Transformer (no ModelConfig `config`); "
+    raise ValueError(f"{type(runtime.parts[0]).__name__} holds no shoal Transformer (no ModelConfig `config`); "
                      "Hugging Face weights need one to convert")
 
 

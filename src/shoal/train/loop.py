@@ -3,6 +3,7 @@
 `run_worker(job)` is the entry point of each worker process, whether `shoal train --nproc N`
 started it through torch's elastic launcher or `torchrun` did. It always joins a process
 group (gloo on CPU, NCCL on GPUs), even alone, so that one code path serves every world size.
+The model is trained through its parallel runtime (shoal/runtime.py) and nothing else.
 
 Rank 0 alone prints and writes the run folder's files (config, metrics, plot, summary);
 checkpoints are collective. Batch `s` is a pure function of (seed, s), so resuming at step s
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shoal.mesh import all_reduce_mean, build_mesh, data_rank
+from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
@@ -35,7 +36,8 @@ from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_to
 from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
                                  write_summary)
 from shoal.train.optim import build_optimizer, build_scheduler
-from shoal.train.step import eval_loss, split_micro, train_step
+from shoal.train.step import split_micro, train_step
+from shoal.world import broadcast_from_rank0, first_error, threads_per_rank
 
 CONFIG_FILE = "config.toml"
 
@@ -50,19 +52,21 @@ class Job:
     """The run folder; None: rank 0 names one runs/<timestamp> and tells the others."""
     resume: bool = False
     """Continue the run folder from its latest checkpoint."""
+    device: str = "cpu"
+    """"cpu" (gloo) or "cuda" (one GPU per process, NCCL), as the CLI resolved `config.device`."""
 
 
 def run_worker(job: Job) -> dict[str, Any] | None:
     """Train `job` on this rank. Returns rank 0's summary (None on other ranks), or
     {"error": message} on every rank when the job fails for a reason the user can fix."""
-    device = init_distributed()
+    device = init_distributed(job.device)
     try:
         trainer, error = None, None
         try:
             trainer = Trainer(job, device)
         except ValueError as exc:  # a user's mistake found only here (a corrupt checkpoint, ...)
             error = str(exc)
-        error = _first_error(error)
+        error = first_error(error)
         if error is not None:
             return {"error": error}
         assert trainer is not None
@@ -71,12 +75,12 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
-def init_distributed() -> torch.device:
-    """Join the process group the launcher described in the environment; threads per rank."""
+def init_distributed(device: str) -> torch.device:
+    """Join the process group the launcher described in the environment, on "cpu" (gloo) or
+    "cuda" (this local rank's GPU, NCCL); share the machine's cores among its ranks."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    if torch.cuda.is_available():
+    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if device == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         # A gloo backend beside NCCL for CPU tensors: under offload=on the gradient shards live in
@@ -96,17 +100,16 @@ class Trainer:
         assert cfg.model_config is not None, "the CLI resolves the model before launching"
         self.cfg, self.loop, self.model_cfg, self.device = cfg, cfg.loop, cfg.model_config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.run_dir = Path(_agree(job.run_dir or default_run_dir()))
-        self.plan: Plan = parse_plan(cfg.plan).resolve(self.world)
+        self.run_dir = Path(broadcast_from_rank0(job.run_dir or default_run_dir()))
+        self.plan: Plan = parse_plan(cfg.plan).resolve(self.world, device.type)
         self.plan.validate(self.model_cfg, global_batch=self.loop.global_batch, seq_len=self.loop.seq_len)
-        self.mesh = build_mesh(self.plan)
-        self.part = data_rank(self.mesh)
-        self.local_batch = self.loop.global_batch // self.part[1]
-        self.num_micro = self.local_batch // (self.loop.micro_batch or self.local_batch)
 
         torch.manual_seed(self.loop.seed)  # identical initial weights on every rank
-        self.model = parallelize(Transformer(self.model_cfg).to(device), self.plan, self.mesh)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.runtime = parallelize(Transformer(self.model_cfg).to(device), self.plan, build_mesh(self.plan, device.type))
+        self.part = self.runtime.data_rank
+        self.local_batch = self.loop.global_batch // self.part[1]
+        self.num_micro = self.local_batch // (self.loop.micro_batch or self.local_batch)
+        self.optimizer = build_optimizer(self.runtime.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps)
 
         tokens = load_tokens(cfg.data, load_tokenizer(cfg.data.tokenizer))
@@ -120,10 +123,10 @@ class Trainer:
             path = latest_checkpoint(self.run_dir)
             if path is None:
                 raise ValueError(f"run folder {str(self.run_dir)!r} holds no checkpoint to resume from")
-            state = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+            state = load_checkpoint(path, runtime=self.runtime, optimizer=self.optimizer)
             self.start = int(state["step"])
             self.scheduler.restore(state["scheduler"])
-            scaler = getattr(self.model, "loss_scaler", None)  # fp16: the scale it had reached
+            scaler = self.runtime.loss_scaler  # fp16: the scale it had reached
             if scaler is not None and "loss_scaler" in state:
                 scaler.load_state_dict(state["loss_scaler"])
 
@@ -152,7 +155,7 @@ class Trainer:
                 if "eval_loss" in record:
                     bar.write(f"step {n}: held-out loss {record['eval_loss']:.4f}")
             if _due(n, self.loop.ckpt_every, self.loop.steps):
-                path = save_checkpoint(self.run_dir, n, model=self.model, optimizer=self.optimizer,
+                path = save_checkpoint(self.run_dir, n, runtime=self.runtime, optimizer=self.optimizer,
                                        extra=self._trainer_state(n))
                 if writer is not None:
                     writer.plot()
@@ -165,7 +168,8 @@ class Trainer:
         writer.close()
         summary = summarize(writer.records, flops_per_token=self.model_cfg.flops_per_token(self.loop.seq_len),
                             peak=peak, wall_s=time.perf_counter() - t0)
-        summary["run_dir"] = str(self.run_dir)
+        summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
+                       world_size=self.world, precision=_precision_words(self.plan))
         write_summary(self.run_dir, summary)
         print(format_summary(summary) + f"\n  run folder {self.run_dir}", flush=True)
         return summary
@@ -178,27 +182,27 @@ class Trainer:
         t0 = time.perf_counter()
         inputs, targets = self.batches.batch(s, self.loop.global_batch, self.part)
         micro = split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro)
-        loss, grad_norm = train_step(self.model, self.optimizer, micro, mesh=self.mesh,
-                                     grad_clip=self.cfg.optim.grad_clip or None, scheduler=self.scheduler)
+        result = train_step(self.runtime, self.optimizer, micro, grad_clip=self.cfg.optim.grad_clip or None,
+                            scheduler=self.scheduler)
         step_time = time.perf_counter() - t0
         mem = torch.tensor([memory.peak_mb()], device=self.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         return {
-            "step": s + 1, "loss": loss, "lr": lr,
+            "step": s + 1, "loss": result.loss, "lr": lr,
             "tokens_per_s": self.loop.global_batch * self.loop.seq_len / step_time,
-            "step_time_s": step_time, "mem_peak_mb": float(mem.item()), "grad_norm": grad_norm,
+            "step_time_s": step_time, "mem_peak_mb": float(mem.item()), "grad_norm": result.grad_norm,
         }
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over `eval_batches` global batches of held-out data (the same ones each time)."""
-        self.model.eval()
-        total = torch.zeros(())
+        self.runtime.eval()
+        total = torch.zeros((), device=self.device)
         for i in range(self.loop.eval_batches):
             inputs, targets = self.held_out.batch(i, self.loop.global_batch, self.part)
-            total += eval_loss(self.model, split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro))
-        self.model.train()
-        return float(all_reduce_mean(total / self.loop.eval_batches, self.mesh))
+            total += self.runtime.eval_loss(split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro))
+        self.runtime.train()
+        return float(self.runtime.global_mean(total / self.loop.eval_batches))
 
     # ------------------------------------------------------------------ the run folder
     def _open_run_folder(self) -> MetricsWriter:
@@ -220,7 +224,7 @@ class Trainer:
             f"{self.num_held_out:,} held out",
             f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {self.local_batch} per data "
             f"rank in {self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}",
-            self.plan.describe(),
+            self.runtime.describe(),
             f"run folder: {self.run_dir}"
             + (f" (resuming at step {self.start} of {loop.steps})" if self.start else f" ({loop.steps} steps)"),
         ]
@@ -229,7 +233,7 @@ class Trainer:
     def _trainer_state(self, step: int) -> dict[str, Any]:
         state = {"step": step, "scheduler": self.scheduler.state_dict(), "plan": str(self.plan),
                  "world_size": self.world, "config": to_flat(self.cfg)}
-        scaler = getattr(self.model, "loss_scaler", None)  # fp16: same scale on every rank
+        scaler = self.runtime.loss_scaler  # fp16: same scale on every rank
         if scaler is not None:
             state["loss_scaler"] = scaler.state_dict()
         return state
@@ -262,18 +266,10 @@ def _seed_step(seed: int, step: int, index: int) -> None:
     torch.manual_seed(int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0]))
 
 
-def _agree(value: Any) -> Any:
-    """Rank 0's value on every rank."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _first_error(error: str | None) -> str | None:
-    """The first rank's error on every rank, so that all stop or none does."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e is not None), None)
+def _precision_words(plan: Plan) -> str:
+    if plan.precision == "fp32":
+        return "fp32"
+    return f"{plan.precision} compute, fp32 master weights, gradients reduced in {plan.reduce}"
 
 
 def with_model(cfg: RunConfig, model: ModelConfig) -> RunConfig:

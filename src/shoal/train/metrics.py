@@ -139,7 +139,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     if not summary.get("steps"):
         return "no steps were run"
     lines = [
-        f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s",
+        f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s"
+        + (f", plan {summary['plan']} on {summary['world_size']} {summary['device']} process(es)" if "plan" in summary else ""),
+        *([f"  precision {summary['precision']}"] if "precision" in summary else []),
         f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
         + (f" (held-out {summary['final_eval_loss']:.3f})" if summary["final_eval_loss"] is not None else ""),
         f"  throughput {summary['tokens_per_s']:,.0f} tokens/s (median over steps)",

@@ -7,6 +7,7 @@ instead of trusting a stored value, and the unit tests check it against hand-com
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -109,9 +110,9 @@ class WarmupCosine(LRScheduler):
         self._last_lr = [lr for _ in self.optimizer.param_groups]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over `model`'s parameters: weight decay on matrices, none on vectors (norms, biases)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(parameters: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over `parameters` (a runtime's): weight decay on matrices, none on vectors (norms, biases)."""
+    params = [p for p in parameters if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from shoal.models import Transformer
+from shoal.parallelize import parallelize
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint
 from shoal.train.config import resolve_model
 from shoal.train.data import load_tokenizer
@@ -31,7 +32,7 @@ def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature
     if path is None:
         raise ValueError(f"run folder {str(run_dir)!r} holds no checkpoint yet")
     model = Transformer(resolve_model(cfg))
-    load_checkpoint(path, model=model, optimizer=None)
+    load_checkpoint(path, runtime=parallelize(model), optimizer=None)
     model.eval()
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     ids = tokenizer.encode(prompt) or tokenizer.encode("\n")

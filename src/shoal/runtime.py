@@ -1,0 +1,172 @@
+"""The parallel runtime: the one object between the trainer and the parallel layer.
+
+`shoal.parallelize.parallelize(model, plan, mesh)` applies a plan to an unmodified model and
+returns a `Runtime`. The trainer, checkpoints, export, sampling and the parity harness see the
+parallel layer only through it; nothing is attached to the user's module, and nothing outside
+shoal/parallel/ asks which engine runs a plan.
+
+- `parts`: the model parts as the parallelisms left them (one today; one per pipeline stage later).
+- `runtime(inputs)`: forward, for evaluation and sampling.
+- `parameters()`: what an optimizer updates (DTensor shards where the plan shards).
+- `forward_backward(micro_batches, loss_fn)`: the training forward and backward over a rank's
+  micro-batches: gradient sync on the last one only, loss scaling, the vocabulary-parallel loss.
+  Pipeline schedules, the context-parallel sequence split and MoE auxiliary losses go here.
+- `grad_norm()` (fp16: unscales first, reports overflow) and `clip_grads_(max_norm, norm)`.
+- `global_mean(value)` over the data ranks; `data_rank`: which slice of each global batch is ours.
+- `state_dict(optimizer)` / `load_state_dict(...)`: DCP's format, so checkpoints reshard;
+  `full_weights()` / `load_full_weights(...)` for export and import.
+- `loss_scaler`: fp16's dynamic loss scale (None otherwise), which the trainer saves.
+
+After Megatron-Core's `get_forward_backward_func()` and torchtitan's model parts + ParallelDims,
+without global state: a runtime holds its own plan and mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shoal.mesh import all_reduce_mean, data_rank
+from shoal.parallel.choice import EngineChoice
+from shoal.parallel.data import DataEngine, clean_name
+from shoal.parallel.precision import LossScaler, PrecisionPolicy
+from shoal.parallel.vocab import cross_entropy, local_value, vocab_parallel_loss
+from shoal.plan import Plan
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(model output, targets) -> the mean loss of one micro-batch."""
+
+
+class Runtime:
+    """A model trained under one plan on one mesh (or alone in one process: plan and mesh None)."""
+
+    def __init__(self, engine: DataEngine, *, plan: Plan | None, mesh: DeviceMesh | None,
+                 choice: EngineChoice | None) -> None:
+        self.plan, self.mesh = plan, mesh
+        self.choice = choice
+        """The data-parallel engine that runs the plan (shoal.parallel.choice); None in one process."""
+        self._engine = engine
+        precision = PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce) if plan else PrecisionPolicy()
+        self.loss_scaler: LossScaler | None = LossScaler() if precision.loss_scaling else None
+        """fp16's dynamic loss scale; its state belongs in the trainer's checkpoint state."""
+
+    # ------------------------------------------------------------------ the model
+    @property
+    def parts(self) -> list[nn.Module]:
+        """The user's model parts, as the parallelisms left them (sharded in place, not wrapped)."""
+        return [self._engine.module]
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Forward (evaluation, sampling): the model's output for this rank's inputs."""
+        return self._engine.model(inputs)
+
+    def train(self, mode: bool = True) -> Runtime:
+        self._engine.model.train(mode)
+        return self
+
+    def eval(self) -> Runtime:
+        return self.train(False)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """What an optimizer updates, under the names of the user's module (no wrapper prefixes)."""
+        for name, param in self._engine.named_parameters():
+            yield clean_name(name), param
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, param in self.named_parameters():
+            yield param
+
+    @property
+    def data_rank(self) -> tuple[int, int]:
+        """(index, count): this rank takes slice `index` of `count` equal slices of every global batch."""
+        return data_rank(self.mesh) if self.mesh is not None else (0, 1)
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches; gradients accumulate and are
+        reduced over the data ranks on the last one. Each micro-batch's loss is divided by their
+        number, so the gradient is that of the rank's mean loss (the engines average over ranks).
+        Returns the rank's mean loss, detached, on the device (no host synchronisation)."""
+        loss_fn = loss_fn or cross_entropy
+        total: torch.Tensor | float = 0.0
+        for i, (inputs, targets) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self._engine.no_sync():
+                output = self._engine.model(inputs)
+                with vocab_parallel_loss(output):  # tp: vocab-sharded logits, softmax across shards
+                    loss = loss_fn(output, targets) / len(micro_batches)
+                    (self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss).backward()
+            total = total + local_value(loss)
+        return torch.as_tensor(total)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> torch.Tensor:
+        """This rank's mean loss over the micro-batches, without gradients (on the device)."""
+        loss_fn = loss_fn or cross_entropy
+        total: torch.Tensor | float = 0.0
+        for inputs, targets in micro_batches:
+            output = self._engine.model(inputs)
+            with vocab_parallel_loss(output):
+                total = total + local_value(loss_fn(output, targets))
+        return torch.as_tensor(total) / len(micro_batches)
+
+    def grad_norm(self) -> tuple[torch.Tensor, bool]:
+        """(global L2 norm of the true gradients, take the step?). Under fp16 the gradients are
+        first divided by the loss scale; an overflow returns False (skip the step; the scale halves)."""
+        norm = self._engine.grad_norm()
+        if self.loss_scaler is None:
+            return norm, True
+        factor = self.loss_scaler.unscale_factor(norm)
+        if factor is None:
+            return norm, False
+        self._engine.scale_grads_(torch.tensor(factor, device=norm.device))
+        return norm * factor, True
+
+    def clip_grads_(self, max_norm: float | None, norm: torch.Tensor) -> None:
+        """Scale the gradients so that their global norm `norm` is at most `max_norm` (torch's
+        clip_grads_with_norm_ formula); None or 0: no clipping."""
+        if max_norm:
+            self._engine.scale_grads_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+
+    def global_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` averaged over the data ranks (every rank gets it), as a CPU tensor."""
+        return all_reduce_mean(value, self.mesh) if self.mesh is not None else value.detach().cpu()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """{"model": ..., "optimizer": ...} in DCP's format: clean names, sharded tensors as DTensors
+        with their global shapes. DCP saves it, or loads into it in place (then `load_state_dict`)."""
+        state = {"model": self._engine.model_state_dict()}
+        if optimizer is not None:
+            state["optimizer"] = self._engine.optim_state_dict(optimizer)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
+        """After DCP loaded a checkpoint into `state_dict(optimizer)`'s tensors: put it to use."""
+        self._engine.load_state_dicts(state["model"], state.get("optimizer"), optimizer)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight unsharded, on the CPU, by clean name. Collective over the mesh; the result
+        is complete on rank 0."""
+        return self._engine.full_weights()
+
+    def load_full_weights(self, weights: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Take full weights by name (each rank keeps its shard). strict: the names must match."""
+        expected = set(self._engine.model_state_dict())
+        if strict and set(weights) != expected:
+            missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+            raise ValueError(f"does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        self._engine.load_full_weights({k: v for k, v in weights.items() if k in expected})
+
+    # ------------------------------------------------------------------ words
+    def describe(self) -> str:
+        """The plan in words, and the engine that runs its data axes."""
+        if self.plan is None or self.choice is None:
+            return "one process, no parallelism"
+        return self.plan.describe() + f"\n  data-parallel engine: {self.choice.describe()}"

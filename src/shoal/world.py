@@ -1,0 +1,47 @@
+"""The default process group as a whole: agree on a value, agree on an error, share the cores.
+
+Each helper also works with no process group (one process), so callers need no `if distributed:`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+
+def distributed() -> bool:
+    """True when a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if distributed() else 1
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's `value` (any picklable object) on every rank."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def first_error(error: str | None) -> str | None:
+    """The lowest rank's error (None: no error) on every rank, so that all stop or none does."""
+    if world_size() == 1:
+        return error
+    errors: list[str | None] = [None] * world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def threads_per_rank(local_world: int) -> int:
+    """Cores this process may use, shared evenly by the `local_world` ranks on this machine."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_world))

@@ -1,0 +1,152 @@
+"""The parallel runtime (shoal/runtime.py): the one object the trainer, checkpoints, export and the
+parity harness talk to, and the pure engine choice behind it (shoal/parallel/choice.py).
+
+Comparisons in one process are exact (torch.equal): the runtime runs the same kernels in the same
+order as the plain loop it replaces, and a norm computed from the same gradients is the same sum.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.models import Transformer
+from shoal.parallel.choice import EngineChoice, choose_engine
+from shoal.parallelize import parallelize
+from shoal.plan import Plan
+from shoal.testing import SMALL, cached_mesh, full_tensors
+from shoal.train.step import train_step
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
+
+
+@pytest.mark.parametrize("text, world, device, expected", [
+    ("dp1", 1, "cpu", ("none", 0, 0, 0)),
+    ("dp2", 2, "cpu", ("ddp", 0, 0, 0)),
+    ("dp2", 2, "cuda", ("fsdp2", 2, 2, 2)),  # bf16 by default on GPUs: DDP has no parameter-dtype policy
+    ("dp1", 1, "cuda", ("fsdp2", 2, 2, 2)),
+    ("tp2", 4, "cpu", ("fsdp2", 2, 2, 2)),  # replicated over a tensor-parallel model
+    ("tp2", 2, "cpu", ("none", 0, 0, 0)),
+    ("fsdp2,zero=1", 2, "cpu", ("zero", 1, 2, 2)),
+    ("fsdp2,zero=2,bucket=1", 2, "cuda", ("zero", 2, 1, 4)),
+    ("fsdp2", 2, "cpu", ("fsdp2", 3, 1, 4)),
+    ("fsdp2,bucket=3", 2, "cpu", ("fsdp2", 3, 3, 2)),
+    ("fsdp2,zero=1,offload=on", 2, "cpu", ("fsdp2", 1, 2, 2)),
+    ("fsdp2,tp2,zero=2", 4, "cpu", ("fsdp2", 2, 2, 2)),
+    ("dp2,fsdp2,zero=2", 4, "cpu", ("zero", 2, 2, 2)),
+])
+def test_engine_choice_table(text, world, device, expected):
+    """Which engine runs a plan, at what stage and grouping, for a 4-block model."""
+    choice = choose_engine(Plan.parse(text).resolve(world, device), num_layers=4)
+    assert (choice.kind, choice.zero, choice.bucket, choice.units) == expected
+    assert choice.describe()
+
+
+def test_engine_choice_imports_no_torch():
+    """The planner costs the same choice without torch.distributed (or torch) loaded."""
+    code = "import sys, shoal.parallel.choice; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_trainer_reaches_the_parallel_layer_only_through_the_runtime():
+    """No module of the trainer, checkpoints, export, sampling, CLI or parity harness imports an
+    engine from shoal.parallel or asks for attributes the engines used to hang on the model."""
+    users = [*sorted((SRC / "train").glob("*.py")), SRC / "testing.py", SRC / "cli.py"]
+    for path in users:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                inside = node.module == "shoal.parallel" or node.module.startswith("shoal.parallel.")
+                assert not inside, f"{path.name} imports {node.module}"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr"):
+                name = getattr(node.args[1], "value", None) if len(node.args) > 1 else None
+                assert name not in ("loss_scaler", "no_sync"), f"{path.name} looks up model.{name}"
+
+
+def test_runtime_in_one_process_is_the_plain_loop():
+    """parallelize(model) with no plan: the same runtime interface, no process group; its step
+    gives the plain loop's gradients, norm, clipped update and loss, bit for bit."""
+    batch = torch.randint(0, SMALL.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    x, y = batch[:, :-1], batch[:, 1:]
+
+    torch.manual_seed(0)
+    plain = Transformer(SMALL)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, foreach=False)
+    loss = F.cross_entropy(plain(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in plain.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+    plain_opt.step()
+
+    torch.manual_seed(0)
+    runtime = parallelize(Transformer(SMALL))
+    opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2, foreach=False)
+    seen = {}
+    result = train_step(runtime, opt, [(x, y)], grad_clip=0.5,
+                        before_update=lambda rt: seen.update(full_tensors(rt, grads=True)))
+    assert result.loss == loss.item() and result.grad_norm == norm.item() and result.stepped
+    assert all(torch.equal(seen[n], g) for n, g in grads.items())
+    after = full_tensors(runtime)
+    assert all(torch.equal(after[n], p) for n, p in plain.named_parameters())
+    assert set(runtime.state_dict(opt)) == {"model", "optimizer"}
+    assert set(runtime.state_dict()["model"]) == set(plain.state_dict())
+    assert all(torch.equal(runtime.full_weights()[n], v) for n, v in plain.state_dict().items())
+    assert runtime.data_rank == (0, 1) and runtime.parts[0] is not plain and runtime.choice is None
+    with pytest.raises(ValueError, match="does not fit the model: missing"):
+        runtime.load_full_weights({"nope": torch.zeros(1)})
+
+
+def _engines(plans):
+    """Worker: the runtime's choice, and what actually runs (engine and forward module types)."""
+    import torch.distributed as dist
+
+    out = []
+    for text in plans:
+        plan = Plan.parse(text).resolve(dist.get_world_size())
+        runtime = parallelize(Transformer(SMALL), plan, cached_mesh(plan))
+        engine = runtime._engine  # the one look inside: is the choice what runs?
+        out.append((runtime.choice.kind, type(engine).__name__, type(engine.model).__name__,
+                    "data-parallel engine:" in runtime.describe()))
+    return out
+
+
+def test_parallelize_runs_the_chosen_engine(pools):
+    plans = ["dp2", "fsdp2,zero=1", "fsdp2", "dp2,precision=bf16", "tp2"]
+    expected = [("ddp", "TorchDataEngine", "DistributedDataParallel", True),
+                ("zero", "ZeroDataParallel", "ZeroDataParallel", True),
+                ("fsdp2", "TorchDataEngine", "FSDPTransformer", True),
+                ("fsdp2", "TorchDataEngine", "FSDPTransformer", True),
+                ("none", "TorchDataEngine", "Transformer", True)]
+    assert pools(2).run(_engines, plans) == [expected] * 2
+
+
+def test_device_type_reads_the_group_backend(monkeypatch):
+    """A GPU run's group is "cpu:gloo,cuda:nccl": the mesh goes on the GPU (main compared the
+    backend with "nccl" and built the mesh on the CPU, which crashed every FSDP2/DTensor plan on
+    a GPU). A pure gloo group on a GPU machine stays on the CPU."""
+    import torch.distributed as dist
+
+    from shoal.mesh import device_type
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_type() == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert device_type() == "cuda"
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for backend, device in (("cpu:gloo,cuda:nccl", "cuda"), ("nccl", "cuda"), ("gloo", "cpu")):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert device_type() == device, backend
+
+
+def test_engine_choice_is_frozen_data():
+    choice = EngineChoice(kind="zero", zero=2, bucket=2, units=3)
+    with pytest.raises(AttributeError):
+        choice.kind = "ddp"  # type: ignore[misc]
