@@ -50,11 +50,12 @@ def _state_mb(model: Runtime, opt: torch.optim.Optimizer) -> float:
     return _local_mb(params) + _local_mb(grads) + _local_mb(states)
 
 
-def tensor_peak_mb(model: Runtime, opt: torch.optim.Optimizer, step) -> dict[str, float]:
+def tensor_peak_mb(model: Runtime | torch.nn.Module, opt: torch.optim.Optimizer, step) -> dict[str, float]:
     """Peak bytes of live tensors during one step, by kind (torch's MemTracker; exact, unlike the
-    resident set, which keeps freed pages that the allocator reuses)."""
+    resident set, which keeps freed pages that the allocator reuses). `model`: shoal's runtime or
+    a peer's plain module."""
     tracker = MemTracker()
-    tracker.track_external(*model.parts, opt)
+    tracker.track_external(*(model.parts if isinstance(model, Runtime) else [model]), opt)
     with tracker:
         step()
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))

@@ -43,3 +43,34 @@ def _rank():
     import torch.distributed as dist
 
     return dist.get_rank()
+
+
+def test_the_harness_catches_real_defects(pools):
+    """check_parity passes the true dp2 results and fails each of these defects: a gradient off by
+    0.1% (a wrong average is off by 50%), a gradient norm taken over half the gradients (one
+    shard's), a first step that moved one entry by an extra lr/10, and one final tensor with half
+    its rows left where they started (a shard never updated)."""
+    import copy
+
+    import pytest
+
+    from shoal.testing import references
+
+    c = case(plan="dp2")
+    good = pools(2).run(run_parallel, c)
+    check_parity(good, c)
+    ref32, _ = references(c)
+    name = "layers.0.attention.wq.weight"
+
+    def broken(edit):
+        results = copy.deepcopy(good)
+        for r in results:
+            edit(r)
+        with pytest.raises(AssertionError):
+            check_parity(results, c)
+
+    broken(lambda r: r["grads"][name].mul_(1.001))
+    broken(lambda r: r.update(grad_norm=r["grad_norm"] * 0.5 ** 0.5))
+    broken(lambda r: r["params"][name][0, 0].add_(c.lr / 10))
+    rows = ref32["init_params"][name].shape[0] // 2
+    broken(lambda r: r["final_params"][name][:rows].copy_(ref32["init_params"][name][:rows]))

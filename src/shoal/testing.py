@@ -137,7 +137,11 @@ U32 = 2.0**-24
 """Unit roundoff of float32: the largest relative error of one rounding."""
 SLACK = 8.0
 """How many times the single-process float32 error a parallel float32 run may be off the float64
-truth (see `assert_rounding_close`)."""
+truth (see `assert_rounding_close`). Over every 2- and 4-rank parity case of the suite (1,790
+tensors, 2026-11-22) the largest ratio was 4.0 and the median 1.0, as the error analysis says."""
+MOVED = 0.01
+"""Share of the distance training moved a tensor by which a parallel run's final parameters may
+differ from the float64 run's (see `assert_trained_close`); ordinary tensors differ by ~1e-4."""
 FLOOR_ULPS = 16.0
 """Rounding errors below this many float32 ulps of the largest value are always accepted."""
 
@@ -252,11 +256,11 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
             loss_sum += loss.item()
         if step == 0:
             result["grads"] = full_tensors(model, grads=True)
-        if case.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), case.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.grad_clip or float("inf"))
         optimizer.step()
         if step == 0:
             result["params"] = full_tensors(model)
+            result["grad_norm"] = norm.item()
         result["losses"].append(loss_sum)
     result["final_params"] = full_tensors(model)
     return result
@@ -335,12 +339,14 @@ def references(case: ParityCase) -> tuple[dict[str, Any], dict[str, Any]]:
 def check_parity(results: list[dict[str, Any]], case: ParityCase) -> None:
     """Compare every rank's run of `case` with the single-process references.
 
-    - logits, every gradient of step 1, the loss of every step: `assert_rounding_close` against
-      the float64 run, with the float32 run's own error as the yardstick.
+    - logits, every gradient of step 1 and their global norm, the loss of every step:
+      `assert_rounding_close` against the float64 run, with the float32 run's own error as the
+      yardstick.
     - the first optimizer step: plain PyTorch's clip + AdamW applied to this rank's own
       gradients (`reference_update`) must give this rank's parameters. Both apply the same
       elementwise formulas to the same numbers; only the clip coefficient c differs, by the
-      rounding of the global norm's sum (the two norms are known, so is their difference dc).
+      rounding of the global norm's sum (both norms are known, and the rank's was checked above,
+      so their difference dc is a rounding difference).
       An AdamW first step moves an entry by lr * c g / (c |g| + eps), whose sensitivity to c is
       at most 1/(4c) of its value: bound lr (|dc| / (4c) + 8u) + 4u |p|.
       Comparing this step with the reference run's instead would be ill-posed: for a gradient
@@ -349,8 +355,9 @@ def check_parity(results: list[dict[str, Any]], case: ParityCase) -> None:
       gradient is near zero may move differently by up to ~lr per step, so no elementwise
       rounding bound exists (a key projection's bias has an exactly zero true gradient: float32
       noise alone moves it). Per tensor (L2 norms), the distance from the float64 run must stay
-      under 5% of the distance training moved it plus SLACK times the single-process float32
-      run's own distance (a wrong shard or a missing average is off by ~100% of the movement).
+      under MOVED (1%) of the distance training moved it plus SLACK times the single-process
+      float32 run's own distance (a wrong shard or a missing average is off by ~100% of the
+      movement).
     """
     ref32, ref64 = references(case)
     for rank, res in enumerate(results):
@@ -360,6 +367,7 @@ def check_parity(results: list[dict[str, Any]], case: ParityCase) -> None:
         assert_rounding_close(res["logits"], ref32["logits"][part], ref64["logits"][part], what=f"rank {rank} logits")
         assert_rounding_close(res["grads"], ref32["grads"], ref64["grads"], what=f"rank {rank} grads")
         assert_rounding_close(res["losses"], ref32["losses"], ref64["losses"], what=f"rank {rank} losses")
+        assert_rounding_close(res["grad_norm"], ref32["grad_norm"], ref64["grad_norm"], what=f"rank {rank} grad norm")
         expected, coef = reference_update(case, res["grads"])
         par_coef = min(1.0, case.grad_clip / (res["grad_norm"] + 1e-6)) if case.grad_clip else 1.0
         for name, value in expected.items():
@@ -373,14 +381,14 @@ def check_parity(results: list[dict[str, Any]], case: ParityCase) -> None:
 def assert_trained_close(final: dict[str, torch.Tensor], ref32: dict[str, Any], ref64: dict[str, Any], *,
                          what: str = "final params") -> None:
     """Parameters after several AdamW steps against the references' `final_params` (see
-    `check_parity`): per tensor, within 5% of the distance the float64 run moved them from
+    `check_parity`): per tensor, within MOVED of the distance the float64 run moved them from
     `init_params`, plus SLACK times the single-process float32 run's own distance."""
     for name, truth in ref64["final_params"].items():
         moved = (truth - ref64["init_params"][name]).norm().item()
         single = (ref32["final_params"][name].double() - truth).norm().item()
         off = (final[name].double() - truth).norm().item()
-        bound = 0.05 * moved + SLACK * single + FLOOR_ULPS * U32 * truth.abs().max().item()
-        assert off <= bound, (f"{what}[{name}]: {off:.3g} from the float64 run > {bound:.3g} (5% of the "
+        bound = MOVED * moved + SLACK * single + FLOOR_ULPS * U32 * truth.abs().max().item()
+        assert off <= bound, (f"{what}[{name}]: {off:.3g} from the float64 run > {bound:.3g} ({MOVED:.0%} of the "
                               f"{moved:.3g} training moved them + {SLACK:g} x the single-process float32 "
                               f"run's {single:.3g})")
 

@@ -8,7 +8,7 @@ planner shares):
   without offload: shoal's own small ZeRO-1/2 engine, `shoal.parallel.zero.ZeroDataParallel`
   (full parameters kept as plain tensors, float32 row shards for the optimizer, one
   reduce-scatter per bucket in backward, one all-gather per bucket after the step). Its module
-  docstring says why FSDP2 was not good enough there and what was measured.
+  docstring says why FSDP2 was not good enough there.
 - everything else (zero=3, offload, fsdp or dp over a tensor-parallel model, replicated mixed
   precision): FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive
   transformer blocks (one by default at zero=3) plus the root.
