@@ -9,7 +9,8 @@ shoal/parallel/ asks which engine runs a plan.
 - `runtime(inputs)`: forward, for evaluation and sampling.
 - `parameters()`: what an optimizer updates (DTensor shards where the plan shards).
 - `forward_backward(micro_batches, loss_fn)`: the training forward and backward over a rank's
-  micro-batches: gradient sync on the last one only, loss scaling, the vocabulary-parallel loss.
+  micro-batches: gradient sync on the last one only (`no_sync()` for loops of one's own), loss
+  scaling, the vocabulary-parallel loss.
   Pipeline schedules, the context-parallel sequence split and MoE auxiliary losses go here.
 - `grad_norm()` (fp16: unscales first, reports overflow) and `clip_grads_(max_norm, norm)`.
 - `global_mean(value)` over the data ranks; `data_rank`: which slice of each global batch is ours.
@@ -82,6 +83,11 @@ class Runtime:
         for _, param in self.named_parameters():
             yield param
 
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """For a loop of one's own: around every micro-batch's backward but the last, accumulate
+        gradients without reducing them where the engine can (forward_backward does this itself)."""
+        return self._engine.no_sync()
+
     @property
     def data_rank(self) -> tuple[int, int]:
         """(index, count): this rank takes slice `index` of `count` equal slices of every global batch."""
@@ -97,7 +103,7 @@ class Runtime:
         total: torch.Tensor | float = 0.0
         for i, (inputs, targets) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self._engine.no_sync():
+            with contextlib.nullcontext() if last else self.no_sync():
                 output = self._engine.model(inputs)
                 with vocab_parallel_loss(output):  # tp: vocab-sharded logits, softmax across shards
                     loss = loss_fn(output, targets) / len(micro_batches)

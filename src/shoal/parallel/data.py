@@ -60,8 +60,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -179,7 +179,7 @@ class TorchDataEngine:
         return get_model_state_dict(self.model)
 
     def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return get_state_dict(self.model, optimizer)[1]
+        return get_optimizer_state_dict(self.model, optimizer)
 
     def load_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None,
                          optimizer: torch.optim.Optimizer | None) -> None:
