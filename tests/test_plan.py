@@ -156,3 +156,11 @@ def test_describe_mentions_every_axis_in_use(text, world, words):
     for axis, word in (("pp", "pipeline:"), ("tp", "tensor:"), ("cp", "context:"), ("fsdp", "sharded data:"),
                        ("ep", "expert:")):
         assert (word in text_out) == (getattr(plan, axis) > 1), (axis, text_out)
+
+
+def test_plan_built_in_python_is_checked_too():
+    """A Plan made directly (not parsed) gets the same one-line errors, not a crash later."""
+    assert "zero=4 is not valid; valid: 1, 2, 3" in one_line_error(Plan, fsdp=2, zero=4)
+    assert "bucket=0 needs a whole number >= 1" in one_line_error(Plan, fsdp=2, bucket=0)
+    assert "tp=0 needs a degree >= 1" in one_line_error(Plan, tp=0)
+    assert "precision='fp8' is not valid" in one_line_error(Plan, precision="fp8")

@@ -98,7 +98,7 @@ def test_runtime_in_one_process_is_the_plain_loop():
     assert set(runtime.state_dict(opt)) == {"model", "optimizer"}
     assert set(runtime.state_dict()["model"]) == set(plain.state_dict())
     assert all(torch.equal(runtime.full_weights()[n], v) for n, v in plain.state_dict().items())
-    assert runtime.data_rank == (0, 1) and runtime.parts[0] is not plain and runtime.choice is None
+    assert runtime.data_rank == (0, 1) and runtime.choice is None
     with pytest.raises(ValueError, match="does not fit the model: missing"):
         runtime.load_full_weights({"nope": torch.zeros(1)})
 

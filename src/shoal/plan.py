@@ -85,6 +85,23 @@ class Plan:
     auto: bool = False
     """Ask the planner to choose the plan."""
 
+    def __post_init__(self) -> None:
+        # Plan.parse checks the text; a Plan built in Python gets the same one-line errors here.
+        for axis in AXES:
+            degree = getattr(self, axis)
+            if degree is not None and degree < 1:
+                raise ValueError(f"plan axis {axis}={degree} needs a degree >= 1")
+        if self.zero not in (1, 2, 3):
+            raise ValueError(f"plan option zero={self.zero} is not valid; valid: 1, 2, 3")
+        for key in ("bucket", "mb", "vpp"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"plan option {key}={value} needs a whole number >= 1")
+        for key in ("sched", "cp_mode", "ac", "precision", "reduce"):
+            value = getattr(self, key)
+            if value is not None and value not in _CHOICES[key]:
+                raise ValueError(f"plan option {key}={value!r} is not valid; valid: {', '.join(_CHOICES[key])}")
+
     # ------------------------------------------------------------------ parsing / printing
     @classmethod
     def parse(cls, text: str) -> Plan:

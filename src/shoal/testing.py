@@ -347,8 +347,8 @@ def check_parity(results: list[dict[str, Any]], case: ParityCase) -> None:
       elementwise formulas to the same numbers; only the clip coefficient c differs, by the
       rounding of the global norm's sum (both norms are known, and the rank's was checked above,
       so their difference dc is a rounding difference).
-      An AdamW first step moves an entry by lr * c g / (c |g| + eps), whose sensitivity to c is
-      at most 1/(4c) of its value: bound lr (|dc| / (4c) + 8u) + 4u |p|.
+      An AdamW first step moves an entry by lr * c g / (c |g| + eps); a change dc in c changes
+      that move by at most lr |dc| / (4c): bound lr (|dc| / (4c) + 8u) + 4u |p|.
       Comparing this step with the reference run's instead would be ill-posed: for a gradient
       entry near eps, lr / eps turns a rounding difference in g into a visible move.
     - final parameters, after several AdamW steps: for the reason just given, an entry whose

@@ -165,8 +165,8 @@ class TorchDataEngine:
 
     def grad_norm(self) -> torch.Tensor:
         grads = self._grads()
-        if not grads:
-            return torch.zeros(())
+        if not grads:  # nothing trainable here: zero, where the parameters live
+            return torch.zeros((), device=next(self.module.parameters(), torch.zeros(())).device)
         norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
@@ -208,8 +208,9 @@ def _ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 
 def _data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 runs on: 1-D fsdp (pure sharding) or 2-D (dp, fsdp) HSDP (replicate x shard)."""
-    if mesh["dp"].size() == 1 and mesh["fsdp"].size() > 1:
+    """The mesh FSDP2 runs on: 1-D fsdp (pure sharding, or one rank: bf16 on a single GPU) or 2-D
+    (dp, fsdp) HSDP (replicate x shard)."""
+    if mesh["dp"].size() == 1:
         return mesh["fsdp"]
     return mesh["dp", "fsdp"]
 

@@ -387,8 +387,10 @@ class ZeroDataParallel(nn.Module):
                 group.update({k: v for k, v in saved.items() if k != "params"})
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight unsharded on the CPU, from the float32 masters (collective)."""
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in self.model_state_dict().items()}
+        """Every weight unsharded on the CPU, from the float32 masters (collective); like torch's
+        full state dict with cpu_offload, only rank 0 keeps the copies (the others return {})."""
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.model_state_dict().items()}
+        return {k: v.cpu() for k, v in full.items()} if dist.get_rank() == 0 else {}
 
     @torch.no_grad()
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
