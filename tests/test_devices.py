@@ -21,7 +21,7 @@ import torch
 from shoal import cli
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="this machine has no GPU that torch can use"))]
+    not torch.cuda.is_available(), reason="needs a GPU torch can use; the same test runs on the CPU here"))]
 TINY = ["--nproc", "1", "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "4",
         "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1"]
 

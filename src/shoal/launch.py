@@ -13,8 +13,6 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from shoal.world import threads_per_rank
-
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 CPU_NPROC = 2
 """Local processes on a machine without GPUs: enough to exercise every collective."""
@@ -63,6 +61,8 @@ def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int) -> dict[int, Any]:
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from shoal.world import threads_per_rank
 
     # Each worker reads this before torch sizes its thread pools (torchrun sets it to 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 from shoal.plan import Plan
 
-KINDS = ("none", "ddp", "zero", "fsdp2")
-
 DEFAULT_BUCKET = {1: 2, 2: 2, 3: 1}
 """Transformer blocks per gather/reduce unit unless the plan says `bucket=`: two at ZeRO-1/2
 (fewer, larger collectives; the full parameters are kept anyway), one at ZeRO-3, where a

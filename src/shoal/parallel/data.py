@@ -256,7 +256,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-# Prefixes that wrappers put into parameter names (recompute, torch.compile, DDP).
+# Prefixes that wrappers inside the user's module put into parameter names (recompute, FSDP1, torch.compile).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
 

@@ -23,7 +23,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError  # the library's own spelling
 from safetensors.torch import load_file, save_file
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from shoal.models.config import ModelConfig
 from shoal.models.hf_weights import EMBED_KEY, check_llama, from_hf_llama, hf_llama_config, to_hf_llama
 from shoal.runtime import Runtime
+from shoal.world import rank
 
 MODEL_KEY = "model"  # the top-level key shoal.train.checkpoint saves the model state under
 
@@ -76,7 +76,7 @@ def export_model(runtime: Runtime, out: Path | str, *, metadata: dict[str, str] 
     if cfg is not None:
         check_llama(cfg)  # every rank raises alike, before any collective
     weights = runtime.full_weights()
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if rank() != 0:
         return None
     weights = {k: v.detach() for k, v in weights.items()}
     if cfg is not None:
