@@ -54,10 +54,21 @@ def test_parse_fields():
 ])
 def test_resolve_fills_dp(text, world, resolved):
     plan = Plan.parse(text).resolve(world)
-    assert str(plan) == resolved + ",precision=fp32" and plan.world_size == world  # the CPU's default, said
+    assert str(plan) == resolved + ",precision=fp32,compile=off" and plan.world_size == world  # the CPU's defaults, said
     names, sizes = plan.mesh_shape()
     assert names == ("pp", "dp", "fsdp", "cp", "tp")
     assert dict(zip(names, sizes)) == {a: getattr(plan, a) for a in names}
+
+
+def test_compile_defaults_by_device():
+    """Left out, blocks are compiled on GPUs and not on CPUs; given, the choice is kept and printed."""
+    assert Plan.parse("dp2").resolve(2, "cuda").compile is True
+    assert Plan.parse("dp2").resolve(2, "cpu").compile is False
+    assert Plan.parse("dp2,compile=off").resolve(2, "cuda").compile is False
+    plan = Plan.parse("fsdp2,compile=on").resolve(2, "cpu")
+    assert plan.compile is True and str(plan) == "fsdp2,precision=fp32,compile=on" and Plan.parse(str(plan)).resolve(2) == plan
+    assert "compile: each transformer block" in plan.describe()
+    assert one_line_error(Plan.parse, "dp2,compile=yes") == "plan option compile='yes' is not valid; valid: on, off"
 
 
 def test_precision_defaults_by_device():

@@ -47,7 +47,7 @@ def train_segment(run_dir: str, plan_text: str, start: int, end: int, num_micro:
     losses = []
     for x, y in RUN.batches()[start:end]:
         x, y = x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]
-        losses.append(train_step(runtime, optimizer, split_micro(x, y, num_micro), grad_clip=RUN.grad_clip).loss)
+        losses.append(train_step(runtime, optimizer, split_micro(x, y, num_micro), grad_clip=RUN.grad_clip).loss.item())
     save_checkpoint(run_dir, end, runtime=runtime, optimizer=optimizer, extra={"step": end, "plan": plan_text})
     return {"losses": losses, "params": full_tensors(runtime)}
 

@@ -38,8 +38,8 @@ def losses(records: list[dict]) -> list[float]:
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     out = {"dp2": root / "dp2", "single": root / "single", "part": root / "part", "part-copy": root / "part-copy"}
-    train(out["dp2"], "--plan", "dp2", "--nproc", "2", "--steps", "6", "--ckpt-every", "3")
-    train(out["single"], "--nproc", "1", "--steps", "6", "--ckpt-every", "3")
+    train(out["dp2"], "--plan", "dp2", "--nproc", "2", "--steps", "6", "--ckpt-every", "3", "--log-every", "2")
+    train(out["single"], "--nproc", "1", "--steps", "6", "--ckpt-every", "3", "--log-every", "1")
     # The same run stopped after 3 steps. --decay-steps 6 gives it the 6-step run's schedule,
     # as a 6-step run that crashed at step 3 would have had.
     train(out["part"], "--nproc", "2", "--steps", "3", "--decay-steps", "6", "--ckpt-every", "3")
@@ -50,6 +50,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def test_dp2_equals_single_process(runs):
     dp2, single = metrics(runs["dp2"]), metrics(runs["single"])
     assert [r["step"] for r in dp2] == [r["step"] for r in single] == [1, 2, 3, 4, 5, 6]
+    # --log-every 2: the numbers are read after steps 2, 3 (evaluation), 4 and 6; every step still
+    # gets its own record, and a window's steps share its time.
+    times = [r["step_time_s"] for r in dp2]
+    assert times[0] == times[1] and times[3] != times[4] == times[5]
     # Not bit-exact: DDP sums the two ranks' gradients in its own order, each rank's matmuls see
     # half the batch, and the ranks run a different number of threads than the single process, so
     # sums are added in other orders. A float32 dot product of n terms is off by at most n u
@@ -96,7 +100,7 @@ def test_run_folder_contents(runs):
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step_00000003", "step_00000006"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["final_loss"] == records[-1]["loss"] and 0 < summary["mfu"] < 1
-    assert (summary["device"], summary["precision"], summary["plan"]) == ("cpu", "fp32", "dp2,precision=fp32")
+    assert (summary["device"], summary["precision"], summary["plan"]) == ("cpu", "fp32", "dp2,precision=fp32,compile=off")
 
 
 def test_sample_prints_text(runs, capsys):

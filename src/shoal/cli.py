@@ -52,6 +52,12 @@ def fail(message: str, status: int) -> int:
 
 # ----------------------------------------------------------------------------- the parser
 
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; valid: on, off")
+    return text == "on"
+
+
 # (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
 _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "preset name (tiny, tiny-gpt, small, llama3-8b, ...) or hf:<dir or config.json> [tiny]"),
@@ -73,6 +79,8 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--ckpt-every", int, "checkpoint every K steps, and at the end [100]"),
     ("--eval-every", int, "held-out loss every K steps, and at the end [50]"),
     ("--eval-batches", int, "global batches per held-out evaluation [4]"),
+    ("--log-every", int, "read loss and memory from the device every K steps (one sync per K) [10]"),
+    ("--tf32", _on_off, "fp32 matmuls on TF32 tensor cores on GPUs that have them [on]"),
     ("--data", str, "a folder of .txt files, a .txt, .bin (uint16) or .npy token file [built-in corpus]"),
     ("--tokenizer", str, "byte, or a local Hugging Face tokenizer folder [byte]"),
 ]

@@ -41,13 +41,18 @@ def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
     return dp.get_local_rank() * fsdp.size() + fsdp.get_local_rank(), dp.size() * fsdp.size()
 
 
-def all_reduce_mean(value: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...] = ("dp", "fsdp")) -> torch.Tensor:
-    """Average a local tensor over the named mesh axes (skips axes of size 1); returns it on the CPU."""
-    value = value.detach().to(mesh.device_type).clone()  # NCCL reduces only GPU tensors
+def reduction_groups(mesh: DeviceMesh, axes: tuple[str, ...] = ("dp", "fsdp")) -> list[dist.ProcessGroup]:
+    """The process groups of the named mesh axes that have more than one rank. Slicing a mesh
+    builds a sub-mesh from its rank table each time: look the groups up once, not every step."""
+    return [mesh[axis].get_group() for axis in axes if mesh[axis].size() > 1]
+
+
+def all_reduce_mean(value: torch.Tensor, groups: list[dist.ProcessGroup], device_type: str) -> torch.Tensor:
+    """Average a local tensor over the ranks of every group in `groups` (see `reduction_groups`),
+    on the device: no host synchronisation (read it with float() when it is needed)."""
+    value = value.detach().to(device_type).clone()  # NCCL reduces only GPU tensors
     count = 1
-    for axis in axes:
-        sub = mesh[axis]
-        if sub.size() > 1:
-            dist.all_reduce(value, group=sub.get_group())
-            count *= sub.size()
-    return (value / count).cpu()
+    for group in groups:
+        dist.all_reduce(value, group=group)
+        count *= dist.get_world_size(group)
+    return value / count

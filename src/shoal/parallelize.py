@@ -1,7 +1,7 @@
 """parallelize(model, plan, mesh): apply the plan's parallelisms to an unmodified model and return
 the runtime (shoal/runtime.py) that trains it.
 
-The order is fixed (as in torchtitan): tensor -> activation recompute -> data/sharded data.
+The order is fixed (as in torchtitan): tensor -> activation recompute -> compile -> data/sharded data.
 Each step is a no-op when its axis has degree 1.
 """
 
@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shoal.parallel.choice import choose_engine
+from shoal.parallel.compile import apply_compile
 from shoal.parallel.data import TorchDataEngine, apply_data_parallel, transformer_blocks
 from shoal.parallel.recompute import apply_recompute
 from shoal.parallel.tensor import apply_tensor_parallel
@@ -45,5 +46,6 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
     model = apply_tensor_parallel(model, mesh=mesh, plan=plan)
     model = apply_recompute(model, plan=plan)
+    model = apply_compile(model, plan=plan)
     engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice)
     return Runtime(engine, plan=plan, mesh=mesh, choice=choice)

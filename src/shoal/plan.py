@@ -19,10 +19,12 @@ if TYPE_CHECKING:
 
 AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
 DEVICES = ("cpu", "cuda")
-DEVICE_DEFAULTS = {"cpu": {"precision": "fp32"}, "cuda": {"precision": "bf16"}}
+DEVICE_DEFAULTS = {"cpu": {"precision": "fp32", "compile": False}, "cuda": {"precision": "bf16", "compile": True}}
 """Options a plan leaves out take these values on each device: bf16 compute with fp32 master
 weights and fp32 gradient reduction on GPUs (what users expect there), plain fp32 on CPUs (no
-fast bf16 matmuls; exact parity with a single process)."""
+fast bf16 matmuls; exact parity with a single process). Blocks are compiled on GPUs, where fused
+kernels roughly double a small model's speed; on CPUs a cold compile costs 20-30 s per run for
+a speed-up lost in noise at the sizes one trains there (MACHINE-FACTS.md)."""
 # Mesh dimension order, outermost first: pipeline stages span the slowest links, tensor
 # parallel the fastest (the torchtitan / Megatron convention).
 MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
@@ -36,7 +38,9 @@ _CHOICES = {
     "sp": ("on", "off"),
     "zero": ("1", "2", "3"),
     "offload": ("on", "off"),
+    "compile": ("on", "off"),
 }
+_ON_OFF = ("sp", "offload", "compile")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +86,10 @@ class Plan:
     reduce: str = "fp32"
     """Dtype gradients are reduced (all-reduced / reduce-scattered) in: fp32 (exact sums, the
     default), or bf16/fp16 (half the gradient traffic, rounded sums)."""
+    compile: bool | None = None
+    """Compile each transformer block with torch.compile (inductor), as torchtitan does: fused
+    kernels, and selective recompute decided at compile time. None: the device's default
+    (DEVICE_DEFAULTS), filled in by `resolve`."""
     auto: bool = False
     """Ask the planner to choose the plan."""
 
@@ -141,13 +149,14 @@ class Plan:
             if degree is not None and (degree != 1 or (axis == "dp" and not parts and self._only_dp())):
                 parts.append(f"{axis}{degree}")
         defaults = Plan()
-        for key in ("zero", "bucket", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision", "reduce"):
+        for key in ("zero", "bucket", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision", "reduce",
+                    "compile"):
             value = getattr(self, key)
             if value == getattr(defaults, key):
                 continue
             if key in ("zero", "bucket") and self.fsdp == 1:
                 continue
-            shown = ("on" if value else "off") if key in ("sp", "offload") else value
+            shown = ("on" if value else "off") if key in _ON_OFF else value
             parts.append(f"{key}={shown}")
         return ",".join(parts) if parts else "dp1"
 
@@ -285,6 +294,8 @@ class Plan:
         if self.ac != "none":
             lines.append(f"  recompute: {self.ac} activation checkpointing")
         lines.append(f"  precision: {self.precision}" + (f", gradients reduced in {self.reduce}" if self.reduce != "fp32" else ""))
+        if self.compile:
+            lines.append("  compile: each transformer block compiled with torch.compile (the first steps pay for it)")
         return "\n".join(lines)
 
 
@@ -298,7 +309,7 @@ def _parse_option(key: str, value: str, text: str) -> object:
             raise ValueError(f"plan option {key}={value!r} is not valid; valid: {', '.join(_CHOICES[key])}")
         if key == "zero":
             return int(value)
-        if key in ("sp", "offload"):
+        if key in _ON_OFF:
             return value == "on"
         return value
     valid = ", ".join(["mb", "vpp", *_CHOICES, "bucket"])

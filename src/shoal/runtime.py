@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shoal.mesh import all_reduce_mean, data_rank
+from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
 from shoal.parallel.choice import EngineChoice
 from shoal.parallel.data import DataEngine, clean_name
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
@@ -53,6 +53,7 @@ class Runtime:
         self.choice = choice
         """The data-parallel engine that runs the plan (shoal.parallel.choice); None in one process."""
         self._engine = engine
+        self._data_groups = reduction_groups(mesh) if mesh is not None else []
         precision = PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce) if plan else PrecisionPolicy()
         self.loss_scaler: LossScaler | None = LossScaler() if precision.loss_scaling else None
         """fp16's dynamic loss scale; its state belongs in the trainer's checkpoint state."""
@@ -141,8 +142,11 @@ class Runtime:
             self._engine.scale_grads_((max_norm / (norm + 1e-6)).clamp(max=1.0))
 
     def global_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` averaged over the data ranks (every rank gets it), as a CPU tensor."""
-        return all_reduce_mean(value, self.mesh) if self.mesh is not None else value.detach().cpu()
+        """`value` averaged over the data ranks (every rank gets it), on the device: no host
+        synchronisation until someone reads it."""
+        if self.mesh is None:
+            return value.detach()
+        return all_reduce_mean(value, self._data_groups, self.mesh.device_type)
 
     # ------------------------------------------------------------------ state
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:

@@ -319,8 +319,8 @@ def run_parallel(case: ParityCase) -> dict[str, Any]:
                          grad_clip=case.grad_clip, before_update=seen)
         if step == 0:
             result["params"] = full_tensors(runtime)
-            result["grad_norm"] = out.grad_norm
-        result["losses"].append(out.loss)
+            result["grad_norm"] = float(out.grad_norm)
+        result["losses"].append(float(out.loss))
     result["final_params"] = full_tensors(runtime)
     return result
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -254,6 +254,19 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > len(best):
             best = list(module.values() if isinstance(module, nn.ModuleDict) else module)
     return best
+
+
+def wrap_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> list[nn.Module]:
+    """Replace every transformer block of `model` by `wrap(block)` in its parent (in place);
+    returns the new blocks. Recompute and compile wrap blocks this way, before data parallelism."""
+    blocks = {id(b) for b in transformer_blocks(model)}
+    wrapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in blocks:
+                wrapped.append(wrap(child))
+                parent.register_module(name, wrapped[-1])
+    return wrapped
 
 
 # Prefixes that wrappers inside the user's module put into parameter names (recompute, FSDP1, torch.compile).

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shoal.parallel.data import transformer_blocks
+from shoal.parallel.data import wrap_blocks
 from shoal.plan import Plan
 
 MODES = ("none", "selective", "full")
@@ -63,13 +63,8 @@ def apply_recompute(model: nn.Module, *, plan: Plan) -> nn.Module:
     if plan.ac == "none":
         return model
     kwargs = {"context_fn": selective_context_fn()} if plan.ac == "selective" else {}
-    blocks = {id(b) for b in transformer_blocks(model)}
-    if not blocks:
+    if not wrap_blocks(model, lambda block: checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)):
         raise ValueError(f"ac={plan.ac}: found no repeated blocks (ModuleList/ModuleDict) to recompute in this model")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in blocks:
-                parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=True, **kwargs))
     return model
 
 

@@ -42,9 +42,13 @@ class LoopConfig:
     """Held-out loss every K steps (and always at the end); 0: only at the end."""
     eval_batches: int = 4
     """Global batches of held-out data per evaluation."""
+    log_every: int = 10
+    """Read the step's numbers (loss, gradient norm, memory) from the device every K steps, in one
+    synchronisation: between reads the host queues work ahead of the GPU. metrics.jsonl still gets
+    one record per step; a window's time is shared equally among its steps."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "seq_len", "eval_batches"):
+        for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every"):
             _at_least(name, getattr(self, name), 1)
         for name in ("ckpt_every", "eval_every", "seed"):
             _at_least(name, getattr(self, name), 0)
@@ -70,6 +74,10 @@ class RunConfig:
     device: str = "auto"
     """Where each process computes: cuda (one GPU per process, NCCL), cpu (gloo), or auto
     (cuda when torch sees a GPU, else cpu)."""
+    tf32: bool = True
+    """On GPUs that have them, float32 matmuls and convolutions run on TF32 tensor cores (10-bit
+    mantissa inputs, float32 accumulation; what fp32 runs want). Off: full float32. No effect
+    on CPUs or on bf16/fp16 compute."""
     out: str | None = None
     """The run folder; None: runs/<timestamp>."""
     loop: LoopConfig = field(default_factory=LoopConfig)
@@ -86,12 +94,12 @@ class RunConfig:
 # key -> (section, field name); section None is RunConfig itself.
 KEYS: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"), "set": (None, "set"), "plan": (None, "plan"), "nproc": (None, "nproc"),
-    "device": (None, "device"), "out": (None, "out"),
+    "device": (None, "device"), "tf32": (None, "tf32"), "out": (None, "out"),
     **{f.name: ("loop", f.name) for f in dataclasses.fields(LoopConfig)},
     **{f.name: ("optim", f.name) for f in dataclasses.fields(OptimConfig)},
     "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),
 }
-RESUMABLE = ("steps", "plan", "nproc", "device", "ckpt_every", "eval_every", "micro_batch")
+RESUMABLE = ("steps", "plan", "nproc", "device", "tf32", "ckpt_every", "eval_every", "log_every", "micro_batch")
 """Keys a resumed run may change: none of them changes the loss curve beyond rounding (the plan's
 precision aside, which the user then chose)."""
 DEVICES = ("auto", "cpu", "cuda")

@@ -36,7 +36,7 @@ from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_to
 from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
                                  write_summary)
 from shoal.train.optim import build_optimizer, build_scheduler
-from shoal.train.step import split_micro, train_step
+from shoal.train.step import StepResult, split_micro, train_step
 from shoal.world import broadcast_from_rank0, first_error, threads_per_rank
 
 CONFIG_FILE = "config.toml"
@@ -103,6 +103,7 @@ class Trainer:
         self.run_dir = Path(broadcast_from_rank0(job.run_dir or default_run_dir()))
         self.plan: Plan = parse_plan(cfg.plan).resolve(self.world, device.type)
         self.plan.validate(self.model_cfg, global_batch=self.loop.global_batch, seq_len=self.loop.seq_len)
+        set_matmul_precision(device, tf32=cfg.tf32)
 
         torch.manual_seed(self.loop.seed)  # identical initial weights on every rank
         self.runtime = parallelize(Transformer(self.model_cfg).to(device), self.plan, build_mesh(self.plan, device.type))
@@ -143,55 +144,76 @@ class Trainer:
             bar = tqdm(total=self.loop.steps, initial=self.start, desc="train", unit="step", file=sys.stderr,
                        dynamic_ncols=True,
                        mininterval=0.5 if sys.stderr.isatty() else 15.0)  # a log file: a line every 15 s
+        window: list[tuple[float, StepResult]] = []  # steps run since the numbers were last read
+        t_window = time.perf_counter()
+        memory.reset_peak()
         for s in range(self.start, self.loop.steps):
-            record = self.train_one(s)
+            lr = self.optimizer.param_groups[0]["lr"]
+            window.append((lr, self.train_one(s)))
             n = s + 1
-            if _due(n, self.loop.eval_every, self.loop.steps):
-                record["eval_loss"] = self.evaluate()
+            eval_due, ckpt_due = _due(n, self.loop.eval_every, self.loop.steps), _due(n, self.loop.ckpt_every, self.loop.steps)
+            if not (eval_due or ckpt_due or _due(n, self.loop.log_every, self.loop.steps)):
+                continue  # the host runs ahead; nothing waits for the device
+            records = self._read(window, first_step=n - len(window) + 1, seconds=time.perf_counter() - t_window)
+            window = []
+            if eval_due:
+                records[-1]["eval_loss"] = self.evaluate()
             if writer is not None and bar is not None:
-                writer.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
-                bar.update(1)
-                if "eval_loss" in record:
-                    bar.write(f"step {n}: held-out loss {record['eval_loss']:.4f}")
-            if _due(n, self.loop.ckpt_every, self.loop.steps):
+                for record in records:
+                    writer.log(record)
+                bar.set_postfix(loss=f"{records[-1]['loss']:.3f}", tok_s=f"{records[-1]['tokens_per_s']:,.0f}",
+                                refresh=False)
+                bar.update(len(records))
+                if eval_due:
+                    bar.write(f"step {n}: held-out loss {records[-1]['eval_loss']:.4f}")
+            if ckpt_due:
                 path = save_checkpoint(self.run_dir, n, runtime=self.runtime, optimizer=self.optimizer,
                                        extra=self._trainer_state(n))
                 if writer is not None:
                     writer.plot()
                     if n < self.loop.steps:
                         bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]
+            t_window = time.perf_counter()  # evaluation and checkpoints are not step time
+            memory.reset_peak()
         if writer is None or bar is None:
             return None
         bar.close()
         writer.plot()
         writer.close()
         summary = summarize(writer.records, flops_per_token=self.model_cfg.flops_per_token(self.loop.seq_len),
-                            peak=peak, wall_s=time.perf_counter() - t0)
+                            peak=peak, wall_s=time.perf_counter() - t0, warmup=self.loop.log_every)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
         write_summary(self.run_dir, summary)
         print(format_summary(summary) + f"\n  run folder {self.run_dir}", flush=True)
         return summary
 
-    def train_one(self, s: int) -> dict[str, Any]:
-        """Optimizer step `s` (0-based); its metrics record (step counts from 1)."""
+    def train_one(self, s: int) -> StepResult:
+        """Optimizer step `s` (0-based). Queues the work without waiting for the device."""
         _seed_step(self.loop.seed, s, self.part[0])  # dropout masks: resumable, per data rank
-        memory.reset_peak()
-        lr = self.optimizer.param_groups[0]["lr"]
-        t0 = time.perf_counter()
         inputs, targets = self.batches.batch(s, self.loop.global_batch, self.part)
-        micro = split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro)
-        result = train_step(self.runtime, self.optimizer, micro, grad_clip=self.cfg.optim.grad_clip or None,
-                            scheduler=self.scheduler)
-        step_time = time.perf_counter() - t0
+        micro = split_micro(self._to_device(inputs), self._to_device(targets), self.num_micro)
+        return train_step(self.runtime, self.optimizer, micro, grad_clip=self.cfg.optim.grad_clip or None,
+                          scheduler=self.scheduler)
+
+    def _read(self, window: list[tuple[float, StepResult]], *, first_step: int, seconds: float) -> list[dict[str, Any]]:
+        """The metrics records of a window of steps, read from the device in one synchronisation;
+        the window's time is shared equally among its steps, its peak memory is the highest rank's."""
+        values = torch.stack([torch.stack((r.loss.to(self.device).float(), r.grad_norm.to(self.device).float()))
+                              for _, r in window]).tolist()
         mem = torch.tensor([memory.peak_mb()], device=self.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        return {
-            "step": s + 1, "loss": result.loss, "lr": lr,
-            "tokens_per_s": self.loop.global_batch * self.loop.seq_len / step_time,
-            "step_time_s": step_time, "mem_peak_mb": float(mem.item()), "grad_norm": result.grad_norm,
-        }
+        step_time = seconds / len(window)
+        tokens_per_s = self.loop.global_batch * self.loop.seq_len / step_time
+        return [{"step": first_step + i, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
+                 "step_time_s": step_time, "mem_peak_mb": float(mem.item()), "grad_norm": norm}
+                for i, ((lr, _), (loss, norm)) in enumerate(zip(window, values))]
+
+    def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Host to device; on GPUs from pinned memory without blocking the host."""
+        if self.device.type == "cuda":
+            return tokens.pin_memory().to(self.device, non_blocking=True)
+        return tokens
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -264,6 +286,13 @@ def _due(n: int, every: int, last: int) -> bool:
 
 def _seed_step(seed: int, step: int, index: int) -> None:
     torch.manual_seed(int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0]))
+
+
+def set_matmul_precision(device: torch.device, *, tf32: bool) -> None:
+    """On GPUs: float32 matmuls on TF32 tensor cores ("high") or in full float32 ("highest").
+    CPUs keep torch's default, so that CPU runs stay exact against their references."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
 
 
 def _precision_words(plan: Plan) -> str:

@@ -114,12 +114,13 @@ def measure_matmul_flops(device: torch.device, *, size: int = 512, budget_s: flo
 
 
 def summarize(records: list[dict[str, Any]], *, flops_per_token: float, peak: tuple[float, str],
-              wall_s: float) -> dict[str, Any]:
-    """The end-of-run summary: final losses, median tokens/s, MFU estimate, peak memory."""
+              wall_s: float, warmup: int = 1) -> dict[str, Any]:
+    """The end-of-run summary: final losses, median tokens/s, MFU estimate, peak memory.
+    The first `warmup` records (the first read window, which pays for compilation and lazy
+    initialisation) are left out of the throughput median when later ones exist."""
     if not records:
         return {"steps": 0, "wall_s": round(wall_s, 1)}
-    # The first step of an attempt pays warm-up costs; the median ignores it.
-    tokens_per_s = statistics.median(r["tokens_per_s"] for r in records[1:] or records)
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in records[warmup:] or records)
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return {
         "steps": records[-1]["step"],

@@ -18,9 +18,12 @@ from shoal.runtime import Batch, LossFn, Runtime
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float
+    """What one step reports. The numbers stay 0-d tensors on the device, so that a step does not
+    wait for the GPU: the trainer reads them (float()) only every `log_every` steps."""
+
+    loss: torch.Tensor
     """The global batch's mean loss (every rank has the same)."""
-    grad_norm: float
+    grad_norm: torch.Tensor
     """The global norm of the true gradients, before clipping."""
     stepped: bool
     """False when fp16 gradients overflowed and the optimizer step was skipped."""
@@ -38,7 +41,10 @@ def train_step(
 ) -> StepResult:
     """Forward and backward, gradient norm (fp16: unscaled, overflow skips the step), clipping,
     optimizer and scheduler step. `before_update(runtime)` sees the true gradients before they
-    are clipped (the parity harness compares them)."""
+    are clipped (the parity harness compares them).
+
+    Nothing here synchronises the host with the device except under fp16, whose loss scaler must
+    know whether the gradients overflowed before it decides to step (one read of the norm)."""
     optimizer.zero_grad(set_to_none=True)
     local_loss = runtime.forward_backward(micro_batches, loss_fn)
     grad_norm, finite = runtime.grad_norm()
@@ -49,7 +55,7 @@ def train_step(
         optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    return StepResult(loss=float(runtime.global_mean(local_loss)), grad_norm=float(grad_norm), stepped=finite)
+    return StepResult(loss=runtime.global_mean(local_loss), grad_norm=grad_norm.detach(), stepped=finite)
 
 
 def split_micro(inputs: torch.Tensor, targets: torch.Tensor, num_micro: int) -> list[Batch]:

@@ -1,0 +1,135 @@
+"""What keeps a GPU busy: a training step that never waits for the device (the host queues the
+next step while the GPU runs this one), fused AdamW on GPUs, TF32 for fp32 runs.
+
+On CPU "waiting for the device" cannot be timed, so the tests catch its cause: every read of a
+tensor's value on the host (`.item()`, `float()`, `bool()`, `.tolist()`) goes through ATen's
+`_local_scalar_dense` (or a copy to the CPU), and the step must call it nowhere. torch's AdamW
+reads its step counter, a CPU tensor by design (no device wait), and is exempt.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shoal.testing import case, parallel_setup
+from shoal.train.step import split_micro, train_step
+
+
+class HostReads(TorchDispatchMode):
+    """Records where a tensor's value is read on the host, outside torch.optim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            stack = traceback.extract_stack()[:-1]  # without this frame
+            if not any("/torch/optim/" in frame.filename for frame in stack):
+                self.reads.append(" < ".join(f"{f.filename.rpartition('/')[2]}:{f.lineno}" for f in reversed(stack)
+                                             if "/shoal/" in f.filename or "torch/distributed" in f.filename)[:300])
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads_in_a_step(plan: str) -> list[str]:
+    """Run two steps of `plan` on this rank; the host reads of the second (the first creates
+    lazy state: optimizer moments, FSDP2's buffers)."""
+    runtime, optimizer, batches = parallel_setup(case(plan=plan))
+    train_step(runtime, optimizer, split_micro(*batches[0], 1), grad_clip=1.0)
+    with HostReads() as mode:
+        result = train_step(runtime, optimizer, split_micro(*batches[1], 1), grad_clip=1.0)
+    assert torch.isfinite(result.loss) and result.stepped
+    return mode.reads
+
+
+def test_a_step_never_reads_the_device_in_one_process():
+    from shoal.models import Transformer
+    from shoal.parallelize import parallelize
+    from shoal.testing import SMALL
+
+    runtime = parallelize(Transformer(SMALL))
+    optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-3)
+    x = torch.randint(0, SMALL.vocab_size, (2, 9))
+    train_step(runtime, optimizer, [(x[:, :-1], x[:, 1:])], grad_clip=1.0)
+    with HostReads() as mode:
+        result = train_step(runtime, optimizer, [(x[:, :-1], x[:, 1:])], grad_clip=1.0)
+    assert mode.reads == [] and isinstance(result.loss, torch.Tensor)
+
+
+@pytest.mark.parametrize("plan", ["dp2", "fsdp2", "fsdp2,zero=1", "tp2", "dp2,precision=bf16", "dp2,ac=selective"])
+def test_a_parallel_step_never_reads_the_device(pools, plan):
+    assert pools(2).run(host_reads_in_a_step, plan) == [[], []]
+
+
+def test_fp16_reads_once_for_its_overflow_check(pools):
+    """The one exception, and the detector's teeth: fp16 must know whether the gradients overflowed
+    before it steps, which is one read of the gradient norm (in the loss scaler)."""
+    reads = pools(2).run(host_reads_in_a_step, "fsdp2,precision=fp16")
+    assert all(len(r) == 1 and "precision.py" in r[0] for r in reads), reads
+
+
+def test_fused_adamw_on_gpus_only():
+    from shoal.train.optim import adamw_kernel
+
+    assert adamw_kernel({"cuda"}) == {"fused": True}
+    assert adamw_kernel({"cpu"}) == {} and adamw_kernel({"cpu", "cuda"}) == {}  # offloaded shards: torch's default
+
+
+def test_tf32_is_set_for_gpus_only():
+    from shoal.train.loop import set_matmul_precision
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        set_matmul_precision(torch.device("cpu"), tf32=True)
+        assert torch.get_float32_matmul_precision() == before  # CPU runs stay exact
+        set_matmul_precision(torch.device("cuda"), tf32=True)  # no GPU needed to set the policy
+        assert torch.get_float32_matmul_precision() == "high"
+        set_matmul_precision(torch.device("cuda"), tf32=False)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU; runs on the GPU machine")
+def test_a_gpu_step_does_not_synchronise():
+    """On a GPU, torch itself checks: sync debug mode "error" raises at any synchronising call."""
+    from shoal.models import Transformer
+    from shoal.parallelize import parallelize
+    from shoal.testing import SMALL
+    from shoal.train.optim import OptimConfig, build_optimizer
+
+    runtime = parallelize(Transformer(SMALL).cuda())
+    optimizer = build_optimizer(runtime.parameters(), OptimConfig())
+    assert optimizer.defaults["fused"] is True
+    x = torch.randint(0, SMALL.vocab_size, (2, 9), device="cuda")
+    train_step(runtime, optimizer, [(x[:, :-1], x[:, 1:])], grad_clip=1.0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train_step(runtime, optimizer, [(x[:, :-1], x[:, 1:])], grad_clip=1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU; runs on the GPU machine")
+def test_gpu_bf16_attention_runs_the_flash_kernel():
+    """SDPA picks FlashAttention for bf16 on GPUs that have it: the op the forward dispatches."""
+    from shoal.models import Transformer
+    from shoal.testing import SMALL
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = Transformer(SMALL).cuda().to(torch.bfloat16)
+    with Ops() as ops:
+        model(torch.randint(0, SMALL.vocab_size, (2, 16), device="cuda"))
+    assert any("_scaled_dot_product_flash_attention" in name for name in ops.names), sorted(ops.names)
