@@ -55,6 +55,13 @@ def assert_user_error(capsys, argv: list[str], *names: str) -> str:
     (["--tokenizer", "/no/such/tokenizer"], ["'/no/such/tokenizer'", "byte"]),
     (["--bogus", "1"], ["--bogus"]),
     (["--steps", "ten"], ["'ten'"]),
+    # An option that would do nothing without its axis is refused, naming the axis.
+    (["--plan", "dp2,zero=2"], ["zero=2", "fsdp axis", "add fsdpN"]),
+    (["--plan", "fsdp2,sched=1f1b"], ["sched=1f1b", "pp axis"]),
+    (["--plan", "fsdp2,mb=4"], ["mb=4", "pp axis"]),
+    (["--step", "5"], ["unrecognized arguments: --step 5"]),  # no abbreviation of --steps
+    (["--tf32", "maybe"], ["'maybe'", "on, off"]),
+    (["--log-every", "0"], ["--log-every 0", ">= 1"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("-") else None)
 def test_bad_train_flags(capsys, tmp_path, argv, names):
     assert_user_error(capsys, ["train", "--out", str(tmp_path / "run"), "--device", "cpu", *argv], *names)

@@ -34,14 +34,15 @@ def test_design_examples_round_trip(text):
 
 
 def test_parse_fields():
-    plan = Plan.parse(" pp2 , mb=8 ,sched=interleaved,vpp=2,cp_mode=a2a,sp=off,ac=selective,precision=bf16,zero=2")
+    plan = Plan.parse(" pp2 ,cp2,tp2,fsdp2, mb=8 ,sched=interleaved,vpp=2,cp_mode=a2a,sp=off,ac=selective,"
+                      "precision=bf16,zero=2")
     assert (plan.dp, plan.pp, plan.mb, plan.sched, plan.vpp) == (None, 2, 8, "interleaved", 2)
     assert (plan.cp_mode, plan.sp, plan.ac, plan.precision, plan.zero) == ("a2a", False, "selective", "bf16", 2)
-    assert Plan.parse(str(plan)) == plan.__class__(**{**plan.__dict__, "zero": 3})  # zero shows only with fsdp
+    assert Plan.parse(str(plan)) == plan
     assert Plan.parse("fsdp2,zero=2,precision=fp16") == Plan(fsdp=2, zero=2, precision="fp16")
     assert str(Plan.parse("fsdp2,precision=bf16,reduce=bf16")) == "fsdp2,precision=bf16,reduce=bf16"
     assert Plan.parse("dp4,ep2,auto") == Plan(dp=4, ep=2, auto=True)
-    assert Plan.parse("fsdp2,sp=off,ac=full").__str__() == "fsdp2,sp=off,ac=full"
+    assert Plan.parse("fsdp2,tp2,sp=off,ac=full").__str__() == "fsdp2,tp2,sp=off,ac=full"
 
 
 @pytest.mark.parametrize("text, world, resolved", [
@@ -175,3 +176,42 @@ def test_plan_built_in_python_is_checked_too():
     assert "bucket=0 needs a whole number >= 1" in one_line_error(Plan, fsdp=2, bucket=0)
     assert "tp=0 needs a degree >= 1" in one_line_error(Plan, tp=0)
     assert "precision='fp8' is not valid" in one_line_error(Plan, precision="fp8")
+
+
+OPTION_VALUES = {"zero": ("1", "3"), "bucket": ("2",), "offload": ("on", "off"), "mb": ("4",), "sched": ("gpipe", "1f1b"),
+                 "vpp": ("2",), "cp_mode": ("a2a", "ring"), "sp": ("off", "on"), "ac": ("full",), "precision": ("bf16",),
+                 "reduce": ("bf16",), "compile": ("on",)}
+
+
+def test_every_option_against_every_axis_combination():
+    """An option that acts on one axis is refused, with a line naming that axis, whenever the plan
+    lacks it, even at its default value (`fsdp2,sched=1f1b` would silently do nothing); every
+    other combination parses and keeps the value. 12 options x 16 axis sets."""
+    import itertools
+
+    from shoal.plan import NEEDS_AXIS
+
+    assert set(OPTION_VALUES) == {"zero", "bucket", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac",
+                                  "precision", "reduce", "compile"}  # every option of the grammar
+    checked = 0
+    for n in range(5):
+        for axes in itertools.combinations(("fsdp2", "tp2", "pp2", "cp2"), n):
+            for key, values in OPTION_VALUES.items():
+                for value in values:
+                    text = ",".join([*axes, f"{key}={value}"])
+                    needs = NEEDS_AXIS.get(key)
+                    if needs is not None and f"{needs}2" not in axes:
+                        error = one_line_error(Plan.parse, text)
+                        assert f"acts on the {needs} axis" in error and f"add {needs}N" in error, (text, error)
+                    else:
+                        assert str(getattr(Plan.parse(text), key)).lower() in (value, str(value == "on").lower()), text
+                    checked += 1
+    assert checked == 16 * sum(len(v) for v in OPTION_VALUES.values())
+
+
+def test_options_built_in_python_follow_the_same_rule():
+    assert "acts on the fsdp axis" in one_line_error(Plan, dp=2, zero=2)
+    assert "acts on the pp axis" in one_line_error(Plan, fsdp=2, mb=4)
+    assert Plan(fsdp=2, zero=1).zero == 1 and Plan(dp=2).zero == 3  # defaults need no axis
+    assert "reduce=bf16" in one_line_error(Plan.parse("tp2,reduce=bf16").resolve(2).validate, PRESETS["tiny"],
+                                           global_batch=4, seq_len=8)

@@ -24,6 +24,10 @@ class UserError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations: `--step 5` must not quietly mean `--steps 5`.
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # argparse would print usage and exit itself
         raise UserError(message)
 
@@ -58,6 +62,15 @@ def _on_off(text: str) -> bool:
     return text == "on"
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shoal")
+    except PackageNotFoundError:  # run from a source tree that pip has not installed
+        return "unknown"
+
+
 # (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
 _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "preset name (tiny, tiny-gpt, small, llama3-8b, ...) or hf:<dir or config.json> [tiny]"),
@@ -87,7 +100,11 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="shoal", description="Hybrid-parallel training of dense and MoE transformers.")
+    parser = _Parser(prog="shoal", description="Hybrid-parallel training of transformers over an unmodified "
+                     "PyTorch model: data, sharded data (ZeRO-1/2/3, FSDP2) and tensor parallelism in any combination, "
+                     "from one --plan string. Coming, not in this version: pipeline, context and expert "
+                     "parallelism, Mixture-of-Experts layers, the planner (--plan auto).")
+    parser.add_argument("--version", action="version", version=f"shoal {_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     train = sub.add_parser("train", help="train a model", description="Train a model; with no flags, the "
@@ -100,22 +117,29 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys)")
     train.set_defaults(func=_train)
 
-    sample = sub.add_parser("sample", help="generate text from a trained run")
-    sample.add_argument("--run", required=True, metavar="DIR", help="the run folder")
-    sample.add_argument("--prompt", default="", help="text to continue")
-    sample.add_argument("--max-new-tokens", type=int, default=200)
-    sample.add_argument("--temperature", type=float, default=0.8)
-    sample.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0: all")
-    sample.add_argument("--seed", type=int, default=0)
+    sample = sub.add_parser("sample", help="generate text from a trained run",
+                            description="Load a run's latest checkpoint in one process (any plan it was trained "
+                            "with) and print the prompt followed by sampled tokens.")
+    sample.add_argument("--run", required=True, metavar="DIR", help="the run folder (required)")
+    sample.add_argument("--prompt", default="", help="text to continue [empty: start from nothing]")
+    sample.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate [200]")
+    sample.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                        help="divide the logits by T; lower is more predictable [0.8]")
+    sample.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K likeliest tokens; 0: all [40]")
+    sample.add_argument("--seed", type=int, default=0, help="seed of the sampler [0]")
     sample.set_defaults(func=_sample)
 
     export = sub.add_parser("export", help="write a checkpoint's weights as one safetensors file or a "
-                            "Hugging Face folder")
-    export.add_argument("--run", required=True, metavar="DIR", help="the run folder")
+                            "Hugging Face folder", description="Gather a checkpoint's weights (whatever plan wrote "
+                            "it) into one safetensors file under shoal's names, or with --hf a folder that "
+                            "transformers loads as LlamaForCausalLM.")
+    export.add_argument("--run", required=True, metavar="DIR", help="the run folder (required)")
     export.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N [the latest]")
-    export.add_argument("--out", required=True, metavar="PATH", help="the .safetensors file (or folder with --hf)")
-    export.add_argument("--hf", action="store_true", help="a folder transformers loads (LlamaForCausalLM: "
-                        "model.safetensors + config.json); Llama-style models only")
+    export.add_argument("--out", required=True, metavar="PATH",
+                        help="the .safetensors file, or the folder with --hf (required; must not exist unless --force)")
+    export.add_argument("--hf", action="store_true", help="write a folder transformers loads (LlamaForCausalLM: "
+                        "model.safetensors + config.json); Llama-style models only [off]")
+    export.add_argument("--force", action="store_true", help="replace --out if it exists [off]")
     export.set_defaults(func=_export)
     return parser
 
@@ -295,6 +319,8 @@ def _export(args: argparse.Namespace) -> int:
             steps = sorted(int(p.name[5:]) for p in checkpoint_dir(run).glob("step_*") if (p / MANIFEST).is_file())
             raise UserError(f"--step {args.step}: {args.run!r} has no complete checkpoint of that step; "
                             f"valid: {', '.join(map(str, steps)) or 'none'}")
+    if Path(args.out).exists() and not args.force:
+        raise UserError(f"--out {args.out!r} already exists; valid: a new path, or --force to replace it")
     read_trainer_state(path)  # checks every file's size and the trainer state's checksum
     out = export_checkpoint(path, args.out, hf=args.hf)
     print(f"wrote {out} ({'Hugging Face folder' if args.hf else 'safetensors'}, from {path})", flush=True)

@@ -41,6 +41,10 @@ _CHOICES = {
     "compile": ("on", "off"),
 }
 _ON_OFF = ("sp", "offload", "compile")
+NEEDS_AXIS = {"zero": "fsdp", "bucket": "fsdp", "offload": "fsdp", "mb": "pp", "sched": "pp", "vpp": "pp",
+              "cp_mode": "cp", "sp": "tp"}
+"""Options that act on one axis only: given without that axis they would do nothing, so they
+are refused (the other options act on every plan)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +113,18 @@ class Plan:
             value = getattr(self, key)
             if value is not None and value not in _CHOICES[key]:
                 raise ValueError(f"plan option {key}={value!r} is not valid; valid: {', '.join(_CHOICES[key])}")
+        defaults = _DEFAULT_OPTIONS or {}
+        self._check_axes([k for k in NEEDS_AXIS if k in defaults and getattr(self, k) != defaults[k]])
+
+    def _check_axes(self, keys: list[str]) -> None:
+        """ValueError for the first option in `keys` whose axis this plan lacks."""
+        for key in keys:
+            axis = NEEDS_AXIS[key]
+            if getattr(self, axis) == 1:
+                value = getattr(self, key)
+                shown = ("on" if value else "off") if key in _ON_OFF else value
+                raise ValueError(f"plan option {key}={shown} acts on the {axis} axis, which plan {self} lacks "
+                                 f"({axis}=1); valid: add {axis}N (e.g. {axis}2,{key}={shown}), or leave {key} out")
 
     # ------------------------------------------------------------------ parsing / printing
     @classmethod
@@ -140,7 +156,9 @@ class Plan:
                 if not digits or int(digits) < 1:
                     raise ValueError(f"plan axis {part!r} needs a degree >= 1, as in '{name}2'")
                 fields[name] = int(digits)
-        return cls(**fields)  # type: ignore[arg-type]
+        plan = cls(**fields)  # type: ignore[arg-type]
+        plan._check_axes([k for k in NEEDS_AXIS if k in fields])  # given, even at its default value
+        return plan
 
     def __str__(self) -> str:
         parts = ["auto"] if self.auto else []
@@ -230,12 +248,10 @@ class Plan:
         if self.tp > 1 and self.sp and seq_len % self.tp:
             raise ValueError(f"tp={self.tp} with sequence parallelism does not divide the sequence length {seq_len}; "
                              f"valid: tp in {_divisors(seq_len)}, or the plan option sp=off")
-        if self.bucket is not None and self.fsdp == 1:
-            raise ValueError(f"bucket={self.bucket} groups blocks of the sharded data axis; plan {self} has "
-                             f"fsdp=1; valid: add fsdpN, or leave bucket out")
-        if self.offload and self.fsdp == 1:
-            raise ValueError(f"offload=on needs a sharded data axis (fsdp > 1, e.g. 'fsdp2,offload=on'); "
-                             f"plan {self} has fsdp=1; valid: add fsdpN, or offload=off")
+        if self.reduce != "fp32" and self.data_ranks == 1:
+            raise ValueError(f"plan option reduce={self.reduce} sets the dtype gradients are reduced in over the "
+                             f"data ranks, and plan {self} has one; valid: more processes for dp or fsdp, or leave "
+                             f"reduce out")
         if self.pp > model.num_layers:
             raise ValueError(f"pp={self.pp} exceeds the model's {model.num_layers} layers; valid: 1..{model.num_layers}")
         if self.cp > 1 and seq_len % (2 * self.cp) and seq_len % self.cp:
@@ -297,6 +313,10 @@ class Plan:
         if self.compile:
             lines.append("  compile: each transformer block compiled with torch.compile (the first steps pay for it)")
         return "\n".join(lines)
+
+
+_DEFAULT_OPTIONS: dict[str, object] | None = None  # None while the line below builds the default Plan
+_DEFAULT_OPTIONS = {k: getattr(Plan(), k) for k in NEEDS_AXIS}
 
 
 def _parse_option(key: str, value: str, text: str) -> object:

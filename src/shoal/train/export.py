@@ -112,6 +112,7 @@ def _write_hf(weights: dict[str, torch.Tensor], out: Path, cfg: ModelConfig, met
     _write(to_hf_llama(weights, cfg), out / "model.safetensors", metadata)
     tmp = out / f".config.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(hf_llama_config(cfg), indent=2) + "\n", encoding="utf-8")
+    _usual_permissions(tmp)
     os.replace(tmp, out / "config.json")
     return out
 
@@ -146,5 +147,14 @@ def _write(weights: dict[str, torch.Tensor], out: Path, metadata: dict[str, str]
     # Tied weights are separate copies here (safetensors refuses shared storage); clone to be sure.
     save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(tmp),
               metadata={"format": "pt", **{k: str(v) for k, v in metadata.items()}})
+    _usual_permissions(tmp)
     os.replace(tmp, out)
     return out
+
+
+def _usual_permissions(path: Path) -> None:
+    """The mode a plain `open(path, "w")` would have given (0666 less the umask): safetensors
+    creates its files 0600, which other users of a shared model folder could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
