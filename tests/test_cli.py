@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def test_resume_errors(capsys, tmp_path):
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("cli") / "good"
-    assert cli.main(["train", "--out", str(run), "--nproc", "1", "--steps", "2", *SMALL]) == 0
+    assert cli.main(["train", "--out", str(run), "--nproc", "1", "--steps", "2", "--ckpt-every", "1", *SMALL]) == 0
     return run
 
 
@@ -137,14 +138,18 @@ def test_real_process_unknown_model():
 
 
 def test_corrupt_checkpoints(capsys, good_run, tmp_path):
-    """A truncated file or a garbled trainer state is found by the parent before any worker
-    starts (the checkpoint's manifest records sizes and a checksum); a garbled DCP index of the
-    right size only by the workers, which report it the same way. All: one line, exit 2."""
+    """A truncated file, a block of zeros of the same size, a garbled trainer state or DCP index:
+    each is found by the parent before any worker starts (the manifest records every file's
+    size and CRC-32), with one line naming the file, exit 2, nothing written. These runs keep
+    only their corrupt newest checkpoint, so there is nothing to fall back to."""
     latest = good_run / "checkpoints" / (good_run / "checkpoints" / "latest").read_text().strip()
 
     def broken(name: str) -> tuple[Path, Path]:
         run = tmp_path / name
         shutil.copytree(good_run, run)
+        for older in (run / "checkpoints").glob("step_*"):
+            if older.name != latest.name:
+                shutil.rmtree(older)
         return run, run / "checkpoints" / latest.name
 
     truncated, ckpt = broken("truncated")
@@ -154,9 +159,17 @@ def test_corrupt_checkpoints(capsys, good_run, tmp_path):
     proc = _run_shoal("train", "--resume", str(truncated), "--steps", "3", "--device", "cpu")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
-    assert proc.stderr.startswith("shoal: error: checkpoint ") and data.name in proc.stderr
-    assert "truncated" in proc.stderr
+    assert proc.stderr.startswith("shoal: error: run folder ") and data.name in proc.stderr
+    assert "truncated" in proc.stderr and "no complete checkpoint that verifies" in proc.stderr
     assert _digest(truncated) == before  # nothing written
+
+    zeroed, ckpt = broken("zeroed")
+    data = sorted(ckpt.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[: 64 * 1024] = bytes(min(64 * 1024, len(raw)))
+    data.write_bytes(bytes(raw))
+    assert_user_error(capsys, ["train", "--resume", str(zeroed), "--steps", "3", "--device", "cpu"],
+                      data.name, "fails its checksum")
 
     garbled, ckpt = broken("garbled")
     (ckpt / "trainer_state.json").write_text("{not json")
@@ -168,8 +181,32 @@ def test_corrupt_checkpoints(capsys, good_run, tmp_path):
     meta.write_bytes(bytes(b ^ 0x5A for b in meta.read_bytes()))  # same size, garbage content
     before = _digest(index)
     assert_user_error(capsys, ["train", "--resume", str(index), "--steps", "3", "--nproc", "1", "--device", "cpu"],
-                      ".metadata")
+                      ".metadata", "fails its checksum")
     assert _digest(index) == before
+    assert_user_error(capsys, ["export", "--run", str(index), "--out", str(tmp_path / "w.safetensors")], ".metadata")
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(capsys, good_run, tmp_path):
+    """The newest checkpoint zeroed in place: resume warns, naming it and the one it uses instead,
+    and continues from step 1 with the very losses the unbroken run had."""
+    run = tmp_path / "fallback"
+    shutil.copytree(good_run, run)
+    data = sorted((run / "checkpoints" / "step_00000002").glob("*.distcp"))[0]
+    data.write_bytes(bytes(data.stat().st_size))
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run), "--steps", "3", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    warning = [line for line in err.splitlines() if line.startswith("shoal: warning:")]
+    assert len(warning) == 1 and "step_00000002" in warning[0] and "using step_00000001" in warning[0], err
+    original = {r["step"]: r["loss"] for r in _metrics(good_run)}
+    resumed = {r["step"]: r["loss"] for r in _metrics(run)}
+    assert sorted(resumed) == [1, 2, 3] and resumed[2] == original[2]  # same process count: bit-exact
+
+
+def _metrics(run: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_sample_errors(capsys, tmp_path, good_run):
@@ -225,3 +262,41 @@ def test_device_errors(monkeypatch, tmp_path, capsys):
     assert_user_error(capsys, ["train", "--out", str(tmp_path / "r"), "--device", "tpu"], "--device 'tpu'",
                       "valid: auto, cpu, cuda")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_long_error_is_cut_and_kept_whole_in_the_run_folder(capsys, tmp_path):
+    message = "checkpoint x could not be read: " + "detail " * 80
+    assert cli.fail(message, 2, tmp_path) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.startswith("shoal: error: checkpoint x could not be read")
+    shown = line.removeprefix("shoal: error: ").split(" ... (whole message in ")[0]
+    assert len(shown) <= cli.MAX_ERROR and line.endswith(f"{tmp_path / 'error.log'})")
+    assert (tmp_path / "error.log").read_text().strip() == " ".join(message.split())
+    assert cli.fail("short", 2, tmp_path) == 2 and capsys.readouterr().err.strip() == "shoal: error: short"
+
+
+def test_help_and_version(capsys):
+    """Every subcommand has a description and every flag help text with its default; --version."""
+    for command in ("train", "sample", "export"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = capsys.readouterr().out
+        entries = [e for e in re.split(r"\n  (?=-)", text.split("options:")[1]) if e.startswith("--")]
+        assert entries and text.split("options:")[0].count("\n") > 3, command  # usage plus a description
+        for entry in entries:
+            assert "[" in entry or "(required" in entry, (command, entry)
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.startswith("shoal ")
+
+
+def test_readme_says_which_presets_train():
+    """Every preset is in the README's table, and exactly the MoE ones are marked as coming."""
+    from shoal.models import PRESETS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `") and "trains" not in line]
+    for name, cfg in PRESETS.items():
+        row = next((r for r in rows if f"`{name}`" in r.split("|")[1]), None)
+        assert row is not None, name
+        assert row.split("|")[3].strip().startswith("no" if cfg.num_experts else "yes"), row

@@ -172,7 +172,7 @@ def tiny_run(tmp_path_factory):
     """A 2-step `shoal train` run of a small Llama-style model, in one process."""
     run = tmp_path_factory.mktemp("hfexport") / "run"
     argv = ["train", "--out", str(run), "--device", "cpu", "--nproc", "1", "--steps", "2", "--global-batch", "4", "--seq-len", "32",
-            "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--eval-every", "0"]
+            "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--eval-every", "0", "--ckpt-every", "1"]
     assert cli.main(argv) == 0
     return run
 
@@ -192,6 +192,17 @@ def test_cli_export_hf_loads_in_transformers(tiny_run, tmp_path, capsys):
     flat = tmp_path / "w.safetensors"
     assert cli.main(["export", "--run", str(tiny_run), "--step", "2", "--out", str(flat)]) == 0
     assert flat.is_file()
+    # Files get the mode a plain open() gives (0666 less the umask), not safetensors' 0600.
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (flat, out / "model.safetensors", out / "config.json"):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+    # An existing --out is refused unless --force, and nothing is written.
+    before = flat.read_bytes()
+    _one_error_line(capsys, ["export", "--run", str(tiny_run), "--out", str(flat)], str(flat), "--force")
+    assert flat.read_bytes() == before
+    assert cli.main(["export", "--run", str(tiny_run), "--step", "1", "--out", str(flat), "--force"]) == 0
+    assert flat.read_bytes() != before  # step 1's weights now
 
 
 def _one_error_line(capsys, argv: list[str], *names: str) -> None:
@@ -207,7 +218,7 @@ def test_cli_export_errors(tiny_run, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     _one_error_line(capsys, ["export", "--run", str(empty), "--out", "x"], "no complete checkpoint")
-    _one_error_line(capsys, ["export", "--run", str(tiny_run), "--step", "7", "--out", "x"], "--step 7", "valid: 2")
+    _one_error_line(capsys, ["export", "--run", str(tiny_run), "--step", "7", "--out", "x"], "--step 7", "valid: 1, 2")
     assert not os.path.exists("x")
 
 

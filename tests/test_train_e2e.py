@@ -67,14 +67,24 @@ def test_dp2_equals_single_process(runs):
     assert losses(dp2)[-1] < losses(dp2)[0]
 
 
-def test_resume_continues_the_exact_loss_curve(runs):
+def test_resume_continues_the_exact_loss_curve(runs, capfd):
     unbroken = metrics(runs["dp2"])
-    assert cli.main(["train", "--resume", str(runs["part"]), "--steps", "6"]) == 0
+    capfd.readouterr()
+    assert cli.main(["train", "--resume", str(runs["part"]), "--steps", "6", "--ckpt-every", "1", "--keep", "2"]) == 0
+    out = capfd.readouterr()
     resumed = metrics(runs["part"])
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     # Same processes, same threads, state restored bit for bit: the same floats exactly.
     assert losses(resumed) == losses(unbroken)
     assert [r["lr"] for r in resumed] == [r["lr"] for r in unbroken]
+    # The summary counts this invocation's 3 steps and says where the run stands; --keep 2 left
+    # the two newest checkpoints, and every checkpoint, the final one too, was announced.
+    summary = json.loads((runs["part"] / "summary.json").read_text())
+    assert (summary["steps_run"], summary["first_step_run"], summary["steps"]) == (3, 4, 6)
+    assert "done: 3 steps in" in out.out and "the run is at step 6 of 6" in out.out
+    folders = sorted(p.name for p in (runs["part"] / "checkpoints").iterdir() if p.is_dir())
+    assert folders == ["step_00000005", "step_00000006"]
+    assert all(f"step {n}: checkpoint" in out.out for n in (4, 5, 6)), out.out
 
 
 def test_resume_on_another_world_size(runs):

@@ -47,10 +47,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail("interrupted", 130)
 
 
-def fail(message: str, status: int) -> int:
+MAX_ERROR = 200
+"""Characters of an error line; a longer message is cut there, and written whole to the run
+folder's error.log when there is a run folder."""
+
+
+def fail(message: str, status: int, run_dir: str | Path | None = None) -> int:
     """Print `shoal: error: <message>` on one line (under torchrun, on rank 0 only); returns `status`."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"shoal: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    if os.environ.get("RANK", "0") != "0":
+        return status
+    message = " ".join(message.split())
+    if len(message) > MAX_ERROR and run_dir is not None and Path(run_dir).is_dir():
+        log = Path(run_dir) / "error.log"
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(message + "\n")
+        message = message[:MAX_ERROR].rsplit(" ", 1)[0] + f" ... (whole message in {log})"
+    print(f"shoal: error: {message}", file=sys.stderr, flush=True)
     return status
 
 
@@ -73,8 +85,10 @@ def _version() -> str:
 
 # (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
 _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
-    ("--model", str, "preset name (tiny, tiny-gpt, small, llama3-8b, ...) or hf:<dir or config.json> [tiny]"),
-    ("--plan", str, "parallel plan such as dp2 (see README) [dp over all processes]"),
+    ("--model", str, "preset (tiny, tiny-gpt, small, gpt3-1.3b..gpt3-175b, llama3-8b/70b/405b, bert-large; "
+     "tiny-moe and mixtral-8x7b need MoE layers, coming) or hf:<dir or config.json> [tiny]"),
+    ("--plan", str, "parallel plan: dpN, fsdpN, tpN and options, e.g. fsdp2,tp2,zero=1 (see README; ppN, cpN, "
+     "epN and auto are coming) [dp over all processes]"),
     ("--nproc", int, "local worker processes to start; ignored under torchrun [one per GPU; 2 on CPU]"),
     ("--device", str, "cuda (one GPU per process, NCCL), cpu (gloo) or auto [auto: cuda when there are GPUs]"),
     ("--steps", int, "total optimizer steps of the run [300]"),
@@ -90,6 +104,7 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--seed", int, "seed of weights, data order and dropout [0]"),
     ("--out", str, "run folder [runs/<timestamp>]"),
     ("--ckpt-every", int, "checkpoint every K steps, and at the end [100]"),
+    ("--keep", int, "keep only the K most recent checkpoints; 0: all [0]"),
     ("--eval-every", int, "held-out loss every K steps, and at the end [50]"),
     ("--eval-batches", int, "global batches per held-out evaluation [4]"),
     ("--log-every", int, "read loss and memory from the device every K steps (one sync per K) [10]"),
@@ -112,9 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, type_, help_ in _TRAIN_FLAGS:
         train.add_argument(flag, type=type_, help=help_, default=argparse.SUPPRESS)
     train.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
-                       help="override a model field (repeatable), e.g. --set num_layers=2")
-    train.add_argument("--resume", metavar="DIR", help="continue this run folder from its latest checkpoint")
-    train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys)")
+                       help="override a model field (repeatable), e.g. --set num_layers=2 [the preset's values]")
+    train.add_argument("--resume", metavar="DIR", help="continue this run folder from its newest checkpoint that "
+                       "verifies [off: a new run]")
+    train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys) [none]")
     train.set_defaults(func=_train)
 
     sample = sub.add_parser("sample", help="generate text from a trained run",
@@ -156,13 +172,13 @@ def _train(args: argparse.Namespace) -> int:
         if under_torchrun():
             result = run_worker(job)
             if result is not None and "error" in result:
-                return fail(result["error"], USER_ERROR)
+                return fail(result["error"], USER_ERROR, job.run_dir)
             return 0
         results = launch(run_worker, job, nproc=world_size(job.config, job.device))
     except WorkerFailed as exc:
-        return fail(str(exc), RUN_FAILED)
+        return fail(str(exc), RUN_FAILED, job.run_dir)
     if "error" in (results.get(0) or {}):
-        return fail(results[0]["error"], USER_ERROR)
+        return fail(results[0]["error"], USER_ERROR, job.run_dir)
     return 0
 
 
@@ -187,11 +203,12 @@ def prepare_job(args: argparse.Namespace) -> Any:
     cfg = with_model(cfg, model)
     device = resolve_device(cfg.device)
     validate(cfg, device)
+    resume_from = None
     if args.resume is not None:
-        _check_resumable(Path(args.resume), cfg.loop.steps)
+        resume_from = str(_check_resumable(Path(args.resume), cfg.loop.steps))
     elif run_dir is not None:
         _check_fresh_out(Path(run_dir))
-    return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None, device=device)
+    return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None, resume_from=resume_from, device=device)
 
 
 def world_size(cfg: Any, device: str) -> int:
@@ -261,13 +278,23 @@ def validate(cfg: Any, device: str) -> None:
                         f"use --set vocab_size={max(top + 1, tokenizer.vocab_size)}")
 
 
-def _check_resumable(folder: Path, steps: int) -> None:
-    from shoal.train.checkpoint import TRAINER_STATE, latest_checkpoint, read_trainer_state
+def _check_resumable(folder: Path, steps: int) -> Path:
+    """The checkpoint to resume `folder` from. A corrupt newest checkpoint is skipped with a
+    warning naming it and the one used instead, automatically: a preempted job restarted by a
+    scheduler has nobody to answer a question, and losing the steps since the previous
+    checkpoint beats not training. Under torchrun every rank decides alone, from file sizes only
+    (re-reading the whole checkpoint on every rank costs too much); DCP's own errors remain."""
+    from shoal.launch import under_torchrun
+    from shoal.train.checkpoint import TRAINER_STATE, good_checkpoint, latest_checkpoint, read_trainer_state
 
-    path = latest_checkpoint(folder)
-    if path is None:
-        raise UserError(f"--resume {str(folder)!r}: the run folder holds no complete checkpoint to resume from")
-    state = read_trainer_state(path)  # checks every file's size and the trainer state's checksum
+    if under_torchrun():
+        path = latest_checkpoint(folder)
+        if path is None:
+            raise UserError(f"--resume {str(folder)!r}: the run folder holds no complete checkpoint to resume from")
+        state = read_trainer_state(path)  # sizes and the trainer state's checksum
+    else:
+        path = good_checkpoint(folder)  # every file's checksum
+        state = read_trainer_state(path)
     try:
         done = int(state["step"])
     except (KeyError, TypeError, ValueError):
@@ -275,6 +302,7 @@ def _check_resumable(folder: Path, steps: int) -> None:
     if done >= steps:
         raise UserError(f"--steps {steps}: the run in {str(folder)!r} is already at step {done}; "
                         f"give a larger --steps to continue it")
+    return path
 
 
 def _check_fresh_out(folder: Path) -> None:
@@ -303,25 +331,23 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from shoal.train.checkpoint import MANIFEST, checkpoint_dir, latest_checkpoint, read_trainer_state
+    from shoal.train.checkpoint import MANIFEST, checkpoint_dir, good_checkpoint, read_trainer_state
     from shoal.train.export import export_checkpoint
 
     run = Path(args.run)
     if not run.is_dir():
         raise UserError(f"--run {args.run!r}: no such run folder")
+    if Path(args.out).exists() and not args.force:
+        raise UserError(f"--out {args.out!r} already exists; valid: a new path, or --force to replace it")
     if args.step is None:
-        path = latest_checkpoint(run)
-        if path is None:
-            raise UserError(f"--run {args.run!r}: the run folder holds no complete checkpoint")
+        path = good_checkpoint(run)
     else:
         path = checkpoint_dir(run) / f"step_{args.step:08d}"
         if not (path / MANIFEST).is_file():
             steps = sorted(int(p.name[5:]) for p in checkpoint_dir(run).glob("step_*") if (p / MANIFEST).is_file())
             raise UserError(f"--step {args.step}: {args.run!r} has no complete checkpoint of that step; "
                             f"valid: {', '.join(map(str, steps)) or 'none'}")
-    if Path(args.out).exists() and not args.force:
-        raise UserError(f"--out {args.out!r} already exists; valid: a new path, or --force to replace it")
-    read_trainer_state(path)  # checks every file's size and the trainer state's checksum
+    read_trainer_state(path, checksums=True)
     out = export_checkpoint(path, args.out, hf=args.hf)
     print(f"wrote {out} ({'Hugging Face folder' if args.hf else 'safetensors'}, from {path})", flush=True)
     return 0

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -138,6 +139,19 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
     offload = _offload_policy(mesh) if plan.offload else OffloadPolicy()
     _fully_shard(model, blocks, mesh=mesh, choice=choice, precision=precision, offload=offload)
     return TorchDataEngine(model, model, gradient_sync_toggle=choice.zero == 1)
+
+
+class _ExpectedNormReduction(logging.Filter):
+    """The global gradient norm of a model whose parameters are DTensors on a 2-D or 3-D mesh
+    (dp x tp, fsdp x tp) is reduced by DTensor over each mesh dimension in turn, and DTensor warns
+    about it on every rank, naming mesh dimensions (such as "fsdp") the plan may not even use.
+    It is one small reduction per step, by design: the warning says nothing to a user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("While redistributing from") or "_NormPartial" not in record.getMessage()
+
+
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_ExpectedNormReduction())
 
 
 class TorchDataEngine:

@@ -7,7 +7,7 @@ Layout of a run folder:
             .metadata             DCP's index (tensor shapes and where each shard lives)
             __0_0.distcp ...      DCP's data files (one or more per rank)
             trainer_state.json    `extra`: JSON trainer state (step, scheduler, plan, config...)
-            manifest.json         written last: sha256 of trainer_state.json, size of every file
+            manifest.json         written last: sha256 of trainer_state.json, size and CRC-32 of every file
         latest                    text file naming the newest complete checkpoint folder
 
 Why it reshards: the model and optimizer state dicts come from the parallel runtime
@@ -20,6 +20,12 @@ Why it is crash-safe: every rank writes into `step_N.tmp-<random>`; rank 0 adds 
 state and the manifest, then renames the folder and replaces `latest` atomically (write a
 temporary file, `os.replace`). A crash at any moment leaves either the previous `latest` or the
 new one, never a half-written folder under a `step_N` name.
+
+Why corruption is caught before any worker starts: the manifest holds every file's size and
+CRC-32 (each rank checksums the files it wrote while they are still in the page cache), and
+`verify` re-reads them: a checkpoint with a zeroed block fails in the time a good one passes
+(~1 GB/s), with one line naming the file, instead of deep inside DCP's reader. A corrupt
+`latest` makes `newest_good_checkpoint` fall back to the newest checkpoint that verifies.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,9 +104,11 @@ def save_checkpoint(
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed())
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, raised on every rank
         raise RuntimeError(f"saving checkpoint {final} failed: {_one_line(exc)}") from None
+    crcs = _gather_crcs(tmp)
     if rank() == 0:  # dcp.save returns on rank 0 only after every rank's files are written
         try:
-            _finish(tmp, final, root, step=step, state_json=state_json, has_optimizer=optimizer is not None)
+            _finish(tmp, final, root, step=step, state_json=state_json, has_optimizer=optimizer is not None,
+                    crcs=crcs)
         except Exception as exc:  # report to every rank, not just this one
             error = f"saving checkpoint {final} failed: {_one_line(exc)}"
     error = broadcast_from_rank0(error)
@@ -126,6 +136,37 @@ def latest_checkpoint(run_dir: Path | str) -> Path | None:
     return steps[-1][1] if steps else None
 
 
+def newest_good_checkpoint(run_dir: Path | str) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint whose files verify, or None; one line per newer checkpoint skipped
+    as corrupt, naming what is wrong with it). Reads every file of the checkpoints it checks."""
+    root = checkpoint_dir(run_dir)
+    latest = latest_checkpoint(run_dir)
+    candidates = sorted((p for p in (root.iterdir() if root.is_dir() else ()) if _STEP_DIR.match(p.name)),
+                        reverse=True)
+    if latest is not None:  # `latest` first; older ones only if it fails
+        candidates = [latest] + [p for p in candidates if p.name < latest.name]
+    skipped = []
+    for path in candidates:
+        error = _check_files(path, checksums=True)
+        if error is None:
+            return path, skipped
+        skipped.append(f"checkpoint {path} {error}")
+    return None, skipped
+
+
+def good_checkpoint(run_dir: Path | str) -> Path:
+    """The checkpoint to continue or read a run from: `newest_good_checkpoint`, with a one-line
+    warning on stderr for each newer one skipped as corrupt; ValueError when none verifies."""
+    path, skipped = newest_good_checkpoint(run_dir)
+    if path is None:
+        reason = f"; {skipped[0]}" if skipped else ""
+        raise ValueError(f"run folder {str(run_dir)!r} holds no complete checkpoint that verifies{reason}")
+    for line in skipped:
+        print(f"shoal: warning: {line}; using {path.name}, the newest checkpoint that verifies", file=sys.stderr,
+              flush=True)
+    return path
+
+
 def load_checkpoint(
     path: Path | str, *, runtime: Runtime, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
@@ -150,11 +191,12 @@ def load_checkpoint(
     return json.loads((path / TRAINER_STATE).read_text())
 
 
-def read_trainer_state(path: Path | str) -> dict[str, Any]:
-    """The `extra` saved with checkpoint `path`, after checking its files (no tensors are read,
-    no process group needed): lets a launcher validate `--resume` before starting workers."""
+def read_trainer_state(path: Path | str, *, checksums: bool = False) -> dict[str, Any]:
+    """The `extra` saved with checkpoint `path`, after checking its files (sizes; with `checksums`
+    also every file's CRC-32; no process group needed): lets a launcher validate `--resume`
+    before starting workers."""
     path = Path(path)
-    error = _check_files(path)
+    error = _check_files(path, checksums=checksums)
     if error is not None:
         raise ValueError(f"checkpoint {path} {error}")
     return json.loads((path / TRAINER_STATE).read_text())
@@ -177,7 +219,30 @@ def prune(run_dir: Path | str, keep: int) -> list[Path]:
 # ----------------------------------------------------------------------------- saving
 
 
-def _finish(tmp: Path, final: Path, root: Path, *, step: int, state_json: str, has_optimizer: bool) -> None:
+def _gather_crcs(folder: Path) -> dict[str, int]:
+    """CRC-32 of the data files this rank wrote (DCP names them `__<rank>_<i>.distcp`) and, on
+    rank 0, of DCP's index: every rank's, on rank 0 (collective)."""
+    mine = [p for p in folder.glob(f"__{rank()}_*") if p.is_file()]
+    if rank() == 0 and (folder / DCP_METADATA).is_file():
+        mine.append(folder / DCP_METADATA)
+    crcs = {p.name: _crc32(p) for p in mine}
+    if world_size() == 1:
+        return crcs
+    gathered: list[dict[str, int] | None] = [None] * world_size()
+    dist.all_gather_object(gathered, crcs)
+    return {k: v for g in gathered if g for k, v in g.items()}
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _finish(tmp: Path, final: Path, root: Path, *, step: int, state_json: str, has_optimizer: bool,
+            crcs: dict[str, int]) -> None:
     """Rank 0, after DCP wrote its files: trainer state, manifest, rename, `latest`."""
     _write_synced(tmp / TRAINER_STATE, state_json.encode())
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -189,6 +254,7 @@ def _finish(tmp: Path, final: Path, root: Path, *, step: int, state_json: str, h
         "has_optimizer": has_optimizer,
         "trainer_state_sha256": hashlib.sha256(state_json.encode()).hexdigest(),
         "file_sizes": files,
+        "file_crc32": crcs,
     }
     _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks tmp complete
     if final.exists():
@@ -241,8 +307,9 @@ def _fsync_dir(path: Path) -> None:
 # ----------------------------------------------------------------------------- loading checks
 
 
-def _check_files(path: Path) -> str | None:
-    """What is wrong with the files of checkpoint `path` (None when all is in order)."""
+def _check_files(path: Path, *, checksums: bool = False) -> str | None:
+    """What is wrong with the files of checkpoint `path` (None when all is in order). Sizes
+    always; with `checksums`, every file's CRC-32 too (reads the whole checkpoint)."""
     if not path.is_dir():
         return "does not exist" if not path.exists() else "is not a folder"
     try:
@@ -267,6 +334,12 @@ def _check_files(path: Path) -> str | None:
         return f"is corrupt: {TRAINER_STATE} is missing"
     if hashlib.sha256(state).hexdigest() != manifest.get("trainer_state_sha256"):
         return f"is corrupt: {TRAINER_STATE} checksum mismatch"
+    if checksums:  # checkpoints written before checksums existed have none: sizes only
+        for name, crc in manifest.get("file_crc32", {}).items():
+            if not (path / name).is_file():
+                return f"is corrupt: {name} is missing"
+            if _crc32(path / name) != crc:
+                return f"is corrupt: {name} fails its checksum (same size, different bytes)"
     return None
 
 

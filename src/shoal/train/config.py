@@ -38,6 +38,8 @@ class LoopConfig:
     seed: int = 0
     ckpt_every: int = 100
     """Save a checkpoint every K steps (and always at the end); 0: only at the end."""
+    keep: int = 0
+    """Keep only the K most recent checkpoints (older ones are deleted after each save); 0: all."""
     eval_every: int = 50
     """Held-out loss every K steps (and always at the end); 0: only at the end."""
     eval_batches: int = 4
@@ -50,7 +52,7 @@ class LoopConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("ckpt_every", "eval_every", "seed"):
+        for name in ("ckpt_every", "eval_every", "seed", "keep"):
             _at_least(name, getattr(self, name), 0)
         if self.micro_batch is not None:
             _at_least("micro_batch", self.micro_batch, 1)
@@ -99,7 +101,8 @@ KEYS: dict[str, tuple[str | None, str]] = {
     **{f.name: ("optim", f.name) for f in dataclasses.fields(OptimConfig)},
     "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),
 }
-RESUMABLE = ("steps", "plan", "nproc", "device", "tf32", "ckpt_every", "eval_every", "log_every", "micro_batch")
+RESUMABLE = ("steps", "plan", "nproc", "device", "tf32", "ckpt_every", "keep", "eval_every", "log_every",
+             "micro_batch")
 """Keys a resumed run may change: none of them changes the loss curve beyond rounding (the plan's
 precision aside, which the user then chose)."""
 DEVICES = ("auto", "cpu", "cuda")

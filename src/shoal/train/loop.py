@@ -16,6 +16,7 @@ import dataclasses
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -30,7 +31,7 @@ from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train import memory
-from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, prune, save_checkpoint
 from shoal.train.config import RunConfig, dump_toml, parse_plan, to_flat
 from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
 from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
@@ -52,6 +53,8 @@ class Job:
     """The run folder; None: rank 0 names one runs/<timestamp> and tells the others."""
     resume: bool = False
     """Continue the run folder from its latest checkpoint."""
+    resume_from: str | None = None
+    """The checkpoint to continue from, when the launcher chose it (it skips corrupt ones)."""
     device: str = "cpu"
     """"cpu" (gloo) or "cuda" (one GPU per process, NCCL), as the CLI resolved `config.device`."""
 
@@ -60,6 +63,8 @@ def run_worker(job: Job) -> dict[str, Any] | None:
     """Train `job` on this rank. Returns rank 0's summary (None on other ranks), or
     {"error": message} on every rank when the job fails for a reason the user can fix."""
     device = init_distributed(job.device)
+    if dist.get_rank() != 0:  # the ranks' warnings repeat rank 0's: print them once, from rank 0
+        warnings.simplefilter("ignore")
     try:
         trainer, error = None, None
         try:
@@ -121,7 +126,7 @@ class Trainer:
 
         self.start = 0
         if job.resume:
-            path = latest_checkpoint(self.run_dir)
+            path = Path(job.resume_from) if job.resume_from else latest_checkpoint(self.run_dir)
             if path is None:
                 raise ValueError(f"run folder {str(self.run_dir)!r} holds no checkpoint to resume from")
             state = load_checkpoint(path, runtime=self.runtime, optimizer=self.optimizer)
@@ -170,9 +175,10 @@ class Trainer:
                 path = save_checkpoint(self.run_dir, n, runtime=self.runtime, optimizer=self.optimizer,
                                        extra=self._trainer_state(n))
                 if writer is not None:
+                    if self.loop.keep:
+                        prune(self.run_dir, self.loop.keep)
                     writer.plot()
-                    if n < self.loop.steps:
-                        bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]
+                    bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]
             t_window = time.perf_counter()  # evaluation and checkpoints are not step time
             memory.reset_peak()
         if writer is None or bar is None:
@@ -181,7 +187,8 @@ class Trainer:
         writer.plot()
         writer.close()
         summary = summarize(writer.records, flops_per_token=self.model_cfg.flops_per_token(self.loop.seq_len),
-                            peak=peak, wall_s=time.perf_counter() - t0, warmup=self.loop.log_every)
+                            peak=peak, wall_s=time.perf_counter() - t0, warmup=self.loop.log_every,
+                            start=self.start, total=self.loop.steps)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
         write_summary(self.run_dir, summary)

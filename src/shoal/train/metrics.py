@@ -114,16 +114,23 @@ def measure_matmul_flops(device: torch.device, *, size: int = 512, budget_s: flo
 
 
 def summarize(records: list[dict[str, Any]], *, flops_per_token: float, peak: tuple[float, str],
-              wall_s: float, warmup: int = 1) -> dict[str, Any]:
+              wall_s: float, warmup: int = 1, start: int = 0, total: int | None = None) -> dict[str, Any]:
     """The end-of-run summary: final losses, median tokens/s, MFU estimate, peak memory.
-    The first `warmup` records (the first read window, which pays for compilation and lazy
-    initialisation) are left out of the throughput median when later ones exist."""
-    if not records:
-        return {"steps": 0, "wall_s": round(wall_s, 1)}
-    tokens_per_s = statistics.median(r["tokens_per_s"] for r in records[warmup:] or records)
+
+    `records` cover the whole run; this invocation ran the steps after `start` (a resumed run)
+    and its throughput and memory are taken from those alone, leaving out the first `warmup`
+    (the first read window, which pays for compilation and lazy initialisation) when later
+    ones exist."""
+    ran = [r for r in records if r["step"] > start]
+    if not ran:
+        return {"steps": records[-1]["step"] if records else 0, "steps_run": 0, "wall_s": round(wall_s, 1)}
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in ran[warmup:] or ran)
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     return {
         "steps": records[-1]["step"],
+        "steps_run": len(ran),
+        "first_step_run": ran[0]["step"],
+        "total_steps": total if total is not None else records[-1]["step"],
         "final_loss": records[-1]["loss"],
         "final_eval_loss": evals[-1] if evals else None,
         "first_loss": records[0]["loss"],
@@ -131,16 +138,19 @@ def summarize(records: list[dict[str, Any]], *, flops_per_token: float, peak: tu
         "mfu": flops_per_token * tokens_per_s / peak[0],
         "peak_flops": peak[0],
         "peak_flops_source": peak[1],
-        "mem_peak_mb": max(r["mem_peak_mb"] for r in records),
+        "mem_peak_mb": max(r["mem_peak_mb"] for r in ran),
         "wall_s": round(wall_s, 1),
     }
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    if not summary.get("steps"):
+    if not summary.get("steps_run"):
         return "no steps were run"
+    resumed = summary["first_step_run"] > 1
     lines = [
-        f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s"
+        f"done: {summary['steps_run']} steps in {summary['wall_s']:.0f} s"
+        + (f" (steps {summary['first_step_run']}-{summary['steps']}; the run is at step {summary['steps']} of "
+           f"{summary['total_steps']})" if resumed else "")
         + (f", plan {summary['plan']} on {summary['world_size']} {summary['device']} process(es)" if "plan" in summary else ""),
         *([f"  precision {summary['precision']}"] if "precision" in summary else []),
         f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"

@@ -12,7 +12,7 @@ import torch
 
 from shoal.models import Transformer
 from shoal.parallelize import parallelize
-from shoal.train.checkpoint import latest_checkpoint, load_checkpoint
+from shoal.train.checkpoint import good_checkpoint, load_checkpoint
 from shoal.train.config import resolve_model
 from shoal.train.data import load_tokenizer
 from shoal.train.loop import read_run_config
@@ -28,9 +28,7 @@ def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature
     if top_k < 0:
         raise ValueError(f"--top-k {top_k} must be >= 0 (0: no limit)")
     cfg = read_run_config(run_dir)
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise ValueError(f"run folder {str(run_dir)!r} holds no checkpoint yet")
+    path = good_checkpoint(run_dir)
     model = Transformer(resolve_model(cfg))
     load_checkpoint(path, runtime=parallelize(model), optimizer=None)
     model.eval()
