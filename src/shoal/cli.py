@@ -107,6 +107,10 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--keep", int, "keep only the K most recent checkpoints; 0: all [0]"),
     ("--eval-every", int, "held-out loss every K steps, and at the end [50]"),
     ("--eval-batches", int, "global batches per held-out evaluation [4]"),
+    ("--hang-timeout", float, "seconds a collective may wait once steps run before the run stops naming the "
+     "ranks that stopped answering; 0: auto, 10x the slowest step, at least 30 [0]"),
+    ("--max-restarts", int, "restart the workers this many times after a failure, from the newest good "
+     "checkpoint; under torchrun use torchrun's --max-restarts [0]"),
     ("--log-every", int, "read loss and memory from the device every K steps (one sync per K) [10]"),
     ("--tf32", _on_off, "fp32 matmuls on TF32 tensor cores on GPUs that have them [on]"),
     ("--data", str, "a folder of .txt files, a .txt, .bin (uint16) or .npy token file [built-in corpus]"),
@@ -164,22 +168,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from shoal.launch import WorkerFailed, launch, under_torchrun
+    from shoal.launch import Stopped, WorkerFailed, launch, under_torchrun
     from shoal.train.loop import run_worker
+    from shoal.train.preempt import STOPPED
 
     job = prepare_job(args)
     try:
         if under_torchrun():
-            result = run_worker(job)
-            if result is not None and "error" in result:
-                return fail(result["error"], USER_ERROR, job.run_dir)
-            return 0
-        results = launch(run_worker, job, nproc=world_size(job.config, job.device))
+            result = run_worker(job) or {}
+        else:
+            results = launch(run_worker, job, nproc=world_size(job.config, job.device),
+                             max_restarts=job.config.max_restarts)
+            result = results.get(0) or {}
     except WorkerFailed as exc:
         return fail(str(exc), RUN_FAILED, job.run_dir)
-    if "error" in (results.get(0) or {}):
-        return fail(results[0]["error"], USER_ERROR, job.run_dir)
-    return 0
+    except Stopped as exc:  # a second signal: the workers were killed
+        return _stopped(exc.signal_name, job.run_dir)
+    if "error" in result:
+        return fail(result["error"], USER_ERROR, job.run_dir)
+    return STOPPED if "stopped" in result else 0
+
+
+def _stopped(signal_name: str, run_dir: str | None) -> int:
+    """Exit status after a signal to this process: STOPPED when the workers wrote their stop
+    checkpoint (rank 0 has printed where), else a line naming the newest checkpoint."""
+    from shoal.train.checkpoint import latest_checkpoint, read_trainer_state
+    from shoal.train.preempt import STOPPED
+
+    path = latest_checkpoint(run_dir) if run_dir is not None else None
+    if path is not None and read_trainer_state(path).get("stopped_by"):
+        return STOPPED
+    newest = f"the newest checkpoint is {path}" if path is not None else "no checkpoint was written"
+    return fail(f"stopped by {signal_name} before the workers could write a checkpoint; {newest}", STOPPED, run_dir)
 
 
 def prepare_job(args: argparse.Namespace) -> Any:
@@ -189,6 +209,9 @@ def prepare_job(args: argparse.Namespace) -> Any:
     from shoal.train.loop import Job, default_run_dir, with_model
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
+    if under_torchrun() and flags.get("max_restarts"):
+        raise UserError("--max-restarts under torchrun: give torchrun --max-restarts N (and shoal --out DIR), "
+                        "torchrun restarts the workers")
     if under_torchrun() and "nproc" in flags and flags["nproc"] != int(os.environ["WORLD_SIZE"]):
         raise UserError(f"--nproc {flags['nproc']} but torchrun started {os.environ['WORLD_SIZE']} processes; "
                         "leave --nproc out under torchrun")

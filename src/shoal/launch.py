@@ -3,14 +3,24 @@ the world `torchrun` already started.
 
 shoal writes no launcher or rendezvous of its own: `launch(fn, arg, nproc=N)` is
 `torch.distributed.launcher.api.elastic_launch` on this machine with a c10d rendezvous on a
-free localhost port and no restarts (a failed worker fails the run; resume from a checkpoint).
+free localhost port. A failed worker fails the run, or with `max_restarts` every worker is
+restarted (the trainer then resumes from its newest good checkpoint).
+
+SIGTERM and SIGINT to this process are forwarded to the workers by a handler of our own, and the
+launcher keeps waiting: the workers finish their step, write a checkpoint and return normally.
+(torch's agent would forward them too, but then stops reading the workers' return values, which
+the workers wait to hand over: both would wait until its shutdown timeout.) A second signal, more
+than a second later, kills the workers and raises Stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -20,6 +30,14 @@ CPU_NPROC = 2
 
 class WorkerFailed(RuntimeError):
     """A worker process failed at run time; the message names the rank and its error."""
+
+
+class Stopped(RuntimeError):
+    """This process got SIGTERM or SIGINT twice: the workers were killed."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
 
 
 def under_torchrun() -> bool:
@@ -54,10 +72,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int) -> dict[int, Any]:
+def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int, max_restarts: int = 0) -> dict[int, Any]:
     """Run `fn(arg)` on `nproc` local workers; their return values by global rank.
 
-    Raises WorkerFailed naming the first rank that failed and the last line of its error.
+    Raises WorkerFailed naming the first rank that failed (after `max_restarts` restarts) and
+    the last line of its error, or Stopped after a second SIGTERM/SIGINT to this process.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -69,13 +88,42 @@ def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int) -> dict[int, Any]:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint=f"localhost:{free_port()}",
-        run_id=f"shoal-{os.getpid()}", max_restarts=0, start_method="spawn",
+        run_id=f"shoal-{os.getpid()}", max_restarts=max_restarts, start_method="spawn",
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT: _forward_stop_signals
     )
     try:
-        return elastic_launch(config, fn)(arg)
+        with _forward_stop_signals():
+            return elastic_launch(config, fn)(arg)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise WorkerFailed(f"rank {rank} of {nproc} failed: {last_line(failure.message, failure.exitcode)}") from None
+
+
+@contextlib.contextmanager
+def _forward_stop_signals() -> Iterator[None]:
+    """While the workers run: the first SIGTERM/SIGINT is passed on to them, a second kills them."""
+    import multiprocessing
+
+    first: list[float] = []
+
+    def forward(signum: int, frame: object) -> None:
+        workers = multiprocessing.active_children()  # torch starts them with multiprocessing (spawn)
+        if not first:
+            first.append(time.monotonic())
+            for proc in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signum)
+        elif time.monotonic() - first[0] > 1.0:  # one Ctrl-C may arrive twice (terminal, then forwarded)
+            for proc in workers:
+                proc.kill()
+            raise Stopped(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def last_line(message: Any, exitcode: int) -> str:

@@ -50,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shoal.runtime import Runtime
+from shoal.train import faults
 from shoal.world import broadcast_from_rank0, distributed, first_error, rank, world_size
 
 FORMAT = "shoal-checkpoint/1"
@@ -104,7 +105,9 @@ def save_checkpoint(
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed())
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, raised on every rank
         raise RuntimeError(f"saving checkpoint {final} failed: {_one_line(exc)}") from None
-    crcs = _gather_crcs(tmp)
+    crcs, error = _gather_crcs(tmp, final, step)
+    if error is not None:
+        raise RuntimeError(error)
     if rank() == 0:  # dcp.save returns on rank 0 only after every rank's files are written
         try:
             _finish(tmp, final, root, step=step, state_json=state_json, has_optimizer=optimizer is not None,
@@ -219,18 +222,25 @@ def prune(run_dir: Path | str, keep: int) -> list[Path]:
 # ----------------------------------------------------------------------------- saving
 
 
-def _gather_crcs(folder: Path) -> dict[str, int]:
+def _gather_crcs(folder: Path, final: Path, step: int) -> tuple[dict[str, int], str | None]:
     """CRC-32 of the data files this rank wrote (DCP names them `__<rank>_<i>.distcp`) and, on
-    rank 0, of DCP's index: every rank's, on rank 0 (collective)."""
-    mine = [p for p in folder.glob(f"__{rank()}_*") if p.is_file()]
-    if rank() == 0 and (folder / DCP_METADATA).is_file():
-        mine.append(folder / DCP_METADATA)
-    crcs = {p.name: _crc32(p) for p in mine}
+    rank 0, of DCP's index: every rank's, and the lowest rank's error if any failed (collective)."""
+    crcs, error = {}, None
+    try:
+        faults.point("checkpoint", step)  # test-only; a no-op unless SHOAL_FAULT names it
+        mine = [p for p in folder.glob(f"__{rank()}_*") if p.is_file()]
+        if rank() == 0 and (folder / DCP_METADATA).is_file():
+            mine.append(folder / DCP_METADATA)
+        crcs = {p.name: _crc32(p) for p in mine}
+    except OSError as exc:
+        error = (f"saving checkpoint {final.name} failed on rank {rank()}: {_one_line(exc)}; `latest` still "
+                 "names the previous checkpoint")
     if world_size() == 1:
-        return crcs
-    gathered: list[dict[str, int] | None] = [None] * world_size()
-    dist.all_gather_object(gathered, crcs)
-    return {k: v for g in gathered if g for k, v in g.items()}
+        return crcs, error
+    gathered: list[tuple[dict[str, int], str | None] | None] = [None] * world_size()
+    dist.all_gather_object(gathered, (crcs, error))
+    errors = [g[1] for g in gathered if g is not None and g[1] is not None]
+    return {k: v for g in gathered if g for k, v in g[0].items()}, (errors[0] if errors else None)
 
 
 def _crc32(path: Path) -> int:

@@ -44,6 +44,10 @@ class LoopConfig:
     """Held-out loss every K steps (and always at the end); 0: only at the end."""
     eval_batches: int = 4
     """Global batches of held-out data per evaluation."""
+    hang_timeout: float = 0.0
+    """Seconds a collective may wait once steps run before the run stops, naming the ranks that
+    stopped answering and where each was; 0: automatic (ten times the slowest step, at least
+    30 s). Start-up, evaluation and checkpoints get at least 600 s."""
     log_every: int = 10
     """Read the step's numbers (loss, gradient norm, memory) from the device every K steps, in one
     synchronisation: between reads the host queues work ahead of the GPU. metrics.jsonl still gets
@@ -52,7 +56,7 @@ class LoopConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("ckpt_every", "eval_every", "seed", "keep"):
+        for name in ("ckpt_every", "eval_every", "seed", "keep", "hang_timeout"):
             _at_least(name, getattr(self, name), 0)
         if self.micro_batch is not None:
             _at_least("micro_batch", self.micro_batch, 1)
@@ -80,6 +84,10 @@ class RunConfig:
     """On GPUs that have them, float32 matmuls and convolutions run on TF32 tensor cores (10-bit
     mantissa inputs, float32 accumulation; what fp32 runs want). Off: full float32. No effect
     on CPUs or on bf16/fp16 compute."""
+    max_restarts: int = 0
+    """After a worker fails, restart every worker this many times at most, each time from the
+    newest checkpoint that verifies (torch elastic's restarts). Under torchrun: torchrun's own
+    --max-restarts, with --out."""
     out: str | None = None
     """The run folder; None: runs/<timestamp>."""
     loop: LoopConfig = field(default_factory=LoopConfig)
@@ -89,6 +97,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.nproc is not None:
             _at_least("nproc", self.nproc, 1)
+        _at_least("max_restarts", self.max_restarts, 0)
         if self.device not in DEVICES:
             raise ValueError(f"--device {self.device!r} is not valid; valid: {', '.join(DEVICES)}")
 
@@ -97,12 +106,13 @@ class RunConfig:
 KEYS: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"), "set": (None, "set"), "plan": (None, "plan"), "nproc": (None, "nproc"),
     "device": (None, "device"), "tf32": (None, "tf32"), "out": (None, "out"),
+    "max_restarts": (None, "max_restarts"),
     **{f.name: ("loop", f.name) for f in dataclasses.fields(LoopConfig)},
     **{f.name: ("optim", f.name) for f in dataclasses.fields(OptimConfig)},
     "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),
 }
 RESUMABLE = ("steps", "plan", "nproc", "device", "tf32", "ckpt_every", "keep", "eval_every", "log_every",
-             "micro_batch")
+             "micro_batch", "hang_timeout", "max_restarts")
 """Keys a resumed run may change: none of them changes the loss curve beyond rounding (the plan's
 precision aside, which the user then chose)."""
 DEVICES = ("auto", "cpu", "cuda")

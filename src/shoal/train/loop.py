@@ -30,14 +30,17 @@ from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
-from shoal.train import memory
-from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, prune, save_checkpoint
+from shoal.train import faults, memory
+from shoal.train.checkpoint import (latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune,
+                                    save_checkpoint)
 from shoal.train.config import RunConfig, dump_toml, parse_plan, to_flat
 from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
 from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
                                  write_summary)
 from shoal.train.optim import build_optimizer, build_scheduler
+from shoal.train.preempt import StopSignals
 from shoal.train.step import StepResult, split_micro, train_step
+from shoal.train.watchdog import Watchdog
 from shoal.world import broadcast_from_rank0, first_error, threads_per_rank
 
 CONFIG_FILE = "config.toml"
@@ -62,6 +65,7 @@ class Job:
 def run_worker(job: Job) -> dict[str, Any] | None:
     """Train `job` on this rank. Returns rank 0's summary (None on other ranks), or
     {"error": message} on every rank when the job fails for a reason the user can fix."""
+    signals = StopSignals()  # before anything slow: a signal during start-up stops after the first step
     device = init_distributed(job.device)
     if dist.get_rank() != 0:  # the ranks' warnings repeat rank 0's: print them once, from rank 0
         warnings.simplefilter("ignore")
@@ -75,9 +79,18 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         if error is not None:
             return {"error": error}
         assert trainer is not None
-        return trainer.run()
+        summary = trainer.run(signals)
+        if trainer.stopped_by:
+            return {**(summary or {}), "stopped": trainer.stopped_by}
+        return summary
     finally:
+        signals.restore()
         dist.destroy_process_group()
+
+
+def restart_count() -> int:
+    """How many times the launcher (`--max-restarts`, torchrun's too) has restarted this run's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def init_distributed(device: str) -> torch.device:
@@ -90,11 +103,23 @@ def init_distributed(device: str) -> torch.device:
         torch.cuda.set_device(device)
         # A gloo backend beside NCCL for CPU tensors: under offload=on the gradient shards live in
         # host memory, and the global gradient norm is all-reduced where they are.
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, **_attempt_store())
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **_attempt_store())
     return device
+
+
+def _attempt_store() -> dict[str, Any]:
+    """Under torch's elastic agent, a store of this attempt's own. The workers of every restart
+    connect to the same agent store, and torch's env:// rendezvous adds no per-attempt prefix
+    there: a restarted rank could read an address the previous attempt's dead peer published and
+    fail with "Connection refused" (seen in about 1 restart in 4 here). Elsewhere: torch's default."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return {"store": dist.PrefixStore(f"shoal/attempt_{restart_count()}/", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 class Trainer:
@@ -111,7 +136,9 @@ class Trainer:
         set_matmul_precision(device, tf32=cfg.tf32)
 
         torch.manual_seed(self.loop.seed)  # identical initial weights on every rank
-        self.runtime = parallelize(Transformer(self.model_cfg).to(device), self.plan, build_mesh(self.plan, device.type))
+        model = Transformer(self.model_cfg).to(device)
+        faults.arm(model)  # test-only hooks; nothing unless SHOAL_FAULT is set
+        self.runtime = parallelize(model, self.plan, build_mesh(self.plan, device.type))
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
         self.num_micro = self.local_batch // (self.loop.micro_batch or self.local_batch)
@@ -124,11 +151,15 @@ class Trainer:
         self.held_out = TokenBatches(held_out, seq_len=self.loop.seq_len, seed=self.loop.seed)
         self.num_train_tokens, self.num_held_out = len(train), len(held_out)
 
-        self.start = 0
-        if job.resume:
+        self.start, self.restart, self.stopped_by = 0, restart_count(), None
+        path = None
+        if self.restart:  # restarted after a failure: the newest checkpoint that verifies, if any
+            path = broadcast_from_rank0(newest_good_checkpoint(self.run_dir)[0] if self.rank == 0 else None)
+        elif job.resume:
             path = Path(job.resume_from) if job.resume_from else latest_checkpoint(self.run_dir)
             if path is None:
                 raise ValueError(f"run folder {str(self.run_dir)!r} holds no checkpoint to resume from")
+        if path is not None:
             state = load_checkpoint(path, runtime=self.runtime, optimizer=self.optimizer)
             self.start = int(state["step"])
             self.scheduler.restore(state["scheduler"])
@@ -137,7 +168,21 @@ class Trainer:
                 scaler.load_state_dict(state["loss_scaler"])
 
     # ------------------------------------------------------------------ the run
-    def run(self) -> dict[str, Any] | None:
+    def run(self, signals: StopSignals | None = None) -> dict[str, Any] | None:
+        """Train to the last step, or until a signal (SIGTERM, SIGINT) asks every rank to stop:
+        then after the current step, with a checkpoint. Collective failures are diagnosed."""
+        watchdog = Watchdog(timeout_s=self.loop.hang_timeout) if self.world > 1 else None
+        try:
+            return self._run(signals, watchdog)
+        except RuntimeError as exc:
+            if watchdog is None or not _collective_failure(exc):
+                raise
+            raise watchdog.diagnose(exc, time.monotonic() - watchdog.since) from None
+        finally:
+            if watchdog is not None:
+                watchdog.close()
+
+    def _run(self, signals: StopSignals | None, watchdog: Watchdog | None) -> dict[str, Any] | None:
         t0 = time.perf_counter()
         lead = self.rank == 0
         writer = self._open_run_folder() if lead else None
@@ -152,16 +197,28 @@ class Trainer:
         window: list[tuple[float, StepResult]] = []  # steps run since the numbers were last read
         t_window = time.perf_counter()
         memory.reset_peak()
+        mark = watchdog.at if watchdog is not None else (lambda phase, step: None)
+        if watchdog is not None:
+            watchdog.started(self.start)
         for s in range(self.start, self.loop.steps):
+            faults.at_step(s)
+            mark("step", s)
             lr = self.optimizer.param_groups[0]["lr"]
             window.append((lr, self.train_one(s)))
             n = s + 1
             eval_due, ckpt_due = _due(n, self.loop.eval_every, self.loop.steps), _due(n, self.loop.ckpt_every, self.loop.steps)
+            self.stopped_by = signals.agreed() if signals is not None else None  # every rank, the same step
+            ckpt_due = ckpt_due or self.stopped_by is not None
             if not (eval_due or ckpt_due or _due(n, self.loop.log_every, self.loop.steps)):
                 continue  # the host runs ahead; nothing waits for the device
             records = self._read(window, first_step=n - len(window) + 1, seconds=time.perf_counter() - t_window)
+            if watchdog is not None:
+                watchdog.step_took(records[-1]["step_time_s"])
+            if self.restart and records[0]["step"] == self.start + 1:
+                records[0]["restart"] = self.restart  # metrics.jsonl shows where a restarted run took over
             window = []
             if eval_due:
+                mark("evaluation", n)
                 records[-1]["eval_loss"] = self.evaluate()
             if writer is not None and bar is not None:
                 for record in records:
@@ -172,8 +229,9 @@ class Trainer:
                 if eval_due:
                     bar.write(f"step {n}: held-out loss {records[-1]['eval_loss']:.4f}")
             if ckpt_due:
-                path = save_checkpoint(self.run_dir, n, runtime=self.runtime, optimizer=self.optimizer,
-                                       extra=self._trainer_state(n))
+                mark("checkpoint write", n)
+                extra = self._trainer_state(n) | ({"stopped_by": self.stopped_by} if self.stopped_by else {})
+                path = save_checkpoint(self.run_dir, n, runtime=self.runtime, optimizer=self.optimizer, extra=extra)
                 if writer is not None:
                     if self.loop.keep:
                         prune(self.run_dir, self.loop.keep)
@@ -181,6 +239,8 @@ class Trainer:
                     bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]
             t_window = time.perf_counter()  # evaluation and checkpoints are not step time
             memory.reset_peak()
+            if self.stopped_by:
+                break
         if writer is None or bar is None:
             return None
         bar.close()
@@ -193,6 +253,9 @@ class Trainer:
                        world_size=self.world, precision=_precision_words(self.plan))
         write_summary(self.run_dir, summary)
         print(format_summary(summary) + f"\n  run folder {self.run_dir}", flush=True)
+        if self.stopped_by:
+            print(f"shoal: stopped by {self.stopped_by} after step {n}, with its checkpoint; "
+                  f"continue with: shoal train --resume {self.run_dir}", flush=True)
         return summary
 
     def train_one(self, s: int) -> StepResult:
@@ -255,7 +318,8 @@ class Trainer:
             f"rank in {self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}",
             self.runtime.describe(),
             f"run folder: {self.run_dir}"
-            + (f" (resuming at step {self.start} of {loop.steps})" if self.start else f" ({loop.steps} steps)"),
+            + (f" (resuming at step {self.start} of {loop.steps})" if self.start else f" ({loop.steps} steps)")
+            + (f"; restart {self.restart} after a failure" if self.restart else ""),
         ]
         return "\n".join(lines)
 
@@ -285,6 +349,13 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
     if not path.is_file():
         raise ValueError(f"{str(run_dir)!r} is not a shoal run folder: it has no {CONFIG_FILE}")
     return from_flat(load_toml(path))
+
+
+def _collective_failure(exc: RuntimeError) -> bool:
+    """A collective that timed out or lost a peer (gloo's and NCCL's errors), not shoal's own."""
+    text = str(exc)
+    return isinstance(exc, dist.DistBackendError) or any(
+        marker in text for marker in ("gloo", "Timed out", "Connection closed", "Connection reset", "NCCL"))
 
 
 def _due(n: int, every: int, last: int) -> bool:
