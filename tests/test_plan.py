@@ -133,8 +133,8 @@ def test_validate_against_model_and_batch():
     assert "tp=8 does not divide 4 KV heads; valid: 1, 2, 4" in one_line_error(kv.validate, TINY, global_batch=8, seq_len=64)
     assert "pp=8 exceeds the model's 4 layers; valid: 1..4" in one_line_error(
         Plan.parse("pp8").resolve(8).validate, TINY, global_batch=16, seq_len=64)
-    assert "cp=4 does not divide the sequence length 30; valid: 1, 2, 3, 5, 6, 10, 15, 30" in one_line_error(
-        Plan.parse("cp4").resolve(4).validate, TINY, global_batch=4, seq_len=30)
+    assert "30 tokens do not divide; valid: a sequence length that is a multiple of 8, or cp in 1, 3, 5, 15" in (
+        one_line_error(Plan.parse("cp4").resolve(4).validate, TINY, global_batch=4, seq_len=30))
     assert "global batch 6 is not divisible by the 4 data-parallel ranks (dp*fsdp); valid: multiples of 4" in one_line_error(
         Plan.parse("dp2,fsdp2").resolve(4).validate, TINY, global_batch=6, seq_len=64)
     assert "mb=3 does not divide the 8 sequences each pipeline gets per step; valid: 1, 2, 4, 8" in one_line_error(

@@ -87,7 +87,7 @@ def _version() -> str:
 _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "preset (tiny, tiny-gpt, small, gpt3-1.3b..gpt3-175b, llama3-8b/70b/405b, bert-large; "
      "tiny-moe and mixtral-8x7b need MoE layers, coming) or hf:<dir or config.json> [tiny]"),
-    ("--plan", str, "parallel plan: dpN, fsdpN, tpN and options, e.g. fsdp2,tp2,zero=1 (see README; ppN, cpN, "
+    ("--plan", str, "parallel plan: dpN, fsdpN, tpN, cpN and options, e.g. fsdp2,tp2,zero=1 (see README; ppN, "
      "epN and auto are coming) [dp over all processes]"),
     ("--nproc", int, "local worker processes to start; ignored under torchrun [one per GPU; 2 on CPU]"),
     ("--device", str, "cuda (one GPU per process, NCCL), cpu (gloo) or auto [auto: cuda when there are GPUs]"),
@@ -121,8 +121,8 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shoal", description="Hybrid-parallel training of transformers over an unmodified "
                      "PyTorch model: data, sharded data (ZeRO-1/2/3, FSDP2) and tensor parallelism in any combination, "
-                     "from one --plan string. Coming, not in this version: pipeline, context and expert "
-                     "parallelism, Mixture-of-Experts layers, the planner (--plan auto).")
+                     "and context parallelism with (sharded) data parallelism, from one --plan string. Coming, not in this "
+                     "version: pipeline and expert parallelism, Mixture-of-Experts layers, the planner (--plan auto).")
     parser.add_argument("--version", action="version", version=f"shoal {_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 

@@ -1,7 +1,8 @@
 """parallelize(model, plan, mesh): apply the plan's parallelisms to an unmodified model and return
 the runtime (shoal/runtime.py) that trains it.
 
-The order is fixed (as in torchtitan): tensor -> activation recompute -> compile -> data/sharded data.
+The order is fixed (as in torchtitan): tensor -> context -> activation recompute -> compile ->
+data/sharded data.
 Each step is a no-op when its axis has degree 1.
 """
 
@@ -12,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shoal.parallel.choice import choose_engine
 from shoal.parallel.compile import apply_compile
+from shoal.parallel.context import apply_context_parallel
 from shoal.parallel.data import TorchDataEngine, apply_data_parallel, transformer_blocks
 from shoal.parallel.recompute import apply_recompute
 from shoal.parallel.tensor import apply_tensor_parallel
@@ -19,7 +21,7 @@ from shoal.plan import Plan
 from shoal.runtime import Runtime
 
 # Axes and options a Plan can name that this version does not run yet.
-_NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert"}
+_NOT_YET = {"pp": "pipeline", "ep": "expert"}
 
 
 def check_supported(plan: Plan) -> None:
@@ -27,6 +29,13 @@ def check_supported(plan: Plan) -> None:
     for axis, what in _NOT_YET.items():
         if getattr(plan, axis) > 1:
             raise ValueError(f"{axis}{getattr(plan, axis)}: {what} parallelism is not available in this version of shoal yet")
+    if plan.cp > 1:
+        if plan.tp > 1:
+            raise ValueError(f"cp{plan.cp} with tp{plan.tp}: context and tensor parallelism together are not "
+                             "available in this version yet; valid: cp with dp or fsdp")
+        if choose_engine(plan, num_layers=1).kind == "zero":
+            raise ValueError(f"cp{plan.cp} with fsdp{plan.fsdp},zero={plan.zero}: shoal's ZeRO-1/2 engine does not "
+                             "shard over cp ranks; valid: zero=3 (FSDP2 shards over fsdp x cp), or dp instead of fsdp")
     if plan.auto:
         raise ValueError("plan 'auto' needs the planner, which is not available in this version of shoal yet")
 
@@ -45,7 +54,8 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     check_supported(plan)
     choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
     model = apply_tensor_parallel(model, mesh=mesh, plan=plan)
+    context = apply_context_parallel(model, mesh=mesh, mode=plan.cp_mode)
     model = apply_recompute(model, plan=plan)
     model = apply_compile(model, plan=plan)
     engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice)
-    return Runtime(engine, plan=plan, mesh=mesh, choice=choice)
+    return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context)

@@ -254,8 +254,20 @@ class Plan:
                              f"reduce out")
         if self.pp > model.num_layers:
             raise ValueError(f"pp={self.pp} exceeds the model's {model.num_layers} layers; valid: 1..{model.num_layers}")
-        if self.cp > 1 and seq_len % (2 * self.cp) and seq_len % self.cp:
-            raise ValueError(f"cp={self.cp} does not divide the sequence length {seq_len}; valid: {_divisors(seq_len)}")
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise ValueError(f"cp={self.cp} splits each sequence into 2*cp = {2 * self.cp} equal chunks (zig-zag, for "
+                             f"balanced causal work) and {seq_len} tokens do not divide; valid: a sequence length that "
+                             f"is a multiple of {2 * self.cp}, or cp in "
+                             f"{', '.join(str(d) for d in range(1, seq_len + 1) if seq_len % (2 * d) == 0)}")
+        if self.cp > 1 and self.cp_mode == "a2a" and model.num_heads % self.cp:
+            raise ValueError(f"cp_mode=a2a scatters the {model.num_heads} heads over cp={self.cp}, which does not "
+                             f"divide them; valid: cp in {_divisors(model.num_heads)}, or cp_mode=ring")
+        if self.cp > 1 and model.pos_emb != "rope":
+            raise ValueError(f"cp={self.cp} with pos_emb={model.pos_emb!r}: positions follow the sequence split "
+                             f"for RoPE only in this version; valid: a RoPE model, or no cp")
+        if self.cp > 1 and model.dropout:
+            raise ValueError(f"cp={self.cp} with dropout={model.dropout}: attention dropout under context "
+                             "parallelism is not available; valid: --set dropout=0, or no cp")
         if self.ep > 1:
             if model.num_experts == 0:
                 raise ValueError(f"ep={self.ep} needs a Mixture-of-Experts model; this one has num_experts=0")

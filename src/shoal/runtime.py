@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
 from shoal.parallel.choice import EngineChoice
+from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.parallel.vocab import cross_entropy, local_value, vocab_parallel_loss
@@ -48,12 +49,15 @@ class Runtime:
     """A model trained under one plan on one mesh (or alone in one process: plan and mesh None)."""
 
     def __init__(self, engine: DataEngine, *, plan: Plan | None, mesh: DeviceMesh | None,
-                 choice: EngineChoice | None) -> None:
+                 choice: EngineChoice | None, context: ContextSplit | None = None) -> None:
         self.plan, self.mesh = plan, mesh
+        self._context = context
+        """cp > 1: this rank's slice of every sequence, taken from each micro-batch here."""
         self.choice = choice
         """The data-parallel engine that runs the plan (shoal.parallel.choice); None in one process."""
         self._engine = engine
-        self._data_groups = reduction_groups(mesh) if mesh is not None else []
+        # The loss is averaged over every rank that sees other tokens: data ranks and cp ranks.
+        self._data_groups = reduction_groups(mesh, ("dp", "fsdp", "cp")) if mesh is not None else []
         precision = PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce) if plan else PrecisionPolicy()
         self.loss_scaler: LossScaler | None = LossScaler() if precision.loss_scaling else None
         """fp16's dynamic loss scale; its state belongs in the trainer's checkpoint state."""
@@ -65,7 +69,10 @@ class Runtime:
         return [self._engine.module]
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Forward (evaluation, sampling): the model's output for this rank's inputs."""
+        """Forward (evaluation, sampling): the model's output for this rank's inputs (under cp,
+        for the whole sequences: the slices' outputs are gathered)."""
+        if self._context is not None:
+            return self._context.gather(self._engine.model(self._context.split(inputs)))
         return self._engine.model(inputs)
 
     def train(self, mode: bool = True) -> Runtime:
@@ -102,7 +109,7 @@ class Runtime:
         Returns the rank's mean loss, detached, on the device (no host synchronisation)."""
         loss_fn = loss_fn or cross_entropy
         total: torch.Tensor | float = 0.0
-        for i, (inputs, targets) in enumerate(micro_batches):
+        for i, (inputs, targets) in enumerate(self.local_batches(micro_batches)):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 output = self._engine.model(inputs)
@@ -117,11 +124,18 @@ class Runtime:
         """This rank's mean loss over the micro-batches, without gradients (on the device)."""
         loss_fn = loss_fn or cross_entropy
         total: torch.Tensor | float = 0.0
-        for inputs, targets in micro_batches:
+        for inputs, targets in self.local_batches(micro_batches):
             output = self._engine.model(inputs)
             with vocab_parallel_loss(output):
                 total = total + local_value(loss_fn(output, targets))
         return torch.as_tensor(total) / len(micro_batches)
+
+    def local_batches(self, micro_batches: Sequence[Batch]) -> Sequence[Batch]:
+        """What this rank computes of each micro-batch: under cp, the tokens and targets at its
+        positions; otherwise the micro-batches themselves."""
+        if self._context is None:
+            return micro_batches
+        return [(self._context.split(x), self._context.split(y)) for x, y in micro_batches]
 
     def grad_norm(self) -> tuple[torch.Tensor, bool]:
         """(global L2 norm of the true gradients, take the step?). Under fp16 the gradients are

@@ -41,6 +41,13 @@ def apply_rope(x_BTHE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor)
     return rotated.type_as(x_BTHE)
 
 
+def causal_attention(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor,
+                     dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal softmax attention over whole sequences (SDPA: flash attention on GPUs). The seam a
+    context-parallel plan replaces (`Attention.core`) with attention over a split sequence."""
+    return F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True, dropout_p=dropout_p)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads."""
 
@@ -53,6 +60,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.core = causal_attention
+        """(q, k, v, dropout_p) -> attention output, all (B, H, T, E), heads already repeated."""
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -67,9 +76,7 @@ class Attention(nn.Module):
             k_BTKE = k_BTKE.repeat_interleave(groups, dim=2)
             v_BTKE = v_BTKE.repeat_interleave(groups, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q_BTHE, k_BTKE, v_BTKE))  # (B, H, T, E)
-        y_BHTE = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y_BHTE = self.core(q, k, v, self.dropout if self.training else 0.0)
         return self.wo(y_BHTE.transpose(1, 2).reshape(B, T, -1))
 
 

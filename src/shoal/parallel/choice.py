@@ -50,7 +50,7 @@ def choose_engine(plan: Plan, *, num_layers: int) -> EngineChoice:
     """The engine that runs the (resolved) plan's dp and fsdp axes for a model of `num_layers` blocks."""
     assert plan.dp is not None and plan.precision is not None, "resolve the plan first"
     full_precision = plan.precision == "fp32" and plan.reduce == "fp32"
-    if plan.dp == 1 and plan.fsdp == 1 and full_precision:
+    if plan.dp == 1 and plan.fsdp == 1 and plan.cp == 1 and full_precision:
         return EngineChoice(kind="none", zero=0, bucket=0, units=0)
     if plan.fsdp == 1 and plan.tp == 1 and full_precision:
         return EngineChoice(kind="ddp", zero=0, bucket=0, units=0)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -131,8 +132,9 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
         raise ValueError(f"offload=on needs fsdp > 1 (plan {plan}); valid: add fsdpN, or offload=off")
     if choice.kind == "none":
         return TorchDataEngine(model, model)  # a tp-only model stays as tensor parallel left it
-    if choice.kind == "ddp":
-        return TorchDataEngine(_ddp(model, mesh["dp"]), model)
+    if choice.kind == "ddp":  # cp ranks hold the same weights and see other tokens: replicas too
+        replicas = mesh["dp"] if mesh["cp"].size() == 1 else mesh["dp", "cp"]._flatten("dp_cp")
+        return TorchDataEngine(_ddp(model, replicas), model)
     if choice.kind == "zero":
         return ZeroDataParallel(model, mesh=mesh, zero=choice.zero, bucket=choice.bucket, precision=precision,
                                 blocks=blocks)
@@ -223,10 +225,19 @@ def _ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 def _data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 runs on: 1-D fsdp (pure sharding, or one rank: bf16 on a single GPU) or 2-D
-    (dp, fsdp) HSDP (replicate x shard)."""
+    (dp, fsdp) HSDP (replicate x shard). Under cp the shards spread over fsdp x cp (as torchtitan's
+    dp_shard_cp): cp ranks hold the same weights and see other tokens, so they shard like data
+    ranks and their gradients are averaged with the others'."""
+    if mesh["cp"].size() == 1:
+        return mesh["fsdp"] if mesh["dp"].size() == 1 else mesh["dp", "fsdp"]
+    shard = mesh["fsdp", "cp"]._flatten("fsdp_cp")  # private in torch 2.13, as torchtitan uses it
     if mesh["dp"].size() == 1:
-        return mesh["fsdp"]
-    return mesh["dp", "fsdp"]
+        return shard
+    with warnings.catch_warnings():
+        # torch 2.13 warns that slicing a flattened axis from the root mesh "will be deprecated"
+        # and offers no replacement yet for a 2-D (replicate, flattened shard) mesh.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return mesh["dp", "fsdp_cp"]
 
 
 def _offload_policy(mesh: DeviceMesh) -> CPUOffloadPolicy:

@@ -101,8 +101,11 @@ class Watchdog:
         return self.fixed or max(FLOOR_S, 10 * self.slowest_step)
 
     def close(self) -> None:
+        """Stop the thread and wait for it: a daemon thread still inside the store's C++ client
+        when the interpreter exits can crash the process (seen as SIGSEGV at exit)."""
         self._stop.set()
         self._moved.set()
+        self._thread.join(timeout=10)
 
     # ---------------------------------------------------------------- the diagnosis
     def diagnose(self, error: BaseException, waited_s: float) -> HangError:
