@@ -121,7 +121,7 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shoal", description="Hybrid-parallel training of transformers over an unmodified "
                      "PyTorch model: data, sharded data (ZeRO-1/2/3, FSDP2) and tensor parallelism in any combination, "
-                     "and context parallelism with (sharded) data parallelism, from one --plan string. Coming, not in this "
+                     "and context parallelism with any of them, from one --plan string. Coming, not in this "
                      "version: pipeline and expert parallelism, Mixture-of-Experts layers, the planner (--plan auto).")
     parser.add_argument("--version", action="version", version=f"shoal {_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)

@@ -259,9 +259,10 @@ class Plan:
                              f"balanced causal work) and {seq_len} tokens do not divide; valid: a sequence length that "
                              f"is a multiple of {2 * self.cp}, or cp in "
                              f"{', '.join(str(d) for d in range(1, seq_len + 1) if seq_len % (2 * d) == 0)}")
-        if self.cp > 1 and self.cp_mode == "a2a" and model.num_heads % self.cp:
-            raise ValueError(f"cp_mode=a2a scatters the {model.num_heads} heads over cp={self.cp}, which does not "
-                             f"divide them; valid: cp in {_divisors(model.num_heads)}, or cp_mode=ring")
+        heads = model.num_heads // self.tp  # each tp rank's heads
+        if self.cp > 1 and self.cp_mode == "a2a" and heads % self.cp:
+            raise ValueError(f"cp_mode=a2a scatters the {heads} heads of each tp rank over cp={self.cp}, which does "
+                             f"not divide them; valid: cp in {_divisors(heads)}, or cp_mode=ring")
         if self.cp > 1 and model.pos_emb != "rope":
             raise ValueError(f"cp={self.cp} with pos_emb={model.pos_emb!r}: positions follow the sequence split "
                              f"for RoPE only in this version; valid: a RoPE model, or no cp")
