@@ -29,10 +29,6 @@ def check_supported(plan: Plan) -> None:
     for axis, what in _NOT_YET.items():
         if getattr(plan, axis) > 1:
             raise ValueError(f"{axis}{getattr(plan, axis)}: {what} parallelism is not available in this version of shoal yet")
-    if plan.cp > 1:
-        if choose_engine(plan, num_layers=1).kind == "zero":
-            raise ValueError(f"cp{plan.cp} with fsdp{plan.fsdp},zero={plan.zero}: shoal's ZeRO-1/2 engine does not "
-                             "shard over cp ranks; valid: zero=3 (FSDP2 shards over fsdp x cp), or dp instead of fsdp")
     if plan.auto:
         raise ValueError("plan 'auto' needs the planner, which is not available in this version of shoal yet")
 

@@ -135,7 +135,7 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
     if choice.kind == "ddp":  # cp ranks hold the same weights and see other tokens: replicas too
         replicas = mesh["dp"] if mesh["cp"].size() == 1 else mesh["dp", "cp"]._flatten("dp_cp")
         return TorchDataEngine(_ddp(model, replicas), model)
-    if choice.kind == "zero":
+    if choice.kind == "zero":  # cp ranks join its replicas (see ZeroDataParallel)
         return ZeroDataParallel(model, mesh=mesh, zero=choice.zero, bucket=choice.bucket, precision=precision,
                                 blocks=blocks)
     offload = _offload_policy(mesh) if plan.offload else OffloadPolicy()

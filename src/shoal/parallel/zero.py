@@ -113,8 +113,11 @@ class ZeroDataParallel(nn.Module):
         self._fsdp, self._dp = mesh["fsdp"], mesh["dp"]
         self._shard_mesh = mesh["fsdp"] if self._dp.size() == 1 else mesh["dp", "fsdp"]
         self._placements = (Shard(0),) if self._dp.size() == 1 else (Replicate(), Shard(0))
+        # Replicas whose gradients are averaged after the reduce-scatter: dp, and under context
+        # parallelism the cp ranks too (same weights, other tokens of the same sequences).
+        self._replicas = self._dp if mesh["cp"].size() == 1 else mesh["dp", "cp"]._flatten("dp_cp")
         self._rank, self._shards = self._fsdp.get_local_rank(), self._fsdp.size()
-        self._world = self._shards * self._dp.size()
+        self._world = self._shards * self._replicas.size()
         self._all_to_all = dist.get_backend(self._fsdp.get_group()) in _ALL_TO_ALL_ON
         self._sync = True
         self._callback_queued = False
@@ -302,8 +305,8 @@ class ZeroDataParallel(nn.Module):
         if self._all_to_all:  # sum every rank's copy; the first reduction of a step straight into the shard
             parts = out.view(self._shards, b.numel)
             out = torch.sum(parts, dim=0, out=b.grad) if first and parts.dtype == b.grad.dtype else parts.sum(dim=0)
-        if self._dp.size() > 1:
-            dist.all_reduce(out, group=self._dp.get_group())
+        if self._replicas.size() > 1:
+            dist.all_reduce(out, group=self._replicas.get_group())
         if out is b.grad:
             b.grad.div_(self._world)
         elif first:
