@@ -27,7 +27,7 @@ import torch.distributed as dist
 from bench.common import launch, report, summarize
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
-from shoal.parallel.context import _chunks, attend_blocks, chunks_of
+from shoal.parallel.context import attend_blocks, chunks_of
 from shoal.parallel.recompute import kept_activation_bytes
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
@@ -95,13 +95,13 @@ def balance(seq_len: int, cp: int, balanced: bool, repeats: int = 5) -> dict[str
         mine = chunks_of(rank, cp, balanced=balanced)
         samples = []
         for _ in range(repeats):
-            out = [torch.zeros_like(c) for c in _chunks(q, n)]
-            lse = [torch.full(c.shape[:-1], -torch.inf) for c in _chunks(q, n)]
+            qs, ks, vs = (list(t.chunk(n, dim=2)) for t in (q, k, v))  # the rank's chunks, as the ring holds them
+            out = [torch.zeros_like(c) for c in qs]
+            lse = [torch.full(c.shape[:-1], -torch.inf) for c in qs]
             start = time.perf_counter()
             for step in range(cp):
                 theirs = chunks_of((rank - step) % cp, cp, balanced=balanced)
-                attend_blocks(_chunks(q, n), _chunks(k, n), _chunks(v, n), mine, theirs, out, lse, causal=True,
-                              scale=MODEL.head_dim ** -0.5)
+                attend_blocks(qs, ks, vs, mine, theirs, out, lse, causal=True, scale=MODEL.head_dim ** -0.5)
             samples.append(time.perf_counter() - start)
         times.append(summarize(samples)["median"])
     mean = sum(times) / len(times)

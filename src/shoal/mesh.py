@@ -41,6 +41,13 @@ def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
     return dp.get_local_rank() * fsdp.size() + fsdp.get_local_rank(), dp.size() * fsdp.size()
 
 
+def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that hold the same weights and average their gradients: dp, and under context
+    parallelism the cp ranks too (same weights, other tokens of the same sequences), flattened
+    into one axis (`_flatten`: private in torch 2.13, as torchtitan uses it)."""
+    return mesh["dp"] if mesh["cp"].size() == 1 else mesh["dp", "cp"]._flatten("dp_cp")
+
+
 def reduction_groups(mesh: DeviceMesh, axes: tuple[str, ...] = ("dp", "fsdp")) -> list[dist.ProcessGroup]:
     """The process groups of the named mesh axes that have more than one rank. Slicing a mesh
     builds a sub-mesh from its rank table each time: look the groups up once, not every step."""

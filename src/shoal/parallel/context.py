@@ -58,11 +58,29 @@ class ContextSplit:
     def __init__(self, cp_mesh: DeviceMesh, *, balanced: bool = True) -> None:
         self.group = cp_mesh.get_group()
         self.cp, self.rank, self.balanced = cp_mesh.size(), cp_mesh.get_local_rank(), balanced
+        self._indices: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+
+    def mine(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """This rank's global positions in a sequence of `seq_len` tokens, on `device`."""
+        return self._cached("mine", seq_len, device)
+
+    def rank_order(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """Every rank's positions, rank after rank: the global position of each gathered token."""
+        return self._cached("order", seq_len, device)
+
+    def _cached(self, kind: str, seq_len: int, device: torch.device) -> torch.Tensor:
+        # Built once per length and device: the RoPE hook asks in every layer of every forward,
+        # and a fresh host-to-device copy there would make the host wait for the GPU.
+        key = (kind, seq_len, torch.device(device))
+        if key not in self._indices:
+            ranks = [self.rank] if kind == "mine" else range(self.cp)
+            index = torch.cat([positions(seq_len, r, self.cp, balanced=self.balanced) for r in ranks])
+            self._indices[key] = index.to(device)
+        return self._indices[key]
 
     def split(self, x_BT: torch.Tensor) -> torch.Tensor:
         """Tokens or targets (B, T global) -> this rank's (B, T / cp)."""
-        index = positions(x_BT.shape[1], self.rank, self.cp, balanced=self.balanced).to(x_BT.device)
-        return x_BT.index_select(1, index)
+        return x_BT.index_select(1, self.mine(x_BT.shape[1], x_BT.device))
 
     def gather(self, y_BT: torch.Tensor) -> torch.Tensor:
         """Every rank's (B, T / cp, ...) output -> (B, T, ...) in position order (no gradient).
@@ -72,9 +90,8 @@ class ContextSplit:
             return DTensor.from_local(whole, y_BT.device_mesh, y_BT.placements, run_check=False)
         parts = [torch.empty_like(y_BT) for _ in range(self.cp)]
         dist.all_gather(parts, y_BT.contiguous(), group=self.group)
-        seq_len = y_BT.shape[1] * self.cp
-        order = torch.cat([positions(seq_len, r, self.cp, balanced=self.balanced) for r in range(self.cp)])
-        return torch.cat(parts, dim=1).index_select(1, torch.argsort(order).to(y_BT.device))
+        order = self.rank_order(y_BT.shape[1] * self.cp, y_BT.device)
+        return torch.cat(parts, dim=1).index_select(1, torch.argsort(order))
 
 
 def apply_context_parallel(model: nn.Module, *, mesh: DeviceMesh, mode: str = "ring",
@@ -101,7 +118,7 @@ def _rope_at_positions(module: nn.Module, args: tuple, *, split: ContextSplit) -
     x_BTD, rope = args
     if rope is None:
         return None
-    index = positions(x_BTD.shape[1] * split.cp, split.rank, split.cp, balanced=split.balanced).to(x_BTD.device)
+    index = split.mine(x_BTD.shape[1] * split.cp, rope[0].device)
     return x_BTD, (rope[0].index_select(0, index), rope[1].index_select(0, index))
 
 
@@ -260,7 +277,7 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: 
         raise ValueError(f"cp_mode=a2a scatters heads: {q.shape[1]} heads over cp={cp}; valid: a cp that "
                          "divides the number of heads, or cp_mode=ring")
     seq_len = q.shape[2] * cp
-    order = torch.cat([positions(seq_len, r, cp, balanced=split.balanced) for r in range(cp)]).to(q.device)
+    order = split.rank_order(seq_len, q.device)
     to_global = torch.argsort(order)  # gathered (rank-major) order -> position order
     qh, kh, vh = (_heads_to_sequence(t, split, to_global) for t in (q, k, v))
     y = causal_attention(qh, kh, vh, dropout_p)

@@ -69,6 +69,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from shoal.mesh import replica_mesh
 from shoal.parallel.choice import EngineChoice, choose_engine
 from shoal.parallel.precision import PrecisionPolicy
 from shoal.parallel.zero import ZeroDataParallel
@@ -132,10 +133,9 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
         raise ValueError(f"offload=on needs fsdp > 1 (plan {plan}); valid: add fsdpN, or offload=off")
     if choice.kind == "none":
         return TorchDataEngine(model, model)  # a tp-only model stays as tensor parallel left it
-    if choice.kind == "ddp":  # cp ranks hold the same weights and see other tokens: replicas too
-        replicas = mesh["dp"] if mesh["cp"].size() == 1 else mesh["dp", "cp"]._flatten("dp_cp")
-        return TorchDataEngine(_ddp(model, replicas), model)
-    if choice.kind == "zero":  # cp ranks join its replicas (see ZeroDataParallel)
+    if choice.kind == "ddp":
+        return TorchDataEngine(_ddp(model, replica_mesh(mesh)), model)
+    if choice.kind == "zero":
         return ZeroDataParallel(model, mesh=mesh, zero=choice.zero, bucket=choice.bucket, precision=precision,
                                 blocks=blocks)
     offload = _offload_policy(mesh) if plan.offload else OffloadPolicy()
@@ -210,16 +210,16 @@ class TorchDataEngine:
         set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def _ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """torch DDP over the dp group. Buffers (the RoPE tables) are the same on every rank by
-    construction, so they are not re-broadcast before each forward; gradients live in the
-    all-reduce buckets (gradient_as_bucket_view) instead of being copied into them."""
+def _ddp(model: nn.Module, replicas: DeviceMesh) -> nn.Module:
+    """torch DDP over the replica group (dp, or dp x cp). Buffers (the RoPE tables) are the same
+    on every rank by construction, so they are not re-broadcast before each forward; gradients
+    live in the all-reduce buckets (gradient_as_bucket_view) instead of being copied into them."""
     no_buffer_sync = (  # torch 2.13 renamed the option; older releases only know the old name
         {"forward_sync_buffers": False}
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         else {"broadcast_buffers": False}
     )
-    return DistributedDataParallel(model, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True,
+    return DistributedDataParallel(model, process_group=replicas.get_group(), gradient_as_bucket_view=True,
                                    **no_buffer_sync)
 
 

@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from shoal.mesh import replica_mesh
 from shoal.parallel.precision import PrecisionPolicy
 
 
@@ -113,9 +114,7 @@ class ZeroDataParallel(nn.Module):
         self._fsdp, self._dp = mesh["fsdp"], mesh["dp"]
         self._shard_mesh = mesh["fsdp"] if self._dp.size() == 1 else mesh["dp", "fsdp"]
         self._placements = (Shard(0),) if self._dp.size() == 1 else (Replicate(), Shard(0))
-        # Replicas whose gradients are averaged after the reduce-scatter: dp, and under context
-        # parallelism the cp ranks too (same weights, other tokens of the same sequences).
-        self._replicas = self._dp if mesh["cp"].size() == 1 else mesh["dp", "cp"]._flatten("dp_cp")
+        self._replicas = replica_mesh(mesh)  # gradients averaged over them after the reduce-scatter
         self._rank, self._shards = self._fsdp.get_local_rank(), self._fsdp.size()
         self._world = self._shards * self._replicas.size()
         self._all_to_all = dist.get_backend(self._fsdp.get_group()) in _ALL_TO_ALL_ON

@@ -52,10 +52,6 @@ _FAULT: Fault | None = parse(os.environ[ENV]) if os.environ.get(ENV) else None
 _STEP = -1
 
 
-def active() -> bool:
-    return _FAULT is not None
-
-
 def at_step(step: int) -> None:
     """The loop starts optimizer step `step`; fires a `step` fault."""
     global _STEP
@@ -66,15 +62,17 @@ def at_step(step: int) -> None:
 def point(where: str, step: int | None = None) -> None:
     """Fire the fault if this is its point, rank, step and attempt."""
     f = _FAULT
-    if f is None or f.point != where:
-        return
+    if f is not None and f.point == where and _here(f, _STEP if step is None else step):
+        fire(f)
+
+
+def _here(f: Fault, step: int) -> bool:
+    """This rank, this step, this launcher attempt."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if (rank, _STEP if step is None else step, attempt) != (f.rank, f.step, f.attempt):
-        return
-    fire(f)
+    return (rank, step, attempt) == (f.rank, f.step, f.attempt)
 
 
 def fire(f: Fault) -> None:
@@ -116,9 +114,7 @@ def _arm_collective() -> None:
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         f = _FAULT
-        rank = dist.get_rank()
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if f is not None and (rank, _STEP, attempt) == (f.rank, f.step, f.attempt):
+        if f is not None and _here(f, _STEP):
             kwargs.pop("async_op", None)
             original(tensor, *args, async_op=True, **kwargs)
             fire(f)
