@@ -228,3 +228,22 @@ def test_max_restarts_resumes_by_itself(tmp_path, reference):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r.get("restart")] == [5]  # resumed from the step-4 checkpoint
     record("kill@forward:rank=1:step=5 with --max-restarts 1", run, "(finished, rc 0)", lost=1, exact=True)
+
+
+def test_pipeline_failures_name_the_stage_and_micro_batch(tmp_path):
+    """Under pp2 a frozen stage ends the run naming the stage and micro-batch the other one waits
+    for; a killed stage ends it at once, with its last report (a beat old at most)."""
+    run = start(tmp_path / "frozen", "--plan", "pp2", "--hang-timeout", "3", fault="stop@forward:rank=1:step=4").wait()
+    line = run.error_line()
+    assert run.rc == 1 and "rank(s) 1 stopped answering" in line, line
+    whole = (tmp_path / "frozen" / "error.log").read_text() if "whole message in" in line else line
+    # 1F1B on 2 stages: stage 0 runs F0, F1, then needs micro-batch 0's gradient from stage 1.
+    assert "rank 0 waited 3 s in forward, pipeline stage 0, waiting for the gradient of micro-batch 0 from " \
+           "stage 1 (rank 1)" in whole, whole
+    assert run.exit_after_fault_s < 3 + EXIT_S
+    record("stop@forward:rank=1:step=4 under pp2 (--hang-timeout 3)", run, line, lost=None, exact=None)
+    run = start(tmp_path / "killed", "--plan", "pp2", fault="kill@forward:rank=1:step=4").wait()
+    line = run.error_line()
+    assert run.rc == 1 and "rank 1 of 2 failed" in line and "it last reported step" in line, line
+    assert run.exit_after_fault_s < EXIT_S
+    record("kill@forward:rank=1:step=4 under pp2", run, line, lost=None, exact=None)

@@ -108,7 +108,7 @@ def test_degrees():
     ("sp=yes", "valid: on, off"),
     ("pp2,mb=0", "mb='0' in 'pp2,mb=0' needs a whole number >= 1"),
     ("pp2,vpp=x", "vpp='x'"),
-    ("dp2,foo=1", "unknown plan option 'foo' in 'dp2,foo=1'; valid options: mb, vpp, sched"),
+    ("dp2,foo=1", "unknown plan option 'foo' in 'dp2,foo=1'; valid options: mb, vpp, split, sched"),
 ])
 def test_parse_errors_are_one_line(text, words):
     assert words in one_line_error(Plan.parse, text)
@@ -180,19 +180,19 @@ def test_plan_built_in_python_is_checked_too():
 
 OPTION_VALUES = {"zero": ("1", "3"), "bucket": ("2",), "offload": ("on", "off"), "mb": ("4",), "sched": ("gpipe", "1f1b"),
                  "vpp": ("2",), "cp_mode": ("a2a", "ring"), "sp": ("off", "on"), "ac": ("full",), "precision": ("bf16",),
-                 "reduce": ("bf16",), "compile": ("on",)}
+                 "reduce": ("bf16",), "compile": ("on",), "split": ("2", "1/3")}
 
 
 def test_every_option_against_every_axis_combination():
     """An option that acts on one axis is refused, with a line naming that axis, whenever the plan
     lacks it, even at its default value (`fsdp2,sched=1f1b` would silently do nothing); every
-    other combination parses and keeps the value. 12 options x 16 axis sets."""
+    other combination parses and keeps the value. 13 options x 16 axis sets."""
     import itertools
 
     from shoal.plan import NEEDS_AXIS
 
     assert set(OPTION_VALUES) == {"zero", "bucket", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac",
-                                  "precision", "reduce", "compile"}  # every option of the grammar
+                                  "precision", "reduce", "compile", "split"}  # every option of the grammar
     checked = 0
     for n in range(5):
         for axes in itertools.combinations(("fsdp2", "tp2", "pp2", "cp2"), n):
@@ -204,7 +204,9 @@ def test_every_option_against_every_axis_combination():
                         error = one_line_error(Plan.parse, text)
                         assert f"acts on the {needs} axis" in error and f"add {needs}N" in error, (text, error)
                     else:
-                        assert str(getattr(Plan.parse(text), key)).lower() in (value, str(value == "on").lower()), text
+                        got = getattr(Plan.parse(text), key)
+                        got = "/".join(map(str, got)) if key == "split" else got
+                        assert str(got).lower() in (value, str(value == "on").lower()), text
                     checked += 1
     assert checked == 16 * sum(len(v) for v in OPTION_VALUES.values())
 

@@ -47,9 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail("interrupted", 130)
 
 
-MAX_ERROR = 200
-"""Characters of an error line; a longer message is cut there, and written whole to the run
-folder's error.log when there is a run folder."""
+MAX_ERROR = 400
+"""Characters of an error line (a hang's diagnosis names the silent rank and where the waiting
+one was); a longer message is cut there, and written whole to the run folder's error.log when
+there is a run folder."""
 
 
 def fail(message: str, status: int, run_dir: str | Path | None = None) -> int:

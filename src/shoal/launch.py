@@ -92,11 +92,44 @@ def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int, max_restarts: int 
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT: _forward_stop_signals
     )
     try:
-        with _forward_stop_signals():
+        with _forward_stop_signals(), _report_store() as reports:
             return elastic_launch(config, fn)(arg)
     except ChildFailedError as exc:
+        from shoal.train.watchdog import last_words
+
         rank, failure = exc.get_first_failure()
-        raise WorkerFailed(f"rank {rank} of {nproc} failed: {last_line(failure.message, failure.exitcode)}") from None
+        # A worker killed by a signal left no words of its own: its watchdog's last report says where it was.
+        where = last_words(reports, config.run_id, rank, max_restarts) if failure.exitcode < 0 else None
+        # The others' own errors say what they were doing when the first one failed (a pipeline
+        # stage and micro-batch, a collective): those with a message, not the ones shut down.
+        others = [f"rank {r}: {last_line(f.message, f.exitcode)}" for r, f in sorted(exc.failures.items())
+                  if r != rank and f.exitcode > 0 and last_line(f.message, f.exitcode) != f"exit code {f.exitcode}"]
+        then = f"; then {'; '.join(others[:3])}" if others else ""
+        was = f"; it {where}" if where else ""
+        raise WorkerFailed(f"rank {rank} of {nproc} failed: {last_line(failure.message, failure.exitcode)}{was}{then}") \
+            from None
+
+
+@contextlib.contextmanager
+def _report_store() -> Iterator[Any]:
+    """A store served by this process for the workers' watchdog reports (shoal/train/watchdog.py):
+    the agent's store is gone by the time a failure reaches us, this one is still here to say
+    where a dead worker was."""
+    import torch.distributed as dist
+
+    from shoal.train.watchdog import REPORTS_ENV
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    previous = os.environ.get(REPORTS_ENV)
+    os.environ[REPORTS_ENV] = f"127.0.0.1:{port}"  # the spawned workers inherit it
+    try:
+        yield store
+    finally:
+        if previous is None:
+            os.environ.pop(REPORTS_ENV, None)
+        else:
+            os.environ[REPORTS_ENV] = previous
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """parallelize(model, plan, mesh): apply the plan's parallelisms to an unmodified model and return
 the runtime (shoal/runtime.py) that trains it.
 
-The order is fixed (as in torchtitan): tensor -> context -> activation recompute -> compile ->
-data/sharded data.
+The order is fixed (as in torchtitan): pipeline split -> tensor -> context -> activation
+recompute -> compile -> data/sharded data, the later ones applied to each stage a rank runs.
 Each step is a no-op when its axis has degree 1.
 """
 
@@ -13,15 +13,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shoal.parallel.choice import choose_engine
 from shoal.parallel.compile import apply_compile
-from shoal.parallel.context import apply_context_parallel
+from shoal.parallel.context import ContextSplit, apply_context_parallel
 from shoal.parallel.data import TorchDataEngine, apply_data_parallel, transformer_blocks
+from shoal.parallel.pipeline import Pipeline, build_stages, merged_view
+from shoal.parallel.schedules import split_backward
 from shoal.parallel.recompute import apply_recompute
 from shoal.parallel.tensor import apply_tensor_parallel
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 
 # Axes and options a Plan can name that this version does not run yet.
-_NOT_YET = {"pp": "pipeline", "ep": "expert"}
+_NOT_YET = {"ep": "expert"}
 
 
 def check_supported(plan: Plan) -> None:
@@ -45,10 +47,34 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         raise ValueError("parallelize needs both a plan and a mesh, or neither (one process)")
     plan = plan.resolve(mesh.size(), mesh.device_type)
     check_supported(plan)
-    choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
+    if plan.pp == 1:
+        choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
+        model, context = _within_stage(model, mesh, plan)
+        engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice)
+        return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context)
+    stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
+                          split=plan.split)
+    choice = choose_engine(plan, num_layers=max(len(transformer_blocks(m)) for m in stages.values()))
+    if (plan.vpp > 1 or split_backward(plan.sched)) and choice.kind != "none":
+        raise ValueError(f"sched={plan.sched} runs with pp, tp and cp only in this version (the data engines "
+                         f"cannot yet reduce its {'chunks' if plan.vpp > 1 else 'weight-gradient pass'}); plan {plan} "
+                         f"uses {choice.kind}; valid: sched=1f1b or sched=gpipe, or no dp/fsdp axis")
+    for s, stage in stages.items():
+        stages[s], context = _within_stage(stage, mesh, plan)
+    if len(stages) == 1:
+        (s, stage), = stages.items()
+        engine = apply_data_parallel(stage, mesh=mesh, plan=plan, choice=choice)
+        stages[s] = engine.model
+    else:
+        view = merged_view(stages)
+        engine = TorchDataEngine(view, view)
+    pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync)
+    return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline)
+
+
+def _within_stage(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> tuple[nn.Module, ContextSplit | None]:
+    """The parallelisms inside one model part, in order: tensor, context, recompute, compile."""
     model = apply_tensor_parallel(model, mesh=mesh, plan=plan)
     context = apply_context_parallel(model, mesh=mesh, mode=plan.cp_mode)
     model = apply_recompute(model, plan=plan)
-    model = apply_compile(model, plan=plan)
-    engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice)
-    return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context)
+    return apply_compile(model, plan=plan), context

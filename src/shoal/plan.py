@@ -41,7 +41,7 @@ _CHOICES = {
     "compile": ("on", "off"),
 }
 _ON_OFF = ("sp", "offload", "compile")
-NEEDS_AXIS = {"zero": "fsdp", "bucket": "fsdp", "offload": "fsdp", "mb": "pp", "sched": "pp", "vpp": "pp",
+NEEDS_AXIS = {"zero": "fsdp", "bucket": "fsdp", "offload": "fsdp", "mb": "pp", "sched": "pp", "vpp": "pp", "split": "pp",
               "cp_mode": "cp", "sp": "tp"}
 """Options that act on one axis only: given without that axis they would do nothing, so they
 are refused (the other options act on every plan)."""
@@ -78,6 +78,9 @@ class Plan:
     """Pipeline schedule: gpipe, 1f1b, interleaved or zb."""
     vpp: int = 1
     """Virtual pipeline stages per rank (interleaved schedules)."""
+    split: tuple[int, ...] | None = None
+    """The first layer of every pipeline stage but the first (`split=2/5`: layers 0-1, 2-4, 5-);
+    None: balanced by cost (shoal.parallel.pipeline.split_layers)."""
     cp_mode: str = "ring"
     """How context parallelism exchanges keys/values: ring (pass K/V) or a2a (all-to-all heads)."""
     sp: bool = True
@@ -167,14 +170,16 @@ class Plan:
             if degree is not None and (degree != 1 or (axis == "dp" and not parts and self._only_dp())):
                 parts.append(f"{axis}{degree}")
         defaults = Plan()
-        for key in ("zero", "bucket", "offload", "mb", "sched", "vpp", "cp_mode", "sp", "ac", "precision", "reduce",
-                    "compile"):
+        for key in ("zero", "bucket", "offload", "mb", "sched", "vpp", "split", "cp_mode", "sp", "ac", "precision",
+                    "reduce", "compile"):
             value = getattr(self, key)
             if value == getattr(defaults, key):
                 continue
             if key in ("zero", "bucket") and self.fsdp == 1:
                 continue
             shown = ("on" if value else "off") if key in _ON_OFF else value
+            if key == "split":
+                shown = "/".join(map(str, value))
             parts.append(f"{key}={shown}")
         return ",".join(parts) if parts else "dp1"
 
@@ -282,6 +287,23 @@ class Plan:
                 f"(dp*fsdp); valid: multiples of {self.data_ranks}"
             )
         if self.pp > 1:
+            if model.tie_embeddings:
+                raise ValueError(f"pp={self.pp} with tie_embeddings: the first and last stages would share the "
+                                 "embedding; valid: --set tie_embeddings=false, or no pp")
+            if (self.sched == "interleaved") != (self.vpp > 1):
+                raise ValueError(f"sched={self.sched} with vpp={self.vpp}: interleaved schedules run vpp >= 2 chunks "
+                                 "per rank, the others one; valid: sched=interleaved,vpp=2 or another sched with vpp=1")
+            if self.pp * self.vpp > model.num_layers:
+                raise ValueError(f"pp={self.pp} x vpp={self.vpp} = {self.pp * self.vpp} stages need as many layers; "
+                                 f"the model has {model.num_layers}; valid: pp*vpp <= {model.num_layers}")
+            if self.split is not None and (len(self.split) != self.pp * self.vpp - 1 or list(self.split) != sorted(
+                    set(self.split)) or not all(0 < p < model.num_layers for p in self.split)):
+                raise ValueError(f"split={'/'.join(map(str, self.split))} does not split {model.num_layers} layers "
+                                 f"into {self.pp * self.vpp} stages; valid: {self.pp * self.vpp - 1} increasing layer "
+                                 f"indices in 1..{model.num_layers - 1}")
+            if self.sched == "interleaved" and self.micro_batches % self.pp:
+                raise ValueError(f"sched=interleaved needs micro-batches in multiples of pp={self.pp}; mb="
+                                 f"{self.micro_batches}; valid: mb in multiples of {self.pp}")
             micro = self.micro_batches
             if (global_batch // self.data_ranks) % micro:
                 raise ValueError(
@@ -333,6 +355,11 @@ _DEFAULT_OPTIONS = {k: getattr(Plan(), k) for k in NEEDS_AXIS}
 
 
 def _parse_option(key: str, value: str, text: str) -> object:
+    if key == "split":
+        if not all(p.isdigit() for p in value.split("/")):
+            raise ValueError(f"plan option split={value!r} in {text!r} needs layer indices separated by '/', "
+                             "such as split=2/5 (the first layer of every stage but the first)")
+        return tuple(int(p) for p in value.split("/"))
     if key in ("mb", "vpp", "bucket"):
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"plan option {key}={value!r} in {text!r} needs a whole number >= 1")
@@ -345,7 +372,7 @@ def _parse_option(key: str, value: str, text: str) -> object:
         if key in _ON_OFF:
             return value == "on"
         return value
-    valid = ", ".join(["mb", "vpp", *_CHOICES, "bucket"])
+    valid = ", ".join(["mb", "vpp", "split", *_CHOICES, "bucket"])
     raise ValueError(f"unknown plan option {key!r} in {text!r}; valid options: {valid}")
 
 

@@ -5,13 +5,14 @@ returns a `Runtime`. The trainer, checkpoints, export, sampling and the parity h
 parallel layer only through it; nothing is attached to the user's module, and nothing outside
 shoal/parallel/ asks which engine runs a plan.
 
-- `parts`: the model parts as the parallelisms left them (one today; one per pipeline stage later).
+- `parts`: the model parts as the parallelisms left them (one; one per stage a rank runs under pp).
 - `runtime(inputs)`: forward, for evaluation and sampling.
 - `parameters()`: what an optimizer updates (DTensor shards where the plan shards).
 - `forward_backward(micro_batches, loss_fn)`: the training forward and backward over a rank's
   micro-batches: gradient sync on the last one only (`no_sync()` for loops of one's own), loss
   scaling, the vocabulary-parallel loss.
-  Pipeline schedules, the context-parallel sequence split and MoE auxiliary losses go here.
+  Under pp the pipeline's schedule runs them (shoal/parallel/pipeline.py); the context-parallel
+  sequence split and MoE auxiliary losses go here too.
 - `grad_norm()` (fp16: unscales first, reports overflow) and `clip_grads_(max_norm, norm)`.
 - `global_mean(value)` over the data ranks; `data_rank`: which slice of each global batch is ours.
 - `state_dict(optimizer)` / `load_state_dict(...)`: DCP's format, so checkpoints reshard;
@@ -26,17 +27,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
 from shoal.parallel.choice import EngineChoice
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
+from shoal.parallel.pipeline import Pipeline
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
+from shoal.parallel.schedules import bubble_fraction, save_gantt
 from shoal.parallel.vocab import cross_entropy, local_value, vocab_parallel_loss
 from shoal.plan import Plan
 
@@ -49,9 +55,13 @@ class Runtime:
     """A model trained under one plan on one mesh (or alone in one process: plan and mesh None)."""
 
     def __init__(self, engine: DataEngine, *, plan: Plan | None, mesh: DeviceMesh | None,
-                 choice: EngineChoice | None, context: ContextSplit | None = None) -> None:
+                 choice: EngineChoice | None, context: ContextSplit | None = None,
+                 pipeline: Pipeline | None = None) -> None:
         self.plan, self.mesh = plan, mesh
         self._context = context
+        self.pipeline = pipeline
+        """pp > 1: this rank's stages and schedule (None otherwise)."""
+        self._pp_group = mesh["pp"].get_group() if pipeline is not None and mesh is not None else None
         """cp > 1: this rank's slice of every sequence, taken from each micro-batch here."""
         self.choice = choice
         """The data-parallel engine that runs the plan (shoal.parallel.choice); None in one process."""
@@ -65,12 +75,17 @@ class Runtime:
     # ------------------------------------------------------------------ the model
     @property
     def parts(self) -> list[nn.Module]:
-        """The user's model parts, as the parallelisms left them (sharded in place, not wrapped)."""
+        """The user's model parts, as the parallelisms left them (sharded in place, not wrapped):
+        one, or under pp each stage this rank runs."""
+        if self.pipeline is not None and len(self.pipeline.stages) > 1:
+            return list(self.pipeline.stages.values())
         return [self._engine.module]
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         """Forward (evaluation, sampling): the model's output for this rank's inputs (under cp,
-        for the whole sequences: the slices' outputs are gathered)."""
+        for the whole sequences: the slices' outputs are gathered; under pp on every stage)."""
+        if self.pipeline is not None:
+            return self._pipeline_forward(inputs)
         if self._context is not None:
             return self._context.gather(self._engine.model(self._context.split(inputs)))
         return self._engine.model(inputs)
@@ -108,6 +123,9 @@ class Runtime:
         number, so the gradient is that of the rank's mean loss (the engines average over ranks).
         Returns the rank's mean loss, detached, on the device (no host synchronisation)."""
         loss_fn = loss_fn or cross_entropy
+        if self.pipeline is not None:
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else None
+            return self._pp_sum(self.pipeline.step(self.local_batches(micro_batches), loss_fn, scale=scale))
         total: torch.Tensor | float = 0.0
         for i, (inputs, targets) in enumerate(self.local_batches(micro_batches)):
             last = i == len(micro_batches) - 1
@@ -123,6 +141,9 @@ class Runtime:
     def eval_loss(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> torch.Tensor:
         """This rank's mean loss over the micro-batches, without gradients (on the device)."""
         loss_fn = loss_fn or cross_entropy
+        if self.pipeline is not None:
+            total = self.pipeline.step(self.local_batches(micro_batches), loss_fn, train=False)
+            return self._pp_sum(total)
         total: torch.Tensor | float = 0.0
         for inputs, targets in self.local_batches(micro_batches):
             output = self._engine.model(inputs)
@@ -141,6 +162,8 @@ class Runtime:
         """(global L2 norm of the true gradients, take the step?). Under fp16 the gradients are
         first divided by the loss scale; an overflow returns False (skip the step; the scale halves)."""
         norm = self._engine.grad_norm()
+        if self._pp_group is not None:  # each stage's norm over its own parameters
+            norm = self._pp_sum(norm.pow(2)).sqrt()
         if self.loss_scaler is None:
             return norm, True
         factor = self.loss_scaler.unscale_factor(norm)
@@ -178,19 +201,86 @@ class Runtime:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every weight unsharded, on the CPU, by clean name. Collective over the mesh; the result
         is complete on rank 0."""
-        return self._engine.full_weights()
+        weights = self._engine.full_weights()
+        if self._pp_group is None:
+            return weights
+        stages: list[Any] = [None] * dist.get_world_size(self._pp_group)  # each stage's share, to all
+        dist.all_gather_object(stages, weights, group=self._pp_group)
+        return {k: v for share in stages for k, v in share.items()}
 
     def load_full_weights(self, weights: dict[str, torch.Tensor], *, strict: bool = True) -> None:
         """Take full weights by name (each rank keeps its shard). strict: the names must match."""
         expected = set(self._engine.model_state_dict())
+        if self._pp_group is not None:  # the whole model's names: every stage's
+            names: list[Any] = [None] * dist.get_world_size(self._pp_group)
+            dist.all_gather_object(names, expected, group=self._pp_group)
+            every = set().union(*names)
+            if strict and set(weights) != every:
+                missing, unexpected = sorted(every - set(weights)), sorted(set(weights) - every)
+                raise ValueError(f"does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            strict = False
         if strict and set(weights) != expected:
             missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
             raise ValueError(f"does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         self._engine.load_full_weights({k: v for k, v in weights.items() if k in expected})
 
+    # ------------------------------------------------------------------ the pipeline
+    def _pp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Under pp, `value` summed over the stages (the loss lives on the last one), on the device."""
+        if self._pp_group is None:
+            return value
+        value = value.detach().to(self.mesh.device_type).clone()  # type: ignore[union-attr]
+        dist.all_reduce(value, group=self._pp_group)
+        return value
+
+    def where(self) -> str | None:
+        """Under pp, the stage and micro-batch this rank is at (what it waits for), in words."""
+        return self.pipeline.where or None if self.pipeline is not None else None
+
+    def pipeline_timeline(self) -> list[list[Any]]:
+        """Every pp rank's timed actions of the last step it recorded ((start, end, action), wall
+        clock seconds), to every rank of this pipeline. Collective over the pp group."""
+        assert self.pipeline is not None and self._pp_group is not None
+        timelines: list[Any] = [None] * dist.get_world_size(self._pp_group)
+        dist.all_gather_object(timelines, self.pipeline.timeline, group=self._pp_group)
+        return timelines
+
+    def pipeline_summary(self, chart: Path | None = None) -> dict[str, float]:
+        """Under pp, after a step run with `pipeline.record` on: its measured bubble (idle share of
+        the ranks' time) beside the formula (p-1)/(v*m+p-1), and, where `chart` is given, the
+        step drawn there (a Gantt chart PNG). Collective over the pp group."""
+        assert self.pipeline is not None and self.plan is not None
+        timeline = self.pipeline_timeline()
+        p, m, v = self.plan.pp, self.plan.micro_batches, self.plan.vpp
+        if chart is not None:
+            save_gantt(timeline, chart, title=f"{self.plan.sched}, {m} micro-batches on {p} ranks: the last training step")
+        return {"pipeline_bubble": bubble_fraction(timeline), "pipeline_bubble_formula": (p - 1) / (v * m + p - 1)}
+
+    def _pipeline_forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The last stage's output for `inputs` (full, not vocab-sharded), sent to every stage."""
+        assert self.pipeline is not None and self._pp_group is not None and self.mesh is not None
+        kept: list[torch.Tensor] = []
+
+        def keep(output: torch.Tensor, _targets: Any) -> torch.Tensor:
+            kept.append((output.full_tensor() if isinstance(output, DTensor) else output).float())
+            return torch.zeros((), device=kept[-1].device)
+
+        split = self._context.split(inputs) if self._context is not None else inputs
+        self.pipeline.step([(split, split)], keep, train=False)
+        last = dist.get_global_rank(self._pp_group, dist.get_world_size(self._pp_group) - 1)
+        device = self.mesh.device_type
+        meta = torch.tensor(list(kept[0].shape) if kept else [0, 0, 0], dtype=torch.int64, device=device)
+        dist.broadcast(meta, src=last, group=self._pp_group)
+        out = kept[0].contiguous() if kept else torch.empty(meta.tolist(), device=device)
+        dist.broadcast(out, src=last, group=self._pp_group)
+        return self._context.gather(out) if self._context is not None else out
+
     # ------------------------------------------------------------------ words
     def describe(self) -> str:
-        """The plan in words, and the engine that runs its data axes."""
+        """The plan in words, the engine that runs its data axes, and a pipeline's stages and schedule."""
         if self.plan is None or self.choice is None:
             return "one process, no parallelism"
-        return self.plan.describe() + f"\n  data-parallel engine: {self.choice.describe()}"
+        words = self.plan.describe() + f"\n  data-parallel engine: {self.choice.describe()}"
+        if self.pipeline is not None:
+            words += "\n" + self.pipeline.describe()
+        return words

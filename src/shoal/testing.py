@@ -360,17 +360,23 @@ def check_parity(results: list[dict[str, Any]], case: ParityCase) -> None:
       movement).
     """
     ref32, ref64 = references(case)
+    every: dict[str, torch.Tensor] = {}  # under pp each rank holds its stages' parameters: the union
+    for res in results:
+        every.update(res["grads"])
+    assert set(every) == set(ref64["grads"]), f"parameters differ: {sorted(set(every) ^ set(ref64['grads']))}"
     for rank, res in enumerate(results):
         index, count = res["part"]
         rows = ref64["logits"].shape[0] // count
         part = slice(index * rows, (index + 1) * rows)
+        mine = set(res["grads"])
         assert_rounding_close(res["logits"], ref32["logits"][part], ref64["logits"][part], what=f"rank {rank} logits")
-        assert_rounding_close(res["grads"], ref32["grads"], ref64["grads"], what=f"rank {rank} grads")
+        assert_rounding_close(res["grads"], _only(ref32["grads"], mine), _only(ref64["grads"], mine),
+                              what=f"rank {rank} grads")
         assert_rounding_close(res["losses"], ref32["losses"], ref64["losses"], what=f"rank {rank} losses")
         assert_rounding_close(res["grad_norm"], ref32["grad_norm"], ref64["grad_norm"], what=f"rank {rank} grad norm")
-        expected, coef = reference_update(case, res["grads"])
+        expected, coef = reference_update(case, {**every, **res["grads"]})
         par_coef = min(1.0, case.grad_clip / (res["grad_norm"] + 1e-6)) if case.grad_clip else 1.0
-        for name, value in expected.items():
+        for name, value in _only(expected, mine).items():
             atol = case.lr * (abs(par_coef - coef) / (4 * coef) + 8 * U32) + 4 * U32 * value.abs()
             diff = (res["params"][name] - value).abs()
             assert bool((diff <= atol).all()), (f"rank {rank} params[{name}] after step 1: off plain AdamW on the "
@@ -383,7 +389,9 @@ def assert_trained_close(final: dict[str, torch.Tensor], ref32: dict[str, Any], 
     """Parameters after several AdamW steps against the references' `final_params` (see
     `check_parity`): per tensor, within MOVED of the distance the float64 run moved them from
     `init_params`, plus SLACK times the single-process float32 run's own distance."""
-    for name, truth in ref64["final_params"].items():
+    assert set(final) <= set(ref64["final_params"]), f"{what}: unknown names {sorted(set(final) - set(ref64['final_params']))}"
+    for name in final:  # a pipeline stage's own
+        truth = ref64["final_params"][name]
         moved = (truth - ref64["init_params"][name]).norm().item()
         single = (ref32["final_params"][name].double() - truth).norm().item()
         off = (final[name].double() - truth).norm().item()
@@ -391,6 +399,10 @@ def assert_trained_close(final: dict[str, torch.Tensor], ref32: dict[str, Any], 
         assert off <= bound, (f"{what}[{name}]: {off:.3g} from the float64 run > {bound:.3g} ({MOVED:.0%} of the "
                               f"{moved:.3g} training moved them + {SLACK:g} x the single-process float32 "
                               f"run's {single:.3g})")
+
+
+def _only(values: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if k in names}
 
 
 def case(**kwargs: Any) -> ParityCase:

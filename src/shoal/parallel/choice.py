@@ -5,7 +5,10 @@ The engines (shoal/parallel/data.py builds them):
 - none: one data rank in full precision; the model is left as the other axes made it.
 - ddp: torch's DistributedDataParallel (replicated, full precision, no tensor parallel).
 - zero: shoal's ZeRO-1/2 engine (shoal/parallel/zero.py): fsdp > 1 at stage 1 or 2, on a model
-  without tensor parallelism and without offload.
+  without tensor parallelism and without offload. Under pp it also runs replicated data
+  parallelism (fsdp = 1, at ZeRO-1: gradients accumulate over the micro-batches and are
+  all-reduced after the last one's backward): DDP prepares its reduction in forward, and a
+  pipeline runs later forwards before earlier backwards.
 - fsdp2: torch's FSDP2 `fully_shard` for everything else: ZeRO-3, offload, data parallel over a
   tensor-parallel model, and replicated mixed precision (a shard degree of 1, since DDP has no
   parameter-dtype policy).
@@ -52,6 +55,10 @@ def choose_engine(plan: Plan, *, num_layers: int) -> EngineChoice:
     full_precision = plan.precision == "fp32" and plan.reduce == "fp32"
     if plan.dp == 1 and plan.fsdp == 1 and plan.cp == 1 and full_precision:
         return EngineChoice(kind="none", zero=0, bucket=0, units=0)
+    if plan.pp > 1 and plan.tp == 1 and not plan.offload and (plan.fsdp == 1 or plan.zero < 3):
+        zero = 1 if plan.fsdp == 1 else plan.zero
+        bucket = plan.bucket if plan.bucket is not None else DEFAULT_BUCKET[zero]
+        return EngineChoice(kind="zero", zero=zero, bucket=bucket, units=-(-num_layers // bucket))
     if plan.fsdp == 1 and plan.tp == 1 and full_precision:
         return EngineChoice(kind="ddp", zero=0, bucket=0, units=0)
     # Replicated only (fsdp1): nothing to free after forward, so the gathered copy is kept (zero=2).

@@ -141,7 +141,9 @@ class Trainer:
         self.runtime = parallelize(model, self.plan, build_mesh(self.plan, device.type))
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
-        self.num_micro = self.local_batch // (self.loop.micro_batch or self.local_batch)
+        # A pipeline's micro-batches are the plan's (mb=); otherwise --micro-batch sets them.
+        self.num_micro = self.plan.micro_batches if self.plan.pp > 1 else \
+            self.local_batch // (self.loop.micro_batch or self.local_batch)
         self.optimizer = build_optimizer(self.runtime.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps)
 
@@ -200,9 +202,15 @@ class Trainer:
         mark = watchdog.at if watchdog is not None else (lambda phase, step: None)
         if watchdog is not None:
             watchdog.started(self.start)
+            watchdog.detail = self.runtime.where
+        pipeline = self.runtime.pipeline
+        if pipeline is not None and watchdog is not None:
+            pipeline.moved = watchdog.poke
         for s in range(self.start, self.loop.steps):
             faults.at_step(s)
             mark("step", s)
+            if pipeline is not None:  # the last step's actions are timed: the bubble and the chart
+                pipeline.record = s == self.loop.steps - 1
             lr = self.optimizer.param_groups[0]["lr"]
             window.append((lr, self.train_one(s)))
             n = s + 1
@@ -241,6 +249,9 @@ class Trainer:
             memory.reset_peak()
             if self.stopped_by:
                 break
+        last_timed = pipeline is not None and self.stopped_by is None and self.start < self.loop.steps
+        chart = self.run_dir / "pipeline.png" if lead else None
+        figures = self.runtime.pipeline_summary(chart) if last_timed else None  # collective over the stages
         if writer is None or bar is None:
             return None
         bar.close()
@@ -251,6 +262,11 @@ class Trainer:
                             start=self.start, total=self.loop.steps)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
+        if figures is not None:
+            summary.update(figures)
+            print(f"pipeline ({self.plan.sched}, {self.plan.micro_batches} micro-batches): measured bubble "
+                  f"{figures['pipeline_bubble']:.1%} of the last step (formula (p-1)/(v*m+p-1) = "
+                  f"{figures['pipeline_bubble_formula']:.1%}); chart {chart}", flush=True)
         write_summary(self.run_dir, summary)
         print(format_summary(summary) + f"\n  run folder {self.run_dir}", flush=True)
         if self.stopped_by:

@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -72,6 +73,8 @@ class Watchdog:
         self._main = threading.main_thread().ident
         self._stop, self._moved = threading.Event(), threading.Event()
         self._last_where = "start-up"
+        self.detail: Callable[[], str | None] = lambda: None
+        """More words on where the main thread is (a pipeline stage and micro-batch), or None."""
         self._set_timeout(max(self.fixed, SLOW_S))
         self._thread = threading.Thread(target=self._beat, name="shoal-watchdog", daemon=True)
         self._thread.start()
@@ -159,7 +162,15 @@ class Watchdog:
                     self._store.add(f"beat/{self.rank}", 1)
                 except Exception:  # the store's server is gone: the run is ending anyway
                     return
-            self._moved.wait(self.beat_s)
+            # At most ten reports a beat however often the rank moves (pokes), one at least.
+            gap = self.beat_s / 10
+            if not self._stop.wait(gap):
+                self._moved.wait(self.beat_s - gap)
+
+    def poke(self) -> None:
+        """The rank moved on within a step (a pipeline action): report soon, not at the next beat,
+        so that a rank that dies says which stage and micro-batch it was in."""
+        self._moved.set()
 
     def _where(self) -> str:
         """The phase refined from the threads' stacks: forward/backward/optimizer, and the collective."""
@@ -170,6 +181,9 @@ class Watchdog:
         phase = self.phase
         if phase == "step" and stacks:
             phase = _step_part(stacks[0])
+        detail = self.detail() if phase in ("forward", "backward", "evaluation") else None
+        if detail:
+            phase = f"{phase}, {detail}"
         return f"{phase} ({collective})" if collective else phase
 
     def _counters(self) -> list[int]:
@@ -198,14 +212,39 @@ class Watchdog:
                 os.kill(int(report["pid"]), signal.SIGCONT)
 
 
+REPORTS_ENV = "SHOAL_REPORTS"
+"""host:port of a store `shoal train`'s own launcher serves for the reports (launch.py), so that
+it can say where a worker was when it died; under torchrun the agent's store (MASTER_ADDR)."""
+
+
 def _store(world: int) -> Any:
     """A second client of the launcher's TCPStore under this run's prefix; None alone or without one."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get(REPORTS_ENV):
+        addr, _, port = os.environ[REPORTS_ENV].rpartition(":")
     if world == 1 or not addr or not port:
         return None
     store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=30))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted run starts fresh counters
-    return dist.PrefixStore(f"shoal-watchdog/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{attempt}/", store)
+    return dist.PrefixStore(_prefix(os.environ.get("TORCHELASTIC_RUN_ID", ""), int(attempt)), store)
+
+
+def _prefix(run_id: str, attempt: int) -> str:
+    return f"shoal-watchdog/{run_id}/{attempt}/"
+
+
+def last_words(store: Any, run_id: str, rank: int, attempts: int) -> str | None:
+    """Where `rank` last reported it was (the newest attempt that has a report), in words; for the
+    launcher after a worker died."""
+    for attempt in range(attempts, -1, -1):
+        reports, key = dist.PrefixStore(_prefix(run_id, attempt), store), f"at/{rank}"
+        try:
+            if reports.check([key]):
+                report = json.loads(reports.get(key))
+                return f"last reported step {report['step']}, {report['where']}"
+        except Exception:  # the store is gone or the report unreadable: nothing to add
+            return None
+    return None
 
 
 def _collective(frame: FrameType | None) -> str | None:
