@@ -166,13 +166,18 @@ class _Ring(torch.autograd.Function):
         qs, dos, lses, outs = _chunks(q.float(), n), _chunks(grad_out.float(), n), _chunks(lse, n), _chunks(out, n)
         deltas = _chunks((grad_out.float() * out).sum(-1), n)  # rowsum(dO * O), per query
         dq = [torch.zeros_like(c) for c in qs]
-        # K, V and their gradient accumulators travel together; after P steps the accumulators
-        # are one rank past their owner, and one more pass brings them home.
-        state = torch.cat((torch.stack((k, v)).float(), torch.zeros((2, *k.shape), device=k.device)))
+        # K and V travel around the ring as in forward, the next block on its way while this one's
+        # gradients are computed. The gradient accumulator of the block held travels one step
+        # behind: it arrives from the previous rank (its share added) while this rank computes its
+        # own share, is added to, and sent on; after P steps one more pass brings it home.
+        kv = torch.stack((k, v)).float()
+        acc_pending = None
         for step in range(split.cp):
             source = (split.rank - step) % split.cp
-            ks, vs = _chunks(state[0], n), _chunks(state[1], n)
-            dks, dvs = _chunks(state[2], n), _chunks(state[3], n)
+            kv_pending = _pass_on(kv, split) if step < split.cp - 1 else None
+            ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
+            mine_grads = torch.zeros_like(kv)  # this rank's share of the held block's dK, dV
+            dks, dvs = _chunks(mine_grads[0], n), _chunks(mine_grads[1], n)
             theirs = chunks_of(source, split.cp, balanced=split.balanced)
             for a, qa in enumerate(qs):
                 for b, kb in enumerate(ks):
@@ -184,8 +189,12 @@ class _Ring(torch.autograd.Function):
                     dq[a] += g[0]
                     dks[b] += g[1]
                     dvs[b] += g[2]
-            state = _pass_on(state, split)()
-        dk, dv = state[2], state[3]
+            acc = mine_grads if acc_pending is None else acc_pending().add_(mine_grads)
+            acc_pending = _pass_on(acc, split)
+            if kv_pending is not None:
+                kv = kv_pending()
+        assert acc_pending is not None
+        dk, dv = acc_pending()
         return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
