@@ -55,7 +55,8 @@ def test_pp4_matches_single_process(pools, plan):
 
 
 @pytest.mark.parametrize("plan", ["dp2,pp2", "fsdp2,pp2,zero=1", "fsdp2,pp2,zero=2", "fsdp2,pp2", "tp2,pp2",
-                                  "cp2,pp2"])
+                                  "cp2,pp2", "dp2,pp2,sched=zb", "fsdp2,pp2,zero=2,sched=zb", "tp2,pp2,sched=zb",
+                                  "cp2,pp2,sched=zb", "tp2,pp2,sched=interleaved,vpp=2"])
 def test_pp_composes_with_the_other_axes(pools, plan):
     c = _pp_case(plan, model=dataclasses.replace(SMALL, num_layers=4))
     check_parity(pools(4).run(run_parallel, c), c)
@@ -76,18 +77,20 @@ def test_pp_errors_are_one_line():
     assert "split=" in one_line_error(Plan.parse, "pp2,split=a")
 
 
-def _zb_with_data_axes() -> str:
-    plan = Plan.parse("dp2,pp2,sched=zb").resolve(4)
+def _refused(text: str) -> str:
+    plan = Plan.parse(text).resolve(4)
     try:
-        parallelize(case().build_model(), plan, cached_mesh(plan))
+        parallelize(case(model=dataclasses.replace(SMALL, num_layers=4)).build_model(), plan, cached_mesh(plan))
     except ValueError as exc:
         return str(exc)
     return ""
 
 
-def test_split_backward_with_data_axes_is_refused(pools):
-    messages = pools(4).run(_zb_with_data_axes)
-    assert all("sched=zb runs with pp, tp and cp only" in m and "\n" not in m for m in messages), messages
+def test_what_does_not_compose_yet_is_refused(pools):
+    for text, words in (("fsdp2,pp2,sched=zb", "sched=zb does not run on FSDP2"),
+                        ("dp2,pp2,sched=interleaved,vpp=2", "sched=interleaved runs with pp, tp and cp only")):
+        messages = pools(4).run(_refused, text)
+        assert all(words in m and "\n" not in m for m in messages), messages
 
 
 # ----------------------------------------------------------------------------- checkpoints across plans

@@ -55,20 +55,28 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
                           split=plan.split)
     choice = choose_engine(plan, num_layers=max(len(transformer_blocks(m)) for m in stages.values()))
-    if (plan.vpp > 1 or split_backward(plan.sched)) and choice.kind != "none":
-        raise ValueError(f"sched={plan.sched} runs with pp, tp and cp only in this version (the data engines "
-                         f"cannot yet reduce its {'chunks' if plan.vpp > 1 else 'weight-gradient pass'}); plan {plan} "
-                         f"uses {choice.kind}; valid: sched=1f1b or sched=gpipe, or no dp/fsdp axis")
+    if plan.vpp > 1 and choice.kind != "none":
+        raise ValueError(f"sched=interleaved runs with pp, tp and cp only in this version (a data engine per "
+                         f"chunk is not built yet); plan {plan} uses {choice.kind}; valid: sched=1f1b, gpipe or zb, "
+                         f"or no dp/fsdp axis")
+    if split_backward(plan.sched) and choice.kind == "fsdp2":
+        raise ValueError(f"sched=zb does not run on FSDP2 in this version (its weight passes bypass FSDP2's "
+                         f"gradient hooks); plan {plan} needs FSDP2 (zero=3, tp or offload with data axes); valid: "
+                         f"sched=1f1b or gpipe, or zero=1/2 without tp")
     for s, stage in stages.items():
         stages[s], context = _within_stage(stage, mesh, plan)
+    modules, reduce = dict(stages), None
     if len(stages) == 1:
         (s, stage), = stages.items()
         engine = apply_data_parallel(stage, mesh=mesh, plan=plan, choice=choice)
         stages[s] = engine.model
+        if choice.kind == "zero":
+            reduce = engine.reduce_grads  # type: ignore[attr-defined]
     else:
         view = merged_view(stages)
         engine = TorchDataEngine(view, view)
-    pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync)
+    pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync,
+                        modules=modules, reduce=reduce)
     return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline)
 
 

@@ -166,6 +166,12 @@ class Pipeline:
     vpp: int = 1
     sync: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
     """The data engine's no_sync: entered around every backward but a stage's last one."""
+    modules: dict[int, nn.Module] | None = None
+    """The stages as the user's module (before a data engine wrapped them): what the split backward
+    differentiates. None: `stages` themselves."""
+    reduce: Callable[[], None] | None = None
+    """Split backward: the data engine's reduction of gradients that its hooks did not see (the
+    weight passes assign them), run after the schedule."""
     record: bool = False
     """Time every action (the measured bubble and the Gantt chart); synchronises a GPU per action."""
     timeline: list[tuple[float, float, Action]] = field(default_factory=list)
@@ -175,6 +181,7 @@ class Pipeline:
     """Called when `where` changes (the trainer's watchdog reports it then)."""
 
     def __post_init__(self) -> None:
+        self.modules = self.modules or dict(self.stages)
         self.group = self.mesh["pp"].get_group()
         self.rank, self.num_ranks = self.mesh["pp"].get_local_rank(), self.mesh["pp"].size()
         self.num_stages = self.num_ranks * self.vpp
@@ -189,7 +196,7 @@ class Pipeline:
                 last[a.stage] = i  # the action after which a stage's gradients are complete
         self._final = set(last.values())
         if self.split and 0 in self.stages:
-            _split_first_block(self.stages[0])
+            _split_first_block(self.modules[0])
 
     def describe(self) -> str:
         """The split and this schedule's table, for the plan's words at start-up."""
@@ -246,7 +253,7 @@ class Pipeline:
                 if not train:
                     slots.pop((s, m))
                 if s == 0 and self.split and train:
-                    slot.embedded = self.stages[0]._shoal_embedded  # type: ignore[union-attr]
+                    slot.embedded = self.modules[0]._shoal_embedded  # type: ignore[union-attr]
             elif action.op == "B":
                 slot = slots[s, m]
                 grad = None if s == self.num_stages - 1 else self._receive("gradient", s + 1, m, slot.output)
@@ -268,6 +275,8 @@ class Pipeline:
                 self._done(start, action)
         for work in sends:
             work.wait()
+        if train and self.split and self.reduce is not None:
+            self.reduce()
         self.where = ""
         return torch.as_tensor(total)
 
@@ -276,7 +285,7 @@ class Pipeline:
         if not self.split:
             torch.autograd.backward(slot.output, grad)
             return
-        params = self.stages[stage].parameters()
+        params = self.modules[stage].parameters()
         if stage == 0:  # the blocks' input stands in for the stage input (see _split_first_block)
             assert slot.embedded is not None
             _, slot.groups = stage_backward_input([slot.output], None if grad is None else [grad],
@@ -287,11 +296,15 @@ class Pipeline:
         slot.output = None
 
     def _weights(self, slot: _Slot, stage: int) -> None:
-        stage_backward_weight(self.stages[stage].parameters(), slot.groups or [])
+        stage_backward_weight(self.modules[stage].parameters(), slot.groups or [])
         if slot.embedded is not None:  # then the embedding's own weights, from the blocks' input gradient
             embedded, leaf = slot.embedded
-            if leaf.grad is not None:
-                torch.autograd.backward(embedded, leaf.grad)
+            params = [p for p in self.modules[stage].parameters() if p.requires_grad]
+            if leaf.grad is not None:  # assigned like the weight pass's, not accumulated through hooks
+                grads = torch.autograd.grad(embedded, params, leaf.grad, allow_unused=True)
+                for param, grad in zip(params, grads):
+                    if grad is not None:
+                        param.grad = grad if param.grad is None else param.grad + grad
 
     # ------------------------------------------------------------------ messages
 

@@ -326,6 +326,18 @@ class ZeroDataParallel(nn.Module):
                 for slot in b.slots:
                     slot.grad = None
 
+    def reduce_grads(self) -> None:
+        """Reduce, now, full gradients that reached the parameters without autograd accumulating
+        them (a zero-bubble pipeline's weight passes assign them, so no hook saw them): every
+        bucket, in the fixed order."""
+        self._release_cleared_grads()
+        self._next = 0
+        self._reduce_in_order(flush=True)
+        self._next = 0
+        for b in self.buckets:
+            if b.pending is not None:
+                self._complete(b)
+
     def _finish_backward(self) -> None:
         self._callback_queued = False
         if self._sync:
