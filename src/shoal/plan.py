@@ -274,6 +274,15 @@ class Plan:
         if self.cp > 1 and model.dropout:
             raise ValueError(f"cp={self.cp} with dropout={model.dropout}: attention dropout under context "
                              "parallelism is not available; valid: --set dropout=0, or no cp")
+        if model.num_experts:
+            for axis in ("tp", "pp", "cp"):
+                if getattr(self, axis) > 1:
+                    raise ValueError(f"{axis}={getattr(self, axis)} with a Mixture-of-Experts model (num_experts="
+                                     f"{model.num_experts}) is not available in this version; valid: dp and fsdp "
+                                     "axes, or a dense model (num_experts=0)")
+            if model.share_moe and self.fsdp > 1:
+                raise ValueError(f"fsdp={self.fsdp} with share_moe (WideNet): the one shared MoE layer sits in "
+                                 "every block's shard unit; valid: dp axes, or share_moe=false")
         if self.ep > 1:
             if model.num_experts == 0:
                 raise ValueError(f"ep={self.ep} needs a Mixture-of-Experts model; this one has num_experts=0")

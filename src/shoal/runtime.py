@@ -12,7 +12,8 @@ shoal/parallel/ asks which engine runs a plan.
   micro-batches: gradient sync on the last one only (`no_sync()` for loops of one's own), loss
   scaling, the vocabulary-parallel loss.
   Under pp the pipeline's schedule runs them (shoal/parallel/pipeline.py); the context-parallel
-  sequence split and MoE auxiliary losses go here too.
+  sequence split, and the MoE layers' auxiliary losses (added to each micro-batch's loss; their
+  load figures in `moe_stats`) go here too.
 - `grad_norm()` (fp16: unscales first, reports overflow) and `clip_grads_(max_norm, norm)`.
 - `global_mean(value)` over the data ranks; `data_rank`: which slice of each global batch is ours.
 - `state_dict(optimizer)` / `load_state_dict(...)`: DCP's format, so checkpoints reshard;
@@ -37,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
+from shoal.moe.collect import MoECollector
 from shoal.parallel.choice import EngineChoice
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
@@ -62,6 +64,10 @@ class Runtime:
         self.pipeline = pipeline
         """pp > 1: this rank's stages and schedule (None otherwise)."""
         self._pp_group = mesh["pp"].get_group() if pipeline is not None and mesh is not None else None
+        self._moe = MoECollector(engine.module)
+        self.moe_stats: dict[str, torch.Tensor] = {}
+        """Per MoE layer, the last step's load figures (shoal.moe.collect.FIGURES, then each expert's
+        share of the kept tokens), on the device; {} for a dense model."""
         """cp > 1: this rank's slice of every sequence, taken from each micro-batch here."""
         self.choice = choice
         """The data-parallel engine that runs the plan (shoal.parallel.choice); None in one process."""
@@ -133,8 +139,11 @@ class Runtime:
                 output = self._engine.model(inputs)
                 with vocab_parallel_loss(output):  # tp: vocab-sharded logits, softmax across shards
                     loss = loss_fn(output, targets) / len(micro_batches)
-                    (self.loss_scaler.scale(loss) if self.loss_scaler is not None else loss).backward()
+                    added = self._moe.take_loss()  # MoE load-balancing and z-losses, weighted
+                    trained = loss + added / len(micro_batches) if added is not None else loss
+                    (self.loss_scaler.scale(trained) if self.loss_scaler is not None else trained).backward()
             total = total + local_value(loss)
+        self.moe_stats = self._moe.take_stats()
         return torch.as_tensor(total)
 
     @torch.no_grad()

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
+from shoal.moe.collect import MoECollector
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.runtime import Runtime
@@ -223,6 +224,10 @@ class ParityCase:
     """AdamW's eps."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form knobs for cases that later parallelisms add."""
+    reference_micro: int | None = None
+    """Micro-batches of the single-process reference (None: num_micro). An MoE layer routes each
+    micro-batch on its own (capacity is per micro-batch): to compare dp2 with one micro-batch per
+    rank, the reference runs the same two groups of rows, as 2."""
 
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The global batches of every step: seeded random tokens, the same in every process."""
@@ -245,15 +250,19 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
     optimizer = case.optimizer(model.parameters())
     batches = case.batches()
     result: dict[str, Any] = {"losses": [], "init_params": full_tensors(model)}
-    with torch.no_grad():
-        result["logits"] = model(batches[0][0])
+    moe = MoECollector(model)  # an MoE model's auxiliary losses join the training loss
+    micro = case.reference_micro or case.num_micro
+    with torch.no_grad():  # in the data ranks' groups of rows (an MoE layer routes each on its own)
+        result["logits"] = torch.cat([model(x) for x in batches[0][0].chunk(micro // case.num_micro)])
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        for x, y in zip(inputs.chunk(case.num_micro), targets.chunk(case.num_micro)):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / case.num_micro
-            loss.backward()
+        for x, y in zip(inputs.chunk(micro), targets.chunk(micro)):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / micro
+            added = moe.take_loss()
+            (loss + added / micro if added is not None else loss).backward()
             loss_sum += loss.item()
+        moe.take_stats()
         if step == 0:
             result["grads"] = full_tensors(model, grads=True)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.grad_clip or float("inf"))

@@ -37,6 +37,20 @@ class ModelConfig:
     """Experts each token is routed to in MoE layers."""
     moe_every: int = 1
     """Every moe_every-th layer is an MoE layer (when num_experts > 0)."""
+    num_prototypes: int = 0
+    """Expert prototyping (M6-T): the experts in this many groups, top-1 in each (then it must
+    equal top_k); 0: plain top-k over all experts."""
+    capacity_factor: float = 1.25
+    """Tokens an expert takes per step, as a multiple of its even share (N*top_k/E); assignments
+    beyond it are dropped (the residual carries the token). 0: dropless."""
+    num_shared_experts: int = 0
+    """Dense experts every token of an MoE layer passes through besides its routed ones."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE) in the training loss."""
+    share_moe: bool = False
+    """WideNet: every MoE layer is one shared layer (its weights), each block keeping its norms."""
 
     def __post_init__(self) -> None:
         _check_choice("norm", self.norm, ("rmsnorm", "layernorm"))
@@ -55,6 +69,13 @@ class ModelConfig:
             raise ValueError(f"model field num_experts={self.num_experts} must be >= 0 (0 makes every layer dense)")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must lie in 1..num_experts={self.num_experts}")
+        if self.num_prototypes < 0 or (self.num_prototypes and (self.num_experts % self.num_prototypes
+                                                                or self.top_k != self.num_prototypes)):
+            raise ValueError(f"num_prototypes={self.num_prototypes} must divide num_experts={self.num_experts} "
+                             f"and equal top_k={self.top_k} (top-1 in each group), or be 0 (plain top-k)")
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
 
     @property
     def head_dim(self) -> int:
@@ -77,8 +98,9 @@ class ModelConfig:
             attn += (self.num_heads + 2 * self.kv_heads) * self.head_dim + D
             mlp += F * (2 if self.activation == "swiglu" else 1) + D
         num_moe = sum(self.is_moe_layer(i) for i in range(L))
-        experts = self.top_k if active else self.num_experts
-        total = L * (attn + norms) + (L - num_moe) * mlp + num_moe * (experts * mlp + D * self.num_experts)
+        experts = (self.top_k if active else self.num_experts) + self.num_shared_experts
+        moe_layers = 1 if self.share_moe and num_moe and not active else num_moe  # WideNet: one set of weights
+        total = L * (attn + norms) + (L - num_moe) * mlp + moe_layers * (experts * mlp + D * self.num_experts)
         total += D * (2 if self.norm == "layernorm" and self.bias else 1)  # final norm
         if embedding:
             total += self.vocab_size * D * (1 if self.tie_embeddings else 2)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.models.config import ModelConfig
+from shoal.moe.layer import MoELayer
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -98,10 +99,11 @@ class FeedForward(nn.Module):
 def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
     """The feed-forward slot of block `index`: dense, or a Mixture-of-Experts layer."""
     if cfg.is_moe_layer(index):
-        raise ValueError(
-            f"num_experts={cfg.num_experts}: Mixture-of-Experts layers are not available in this version of "
-            "shoal yet; use a dense model (num_experts=0, for example the preset 'tiny')"
-        )
+        return MoELayer(cfg.dim, cfg.ffn_dim, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                        num_prototypes=cfg.num_prototypes, capacity_factor=cfg.capacity_factor,
+                        num_shared_experts=cfg.num_shared_experts, activation=cfg.activation, bias=cfg.bias,
+                        init_std=cfg.init_std, num_layers=cfg.num_layers, aux_loss_coef=cfg.aux_loss_coef,
+                        z_loss_coef=cfg.z_loss_coef)
     return FeedForward(cfg)
 
 
@@ -138,6 +140,10 @@ class Transformer(nn.Module):
         )
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
+        if cfg.share_moe:  # WideNet (Xue et al. 2021): one MoE layer's weights in every MoE block
+            moe_blocks = [b for b in self.layers.values() if isinstance(b.feed_forward, MoELayer)]
+            for block in moe_blocks[1:]:
+                block.feed_forward = moe_blocks[0].feed_forward
         self.norm: nn.Module | None = make_norm(cfg)
         self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -159,6 +165,9 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, std=std / math.sqrt(2 * self.config.num_layers))
             else:
                 nn.init.normal_(param, std=std)
+        for module in self.modules():
+            if isinstance(module, MoELayer):  # stacked expert weights: their own rule, same scales
+                module.init_weights(std, self.config.num_layers)
 
     def num_params(self) -> int:
         """Parameters this module holds (a pipeline stage counts its own; shared ones once)."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
+from shoal.moe.collect import records as moe_records
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train import faults, memory
@@ -291,9 +292,17 @@ class Trainer:
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         step_time = seconds / len(window)
         tokens_per_s = self.loop.global_batch * self.loop.seq_len / step_time
-        return [{"step": first_step + i, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
-                 "step_time_s": step_time, "mem_peak_mb": float(mem.item()), "grad_norm": norm}
-                for i, ((lr, _), (loss, norm)) in enumerate(zip(window, values))]
+        records = [{"step": first_step + i, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
+                    "step_time_s": step_time, "mem_peak_mb": float(mem.item()), "grad_norm": norm}
+                   for i, ((lr, _), (loss, norm)) in enumerate(zip(window, values))]
+        if window[0][1].moe:  # MoE load figures (this rank's), read in one synchronisation
+            flat = torch.cat([v for _, r in window for v in r.moe.values()]).tolist()
+            for record, (_, r) in zip(records, window):
+                stats = {}
+                for name, v in r.moe.items():
+                    stats[name], flat = flat[:v.numel()], flat[v.numel():]
+                record.update(moe_records(stats))
+        return records
 
     def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
         """Host to device; on GPUs from pinned memory without blocking the host."""

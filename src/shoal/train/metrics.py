@@ -18,6 +18,7 @@ import torch
 
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
+MOE_PLOT = "moe_load.png"
 TB_DIR = "tb"
 SUMMARY = "summary.json"
 
@@ -48,7 +49,10 @@ class MetricsWriter:
                 self._tb.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, record["step"])
 
     def plot(self) -> Path:
-        """Write loss.png: training loss per step, held-out loss where measured."""
+        """Write loss.png: training loss per step, held-out loss where measured; for an MoE model
+        also moe_load.png, each expert's share of the kept tokens per step."""
+        if any("moe_load" in r for r in self.records):
+            plot_expert_load(self.records, self.run_dir / MOE_PLOT)
         return plot_losses(self.records, self.run_dir / PLOT)
 
     def close(self) -> None:
@@ -78,6 +82,29 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> Path:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path:
+    """A heatmap: experts (rows) by steps (columns), each expert's share of the kept tokens
+    (averaged over the MoE layers); an even load is 1/E everywhere."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if "moe_load" in r]
+    load = torch.tensor([r["moe_load"] for r in rows]).T  # (E, steps)
+    fig, ax = plt.subplots(figsize=(7, 1.5 + 0.25 * load.shape[0]))
+    image = ax.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest",
+                      extent=(rows[0]["step"] - 0.5, rows[-1]["step"] + 0.5, load.shape[0] - 0.5, -0.5))
+    ax.set_xlabel("step")
+    ax.set_ylabel("expert")
+    ax.set_title(f"share of kept tokens per expert (even: {1 / load.shape[0]:.3f})")
+    fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

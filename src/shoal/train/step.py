@@ -9,7 +9,7 @@ divided by the number of micro-batches and the data-parallel engine averages ove
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class StepResult:
     """The global norm of the true gradients, before clipping."""
     stepped: bool
     """False when fp16 gradients overflowed and the optimizer step was skipped."""
+    moe: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per MoE layer, this rank's load figures of the step (Runtime.moe_stats); {} for dense models."""
 
 
 def train_step(
@@ -55,7 +57,8 @@ def train_step(
         optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    return StepResult(loss=runtime.global_mean(local_loss), grad_norm=grad_norm.detach(), stepped=finite)
+    return StepResult(loss=runtime.global_mean(local_loss), grad_norm=grad_norm.detach(), stepped=finite,
+                      moe=runtime.moe_stats)
 
 
 def split_micro(inputs: torch.Tensor, targets: torch.Tensor, num_micro: int) -> list[Batch]:

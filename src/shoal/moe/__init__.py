@@ -1,0 +1,1 @@
+"""Mixture-of-Experts feed-forward layer: router, dispatcher, experts. No distributed imports."""

@@ -1,0 +1,83 @@
+"""What the MoE layers of a model add to a step: their losses and their load figures.
+
+A forward hook on every MoE layer notes each call (a WideNet layer is called once per block, and
+each call counts). The runtime adds `take_loss()` to each micro-batch's training loss and reads
+`take_stats()` once per step for the metrics: per layer, the tokens each expert kept (min, mean,
+max over experts, summed over the step's micro-batches), the coefficient of variation of the
+routed counts, the dropped fraction and the two losses (means over calls), and each expert's
+share of the kept tokens (the load heatmap's column for this step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal.moe.layer import MoELayer
+
+FIGURES = ("tokens_min", "tokens_mean", "tokens_max", "load_cv", "dropped", "aux_loss", "z_loss")
+"""The per-layer figures of `take_stats`, in order."""
+
+
+class MoECollector:
+    """The MoE layers of `model` (none: everything here is empty)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names: dict[int, str] = {}
+        for name, module in model.named_modules():  # a shared (WideNet) layer once, by its first name
+            if isinstance(module, MoELayer):
+                self.names[id(module)] = _short(name)
+                module.register_forward_hook(self._called)
+        self._losses: list[torch.Tensor] = []
+        self._calls: dict[str, list[dict[str, torch.Tensor]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def _called(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        assert isinstance(module, MoELayer)
+        if torch.is_grad_enabled():
+            self._losses.append(module.added_loss())
+        if module.training:
+            self._calls.setdefault(self.names[id(module)], []).append(module.stats)
+
+    def take_loss(self) -> torch.Tensor | None:
+        """The sum of the added losses of the calls since the last take (None without any)."""
+        losses, self._losses = self._losses, []
+        return torch.stack(losses).sum() if losses else None
+
+    def take_stats(self) -> dict[str, torch.Tensor]:
+        """Per layer, the FIGURES of the training calls since the last take, as one float tensor
+        (then each expert's share of the kept tokens), on the device; {} without any."""
+        calls, self._calls = self._calls, {}
+        out = {}
+        for name, stats in calls.items():
+            kept = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0)
+            mean = lambda key: torch.stack([s[key] for s in stats]).float().mean()  # noqa: E731
+            figures = torch.stack([kept.min(), kept.mean(), kept.max(), mean("load_cv"), mean("dropped_fraction"),
+                                   mean("aux_loss"), mean("z_loss")])
+            out[name] = torch.cat([figures, kept / kept.sum().clamp(min=1)])
+        return out
+
+
+def _short(name: str) -> str:
+    """layers.3.feed_forward -> 3 (shoal's model); other models keep their module name."""
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] == "feed_forward":
+        return parts[1]
+    return name
+
+
+def records(stats: dict[str, list[float]]) -> dict[str, Any]:
+    """metrics.jsonl fields of one step's `take_stats` (read to the host): moe/<layer>/<figure>,
+    and moe_load, each expert's share of the kept tokens averaged over the layers."""
+    out: dict[str, Any] = {}
+    shares = []
+    for layer, values in stats.items():
+        out.update({f"moe/{layer}/{key}": value for key, value in zip(FIGURES, values)})
+        shares.append(values[len(FIGURES):])
+    if shares:
+        out["moe_load"] = [sum(col) / len(shares) for col in zip(*shares)]
+    return out

@@ -1,0 +1,108 @@
+"""The Mixture-of-Experts feed-forward layer: a drop-in for the dense FFN of a transformer block.
+
+route -> plan (capacity, dropping) -> dispatch (local-pre, communicate) -> experts ->
+combine (communicate back, local-post) [+ shared experts]. Plain PyTorch: expert parallelism
+replaces `MoELayer.dispatcher` from outside.
+
+Shape legend: B batch, T sequence, N = B*T tokens, D model dim, E experts, K choices per token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shoal.moe.dispatch import Dispatcher, capacity, plan_dispatch
+from shoal.moe.experts import Experts
+from shoal.moe.router import Router, load_balancing_loss, router_z_loss
+
+
+class MoELayer(nn.Module):
+    """x_BTD -> y_BTD: each token through its top_k routed experts, weighted by the router, plus
+    every shared expert (DeepSeekMoE, Dai et al. 2024).
+
+    A routed choice beyond its expert's capacity (ceil(capacity_factor * N * K / E); 0 means
+    dropless) contributes nothing: the block's residual connection carries the token on.
+    After each forward the layer keeps, for the trainer:
+      aux_loss  load-balancing loss (see router.load_balancing_loss), float32, with gradient;
+      z_loss    router z-loss (router.router_z_loss), float32, with gradient;
+      stats     detached float tensors: tokens_per_expert (E,) kept, dropped_fraction,
+                load_cv (std / mean of the routed counts before dropping), aux_loss, z_loss.
+    The training loss adds coefficient * aux_loss and coefficient * z_loss; the layer does not.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, *, num_experts: int, top_k: int, num_prototypes: int = 0,
+                 capacity_factor: float = 1.25, num_shared_experts: int = 0, activation: str = "swiglu",
+                 bias: bool = False, normalize: bool = True, init_std: float = 0.02, num_layers: int = 1,
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
+        super().__init__()
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        """The weights of aux_loss and z_loss in the training loss (`added_loss`)."""
+        if capacity_factor < 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be >= 0 (0: dropless, no capacity limit)")
+        if num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        self.router = Router(dim, num_experts, top_k=top_k, num_prototypes=num_prototypes, normalize=normalize)
+        expert_args = dict(activation=activation, bias=bias, init_std=init_std, num_layers=num_layers)
+        self.experts = Experts(num_experts, dim, ffn_dim, **expert_args)
+        # Shared experts: the same Experts module with every token sent to each of them.
+        self.shared = Experts(num_shared_experts, dim, ffn_dim, **expert_args) if num_shared_experts else None
+        self.dispatcher = Dispatcher()
+        self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def init_weights(self, std: float, num_layers: int) -> None:
+        """Gate normal(0, std); experts as Experts.init_weights (w2 scaled by 1/sqrt(2L))."""
+        nn.init.normal_(self.router.gate.weight, std=std)
+        for experts in (self.experts, self.shared):
+            if experts is not None:
+                experts.init_weights(std, num_layers)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        N = x_ND.shape[0]
+        routing = self.router(x_ND)
+        cap = capacity(N, self.num_experts, self.top_k, self.capacity_factor)
+        plan = plan_dispatch(routing, self.num_experts, cap)
+        # Nothing up to the experts reads a device value on the host. On CUDA the experts sync
+        # only in dropless mode without the grouped kernel (the padded buffer's size).
+
+        tokens_MD, splits_E = self.dispatcher.local_pre(x_ND, plan)
+        tokens_MD, splits_E = self.dispatcher.communicate(tokens_MD, splits_E)
+        y_MD = self.experts(tokens_MD, splits_E, capacity=cap)
+        y_MD = self.dispatcher.communicate_back(y_MD, splits_E)
+        y_ND = self.dispatcher.local_post(y_MD, plan, routing.weights_NK, N)
+
+        if self.shared is not None:
+            S = self.shared.num_experts
+            counts_S = torch.full((S,), N, dtype=torch.long, device=x_ND.device)
+            y_ND = y_ND + self.shared(x_ND.repeat(S, 1), counts_S, capacity=N).view(S, N, -1).sum(dim=0)
+
+        self.aux_loss = load_balancing_loss(routing.probs_NE, routing.experts_NK,
+                                            num_groups=self.router.num_groups)
+        self.z_loss = router_z_loss(routing.logits_NE)
+        self.stats = self._stats(plan.tokens_per_expert, plan.routed_per_expert, N)
+        return y_ND.view_as(x_BTD)
+
+    def added_loss(self) -> torch.Tensor:
+        """What the last forward adds to the training loss: aux_loss_coef * aux_loss + z_loss_coef * z_loss."""
+        assert self.aux_loss is not None and self.z_loss is not None, "call forward first"
+        return self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
+
+    @torch.no_grad()
+    def _stats(self, kept_E: torch.Tensor, routed_E: torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor]:
+        assert self.aux_loss is not None and self.z_loss is not None
+        routed = routed_E.float()
+        return {
+            "tokens_per_expert": kept_E.float(),
+            "dropped_fraction": (num_tokens * self.top_k - kept_E.sum()).float() / (num_tokens * self.top_k),
+            # Population std: the E experts are the whole population, and E=1 gives 0, not NaN.
+            "load_cv": routed.std(correction=0) / routed.mean(),
+            "aux_loss": self.aux_loss.detach(),
+            "z_loss": self.z_loss.detach(),
+        }
