@@ -9,12 +9,15 @@ Each step is a no-op when its axis has degree 1.
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.device_mesh import DeviceMesh
 
 from shoal.parallel.choice import choose_engine
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
+from shoal.parallel.choice import EngineChoice
 from shoal.parallel.data import TorchDataEngine, apply_data_parallel, transformer_blocks
+from shoal.parallel.expert import ExpertGrads, apply_expert_parallel, ep_mesh
 from shoal.parallel.pipeline import Pipeline, build_stages, merged_view
 from shoal.parallel.schedules import split_backward
 from shoal.parallel.recompute import apply_recompute
@@ -23,7 +26,7 @@ from shoal.plan import Plan
 from shoal.runtime import Runtime
 
 # Axes and options a Plan can name that this version does not run yet.
-_NOT_YET = {"ep": "expert"}
+_NOT_YET: dict[str, str] = {}
 
 
 def check_supported(plan: Plan) -> None:
@@ -50,8 +53,9 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     if plan.pp == 1:
         choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
         model, context = _within_stage(model, mesh, plan)
+        experts = _experts(model, mesh, plan, choice)
         engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice)
-        return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context)
+        return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, experts=experts)
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
                           split=plan.split)
     choice = choose_engine(plan, num_layers=max(len(transformer_blocks(m)) for m in stages.values()))
@@ -78,6 +82,20 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync,
                         modules=modules, reduce=reduce)
     return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline)
+
+
+def _experts(model: nn.Module, mesh: DeviceMesh, plan: Plan, choice: EngineChoice) -> ExpertGrads | None:
+    """ep > 1: the experts split over the ep axis; DDP told to leave their weights alone."""
+    if plan.ep == 1:
+        return None
+    if choice.kind != "ddp":
+        raise ValueError(f"ep={plan.ep} runs with replicated data parallelism in fp32 (torch DDP) in this version; "
+                         f"plan {plan} needs {choice.kind}; valid: dpN,epM with precision=fp32")
+    emesh = ep_mesh(mesh.size(), plan.ep, mesh.device_type)
+    names = apply_expert_parallel(model, emesh)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    params = dict(model.named_parameters())
+    return ExpertGrads([params[n] for n in names], emesh, plan.data_ranks)
 
 
 def _within_stage(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> tuple[nn.Module, ContextSplit | None]:

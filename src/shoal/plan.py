@@ -286,6 +286,9 @@ class Plan:
         if self.ep > 1:
             if model.num_experts == 0:
                 raise ValueError(f"ep={self.ep} needs a Mixture-of-Experts model; this one has num_experts=0")
+            if self.data_ranks % self.ep:
+                raise ValueError(f"ep={self.ep} is carved out of the {self.data_ranks} data ranks (dp*fsdp) and does "
+                                 f"not divide them; valid: {_divisors(self.data_ranks)}")
             if model.num_experts % self.ep:
                 raise ValueError(
                     f"ep={self.ep} does not divide {model.num_experts} experts; valid: {_divisors(model.num_experts)}"

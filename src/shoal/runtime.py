@@ -42,6 +42,7 @@ from shoal.moe.collect import MoECollector
 from shoal.parallel.choice import EngineChoice
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
+from shoal.parallel.expert import ExpertGrads
 from shoal.parallel.pipeline import Pipeline
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.parallel.schedules import bubble_fraction, save_gantt
@@ -58,13 +59,15 @@ class Runtime:
 
     def __init__(self, engine: DataEngine, *, plan: Plan | None, mesh: DeviceMesh | None,
                  choice: EngineChoice | None, context: ContextSplit | None = None,
-                 pipeline: Pipeline | None = None) -> None:
+                 pipeline: Pipeline | None = None, experts: ExpertGrads | None = None) -> None:
         self.plan, self.mesh = plan, mesh
         self._context = context
         self.pipeline = pipeline
         """pp > 1: this rank's stages and schedule (None otherwise)."""
         self._pp_group = mesh["pp"].get_group() if pipeline is not None and mesh is not None else None
         self._moe = MoECollector(engine.module)
+        self._experts = experts
+        """ep > 1: the expert weights, whose gradients the data engine leaves to us."""
         self.moe_stats: dict[str, torch.Tensor] = {}
         """Per MoE layer, the last step's load figures (shoal.moe.collect.FIGURES, then each expert's
         share of the kept tokens), on the device; {} for a dense model."""
@@ -143,6 +146,8 @@ class Runtime:
                     trained = loss + added / len(micro_batches) if added is not None else loss
                     (self.loss_scaler.scale(trained) if self.loss_scaler is not None else trained).backward()
             total = total + local_value(loss)
+        if self._experts is not None:
+            self._experts.sync()
         self.moe_stats = self._moe.take_stats()
         return torch.as_tensor(total)
 

@@ -183,13 +183,20 @@ class TorchDataEngine:
         grads = self._grads()
         if not grads:  # nothing trainable here: zero, where the parameters live
             return torch.zeros((), device=next(self.module.parameters(), torch.zeros(())).device)
-        norm = torch.nn.utils.get_total_norm(grads)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        # Plain and DTensor gradients (replicated weights beside ep-sharded experts) in two groups:
+        # a norm over DTensors reduces over their meshes, and the two do not mix in one call.
+        groups = [[g for g in grads if not isinstance(g, DTensor)], [g for g in grads if isinstance(g, DTensor)]]
+        norms = []
+        for group in (g for g in groups if g):
+            norm = torch.nn.utils.get_total_norm(group)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return torch.stack([n.to(norms[0].device) for n in norms]).pow(2).sum().sqrt() if len(norms) > 1 else norms[0]
 
     def scale_grads_(self, factor: torch.Tensor) -> None:
         grads = self._grads()
-        if grads:
-            torch._foreach_mul_(grads, factor.to(grads[0].device))  # what clip_grads_with_norm_ does
+        for group in ([g for g in grads if not isinstance(g, DTensor)], [g for g in grads if isinstance(g, DTensor)]):
+            if group:  # what clip_grads_with_norm_ does, plain and DTensor gradients apart
+                torch._foreach_mul_(group, factor.to(grads[0].device))
 
     def model_state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.model)
