@@ -108,45 +108,17 @@ RESHARD = case(steps=6, model=dataclasses.replace(MOE, capacity_factor=0.0, aux_
 SEGMENTS = [("ep2", 2, 0, 2), ("ep4", 4, 2, 3), ("single", 0, 3, 4), ("dp2", 2, 4, 5), ("dp4,ep2", 4, 5, 6)]
 
 
-def train_segment(run_dir: str, plan_text: str, start: int, end: int) -> dict:
-    """Resume from the latest checkpoint (start > 0), train steps start..end-1, save."""
-    import torch.distributed as dist
-
-    from shoal.parallelize import parallelize
-    from shoal.plan import Plan
-    from shoal.testing import cached_mesh, full_tensors
-    from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from shoal.train.step import split_micro, train_step
-
-    if plan_text == "single":
-        runtime = parallelize(RESHARD.build_model())
-    else:
-        plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-        runtime = parallelize(RESHARD.build_model(), plan, cached_mesh(plan))
-    optimizer = RESHARD.optimizer(runtime.parameters())
-    if start > 0:
-        assert load_checkpoint(latest_checkpoint(run_dir), runtime=runtime, optimizer=optimizer)["step"] == start
-    index, count = runtime.data_rank
-    rows = RESHARD.global_batch // count
-    losses = []
-    for x, y in RESHARD.batches()[start:end]:
-        x, y = x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]
-        losses.append(float(train_step(runtime, optimizer, split_micro(x, y, 1), grad_clip=RESHARD.grad_clip).loss))
-    save_checkpoint(run_dir, end, runtime=runtime, optimizer=optimizer, extra={"step": end, "plan": plan_text})
-    return {"losses": losses, "params": full_tensors(runtime)}
-
-
 def test_experts_keep_their_identity_across_ep_degrees(pools, tmp_path):
     """ep2 -> ep4 -> one process -> dp2 -> dp4,ep2, each resuming the previous checkpoint (model and
     AdamW state): the loss curve is the unbroken single-process run's, and so are the final experts."""
-    from shoal.testing import assert_rounding_close, assert_trained_close, references
+    from shoal.testing import assert_rounding_close, assert_trained_close, references, train_segment
 
     ref32, ref64 = references(RESHARD)
     for plan_text, world, start, end in SEGMENTS:
         if world == 0:
-            results = [train_segment(str(tmp_path), plan_text, start, end)]
+            results = [train_segment(RESHARD, str(tmp_path), plan_text, start, end)]
         else:
-            results = pools(world).run(train_segment, str(tmp_path), plan_text, start, end)
+            results = pools(world).run(train_segment, RESHARD, str(tmp_path), plan_text, start, end)
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")

@@ -13,15 +13,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch.distributed as dist
 
 from shoal.parallel.pipeline import split_layers
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.testing import (SMALL, assert_rounding_close, assert_trained_close, cached_mesh, case, check_parity,
-                           full_tensors, one_line_error, references, run_parallel)
-from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from shoal.train.step import split_micro, train_step
+                           one_line_error, references, run_parallel, train_segment)
 
 DEEP = dataclasses.replace(SMALL, num_layers=8)
 """Enough layers for pp4 with two chunks per rank."""
@@ -99,36 +96,15 @@ RUN = case(steps=6, model=dataclasses.replace(SMALL, num_layers=4), num_micro=4)
 SEGMENTS = [("pp2", 2, 0, 2), ("fsdp2", 2, 2, 3), ("single", 0, 3, 4), ("pp4,mb=4", 4, 4, 5), ("dp2,pp2", 4, 5, 6)]
 
 
-def train_segment(run_dir: str, plan_text: str, start: int, end: int) -> dict:
-    """Resume from the latest checkpoint (start > 0), train steps start..end-1, save."""
-    if plan_text == "single":
-        runtime = parallelize(RUN.build_model())
-    else:
-        plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-        runtime = parallelize(RUN.build_model(), plan, cached_mesh(plan))
-    optimizer = RUN.optimizer(runtime.parameters())
-    if start > 0:
-        assert load_checkpoint(latest_checkpoint(run_dir), runtime=runtime, optimizer=optimizer)["step"] == start
-    index, count = runtime.data_rank
-    rows = RUN.global_batch // count
-    losses = []
-    for x, y in RUN.batches()[start:end]:
-        x, y = x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]
-        losses.append(float(train_step(runtime, optimizer, split_micro(x, y, RUN.num_micro),
-                                       grad_clip=RUN.grad_clip).loss))
-    save_checkpoint(run_dir, end, runtime=runtime, optimizer=optimizer, extra={"step": end, "plan": plan_text})
-    return {"losses": losses, "params": full_tensors(runtime)}
-
-
 def test_resume_across_pipeline_layouts(pools, tmp_path):
     """pp2 -> fsdp2 -> one process -> pp4 -> dp2,pp2, each resuming the previous checkpoint: the loss
     curve is the unbroken single-process run's."""
     ref32, ref64 = references(RUN)
     for plan_text, world, start, end in SEGMENTS:
         if world == 0:
-            results = [train_segment(str(tmp_path), plan_text, start, end)]
+            results = [train_segment(RUN, str(tmp_path), plan_text, start, end, RUN.num_micro)]
         else:
-            results = pools(world).run(train_segment, str(tmp_path), plan_text, start, end)
+            results = pools(world).run(train_segment, RUN, str(tmp_path), plan_text, start, end, RUN.num_micro)
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")

@@ -16,13 +16,7 @@ its layout, as in the parity tests.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
-from shoal.parallelize import parallelize
-from shoal.plan import Plan
-from shoal.testing import assert_rounding_close, assert_trained_close, cached_mesh, case, full_tensors, references
-from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from shoal.train.step import split_micro, train_step
+from shoal.testing import assert_rounding_close, assert_trained_close, case, references, train_segment
 
 RUN = case(steps=9)
 # (plan, world size or 0 for a single process without a process group, first step, end step, micro-batches)
@@ -30,36 +24,14 @@ SEGMENTS = [("fsdp4", 4, 0, 2, 1), ("dp2", 2, 2, 4, 1), ("single", 0, 4, 5, 1),
             ("fsdp2,zero=1", 2, 5, 7, 2), ("fsdp2,tp2", 4, 7, 8, 1), ("dp2,fsdp2", 4, 8, 9, 1)]
 
 
-def train_segment(run_dir: str, plan_text: str, start: int, end: int, num_micro: int) -> dict:
-    """Worker (or the test process for plan 'single'): resume from the latest checkpoint in
-    run_dir if start > 0, train steps start..end-1 under plan_text, save, return losses and params."""
-    if plan_text == "single":
-        runtime = parallelize(RUN.build_model())
-    else:
-        plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-        runtime = parallelize(RUN.build_model(), plan, cached_mesh(plan))
-    optimizer = RUN.optimizer(runtime.parameters())
-    if start > 0:
-        extra = load_checkpoint(latest_checkpoint(run_dir), runtime=runtime, optimizer=optimizer)
-        assert extra["step"] == start, extra
-    index, count = runtime.data_rank
-    rows = RUN.global_batch // count
-    losses = []
-    for x, y in RUN.batches()[start:end]:
-        x, y = x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]
-        losses.append(train_step(runtime, optimizer, split_micro(x, y, num_micro), grad_clip=RUN.grad_clip).loss.item())
-    save_checkpoint(run_dir, end, runtime=runtime, optimizer=optimizer, extra={"step": end, "plan": plan_text})
-    return {"losses": losses, "params": full_tensors(runtime)}
-
-
 def test_resume_across_layouts_continues_the_loss_curve(pools, tmp_path):
     ref32, ref64 = references(RUN)
     losses: list[float] = []
     for plan_text, world, start, end, num_micro in SEGMENTS:
         if world == 0:
-            results = [train_segment(str(tmp_path), plan_text, start, end, num_micro)]
+            results = [train_segment(RUN, str(tmp_path), plan_text, start, end, num_micro)]
         else:
-            results = pools(world).run(train_segment, str(tmp_path), plan_text, start, end, num_micro)
+            results = pools(world).run(train_segment, RUN, str(tmp_path), plan_text, start, end, num_micro)
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")

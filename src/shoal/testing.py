@@ -410,6 +410,32 @@ def assert_trained_close(final: dict[str, torch.Tensor], ref32: dict[str, Any], 
                               f"run's {single:.3g})")
 
 
+def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, end: int,
+                  num_micro: int = 1) -> dict[str, Any]:
+    """Steps start..end-1 of `case` under `plan_text` ("single": one process, no process group),
+    resumed from the latest checkpoint in `run_dir` when start > 0 and saved there at the end:
+    the checkpoint-resharding tests' segment. Returns the losses and the final parameters."""
+    from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    if plan_text == "single":
+        runtime = parallelize(case.build_model())
+    else:
+        plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+        runtime = parallelize(case.build_model(), plan, cached_mesh(plan))
+    optimizer = case.optimizer(runtime.parameters())
+    if start > 0:
+        extra = load_checkpoint(latest_checkpoint(run_dir), runtime=runtime, optimizer=optimizer)
+        assert extra["step"] == start, extra
+    index, count = runtime.data_rank
+    rows = case.global_batch // count
+    losses = []
+    for x, y in case.batches()[start:end]:
+        x, y = x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]
+        losses.append(float(train_step(runtime, optimizer, split_micro(x, y, num_micro), grad_clip=case.grad_clip).loss))
+    save_checkpoint(run_dir, end, runtime=runtime, optimizer=optimizer, extra={"step": end, "plan": plan_text})
+    return {"losses": losses, "params": full_tensors(runtime)}
+
+
 def _only(values: dict[str, Any], names: set[str]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k in names}
 
