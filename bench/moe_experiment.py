@@ -8,7 +8,7 @@ the dense model: top-1 routes to one expert of the dense width F, top-2 and prot
 groups of E/2 experts, top-1 in each) to two experts of width F/2. Capacity factor C: an expert
 keeps at most ceil(C * N * k / E) of the N tokens' choices; 0 is dropless.
 
-Prints one table (also written to bench/results/moe_experiment.json) and writes two plots:
+Prints one table (also written to bench/results/moe_experiment[_seedN].json) and writes two plots:
 the loss curves and the load spread / dropped fraction over steps. A variant whose run folder
 already holds a finished run of the same command is read, not retrained (`--fresh` retrains).
 
@@ -115,22 +115,27 @@ def layer_mean(record: dict[str, Any], figure: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def tail_mean(records: list[dict[str, Any]], figure: str) -> float | str:
+    """A per-layer MoE figure averaged over the layers and the records; "-" for a dense model."""
+    values = [v for v in (layer_mean(r, figure) for r in records) if v is not None]
+    return statistics.fmean(values) if values else "-"
+
+
 def row(variant: Variant, records: list[dict[str, Any]], wall_s: float, args: argparse.Namespace) -> dict[str, Any]:
+    """The table's row of one finished run."""
     cfg = variant.config()
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     tail = records[-args.load_window:]
-    dropped = [layer_mean(r, "dropped") for r in tail]
-    cv = [layer_mean(r, "load_cv") for r in tail]
-    moe = variant.capacity_factor is not None
     return {
         "config": variant.name,
         "active_ffn_M": active_ffn_params(cfg) / 1e6,
         "total_params_M": cfg.num_params() / 1e6,
         "heldout_loss": evals[-1],
         "train_loss": statistics.fmean(r["loss"] for r in records[-args.loss_window:]),
-        "dropped": statistics.fmean(dropped) if moe else "-",
-        "load_cv": statistics.fmean(cv) if moe else "-",
+        "dropped": tail_mean(tail, "dropped"),
+        "load_cv": tail_mean(tail, "load_cv"),
         "wall_s": round(wall_s, 1),
+        "step_ms": round(1e3 * statistics.median(r["step_time_s"] for r in records)),
     }
 
 
@@ -168,8 +173,8 @@ def plot(runs: list[tuple[Variant, list[dict[str, Any]]]], out_dir: Path, window
     for ax in (train_ax, eval_ax):
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/token)")
-        ax.set_ylim(top=2.6)
         ax.grid(alpha=0.3)
+        _zoom(ax)
     eval_ax.legend(fontsize=7, ncol=2)
     loss_path = _save(fig, out_dir / "moe_experiment_loss.png")
 
@@ -187,6 +192,16 @@ def plot(runs: list[tuple[Variant, list[dict[str, Any]]]], out_dir: Path, window
         ax.grid(alpha=0.3)
     drop_ax.legend(fontsize=7, ncol=2)
     return [loss_path, _save(fig, out_dir / "moe_experiment_load.png")]
+
+
+def _zoom(ax: Any) -> None:
+    """Leave out the first sixth of the steps' losses from the y range, where the curves still
+    fall from ~5.5 and would flatten the differences that matter."""
+    last = max(line.get_xdata()[-1] for line in ax.get_lines())
+    ys = [y for line in ax.get_lines() for x, y in zip(line.get_xdata(), line.get_ydata()) if x >= last / 6]
+    if ys:
+        margin = 0.05 * (max(ys) - min(ys)) or 0.05
+        ax.set_ylim(min(ys) - margin, max(ys) + margin)
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -210,10 +225,13 @@ def main() -> None:
                         help="run only these families (dense, top1, top2, proto2)")
     parser.add_argument("--loss-window", type=int, default=20, help="final train loss: mean of the last N steps")
     parser.add_argument("--load-window", type=int, default=50, help="dropped / load CV: mean of the last N steps")
-    parser.add_argument("--out", type=Path, default=RESULTS / "moe_experiment", help="folder of the run folders")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder of the run folders [bench/results/moe_experiment, _seedN for seed N > 0]")
     parser.add_argument("--plots", type=Path, default=DOCS, help="folder the two PNGs go to")
     parser.add_argument("--fresh", action="store_true", help="retrain runs already finished")
     args = parser.parse_args()
+    name = "moe_experiment" + (f"_seed{args.seed}" if args.seed else "")
+    args.out = args.out or RESULTS / name
     chosen = [v for v in variants(args.capacity) if args.only is None or v.family in args.only]
     if not chosen:
         parser.error(f"--only {' '.join(args.only)} names no family; valid: dense, top1, top2, proto2")
@@ -224,11 +242,12 @@ def main() -> None:
         records = read_metrics(run_dir / "metrics.jsonl")
         runs.append((variant, records))
         rows.append(row(variant, records, wall, args))
-    report("moe_experiment", rows, notes=(
+    report(name, rows, notes=(
         f"preset {PRESET} (4 layers, dim 128), {NUM_EXPERTS} experts, {args.steps} steps, seed {args.seed}, "
         f"{args.global_batch} x {args.seq_len} tokens per step, 1 CPU process each; held-out loss at the last step "
         f"({args.eval_batches} batches); train loss: mean of the last {args.loss_window} steps; dropped and load_cv: "
-        f"means of the last {args.load_window} steps over the MoE layers; wall_s: the whole subprocess"))
+        f"means of the last {args.load_window} steps over the MoE layers; wall_s: the whole subprocess; "
+        f"step_ms: median step time (robust to other jobs on the machine)"))
     for path in plot(runs, args.plots, args.loss_window):
         print(f"wrote {path}")
 
