@@ -24,13 +24,12 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import launch, measure_pair, report, summarize
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.parallel.pipeline import build_stages
+from shoal.parallel.recompute import CreatedStorages
 from shoal.parallel.schedules import bubble_fraction
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
@@ -90,46 +89,23 @@ def bubble_table(ranks: list[int], micros: list[int], repeats: int) -> list[dict
 # ----------------------------------------------------------------------------- 2. memory
 
 
-class _Kept(TorchDispatchMode):
-    """Storages created inside the stage forwards; `peak` is the most of them alive after any forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                storage = t.untyped_storage()
-                self.created.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
-        return out
-
-    def settle(self) -> None:
-        self.created = {k: v for k, v in self.created.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(size for _, size in self.created.values()))
-
-
 def _activation_peak(plan_text: str) -> float:
     runtime, plan = _runtime(plan_text)
     micro = _micro(plan)
     runtime.forward_backward(micro)
-    kept = _Kept()
+    kept, peak = CreatedStorages(), [0]
     def enter(*_) -> None:
         kept.__enter__()
 
     def leave(*_) -> None:
         kept.__exit__(None, None, None)
-        kept.settle()
+        peak[0] = max(peak[0], kept.live_bytes())
 
     for stage in runtime.pipeline.stages.values():
         stage.register_forward_pre_hook(enter)
         stage.register_forward_hook(leave)
     runtime.forward_backward(micro)
-    return kept.peak / 2**20
+    return peak[0] / 2**20
 
 
 def memory_table(p: int, m: int) -> list[dict]:

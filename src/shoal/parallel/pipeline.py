@@ -182,6 +182,7 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         self.modules = self.modules or dict(self.stages)
+        self.device = next(next(iter(self.modules.values())).parameters()).device  # where activations live
         self.group = self.mesh["pp"].get_group()
         self.rank, self.num_ranks = self.mesh["pp"].get_local_rank(), self.mesh["pp"].size()
         self.num_stages = self.num_ranks * self.vpp
@@ -330,7 +331,7 @@ class Pipeline:
         peer = self._peer(source_stage)
         self.where = (f"pipeline stage {stage}, waiting for the {what} of micro-batch {micro} from stage "
                       f"{source_stage} (rank {peer})")
-        device = self._device()
+        device = self.device
         if what == "activation":
             key = ("activation", stage, tuple(context[micro][0].shape))
             if key not in self._shapes:
@@ -349,18 +350,15 @@ class Pipeline:
 
     def _wait(self, work: dist.Work, stage: int, micro: int, what: str) -> None:
         try:
-            work.wait(_timeout(self.group, self._device()))
+            work.wait(_timeout(self.group, self.device))
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RuntimeError(f"{self.where} failed: {first}") from exc
 
-    def _device(self) -> torch.device:
-        return next(iter(self.stages.values())).parameters().__next__().device
-
     # ------------------------------------------------------------------ timing
 
     def _clock(self) -> float:
-        if self._recording and torch.cuda.is_available() and self._device().type == "cuda":
+        if self._recording and torch.cuda.is_available() and self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.time()
 

@@ -24,6 +24,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shoal.parallel.data import wrap_blocks
@@ -68,27 +70,34 @@ def apply_recompute(model: nn.Module, *, plan: Plan) -> nn.Module:
     return model
 
 
+class CreatedStorages(TorchDispatchMode):
+    """While active, notes every tensor storage an op creates (not views of its inputs); each
+    storage once. `live_bytes()`: the bytes of those still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        # A view (of a weight, say) shares its input's storage: only new storages are created.
+        inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                storage = t.untyped_storage()
+                self.created.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    def live_bytes(self) -> int:
+        self.created = {k: v for k, v in self.created.items() if not v[0].expired()}
+        return sum(size for _, size in self.created.values())
+
+
 def kept_activation_bytes(forward: Callable[[], T]) -> tuple[int, T]:
     """(bytes, result) of `forward()`: bytes of the tensors it creates that are still alive when it
     returns, i.e. what autograd (and recompute's caches) keep for backward, plus the output.
     Counts each storage once."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    created: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    class _Track(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = func(*args, **(kwargs or {}))
-            # A view (of a weight, say) shares its input's storage: only new storages are created.
-            inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor)}
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                    storage = t.untyped_storage()
-                    created.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
-            return out
-
-    with _Track():
+    with CreatedStorages() as created:
         result = forward()
-    return sum(size for ref, size in created.values() if not ref.expired()), result
+    return created.live_bytes(), result
