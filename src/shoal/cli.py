@@ -1,4 +1,4 @@
-"""The `shoal` command line: `shoal train`, `shoal sample` and `shoal export`.
+"""The `shoal` command line: `shoal train`, `shoal plan`, `shoal sample` and `shoal export`.
 
 Every check of the user's input runs here, in the parent process, before any worker starts:
 a mistake prints one line `shoal: error: <message>` on stderr and exits with status 2, and
@@ -87,9 +87,9 @@ def _version() -> str:
 # (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
 _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "preset (tiny, tiny-gpt, small, gpt3-1.3b..gpt3-175b, llama3-8b/70b/405b, bert-large; "
-     "tiny-moe and mixtral-8x7b need MoE layers, coming) or hf:<dir or config.json> [tiny]"),
-    ("--plan", str, "parallel plan: dpN, fsdpN, tpN, cpN and options, e.g. fsdp2,tp2,zero=1 (see README; ppN, "
-     "epN and auto are coming) [dp over all processes]"),
+     "tiny-moe, mixtral-8x7b) or hf:<dir or config.json> [tiny]"),
+    ("--plan", str, "parallel plan: dpN, fsdpN, tpN, cpN, ppN, epN and options, e.g. fsdp2,tp2,zero=1 (see README), "
+     "or auto: the planner's fastest plan for this world [dp over all processes]"),
     ("--nproc", int, "local worker processes to start; ignored under torchrun [one per GPU; 2 on CPU]"),
     ("--device", str, "cuda (one GPU per process, NCCL), cpu (gloo) or auto [auto: cuda when there are GPUs]"),
     ("--steps", int, "total optimizer steps of the run [300]"),
@@ -120,10 +120,10 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="shoal", description="Hybrid-parallel training of transformers over an unmodified "
-                     "PyTorch model: data, sharded data (ZeRO-1/2/3, FSDP2) and tensor parallelism in any combination, "
-                     "and context parallelism with any of them, from one --plan string. Coming, not in this "
-                     "version: pipeline and expert parallelism, Mixture-of-Experts layers, the planner (--plan auto).")
+    parser = _Parser(prog="shoal", description="Hybrid-parallel training of dense and Mixture-of-Experts "
+                     "transformers over an unmodified PyTorch model: data, sharded data (ZeRO-1/2/3, FSDP2), tensor, "
+                     "context, pipeline and expert parallelism from one --plan string, and a planner that predicts "
+                     "which plan is fastest (shoal plan, --plan auto).")
     parser.add_argument("--version", action="version", version=f"shoal {_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "verifies [off: a new run]")
     train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys) [none]")
     train.set_defaults(func=_train)
+
+    from shoal.plan_command import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
 
     sample = sub.add_parser("sample", help="generate text from a trained run",
                             description="Load a run's latest checkpoint in one process (any plan it was trained "
@@ -226,13 +230,37 @@ def prepare_job(args: argparse.Namespace) -> Any:
     model = resolve_model(cfg)
     cfg = with_model(cfg, model)
     device = resolve_device(cfg.device)
+    prediction = None
+    if args.resume is None and cfg.plan is not None and cfg.plan.strip() == "auto":
+        cfg, prediction = _auto_plan(cfg, device)
     validate(cfg, device)
     resume_from = None
     if args.resume is not None:
         resume_from = str(_check_resumable(Path(args.resume), cfg.loop.steps))
     elif run_dir is not None:
         _check_fresh_out(Path(run_dir))
-    return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None, resume_from=resume_from, device=device)
+    return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None, resume_from=resume_from, device=device,
+               prediction=prediction)
+
+
+def _auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
+    """The run config with `--plan auto` replaced by the planner's choice, and its prediction."""
+    import dataclasses
+
+    from shoal.auto_plan import choose
+
+    if cfg.loop.micro_batch is not None:
+        raise UserError(f"--micro-batch {cfg.loop.micro_batch} with --plan auto: the planner chooses the "
+                        "micro-batch with the plan; valid: leave --micro-batch out, or give a --plan")
+    choice = choose(cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len,
+                    world_size=world_size(cfg, device), device=device)
+    if os.environ.get("RANK", "0") == "0":
+        print(choice.describe(), flush=True)
+    e = choice.estimate
+    local = cfg.loop.global_batch // e.plan.data_ranks
+    micro = e.micro_batch if e.plan.pp == 1 and e.micro_batch != local else None
+    cfg = dataclasses.replace(cfg, plan=choice.plan_text, loop=dataclasses.replace(cfg.loop, micro_batch=micro))
+    return cfg, choice.prediction()
 
 
 def world_size(cfg: Any, device: str) -> int:

@@ -61,6 +61,9 @@ class Job:
     """The checkpoint to continue from, when the launcher chose it (it skips corrupt ones)."""
     device: str = "cpu"
     """"cpu" (gloo) or "cuda" (one GPU per process, NCCL), as the CLI resolved `config.device`."""
+    prediction: dict[str, Any] | None = None
+    """The planner's prediction for the plan `--plan auto` chose; summary.json keeps it beside the
+    measurement."""
 
 
 def run_worker(job: Job) -> dict[str, Any] | None:
@@ -128,6 +131,7 @@ class Trainer:
 
     def __init__(self, job: Job, device: torch.device) -> None:
         cfg = job.config
+        self.prediction = job.prediction
         assert cfg.model_config is not None, "the CLI resolves the model before launching"
         self.cfg, self.loop, self.model_cfg, self.device = cfg, cfg.loop, cfg.model_config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -263,6 +267,10 @@ class Trainer:
                             start=self.start, total=self.loop.steps)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
+        if self.prediction is not None and summary.get("tokens_per_s"):
+            measured = self.loop.global_batch * self.loop.seq_len / summary["tokens_per_s"]
+            summary.update(predicted=self.prediction, step_time_s=measured,
+                           measured_over_predicted_step_time=measured / self.prediction["step_time_s"])
         if figures is not None:
             summary.update(figures)
             print(f"pipeline ({self.plan.sched}, {self.plan.micro_batches} micro-batches): measured bubble "

@@ -187,6 +187,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"({summary['peak_flops_source']})",
         f"  peak memory {summary['mem_peak_mb']:,.0f} MiB per process (highest rank)",
     ]
+    if "predicted" in summary:
+        p = summary["predicted"]
+        lines.append(f"  planner: predicted {p['step_time_s']:.4g} s per step and {p['mem_per_device_gb']:.3g} GB per "
+                     f"device; measured {summary['step_time_s']:.4g} s ({summary['measured_over_predicted_step_time']:.2f}"
+                     "x the prediction)")
     return "\n".join(lines)
 
 

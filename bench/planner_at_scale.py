@@ -1,0 +1,94 @@
+"""The planner against published large runs: predicted vs published tokens/s per device.
+
+For every run in shoal.planner.published (model shape, cluster, plan, batch as the source gives
+them), the cost model predicts the step; the table gives predicted / published per device and
+the error. Nothing in the model is fitted to these runs: its constants come from data sheets and
+kernel papers (shoal.planner.hardware). Writes docs/planner_at_scale.md with --write.
+
+    python -m bench.planner_at_scale [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from shoal.plan import Plan
+from shoal.planner.estimate import Workload, estimate
+from shoal.planner.hardware import parse_cluster
+from shoal.planner.published import PUBLISHED, PublishedRun
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "planner_at_scale.md"
+
+
+def predict(run: PublishedRun) -> tuple[float, float, bool]:
+    """(predicted tokens/s per device, predicted memory per device in GB, fits)."""
+    cluster = parse_cluster(run.cluster)
+    plan = Plan.parse(run.plan).resolve(cluster.world_size, "cuda")
+    work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
+                    fused_attention=run.fused_attention)
+    plan.validate(work.model, global_batch=work.global_batch, seq_len=work.seq_len)
+    micro = run.micro_batch_size if plan.pp == 1 else None
+    e = estimate(plan, work, cluster, micro_batch=micro)
+    return e.tokens_per_s / cluster.world_size, e.mem_per_device_bytes / 1e9, e.fits
+
+
+def table(runs: tuple[PublishedRun, ...]) -> tuple[list[str], list[float], list[float]]:
+    lines = ["| run | devices | plan | published tok/s/dev | predicted | predicted / published | memory GB (fits) |",
+             "|---|---|---|---|---|---|---|"]
+    errors, checked = [], []
+    for run in runs:
+        predicted, mem, fits = predict(run)
+        ratio = predicted / run.tokens_per_s_per_device
+        errors.append(ratio - 1)
+        if run.checked:
+            checked.append(ratio - 1)
+        mark = "" if run.checked else " (*)"
+        lines.append(f"| {run.name}{mark} | {run.cluster} | `{run.plan}` | {run.tokens_per_s_per_device:,.1f} | "
+                     f"{predicted:,.1f} | {ratio:.3f} | {mem:.0f} ({'yes' if fits else 'no'}) |")
+    return lines, errors, checked
+
+
+def summary(name: str, errors: list[float]) -> str:
+    absolute = [abs(e) for e in errors]
+    within = sum(a <= 0.15 for a in absolute)
+    return (f"{name}: {len(errors)} runs, mean absolute error {100 * statistics.mean(absolute):.1f}%, median "
+            f"{100 * statistics.median(absolute):.1f}%, worst {100 * max(absolute):.1f}%, mean signed "
+            f"{100 * statistics.mean(errors):+.1f}%, within 15%: {within}/{len(errors)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"write {DOC.relative_to(DOC.parent.parent)}")
+    args = parser.parse_args()
+    lines, errors, checked = table(PUBLISHED)
+    figures = [summary("all runs", errors), summary("runs whose every input was checked in a source", checked)]
+    print("\n".join(lines + [""] + figures))
+    if args.write:
+        DOC.write_text(_document(lines, figures))
+        print(f"wrote {DOC}")
+
+
+def _document(lines: list[str], figures: list[str]) -> str:
+    sources = "\n".join(f"- {r.name}: {r.source}. {r.note}" for r in PUBLISHED)
+    return f"""# The planner against published large runs
+
+`python -m bench.planner_at_scale --write` regenerates this page. For each published run the
+cost model (`shoal plan --plan PLAN`) predicts tokens/s per device from the model shape, the
+cluster and the plan the source names. Its constants come from data sheets and kernel papers
+(`shoal/planner/hardware.py`); none is fitted to these runs. Runs marked (*) rest on a number
+the source did not state or that could not be re-checked here (see the notes below).
+
+{chr(10).join(lines)}
+
+{chr(10).join(f"- {f}" for f in figures)}
+
+## Sources and notes
+
+{sources}
+"""
+
+
+if __name__ == "__main__":
+    main()

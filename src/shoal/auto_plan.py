@@ -1,0 +1,86 @@
+"""`--plan auto`: the planner's search on the world `shoal train` is about to start.
+
+On CPUs the world is priced from this machine's calibration profile (measured once, quickly, if
+there is none yet); on GPUs from the data sheet of the GPU torch sees, with torchrun's nodes.
+The choice and its prediction are printed at start-up and kept for the run's summary.json.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.models.config import ModelConfig
+from shoal.planner.comm import CalibratedNetwork, Network
+from shoal.planner.estimate import Estimate, Workload
+from shoal.planner.hardware import DEVICES, Cluster, parse_cluster
+from shoal.planner.search import search
+
+GPU_NAMES = {"H200": "H200", "H100": "H100-80GB", "A100-SXM4-40GB": "A100-40GB", "A100-PCIE-40GB": "A100-40GB",
+             "A100": "A100-80GB", "V100": "V100-32GB", "P100": "P100-16GB"}
+"""Substrings of torch.cuda.get_device_name() -> shoal's device specs, most specific first."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoChoice:
+    """The plan `--plan auto` picked, with what the planner predicts for it."""
+
+    estimate: Estimate
+    priced: int
+    cluster: Cluster
+
+    @property
+    def plan_text(self) -> str:
+        return self.estimate.plan_text
+
+    def prediction(self) -> dict[str, Any]:
+        """What summary.json keeps beside the measurement."""
+        e = self.estimate
+        return {"plan": e.plan_text, "micro_batch": e.micro_batch, "step_time_s": e.step_time_s,
+                "tokens_per_s": e.tokens_per_s, "mem_per_device_gb": e.mem_per_device_bytes / 1e9, "mfu": e.mfu,
+                "plans_priced": self.priced, "cluster": self.cluster.describe()}
+
+    def describe(self) -> str:
+        e = self.estimate
+        micro = f", micro-batch {e.micro_batch}" if e.plan.pp == 1 else ""
+        return (f"plan auto: {e.plan_text}{micro}, the fastest of {self.priced} plans priced for "
+                f"{self.cluster.describe()}; predicted {e.step_time_s:.4g} s per step, {e.tokens_per_s:,.0f} tokens/s, "
+                f"{e.mem_per_device_bytes / 1e9:.3g} GB per device")
+
+
+def choose(model: ModelConfig, *, global_batch: int, seq_len: int, world_size: int, device: str) -> AutoChoice:
+    """The fastest plan that fits, for `world_size` processes on `device` (ValueError if none does)."""
+    cluster, network = local_world(world_size, device)
+    work = Workload(model=model, global_batch=global_batch, seq_len=seq_len)
+    result = search(work, cluster, device=device, network=network, top=1)
+    if not result.plans:
+        raise ValueError(f"plan auto: no plan for {world_size} {device} process(es) fits this model's "
+                         f"{model.num_params() / 1e9:.3g}B parameters with global batch {global_batch} x {seq_len} "
+                         f"({result.priced} priced); valid: more processes, a smaller batch or sequence, or a --plan")
+    return AutoChoice(estimate=result.plans[0], priced=result.priced, cluster=cluster)
+
+
+def local_world(world_size: int, device: str) -> tuple[Cluster, Network | None]:
+    """The cluster this run will have: calibrated CPU processes, or the GPUs torch sees."""
+    if device == "cpu":
+        from shoal.planner.calibrate import calibrate, load_profile, local_cluster, save_profile
+
+        profile = load_profile()
+        if profile is None:
+            print("plan auto: no calibration profile for this machine yet; measuring it (quick mode, about a "
+                  "minute; `shoal plan --calibrate` measures it fully)", file=sys.stderr, flush=True)
+            profile = calibrate(world_sizes=sorted({1, 2, world_size}), quick=True)
+            save_profile(profile)
+        return local_cluster(profile, world_size), CalibratedNetwork(profile, world_size)
+    import torch
+
+    name = torch.cuda.get_device_name()
+    spec = next((v for k, v in GPU_NAMES.items() if k in name), None)
+    if spec is None:
+        raise ValueError(f"plan auto: no spec for GPU {name!r}; valid: {', '.join(d for d in DEVICES if d != 'cpu')} "
+                         "(give a --plan, or price one with shoal plan --cluster FILE.toml)")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    nodes = max(1, world_size // per_node)
+    return parse_cluster(f"{nodes}x{min(per_node, world_size)}x{spec}"), None

@@ -1,0 +1,143 @@
+"""`shoal plan`: rank the plans for a model on a cluster by predicted step time, or price one plan.
+
+The cluster is a spec (`64xA100-80GB`, `2x8xH100`, a TOML file) or `local`: this machine, priced
+from the profile `shoal plan --calibrate` measured (shoal.planner.calibrate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from shoal.plan import Plan
+from shoal.planner.comm import CalibratedNetwork, Network
+from shoal.planner.estimate import Estimate, Workload, estimate
+from shoal.planner.hardware import Cluster, parse_cluster
+from shoal.planner.search import search
+
+GB = 1e9
+
+
+def add_parser(sub: Any) -> None:
+    """The `plan` subcommand's flags."""
+    plan = sub.add_parser("plan", help="predict which parallel plan is fastest, before spending GPU hours",
+                          description="Rank every valid plan for a model on a cluster by predicted step time, with "
+                          "tokens/s, TFLOP/s and MFU per device and memory per device; or price one --plan.")
+    plan.add_argument("--model", default="tiny", help="preset or hf:<dir or config.json> [tiny]")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a model field")
+    plan.add_argument("--cluster", default="local", help="NxDEVICE (8 per node), NODESxPERxDEVICE, a .toml file, "
+                      "or local: this machine from its calibration profile [local]")
+    plan.add_argument("--nproc", type=int, default=None, help="processes with --cluster local [2]")
+    plan.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step [16]")
+    plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence [128]")
+    plan.add_argument("--plan", default=None, help="price this one plan instead of searching")
+    plan.add_argument("--micro-batch", type=int, default=None, help="with --plan: sequences per accumulation "
+                      "pass (no pipeline) [the whole local batch]")
+    plan.add_argument("--top", type=int, default=10, help="plans to show [10]")
+    plan.add_argument("--json", action="store_true", help="print a JSON list of plans, best first")
+    plan.add_argument("--explain", action="store_true", help="print each plan's time and memory terms")
+    plan.add_argument("--calibrate", action="store_true", help="measure this machine (matmul rate, memory "
+                      "bandwidth, gloo collectives at 1, 2 and 4 processes) and store the profile the local "
+                      "cluster is priced from")
+    plan.add_argument("--quick", action="store_true", help="with --calibrate: fewer sizes and repetitions (~1 min)")
+    plan.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shoal.planner.calibrate import calibrate, save_profile
+
+    if args.calibrate:
+        path = save_profile(calibrate(quick=args.quick))
+        print(f"calibration profile written to {path}")
+        return 0
+    work = workload(args.model, args.set, global_batch=args.global_batch, seq_len=args.seq_len)
+    cluster, network = resolve_cluster(args.cluster, args.nproc)
+    device = "cpu" if cluster.device.name == "cpu" else "cuda"
+    started = time.perf_counter()
+    if args.plan is not None:
+        plans = [price(args.plan, work, cluster, network, micro_batch=args.micro_batch)]
+        priced = 1
+    else:
+        if args.micro_batch is not None:
+            raise ValueError("--micro-batch sets one plan's accumulation; give it with --plan, or leave it out "
+                             "and the search tries every micro-batch size")
+        result = search(work, cluster, device=device, network=network, top=args.top)
+        if not result.plans:
+            raise ValueError(f"no plan fits {work.model.num_params() / 1e9:.2f}B parameters on {cluster.describe()} "
+                             f"({result.priced} priced, all over memory); valid: more or larger devices, or a "
+                             "smaller --global-batch / --seq-len")
+        plans, priced = result.plans, result.priced
+    seconds = time.perf_counter() - started
+    if args.json:
+        print(json.dumps([e.to_json() for e in plans], indent=1))
+        return 0
+    print(cluster.describe())
+    print(f"model {args.model}: {work.model.num_params() / 1e9:.3g}B parameters; global batch {work.global_batch} x "
+          f"{work.seq_len} tokens; {priced} plan(s) priced in {seconds:.2f} s")
+    print(format_table(plans))
+    if args.explain:
+        for e in plans:
+            print(explain(e))
+    return 0
+
+
+def workload(model: str, sets: list[str], *, global_batch: int, seq_len: int) -> Workload:
+    """The model shape (preset or hf:, with --set) and batch, checked."""
+    from shoal.train.config import RunConfig, resolve_model
+
+    if global_batch < 1 or seq_len < 1:
+        raise ValueError(f"--global-batch {global_batch} and --seq-len {seq_len} must both be >= 1")
+    cfg = resolve_model(RunConfig(model=model, set=tuple(sets)))
+    return Workload(model=cfg, global_batch=global_batch, seq_len=seq_len)
+
+
+def resolve_cluster(spec: str, nproc: int | None) -> tuple[Cluster, Network | None]:
+    """The cluster a spec names, and the network to price it on (the calibrated one for `local`)."""
+    from shoal.planner.calibrate import load_profile, local_cluster
+
+    if spec != "local":
+        if nproc is not None:
+            raise ValueError(f"--nproc {nproc} is for --cluster local; a cluster spec such as {spec!r} names its size")
+        return parse_cluster(spec), None
+    world = nproc if nproc is not None else 2
+    if world < 1:
+        raise ValueError(f"--nproc {world} is not valid; it must be >= 1")
+    profile = load_profile()
+    if profile is None:
+        raise ValueError("--cluster local needs this machine's profile; run `shoal plan --calibrate` first "
+                         "(about 3 minutes; --quick: 1), or give a cluster spec such as 8xA100-80GB")
+    return local_cluster(profile, world), CalibratedNetwork(profile, world)
+
+
+def price(text: str, work: Workload, cluster: Cluster, network: Network | None, *,
+          micro_batch: int | None = None) -> Estimate:
+    """One plan's estimate, after the same checks `shoal train` runs."""
+    device = "cpu" if cluster.device.name == "cpu" else "cuda"
+    plan = Plan.parse(text).resolve(cluster.world_size, device)
+    plan.validate(work.model, global_batch=work.global_batch, seq_len=work.seq_len)
+    local = work.global_batch // plan.data_ranks
+    if micro_batch is not None and (plan.pp > 1 or micro_batch < 1 or local % micro_batch):
+        raise ValueError(f"--micro-batch {micro_batch} does not divide the {local} sequences each data rank gets "
+                         f"(or the plan has a pipeline, whose micro-batches are mb=); valid: divisors of {local}")
+    return estimate(plan, work, cluster, micro_batch=micro_batch, network=network)
+
+
+def format_table(plans: list[Estimate]) -> str:
+    head = f"{'#':>3}  {'plan':<44} {'mbs':>4} {'step s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7}"
+    rows = [head]
+    for i, e in enumerate(plans, 1):
+        fits = "" if e.fits else "  (over memory)"
+        rows.append(f"{i:>3}  {e.plan_text:<44} {e.micro_batch:>4} {e.step_time_s:>9.4g} {e.tokens_per_s:>10.4g} "
+                    f"{e.tflops_per_device:>8.3g} {e.mfu:>6.1%} {e.mem_per_device_bytes / GB:>7.3g}{fits}")
+    return "\n".join(rows)
+
+
+def explain(e: Estimate) -> str:
+    """A plan's terms: where the step time goes and what fills the memory."""
+    lines = [f"\n{e.plan_text} (engine {e.engine}, micro-batch {e.micro_batch}):"]
+    lines += [f"  time   {k:<22} {v:10.4g} s  {v / e.step_time_s:6.1%}" for k, v in e.time.items() if v]
+    lines += [f"  data   {k:<22} {v:10.4g} s  (before overlap)" for k, v in e.traffic.items() if v]
+    lines += [f"  memory {k:<22} {v / GB:10.4g} GB" for k, v in e.memory.items() if v]
+    return "\n".join(lines)

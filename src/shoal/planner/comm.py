@@ -1,0 +1,68 @@
+"""Collective times from an alpha-beta model, and the network a cost estimate prices them on.
+
+A collective over n ranks moving a buffer of `nbytes` costs alpha per message step plus its bytes
+on the wire over the link's achievable bandwidth. Ring algorithms (what NCCL uses for large
+buffers) move (n-1)/n of the buffer per rank for all-gather, reduce-scatter and all-to-all and
+twice that for all-reduce, in n-1 (all-reduce: 2(n-1)) steps (Thakur, Rabenseifner and Gropp
+2005, "Optimization of Collective Communication Operations in MPICH", section 4; the same factors
+are nccl-tests' "bus bandwidth", NVIDIA nccl-tests doc/PERFORMANCE.md).
+
+`nbytes` is always the whole logical buffer: all-reduce's tensor, all-gather's output,
+reduce-scatter's input, all-to-all's input on one rank, a point-to-point message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from shoal.planner.calibrate import Profile, collective_time
+from shoal.planner.hardware import Cluster
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+
+
+def ring_time(kind: str, n: int, nbytes: float, *, bandwidth: float, latency: float) -> float:
+    """Seconds for one collective of `kind` over `n` ranks (see the module docstring)."""
+    if kind not in KINDS:
+        raise ValueError(f"collective {kind!r} is not valid; valid: {', '.join(KINDS)}")
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if kind == "send_recv":
+        return latency + nbytes / bandwidth
+    if kind == "broadcast":  # pipelined along a ring: the buffer crosses each link once
+        return (n - 1) * latency + nbytes / bandwidth
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * ((n - 1) * latency + (n - 1) / n * nbytes / bandwidth)
+
+
+class Network(Protocol):
+    """Prices one collective over a group of `n` ranks spaced `stride` apart in rank order."""
+
+    def time(self, kind: str, n: int, nbytes: float, *, stride: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class RingNetwork:
+    """A cluster's links priced by the ring formulas: a group runs at its slowest link's speed."""
+
+    cluster: Cluster
+
+    def time(self, kind: str, n: int, nbytes: float, *, stride: int) -> float:
+        link = self.cluster.link(n, stride)
+        return ring_time(kind, n, nbytes, bandwidth=link.achievable, latency=link.latency)
+
+
+@dataclass(frozen=True)
+class CalibratedNetwork:
+    """This machine's collectives as `shoal plan --calibrate` measured them (gloo's algorithms are not
+    NCCL's rings, so the measured fit is used directly). A group inside a larger run is priced at the
+    run's world size: on a shared CPU every process of the run competes for the same cores."""
+
+    profile: Profile
+    world_size: int
+
+    def time(self, kind: str, n: int, nbytes: float, *, stride: int) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return collective_time(self.profile, kind, max(n, self.world_size), nbytes)

@@ -1,0 +1,118 @@
+"""FLOPs and memory traffic of one transformer block per token: pure functions of the model shape.
+
+Matrix multiplies cost 2 FLOPs per multiply-add (Kaplan et al. 2020, "Scaling Laws", table 1);
+a backward pass costs twice its forward (one product for the input gradient, one for the
+weight gradient; Narayanan et al. 2021, section 5.1). Attention adds QK^T and AV, 2 * 2 * T *
+D_attn FLOPs per token over the whole context; a causal kernel that skips masked blocks
+(FlashAttention, Dao 2022) does half of that. Activation recompute repeats a forward: the whole
+block under full recompute, the attention core only under selective recompute (Korthikanti et
+al. 2022, "Reducing Activation Recomputation", section 5).
+
+Elementwise work (norms, residual adds, RoPE, the gated activation, softmax when it is not
+fused) is memory-bound: its cost is the bytes it reads and writes over the memory bandwidth
+(the roofline, Williams et al. 2009). Counts below are per token and per element read or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.models.config import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockWork:
+    """One block's forward work for one token, split the way the cost model prices it."""
+
+    matmul: float
+    """FLOPs in the weight matrix multiplies (divided by tp when tensor-parallel)."""
+    attention: float
+    """FLOPs in QK^T and AV over the token's context."""
+    elementwise: float
+    """Elements read or written by memory-bound ops (priced in bytes by the dtype)."""
+
+
+def mlp_matmul_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one dense FFN: 2 per weight (three matrices for SwiGLU)."""
+    return 2.0 * (3 if cfg.activation == "swiglu" else 2) * cfg.dim * cfg.ffn_dim
+
+
+def attention_matmul_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of the Q, K, V and output projections (grouped K/V heads smaller)."""
+    q_out = cfg.num_heads * cfg.head_dim
+    kv_out = cfg.kv_heads * cfg.head_dim
+    return 2.0 * cfg.dim * (2 * q_out + 2 * kv_out)
+
+
+def attention_core_flops(cfg: ModelConfig, context: int, *, causal_skip: bool) -> float:
+    """Forward FLOPs per token of QK^T and AV over `context` keys; half when masked blocks are skipped."""
+    full = 4.0 * context * cfg.num_heads * cfg.head_dim
+    return full / 2 if causal_skip else full
+
+
+def experts_per_token(cfg: ModelConfig) -> float:
+    """FFNs a token passes through in an MoE layer: top-k (or one per prototype group) plus shared."""
+    routed = cfg.num_prototypes if cfg.num_prototypes else cfg.top_k
+    return routed + cfg.num_shared_experts
+
+
+def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool, fused_attention: bool,
+               compiled: bool = True) -> BlockWork:
+    """Forward work per token of block `index` (MoE or dense FFN) at sequence length `seq_len`.
+
+    `compiled`: elementwise ops fused into one kernel per region (torch.compile, or hand-fused
+    kernels as Megatron-LM has), so each tensor is read and written once; eager PyTorch runs shoal's
+    block op by op (RMSNorm's pow/mean/rsqrt/mul/mul, RoPE's eight products and sums in fp32, the
+    GQA repeat, the head transposes), which moves the elements counted in `_eager_elements`."""
+    D, F = cfg.dim, cfg.ffn_dim
+    moe = cfg.is_moe_layer(index)
+    ffns = experts_per_token(cfg) if moe else 1
+    matmul = attention_matmul_flops(cfg) + ffns * mlp_matmul_flops(cfg)
+    if moe:
+        matmul += 2.0 * D * cfg.num_experts  # the router
+    q_kv = cfg.num_heads * cfg.head_dim + 2 * cfg.kv_heads * cfg.head_dim
+    if compiled:
+        # Two norms (read x, write y) and two residual adds (read 2, write 1); RoPE reads and writes
+        # q and k; attention reads q, k, v and writes its output.
+        elementwise = 2 * 2 * D + 2 * 3 * D + 2 * q_kv + q_kv + D
+        # The gated activation reads gate and up and writes their product (GELU: read 1, write 1).
+        elementwise += ffns * (3 * F if cfg.activation == "swiglu" else 2 * F)
+    else:
+        elementwise = _eager_elements(cfg, ffns)
+    if not fused_attention:
+        # Unfused attention writes the scores, softmax reads and writes them, AV reads them:
+        # four passes over the token's row of scores per head (causal mask applied in place).
+        elementwise += 4 * cfg.num_heads * seq_len
+    return BlockWork(matmul=matmul, attention=attention_core_flops(cfg, seq_len, causal_skip=causal_skip),
+                     elementwise=float(elementwise))
+
+
+def _eager_elements(cfg: ModelConfig, ffns: float) -> float:
+    """Elements read and written per token by shoal's block run op by op (shoal.models.transformer)."""
+    D, F = cfg.dim, cfg.ffn_dim
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    norms = 2 * 7 * D  # pow (r, w), mean (r), x * rsqrt (r, w), * weight (r, w), per norm
+    rope = 12 * (q + kv) if cfg.pos_emb == "rope" else 0  # to fp32, 4 products, 2 sums, stack, cast
+    grouped = 2 * 2 * q if kv < q else 0  # repeat_interleave of k and v to every head
+    heads = 2 * q  # the attention output's transpose copied back to (B, T, D)
+    residual = 2 * 3 * D
+    act = 5 * F if cfg.activation == "swiglu" else 4 * F  # silu (r, w) then the product (r 2, w 1)
+    return norms + rope + grouped + heads + residual + ffns * act + 3 * (q + 2 * kv)  # + attention's reads
+
+
+def head_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of the output projection onto the vocabulary."""
+    return 2.0 * cfg.dim * cfg.vocab_size
+
+
+def train_multiplier(ac: str, *, part: str) -> float:
+    """Forward passes' worth of work in one training step: 1 forward + 2 backward, plus the
+    recompute: full repeats every forward part, selective only the attention core."""
+    recompute = ac == "full" or (ac == "selective" and part == "attention")
+    return 3.0 + (1.0 if recompute else 0.0)
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The FLOPs a step is credited with for MFU: 6N + 12 L H Q T (PaLM, Chowdhery et al. 2022,
+    appendix B), whatever recompute or causal skipping the run actually does."""
+    return cfg.flops_per_token(seq_len)

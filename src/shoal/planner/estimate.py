@@ -1,0 +1,330 @@
+"""One plan's predicted step time, throughput and memory per device: the cost model put together.
+
+The engine that runs the plan's data axes is the runtime's own choice (shoal.parallel.choice),
+so what is priced is what will run. Times are per step on the busiest rank:
+
+- compute: each block's matrix FLOPs over the device's achievable matmul rate, its elementwise
+  bytes over the memory bandwidth (shoal.planner.compute), times 3 for forward and backward plus
+  the recompute;
+- tensor parallel: per block 2 all-reduces forward and 2 backward, or with sequence parallelism
+  an all-gather and a reduce-scatter in their place (Korthikanti et al. 2022, section 4.2.2);
+- context parallel: the ring passes K and V cp-1 times forward (K, V and their gradients
+  backward), each hop hidden behind the attention of the chunk before (Liu et al. 2023, "Ring
+  Attention", section 3);
+- expert parallel: two all-to-alls forward and two backward per MoE layer (Lepikhin et al. 2020,
+  "GShard", section 3.2);
+- pipeline: one point-to-point per stage boundary each way per micro-batch, and the bubble of the
+  schedule (shoal.parallel.schedules): (p-1)(F+B) for GPipe and 1F1B, divided by v interleaved,
+  (p-1)F for ZB-H1 (Qi et al. 2023, section 3, with B split evenly into input and weight halves);
+- data axes: gradients reduced (and ZeRO-3 parameters gathered) over the data ranks, hidden
+  behind backward on devices whose collectives overlap compute, then the optimizer step, which
+  is memory-bound (Adam reads and writes 28 bytes per parameter, the norm for clipping 4 more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.models.config import ModelConfig
+from shoal.parallel.choice import choose_engine
+from shoal.plan import DEVICE_DEFAULTS, Plan
+from shoal.planner import compute, memory
+from shoal.planner.comm import Network, RingNetwork
+from shoal.planner.hardware import Cluster
+
+OPTIMIZER_BYTES = 28 + 4 * 2
+"""Bytes an Adam step moves per parameter: read weight, gradient, two moments (16), write the weight
+and the moments (12), and read the gradient twice for the clipping norm and the scaling (8)."""
+OPS_PER_BLOCK = {False: 48, True: 10}
+"""Host-side ops per block forward (each with its backward) in eager mode and compiled: shoal's
+block runs 6 per norm, 43 for attention with RoPE (views counted at half), 5 for the FFN and 4
+residual adds and dropouts; compiled, one graph launches about ten fused kernels."""
+OPS_PER_PARAMETER = 3
+"""Host ops per parameter tensor per step outside forward and backward: the clipping norm, the
+optimizer's per-tensor update, zeroing the gradient."""
+RESERVED_BYTES = 2**30
+"""Device memory no tensor can use: the CUDA context, cuBLAS workspaces and NCCL buffers (~1 GiB
+on current GPUs; PyTorch "Understanding CUDA memory usage" notes). None on a CPU."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one training step does, whatever the plan: the model and the global batch."""
+
+    model: ModelConfig
+    global_batch: int
+    """Sequences per optimizer step."""
+    seq_len: int
+    fused_attention: bool = True
+    """Attention in one kernel that skips masked blocks and keeps no scores (FlashAttention, which
+    PyTorch's SDPA runs and shoal calls); False for the unfused QK^T / softmax / AV of trainers before
+    it (Megatron-LM until 2022), which computes and stores the whole T x T score matrix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """The cost model's prediction for one plan."""
+
+    plan: Plan
+    micro_batch: int
+    """Sequences per micro-batch on one data rank (a pipeline's micro-batch, or one pass of
+    gradient accumulation)."""
+    engine: str
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    mem_per_device_bytes: float
+    fits: bool
+    time: dict[str, float] = field(default_factory=dict)
+    """The step time's terms in seconds; they add up to step_time_s."""
+    memory: dict[str, float] = field(default_factory=dict)
+    """The peak memory's terms in bytes on the busiest device, before the fragmentation margin."""
+    traffic: dict[str, float] = field(default_factory=dict)
+    """Seconds of each data-axis collective per step, hidden or not (`time` holds what is exposed)."""
+
+    @property
+    def plan_text(self) -> str:
+        """The plan as `--plan` takes it, leaving out what the device's defaults fill in."""
+        defaults = DEVICE_DEFAULTS["cpu" if self.plan.precision == "fp32" and not self.plan.compile else "cuda"]
+        shown = dataclasses.replace(self.plan, **{k: None for k, v in defaults.items() if getattr(self.plan, k) == v})
+        return str(shown)
+
+    def to_json(self) -> dict[str, Any]:
+        """The keys `shoal plan --json` prints for one plan."""
+        gb = 1e9
+        return {
+            "plan": self.plan_text, "micro_batch": self.micro_batch, "engine": self.engine,
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "tflops_per_device": self.tflops_per_device, "mfu": self.mfu,
+            "mem_per_device_gb": self.mem_per_device_bytes / gb, "fits": self.fits,
+            "breakdown": {**{f"{k}_s": v for k, v in self.time.items()},
+                          **{f"{k}_gb": v / gb for k, v in self.memory.items()},
+                          **{f"traffic_{k}_s": v for k, v in self.traffic.items()}},
+        }
+
+
+def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int | None = None,
+             network: Network | None = None) -> Estimate:
+    """Predict a resolved plan's step on `cluster` (`micro_batch`: sequences per accumulation pass
+    when the plan has no pipeline; default the whole local batch)."""
+    assert plan.dp is not None and plan.precision is not None, "resolve the plan first"
+    cfg, S = work.model, work.seq_len
+    local = work.global_batch // plan.data_ranks
+    micro = plan.micro_batches if plan.pp > 1 else local // (micro_batch or local)
+    b = local // micro  # sequences per micro-batch
+    net = network or RingNetwork(cluster)
+    engine = choose_engine(plan, num_layers=cfg.num_layers)
+    cost = _Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention)
+    first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
+    stages = [(0, first, plan.pp == 1), (cfg.num_layers - last, cfg.num_layers, True)]
+    per_stage = [cost.stage(lo, hi, head=head) for lo, hi, head in stages]
+    fwd, bwd, terms = max(per_stage, key=lambda s: s[0] + s[1])
+    steady = micro * (fwd + bwd)
+    bubble = _bubble(plan, fwd, bwd)
+    time = {k: micro * v for k, v in terms.items()}
+    time["pp_bubble"] = bubble
+    params, experts = cost.params_per_rank(first if first >= last else last, head=plan.pp == 1 or last >= first)
+    grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
+                                           units=max(engine.units, 4), compute=steady)
+    time["dp_sync_exposed"] = grads_exposed
+    shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
+    stored = params / (shards if engine.zero >= 1 else 1) + experts
+    time["optimizer"] = stored * OPTIMIZER_BYTES / cluster.device.memory_bw + cost.op_overhead * OPS_PER_PARAMETER * (
+        9 * cfg.num_layers / plan.pp + 3)
+    step = steady + bubble + grads_exposed + time["optimizer"]
+    mem = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro, b, stages)
+    peak = sum(mem.values()) * memory.FRAGMENTATION
+    usable = cluster.device.memory_bytes - (0 if cluster.device.name == "cpu" else RESERVED_BYTES)
+    tokens = work.global_batch * S
+    flops = compute.model_flops_per_token(cfg, S) * tokens / step / plan.world_size
+    return Estimate(plan=plan, micro_batch=b, engine=engine.kind, step_time_s=step, tokens_per_s=tokens / step,
+                    tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster)],
+                    mem_per_device_bytes=peak, fits=peak <= usable, time=time, memory=mem, traffic=sync)
+
+
+def _dtype(plan: Plan, cluster: Cluster) -> str:
+    peak = cluster.device.peak_flops
+    return plan.precision if plan.precision in peak else "fp16"
+
+
+def _stage_layers(num_layers: int, pp: int, *, head_blocks: float) -> tuple[int, int]:
+    """(blocks on the busiest non-last stage, blocks on the last stage) of the balanced split
+    (the last stage also runs the head, worth `head_blocks` blocks; split_layers balances the same way)."""
+    if pp == 1:
+        return num_layers, num_layers
+    best = (math.inf, 0, 0)
+    for last in range(1, num_layers - pp + 2):
+        first = -(-(num_layers - last) // (pp - 1))
+        worst = max(first, last + head_blocks)
+        if worst < best[0]:
+            best = (worst, first, last)
+    return best[1], best[2]
+
+
+def _bubble(plan: Plan, fwd: float, bwd: float) -> float:
+    p = plan.pp
+    if p == 1:
+        return 0.0
+    if plan.sched == "zb":
+        return (p - 1) * fwd
+    if plan.sched == "interleaved":
+        return (p - 1) * (fwd + bwd) / plan.vpp
+    return (p - 1) * (fwd + bwd)
+
+
+class _Costs:
+    """Per-rank costs of one micro-batch under one plan (the pieces `estimate` adds up)."""
+
+    def __init__(self, plan: Plan, cfg: ModelConfig, cluster: Cluster, net: Network, *, tokens: float,
+                 seq_len: int, fused: bool) -> None:
+        self.fused = fused
+        self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
+        self.rate = cluster.device.flops(_dtype(plan, cluster))
+        # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate
+        self.attention_rate = cluster.device.attention_flops(_dtype(plan, cluster)) if fused else self.rate
+        self.mem_bw = cluster.device.memory_bw
+        self.bytes = 4.0 if plan.precision == "fp32" else 2.0
+        self.overlap = 0.0 if cluster.device.name == "cpu" else 1.0
+        # A GPU's host queues kernels ahead of the device (hidden); a CPU's cores run both.
+        self.op_overhead = cluster.device.op_overhead if cluster.device.name == "cpu" else 0.0
+        # Collectives on a CPU share its cores with compute (gloo's thread): little hides (MACHINE-FACTS).
+        self.stride = {"tp": 1, "cp": plan.tp, "fsdp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.fsdp,
+                       "pp": plan.tp * plan.cp * plan.fsdp * (plan.dp or 1), "ep": plan.tp}
+        work = {moe: compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=seq_len,
+                                        causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
+                for moe in (False, True)}
+        self.work = work
+
+    def head_in_blocks(self) -> float:
+        dense = self.work[False]
+        return compute.head_flops(self.cfg) / (dense.matmul + dense.attention)
+
+    def _moe_count(self, lo: int, hi: int) -> int:
+        return sum(self.cfg.is_moe_layer(i) for i in range(lo, hi))
+
+    def stage(self, lo: int, hi: int, *, head: bool) -> tuple[float, float, dict[str, float]]:
+        """(forward, backward, terms per micro-batch) of blocks lo..hi-1 (and the head)."""
+        p, T, tp = self.plan, self.tokens, self.plan.tp
+        moe = self._moe_count(lo, hi)
+        blocks = [(self.work[True], moe), (self.work[False], hi - lo - moe)]
+        mm = sum(w.matmul * n for w, n in blocks) * T / tp / self.rate
+        attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate
+        elem = sum(w.elementwise * n for w, n in blocks) * T * self.bytes / tp / self.mem_bw
+        if head:
+            mm += compute.head_flops(self.cfg) * T / tp / self.rate
+            elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
+        recompute = (mm + attn + elem) if p.ac == "full" else (attn if p.ac == "selective" else 0.0)
+        ops = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
+        host = ops * self.op_overhead
+        n = hi - lo
+        act = T * self.cfg.dim * self.bytes
+        if tp > 1 and p.sp:
+            tp_fwd = 2 * (self.net.time("all_gather", tp, act, stride=1) + self.net.time("reduce_scatter", tp, act, stride=1))
+        else:
+            tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
+        tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
+        cp_comm = n * self._ring(attn / max(n, 1))
+        routed = compute.experts_per_token(self.cfg) - self.cfg.num_shared_experts
+        ep_comm = moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"]) if p.ep > 1 else 0.0
+        p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if p.sp and tp > 1 else 1),
+                                    stride=self.stride["pp"]) if p.pp > 1 else 0.0
+        terms = {"compute_matmul": 3 * mm, "compute_attention": 3 * attn, "compute_elementwise": 3 * elem,
+                 "recompute": recompute, "tp_comm": tp_comm, "cp_comm_exposed": cp_comm, "ep_comm": ep_comm,
+                 "pp_p2p": 2 * p2p, "host_overhead": host}
+        fwd = mm + attn + elem + n * tp_fwd + cp_comm / 3 + ep_comm / 2 + p2p + host / 3
+        return fwd, sum(terms.values()) - fwd, terms
+
+    def _ring(self, attn_fwd: float) -> float:
+        """Exposed ring time of one block (forward + backward) given its attention's forward time."""
+        cp = self.plan.cp
+        if cp == 1:
+            return 0.0
+        kv = self.tokens * 2 * self.cfg.kv_heads * self.cfg.head_dim * self.bytes / self.plan.tp
+        hop = self.net.time("send_recv", 2, kv, stride=self.stride["cp"])
+        # each hop hides behind one chunk's attention (1/cp of the block's); backward moves twice the bytes
+        return (cp - 1) * (max(0.0, hop - attn_fwd / cp) + max(0.0, 2 * hop - 2 * attn_fwd / cp))
+
+    def params_per_rank(self, blocks: int, *, head: bool) -> tuple[float, float]:
+        """(dense parameters, expert parameters) one rank of the busiest stage holds."""
+        cfg, p = self.cfg, self.plan
+        D, F = cfg.dim, cfg.ffn_dim
+        attn = compute.attention_matmul_flops(cfg) / 2
+        mlp = compute.mlp_matmul_flops(cfg) / 2
+        moe = round(blocks * self._moe_count(0, cfg.num_layers) / cfg.num_layers)
+        moe_sets = 1 if cfg.share_moe and moe else moe
+        dense = blocks * (attn + 2 * D) + (blocks - moe) * mlp + moe * (D * cfg.num_experts + cfg.num_shared_experts * mlp)
+        embed = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
+        dense += embed if p.pp == 1 else (embed / 2 if head else 0)
+        experts = moe_sets * cfg.num_experts * mlp / p.ep
+        return dense / p.tp, experts / p.tp
+
+    def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
+                  compute: float) -> tuple[float, dict[str, float]]:
+        """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic."""
+        p, net = self.plan, self.net
+        grad = 4.0 if p.reduce == "fp32" else 2.0
+        dp, fsdp = p.dp or 1, p.fsdp
+        terms: dict[str, float] = {}
+        if kind == "ddp" or (kind == "fsdp2" and fsdp == 1):
+            terms["dp_allreduce"] = net.time("all_reduce", dp, (params + experts) * grad, stride=self.stride["dp"])
+        elif kind in ("zero", "fsdp2"):
+            # ZeRO-2 and -3 reduce every micro-batch's gradients, ZeRO-1 only the last's
+            # (shoal.parallel.data); ZeRO-3 gathers each unit in forward and again in backward,
+            # FSDP2 at zero=1/2 once per micro-batch, shoal's ZeRO-1/2 engine once per step.
+            reduces = 1 if zero == 1 else micro
+            gathers = {3: 2 * micro}.get(zero, micro if kind == "fsdp2" else 1)
+            terms["fsdp_reduce_scatter"] = reduces * net.time("reduce_scatter", fsdp, params * grad,
+                                                              stride=self.stride["fsdp"])
+            terms["fsdp_all_gather"] = gathers * net.time("all_gather", fsdp, params * self.bytes,
+                                                          stride=self.stride["fsdp"])
+            if dp > 1:
+                terms["dp_allreduce"] = reduces * net.time("all_reduce", dp, params * grad / fsdp,
+                                                           stride=self.stride["dp"])
+            if experts and p.ep < p.data_ranks:
+                terms["expert_allreduce"] = net.time("all_reduce", p.data_ranks // p.ep, experts * grad,
+                                                     stride=p.ep * p.tp)  # the replicas outside each ep group
+        total = sum(terms.values())
+        # Bucketed (DDP) or per-unit (ZeRO) traffic hides behind compute, all but its last piece.
+        hidden = min(self.overlap * compute, total * (1 - 1 / (units + 1)))
+        return max(0.0, total - hidden), terms
+
+
+def _dense_index(cfg: ModelConfig) -> int:
+    return next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), 0)
+
+
+def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bucket: int, params: float,
+            experts: float, micro: int, b: int, stages: list[tuple[int, int, bool]]) -> dict[str, float]:
+    """The busiest device's memory terms in bytes."""
+    pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
+    shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
+    dense = memory.model_state_bytes(params, shards=shards, stage=zero, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
+    expert = memory.model_state_bytes(experts, shards=1, stage=0, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
+    tokens = cost.tokens  # of one micro-batch on this rank
+    worst: dict[str, float] = {}
+    for lo, hi, head in stages:
+        moe = cost._moe_count(lo, hi)
+        act = sum(memory.activation_elements(cfg, i, seq_len=cost.seq_len, tp=plan.tp,
+                                             sp=plan.sp, ac=plan.ac, fused_attention=cost.fused)
+                  for i in ((cfg.moe_every - 1,) * moe + (_dense_index(cfg),) * (hi - lo - moe)))
+        held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)
+        if plan.ac == "full":  # the block being recomputed holds its full activations
+            held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=plan.sp, ac="none",
+                                               fused_attention=cost.fused) * tokens * cost.bytes
+        logits = memory.logits_bytes(cfg, tokens, tp=plan.tp) if head else 0.0
+        if held + logits > worst.get("activations", 0) + worst.get("logits", 0):
+            worst = {"activations": held, "logits": logits}
+    layer = params / max(1, cfg.num_layers // plan.pp)
+    transient = 0.0
+    if kind == "fsdp2" and zero == 3:
+        transient = 2 * bucket * layer * cost.bytes + bucket * layer * 4  # gathered units, one unit's grads
+        if micro > 1:
+            transient += params * 4  # unsharded gradients accumulate while the sync waits
+    elif kind == "ddp":
+        transient = params * gb  # DDP's bucket copies of the gradients
+    return {"parameters": dense[0] + expert[0], "gradients": dense[1] + expert[1],
+            "optimizer": dense[2] + expert[2], **worst, "transient": transient}

@@ -1,0 +1,350 @@
+"""Hardware as data: what one device computes and moves, and how a cluster of them is wired.
+
+The planner's cost formulas read only these numbers, so a prediction for a machine you do not
+have is as good as its data sheet here, and a prediction for this machine is as good as its
+calibration (`shoal plan --calibrate` replaces the numbers with measured ones). Every table
+names its sources; every efficiency is the fraction of a nominal figure that large operations
+reach in practice. Units are FLOP/s, bytes, bytes/s and seconds; the tables convert with the
+named constants below. No torch import, so `shoal plan` answers at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the standard library has no TOML reader yet
+    tomllib = None
+
+TERA = 1e12  # FLOP/s per TFLOP/s
+GB = 1e9  # bytes per GB: data sheets quote bandwidth in decimal gigabytes
+GiB = 2**30  # bytes per GiB: device memory is sized in binary gibibytes
+US = 1e-6  # seconds per microsecond
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One level of interconnect as seen by one device: the alpha-beta cost model's numbers."""
+
+    bandwidth: float  # bytes/s per device, one direction, nominal (data sheet)
+    efficiency: float  # fraction of `bandwidth` large collectives reach (nccl-tests bus bw / nominal)
+    latency: float  # seconds per message step (alpha)
+    name: str  # "NVLink 3", "InfiniBand HDR", "gloo (calibrated)"
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"link {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"link {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        if not self.latency >= 0:
+            raise ValueError(f"link {self.name!r}: latency must be >= 0 s, got {self.latency}")
+
+    @property
+    def achievable(self) -> float:
+        """Bytes/s per device that large collectives reach."""
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or one CPU process) and the links of the node it usually sits in."""
+
+    name: str  # "A100-80GB"
+    peak_flops: dict[str, float]  # dense matmul peak FLOP/s per compute dtype; absent = unsupported
+    matmul_efficiency: float  # fraction of peak that a large GEMM reaches
+    memory_bytes: int  # device memory
+    memory_bw: float  # device memory bytes/s
+    intra: Link  # the usual link inside a node
+    inter: Link  # the usual network across nodes, per device
+    per_node: int = 8  # devices per node by default
+    source: str  # where the numbers come from
+    op_overhead: float = 0.0
+    """Host seconds per eager op beyond its arithmetic (dispatch, autograd bookkeeping), backward
+    included. On a CPU the same cores run the ops, so it adds to the step; on a GPU the host
+    queues kernels ahead of the device and it is hidden unless it exceeds the device's time."""
+    attention_efficiency: float | None = None
+    """Fraction of peak the fused attention kernel PyTorch's SDPA picks reaches, forward and backward
+    together (None: the matmul efficiency). Attention runs well below GEMMs: FlashAttention-2
+    reaches ~0.6 of A100 peak and ~0.35 of H100's (Dao 2023, figures 5-7; Shah et al. 2024,
+    "FlashAttention-3", figure 1 for FA2 on H100); pre-Ampere GPUs have only the memory-efficient
+    kernel (xFormers, Rabe and Staats 2021), ~0.3 of fp16 peak."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", dict(self.peak_flops))  # never shared between specs
+        bad = [k for k in self.peak_flops if k not in DTYPES or not self.peak_flops[k] > 0]
+        if not self.peak_flops or bad:
+            raise ValueError(f"device {self.name!r}: peak_flops needs positive rates keyed by "
+                             f"{', '.join(DTYPES)}; got {self.peak_flops}")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"device {self.name!r}: matmul_efficiency must be in (0, 1], "
+                             f"got {self.matmul_efficiency}")
+        if not (self.memory_bytes > 0 and self.memory_bw > 0 and self.per_node >= 1):
+            raise ValueError(f"device {self.name!r}: memory_bytes, memory_bw and per_node must be positive")
+
+    def flops(self, dtype: str) -> float:
+        """Achievable matmul FLOP/s in `dtype`. bf16 on a device without it is costed at the fp16
+        rate, the rate the same run switched to fp16 would get."""
+        key = "fp16" if dtype == "bf16" and "bf16" not in self.peak_flops else dtype
+        if key not in self.peak_flops:
+            valid = [d for d in DTYPES if d in self.peak_flops or (d == "bf16" and "fp16" in self.peak_flops)]
+            raise ValueError(f"{self.name} has no {dtype!r} matmul rate; valid: {', '.join(valid)}")
+        return self.peak_flops[key] * self.matmul_efficiency
+
+    def attention_flops(self, dtype: str) -> float:
+        """Achievable FLOP/s of the attention kernel (QK^T, softmax, AV) in `dtype`."""
+        efficiency = self.attention_efficiency or self.matmul_efficiency
+        return self.flops(dtype) / self.matmul_efficiency * efficiency
+
+
+def _nvlink(generation: int, total_gbs: float, efficiency: float) -> Link:
+    # NVLink data sheets add both directions together; a Link is one direction.
+    return Link(name=f"NVLink {generation}", bandwidth=total_gbs / 2 * GB, efficiency=efficiency, latency=5e-6)
+
+
+def _infiniband(kind: str, gbit_per_nic: int, nics_per_8_devices: int, efficiency: float) -> Link:
+    per_device = gbit_per_nic / 8 * GB * nics_per_8_devices / 8
+    return Link(name=f"InfiniBand {kind}", bandwidth=per_device, efficiency=efficiency, latency=10e-6)
+
+
+# Efficiencies: NVLink ~0.75-0.8 and InfiniBand ~0.85-0.9 are the bus bandwidth nccl-tests
+# all_reduce_perf reports at large sizes over the nominal per-direction figure on DGX systems;
+# matmul ~0.8 is what cuBLAS reaches on large square GEMMs. Older parts get the lower ends.
+_NCCL = "efficiencies: nccl-tests all_reduce_perf bus bandwidth on DGX systems; matmul: large cuBLAS GEMMs"
+_DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
+_DGX_A100_IB = _infiniband("HDR", 200, 8, 0.9)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
+_DGX_H100_IB = _infiniband("NDR", 400, 8, 0.9)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
+_A100 = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
+             matmul_efficiency=0.8, attention_efficiency=0.6, intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
+_H100 = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
+             matmul_efficiency=0.81, attention_efficiency=0.35, intra=_nvlink(4, 900, 0.8), inter=_DGX_H100_IB)
+
+
+def _cpu() -> DeviceSpec:
+    """One CPU process on one thread talking gloo. These are modest placeholders so that a plan
+    can be ranked without a GPU; real numbers come from calibration (`shoal plan --calibrate`)."""
+    return DeviceSpec(
+        name="cpu", peak_flops={d: 50e9 for d in DTYPES}, matmul_efficiency=1.0, op_overhead=10e-6,
+        memory_bytes=16 * GiB, memory_bw=10 * GB,
+        intra=Link(name="gloo loopback", bandwidth=2 * GB, efficiency=1.0, latency=200e-6),
+        inter=Link(name="gloo over 10 GbE", bandwidth=1.25 * GB, efficiency=0.7, latency=500e-6),
+        source="placeholder for one 1-thread process; calibrate for real numbers")
+
+
+DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
+    DeviceSpec(name="P100-16GB", peak_flops={"fp32": 10.6 * TERA, "fp16": 21.2 * TERA},
+               matmul_efficiency=0.75, attention_efficiency=0.3, memory_bytes=16 * GiB, memory_bw=732 * GB,
+               intra=_nvlink(1, 160, 0.75), inter=_DGX1_IB,
+               source=f"NVIDIA Tesla P100 SXM2 data sheet; DGX-1 data sheet; {_NCCL}"),
+    DeviceSpec(name="V100-32GB", peak_flops={"fp32": 15.7 * TERA, "fp16": 125 * TERA},
+               matmul_efficiency=0.75, attention_efficiency=0.3, memory_bytes=32 * GiB, memory_bw=900 * GB,
+               intra=_nvlink(2, 300, 0.75), inter=_DGX1_IB,
+               source=f"NVIDIA Tesla V100 SXM2 data sheet; DGX-1 (V100) data sheet; {_NCCL}"),
+    DeviceSpec(name="A100-40GB", memory_bytes=40 * GiB, memory_bw=1555 * GB, **_A100,
+               source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); DGX A100 data sheet; {_NCCL}"),
+    DeviceSpec(name="A100-80GB", memory_bytes=80 * GiB, memory_bw=2039 * GB, **_A100,
+               source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); DGX A100 data sheet; {_NCCL}"),
+    DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=3350 * GB, **_H100,
+               source=f"NVIDIA H100 SXM5 data sheet (dense); DGX H100 data sheet; {_NCCL}"),
+    DeviceSpec(name="H200", memory_bytes=141 * GiB, memory_bw=4800 * GB, **_H100,
+               source=f"NVIDIA H200 SXM data sheet (H100 compute, HBM3e); DGX H200 data sheet; {_NCCL}"),
+    _cpu(),
+]}
+ALIASES: dict[str, str] = {"V100": "V100-32GB", "P100": "P100-16GB", "A100": "A100-80GB",
+                           "H100": "H100-80GB", "H200-141GB": "H200"}
+_LOOKUP = {k.lower(): v for k, v in {**{n: n for n in DEVICES}, **ALIASES}.items()}
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The spec for a device name or alias, case-insensitively."""
+    key = _LOOKUP.get(name.strip().lower())
+    if key is None:
+        raise ValueError(f"unknown device {name!r}; valid: {', '.join(DEVICES)} (aliases: {', '.join(ALIASES)})")
+    return DEVICES[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """`num_nodes` nodes of `per_node` devices; ranks are numbered node-major."""
+
+    device: DeviceSpec
+    num_nodes: int
+    per_node: int
+    intra: Link  # link between devices of one node
+    inter: Link  # link across nodes, per device
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.per_node < 1:
+            raise ValueError(f"a cluster needs num_nodes >= 1 and per_node >= 1, "
+                             f"got {self.num_nodes} and {self.per_node}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.per_node
+
+    def link(self, group_size: int, stride: int) -> Link:
+        """The slowest link crossed by a group of `group_size` ranks spaced `stride` apart. The group
+        is assumed aligned (inner mesh axes are contiguous), so it stays inside a node iff its
+        span fits in one."""
+        if group_size < 1 or stride < 1:
+            raise ValueError(f"group_size and stride must be >= 1, got {group_size} and {stride}")
+        span = (group_size - 1) * stride
+        if span >= self.world_size:
+            raise ValueError(f"a group of {group_size} ranks at stride {stride} spans {span + 1} ranks; "
+                             f"the world has {self.world_size}")
+        return self.intra if span < self.per_node else self.inter
+
+    def describe(self) -> str:
+        """One line for humans, e.g. for the head of `shoal plan` output."""
+        nodes = f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''} of {self.per_node}"
+        within = f"{self.intra.name} ({self.intra.bandwidth / GB:g} GB/s) within"
+        text = f"{self.world_size} x {self.device.name}: {nodes}, {within}"
+        if self.num_nodes > 1:
+            text += f", {self.inter.name} ({self.inter.bandwidth / GB:g} GB/s per device) across"
+        return text
+
+
+def _cluster(device: DeviceSpec, num_nodes: int, per_node: int) -> Cluster:
+    return Cluster(device=device, num_nodes=num_nodes, per_node=per_node, intra=device.intra, inter=device.inter)
+
+
+_CLUSTER_RE = re.compile(r"(\d+)\s*[x*]\s*(?:(\d+)\s*[x*]\s*)?(\S.*)", re.IGNORECASE)
+_FORMS = "COUNTxDEVICE (64xA100-80GB), NODESxPER_NODExDEVICE (2x4xH100) or a .toml file"
+
+
+def parse_cluster(text: str) -> Cluster:
+    """A cluster from "64xA100-80GB" (whole nodes of the device's usual size, or one node when the
+    count is smaller), "2x4xH100" (nodes x devices per node), or a path ending in .toml."""
+    text = text.strip()
+    if text.lower().endswith(".toml"):
+        return load_cluster(text)
+    match = _CLUSTER_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"cannot read cluster {text!r}; expected {_FORMS}")
+    device = get_device(match.group(3))
+    count = int(match.group(1))
+    if match.group(2) is not None:
+        num_nodes, per_node = count, int(match.group(2))
+        if num_nodes < 1 or per_node < 1:
+            raise ValueError(f"cluster {text!r}: nodes and devices per node must be positive integers")
+        return _cluster(device, num_nodes, per_node)
+    n = device.per_node
+    if count < 1:
+        raise ValueError(f"cluster {text!r}: the device count must be a positive integer, got {count}")
+    if count <= n:
+        return _cluster(device, 1, count)
+    if count % n:
+        lower, upper = count // n * n, (count // n + 1) * n
+        raise ValueError(f"cluster {text!r}: {count} devices do not fill nodes of {n}; valid counts are 1-{n} "
+                         f"or a multiple of {n} (e.g. {lower} or {upper}), or write NODESxPER_NODEx{device.name}")
+    return _cluster(device, count // n, n)
+
+
+# TOML key in friendly units -> (field, base units per friendly unit); None: a string, not a field for `base`.
+_TOP_KEYS = ("nodes", "per_node", "device", "intra", "inter")
+_LINK_KEYS = {"name": ("name", None), "bandwidth_gbs": ("bandwidth", GB),
+              "efficiency": ("efficiency", 1.0), "latency_us": ("latency", US)}
+_DEVICE_KEYS = {"base": (None, None), "name": ("name", None), "source": ("source", None),
+                **{f"peak_tflops_{d}": (d, TERA) for d in DTYPES},
+                "matmul_efficiency": ("matmul_efficiency", 1.0),
+                "attention_efficiency": ("attention_efficiency", 1.0), "op_overhead_us": ("op_overhead", US),
+                "memory_gib": ("memory_bytes", GiB),
+                "memory_bw_gbs": ("memory_bw", GB), "per_node": ("per_node", 1)}
+
+
+def _scale(value: float, scale: float, inverse: bool = False) -> float:
+    """value * scale (or / scale), dividing by 1e6 rather than multiplying by 1e-6: 20 / 1e6 is
+    exactly the float 2e-05, 20 * 1e-6 is not."""
+    if scale < 1:
+        scale, inverse = round(1 / scale), not inverse
+    return value / scale if inverse else value * scale
+
+
+def _read_table(table: object, keys: dict, where: str) -> dict:
+    """{field: value in base units} from a TOML table, checking key names and value types."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected a table, got {table!r}")
+    out = {}
+    for key, value in table.items():
+        if key not in keys:
+            raise ValueError(f"{where}: unknown key {key!r}; valid: {', '.join(keys)}")
+        field, scale = keys[key]
+        if scale is None:
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {key} must be a string, got {value!r}")
+            if field is not None:
+                out[field] = value
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+        else:
+            value = _scale(value, scale)
+            out[field] = round(value) if field in ("memory_bytes", "per_node") else value
+    return out
+
+
+def _link_from(table: object, base: Link | None, where: str) -> Link:
+    fields = {**(dataclasses.asdict(base) if base else {}), **_read_table(table, _LINK_KEYS, where)}
+    missing = [k for k, (f, _) in _LINK_KEYS.items() if f not in fields]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)} (no base device to take them from)")
+    return Link(**fields)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """A cluster from a TOML file: `nodes`, `per_node`, `device` (a name, or a [device] table whose
+    keys override an optional `base` device), and [intra]/[inter] tables overriding its links."""
+    path = Path(path)
+    if tomllib is None:
+        raise ValueError(f"{path}: reading TOML needs Python >= 3.11 (tomllib)")
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read cluster file {str(path)!r}: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML: {err}") from None
+    unknown = [k for k in data if k not in _TOP_KEYS]
+    if unknown:
+        raise ValueError(f"{path}: unknown key {unknown[0]!r}; valid: {', '.join(_TOP_KEYS)}")
+    spec = data.get("device")
+    if spec is None:
+        raise ValueError(f"{path}: missing device (a name: {', '.join(DEVICES)}; or a [device] table)")
+    table = {"base": spec} if isinstance(spec, str) else spec
+    device_fields = _read_table(table, _DEVICE_KEYS, f"{path} [device]")
+    base = get_device(table["base"]) if "base" in table else None
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(DeviceSpec)} if base else {}
+    peak = dict(fields.get("peak_flops", {}))
+    peak.update({d: device_fields.pop(d) for d in DTYPES if d in device_fields})
+    fields.update(device_fields, peak_flops=peak)
+    required = [f.name for f in dataclasses.fields(DeviceSpec) if f.default is dataclasses.MISSING]
+    missing = [k for k, (f, _) in _DEVICE_KEYS.items() if f in required and f not in fields]
+    if missing or not peak:
+        missing += [] if peak else ["peak_tflops_<dtype>"]
+        raise ValueError(f"{path} [device]: missing {', '.join(missing)}, or set base to one of {', '.join(DEVICES)}")
+    for level in ("intra", "inter"):
+        fields[level] = _link_from(data.get(level, {}), fields.get(level), f"{path} [{level}]")
+    device = DeviceSpec(**fields)
+    nodes, per_node = data.get("nodes", 1), data.get("per_node", device.per_node)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (nodes, per_node)):
+        raise ValueError(f"{path}: nodes and per_node must be positive integers, got {nodes!r} and {per_node!r}")
+    return Cluster(device=device, num_nodes=nodes, per_node=per_node, intra=device.intra, inter=device.inter)
+
+
+def dump_cluster(cluster: Cluster) -> str:
+    """TOML text that `load_cluster` reads back into this cluster (the file form of a calibrated
+    profile). The cluster's links are written as the device's."""
+    def table(values: dict, keys: dict) -> list[str]:
+        as_text = {key: json.dumps(values[field]) if scale in (None, 1) else repr(_scale(values[field], scale, True))
+                   for key, (field, scale) in keys.items() if values.get(field) is not None}
+        return [f"{key} = {text}" for key, text in as_text.items()]
+
+    device = {**dataclasses.asdict(cluster.device), **cluster.device.peak_flops}
+    lines = [f"nodes = {cluster.num_nodes}", f"per_node = {cluster.per_node}", "", "[device]"]
+    lines += table(device, _DEVICE_KEYS)
+    for level in ("intra", "inter"):
+        lines += ["", f"[{level}]", *table(dataclasses.asdict(getattr(cluster, level)), _LINK_KEYS)]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,81 @@
+"""Memory per device: model states under each ZeRO stage, activations per block, pipeline
+in-flight micro-batches per schedule. Pure functions of shapes and degrees; bytes throughout.
+"""
+
+from __future__ import annotations
+
+from shoal.models.config import ModelConfig
+
+FRAGMENTATION = 1.10
+"""The caching allocator's slack on top of what tensors hold: PyTorch's allocator rounds blocks
+and keeps freed ones, typically 5-15% above the live bytes (Rajbhandari et al. 2020, section 3.2,
+"memory fragmentation"); 10% is the margin the search keeps."""
+
+
+def model_state_bytes(psi: float, *, shards: int, stage: int, param_bytes: float, grad_bytes: float,
+                      optim_bytes: float) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state) bytes per device for `psi` parameters replicated
+    over `shards` data ranks at ZeRO `stage` (0 nothing sharded, 1 optimizer state, 2 + gradients,
+    3 + parameters). Rajbhandari et al. 2020, "ZeRO", section 5.1 and figure 1: mixed-precision
+    Adam holds 2 + 2 + 12 bytes per parameter (fp16 weights, fp16 gradients, fp32 master copy,
+    momentum and variance); fp32 training 4 + 4 + 8."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage} is not valid; valid: 0, 1, 2, 3")
+    return (psi * param_bytes / (shards if stage >= 3 else 1),
+            psi * grad_bytes / (shards if stage >= 2 else 1),
+            psi * optim_bytes / (shards if stage >= 1 else 1))
+
+
+def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per parameter for Adam at `precision` (see above)."""
+    return (4.0, 4.0, 8.0) if precision == "fp32" else (2.0, 2.0, 12.0)
+
+
+def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, sp: bool, ac: str,
+                        fused_attention: bool) -> float:
+    """Elements block `index` keeps for backward per token on one tensor-parallel rank.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+    section 4) count what each op saves; this counts the same way for shoal's blocks (pre-norm,
+    no dropout, RoPE, SwiGLU or GELU): each norm keeps its input and output (2D, twice), attention
+    keeps q, k, v and its output (plus the softmax probabilities when unfused, H*T per token), the
+    FFN keeps its inputs to the activation and to the down projection (3F for SwiGLU, 2F for GELU).
+    Tensor parallelism splits heads and FFN columns by tp; sequence parallelism also splits the
+    norms' tensors. Selective recompute drops the softmax probabilities; full recompute keeps only
+    the block's input (the recomputed block's own tensors are counted once, in `transient`)."""
+    D, F = cfg.dim, cfg.ffn_dim
+    moe = cfg.is_moe_layer(index)
+    ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
+    replicated = 4 * D  # the two norms' inputs and outputs
+    q_kv_o = 2 * cfg.num_heads * cfg.head_dim + 2 * cfg.kv_heads * cfg.head_dim
+    split = q_kv_o + ffns * (3 * F if cfg.activation == "swiglu" else 2 * F)
+    if moe:
+        split += 2 * ffns * D  # tokens permuted to their experts, and the experts' outputs
+    scores = 0 if fused_attention else cfg.num_heads * seq_len
+    if ac == "full":
+        return D / (tp if sp else 1)
+    if ac == "selective":
+        scores = 0
+    return replicated / (tp if sp else 1) + (split + scores) / tp
+
+
+def logits_bytes(cfg: ModelConfig, tokens: float, *, tp: int) -> float:
+    """The last stage's logits and their gradient in fp32 for the loss (vocabulary-sharded by tp)."""
+    return 2 * 4.0 * tokens * cfg.vocab_size / tp
+
+
+def in_flight(sched: str, *, pp: int, micro: int, vpp: int) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at its peak, in units of one
+    stage's (its layers') activations for one micro-batch.
+
+    GPipe holds all m (Huang et al. 2019). 1F1B holds p (Narayanan et al. 2021, section 2.2.1);
+    so does ZB-H1 (Qi et al. 2023, section 3). Interleaved 1F1B with v chunks holds its warm-up
+    of 2(p-1) + (v-1)p + 1 chunk-micro-batches, each 1/v of a stage (Narayanan et al. 2021,
+    section 2.2.2: a factor 1 + (p-1)/(pv) over 1F1B)."""
+    if pp == 1:
+        return 1.0
+    if sched == "gpipe":
+        return float(micro)
+    if sched == "interleaved":
+        return min(micro * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1) / vpp
+    return float(min(pp, micro))

@@ -1,0 +1,107 @@
+"""The search: every valid plan for a model on a cluster, pruned on memory, ranked by predicted step time.
+
+Structures (the degrees of tp, cp, pp, ep and the split of the data ranks into dp x fsdp) are
+enumerated from the divisors of the world size; for each, the options that trade time for memory
+are tried cheapest first, and the first that fits is kept: activation recompute none, then
+selective, then full (recompute only ever adds time). Pipeline schedules and micro-batch counts,
+ZeRO stages and gradient-accumulation passes are all kept, since neither is always faster. Every
+plan kept has passed Plan.validate, the same check `shoal train` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from shoal.plan import Plan
+from shoal.planner.comm import Network
+from shoal.planner.estimate import Estimate, Workload, estimate
+from shoal.planner.hardware import Cluster
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """Ranked plans that fit, best first, and how many candidates were priced."""
+
+    plans: list[Estimate]
+    priced: int
+    rejected_memory: int
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_degrees(work: Workload, cluster: Cluster) -> list[int]:
+    """Tensor-parallel degrees that divide the model's heads, KV heads, FFN and vocabulary and stay
+    inside one node (its all-reduces every block need the fastest links; Narayanan et al. 2021, 3.3)."""
+    cfg = work.model
+    sizes = (cfg.num_heads, cfg.kv_heads, cfg.ffn_dim, cfg.vocab_size)
+    return [t for t in divisors(cluster.world_size) if t <= cluster.per_node and all(s % t == 0 for s in sizes)]
+
+
+def structures(work: Workload, cluster: Cluster, *, device: str) -> Iterator[Plan]:
+    """Every resolved plan skeleton (degrees only) that fits the world size and divides the model."""
+    cfg, world = work.model, cluster.world_size
+    moe = cfg.num_experts > 0
+    for tp in _tp_degrees(work, cluster) if not moe else [1]:
+        for cp in divisors(world // tp):
+            if cp > 1 and (moe or work.seq_len % (2 * cp) or cfg.pos_emb != "rope" or cfg.dropout):
+                continue
+            for pp in divisors(world // (tp * cp)):
+                if pp > cfg.num_layers or (pp > 1 and (moe or cfg.tie_embeddings)):
+                    continue
+                data = world // (tp * cp * pp)
+                for fsdp in divisors(data):
+                    if work.global_batch % data:
+                        continue
+                    for ep in (divisors(data) if moe else [1]):
+                        if moe and (cfg.num_experts % ep or (ep > 1 and fsdp > 1)):
+                            continue
+                        yield Plan(dp=data // fsdp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep).resolve(world, device)
+
+
+def variants(skeleton: Plan, work: Workload) -> Iterator[tuple[Plan, int | None]]:
+    """(plan, micro-batch size) for each schedule, micro-batch count, ZeRO stage and accumulation."""
+    local = work.global_batch // skeleton.data_ranks
+    zeros = (1, 2, 3) if skeleton.fsdp > 1 else (skeleton.zero,)
+    for zero in zeros:
+        base = dataclasses.replace(skeleton, zero=zero)
+        if skeleton.pp == 1:
+            for b in divisors(local):
+                if b == local or b & (b - 1) == 0:  # powers of two, and no accumulation
+                    yield base, b
+            continue
+        for mb in divisors(local):
+            if mb < skeleton.pp:
+                continue
+            for sched, vpp in (("1f1b", 1), ("zb", 1), ("gpipe", 1), ("interleaved", 2)):
+                if sched == "interleaved" and (mb % skeleton.pp or 2 * skeleton.pp > work.model.num_layers):
+                    continue
+                yield dataclasses.replace(base, mb=mb, sched=sched, vpp=vpp), None
+
+
+def search(work: Workload, cluster: Cluster, *, device: str = "cuda", network: Network | None = None,
+           top: int | None = None) -> SearchResult:
+    """Every valid plan that fits in memory, ranked by predicted step time (fastest first)."""
+    kept: list[Estimate] = []
+    priced = rejected = 0
+    for skeleton in structures(work, cluster, device=device):
+        for plan, micro in variants(skeleton, work):
+            for ac in RECOMPUTE:
+                candidate = dataclasses.replace(plan, ac=ac)
+                try:
+                    candidate.validate(work.model, global_batch=work.global_batch, seq_len=work.seq_len)
+                except ValueError:
+                    break
+                priced += 1
+                result = estimate(candidate, work, cluster, micro_batch=micro, network=network)
+                if result.fits:
+                    kept.append(result)
+                    break
+                rejected += 1
+    kept.sort(key=lambda e: (e.step_time_s, e.mem_per_device_bytes))
+    return SearchResult(plans=kept[:top] if top else kept, priced=priced, rejected_memory=rejected)

@@ -1,0 +1,233 @@
+"""The planner's cost formulas against hand-computed values, its search against the plan validator,
+and `shoal plan` on the command line. No processes, no torch collectives: all pure arithmetic."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+
+from shoal.cli import main
+from shoal.models.config import ModelConfig, get_preset
+from shoal.parallel.schedules import bubble_fraction, build_schedule, peak_in_flight, simulate
+from shoal.plan import Plan
+from shoal.planner import compute, memory
+from shoal.planner.comm import ring_time
+from shoal.planner.estimate import Workload, _bubble, estimate
+from shoal.planner.hardware import parse_cluster
+from shoal.planner.search import search
+
+TINY = get_preset("tiny")  # 4 layers, dim 128, 8 heads of 16, 4 KV heads, FFN 384, SwiGLU, vocab 256
+
+
+# ----------------------------------------------------------------------------- formulas
+def test_zero_model_states_match_the_zero_paper():
+    """Rajbhandari et al. 2020, figure 1: Psi = 7.5B, N = 64, K = 12: 120, 31.4, 16.6, 1.9 GB."""
+    psi = 7.5e9
+    totals = [sum(memory.model_state_bytes(psi, shards=64, stage=s, param_bytes=2, grad_bytes=2, optim_bytes=12)) / 1e9
+              for s in (0, 1, 2, 3)]
+    # by hand: 16 * 7.5 = 120; 4 * 7.5 + 12 * 7.5 / 64 = 31.41; 2 * 7.5 + 14 * 7.5 / 64 = 16.64; 16 * 7.5 / 64 = 1.875
+    assert totals == pytest.approx([120.0, 31.40625, 16.640625, 1.875])
+    with pytest.raises(ValueError, match="valid: 0, 1, 2, 3"):
+        memory.model_state_bytes(psi, shards=2, stage=4, param_bytes=2, grad_bytes=2, optim_bytes=12)
+
+
+def test_block_flops_by_hand():
+    # attention projections: 2 * D * (2 * H * hd + 2 * kv * hd) = 2 * 128 * (256 + 128) = 98,304
+    assert compute.attention_matmul_flops(TINY) == 98_304
+    # SwiGLU FFN: 2 * 3 * D * F = 2 * 3 * 128 * 384 = 294,912
+    assert compute.mlp_matmul_flops(TINY) == 294_912
+    # attention core over 128 keys: 4 * 128 * 8 * 16 = 65,536; half of it with causal skipping
+    assert compute.attention_core_flops(TINY, 128, causal_skip=False) == 65_536
+    assert compute.attention_core_flops(TINY, 128, causal_skip=True) == 32_768
+    # 2 FLOPs per weight: one block's forward matmuls are twice its matrix parameters
+    block_params = (TINY.num_params(embedding=False) - TINY.dim) / TINY.num_layers - 2 * TINY.dim
+    assert compute.attention_matmul_flops(TINY) + compute.mlp_matmul_flops(TINY) == 2 * block_params
+
+
+def test_moe_block_counts_the_experts_a_token_uses():
+    moe = get_preset("tiny-moe")  # 4 experts, top-2, FFN 256
+    work = compute.block_work(moe, 0, seq_len=128, causal_skip=True, fused_attention=True)
+    dense = compute.block_work(moe.replace(num_experts=0), 0, seq_len=128, causal_skip=True, fused_attention=True)
+    # two experts' FFNs instead of one, plus the router's 2 * D * E
+    assert work.matmul - dense.matmul == compute.mlp_matmul_flops(moe) + 2 * 128 * 4
+    assert compute.experts_per_token(moe.replace(num_prototypes=2)) == 2
+
+
+def test_activation_elements_by_hand():
+    """Per token: norms 4D = 512; q, k, v, o = 2*128 + 2*64 = 384; SwiGLU 3F = 1152."""
+    kw = dict(seq_len=128, fused_attention=True)
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **kw) == 512 + 384 + 1152
+    assert memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", **kw) == (512 + 384 + 1152) / 2
+    assert memory.activation_elements(TINY, 0, tp=2, sp=False, ac="none", **kw) == 512 + (384 + 1152) / 2
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="full", **kw) == 128
+    # unfused attention keeps the probabilities (H * T per token) unless recomputed
+    unfused = dict(seq_len=128, fused_attention=False)
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **unfused) == 2048 + 8 * 128
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="selective", **unfused) == 2048
+
+
+@pytest.mark.parametrize(("kind", "expected"), [
+    ("all_reduce", 2 * (3 * 1e-5 + 0.75)),  # 2(n-1) steps, 2(n-1)/n of the buffer
+    ("all_gather", 3 * 1e-5 + 0.75), ("reduce_scatter", 3 * 1e-5 + 0.75), ("all_to_all", 3 * 1e-5 + 0.75),
+    ("send_recv", 1e-5 + 1.0), ("broadcast", 3 * 1e-5 + 1.0),
+])
+def test_ring_times_by_hand(kind, expected):
+    """4 ranks, 1 GB, 1 GB/s, 10 us per step."""
+    assert ring_time(kind, 4, 1e9, bandwidth=1e9, latency=1e-5) == pytest.approx(expected)
+    assert ring_time(kind, 1, 1e9, bandwidth=1e9, latency=1e-5) == 0
+
+
+@pytest.mark.parametrize("sched, vpp", [("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16)])
+def test_pipeline_formulas_match_the_schedule_tables(sched, vpp, p, m):
+    """The closed forms the estimate uses against the executable schedule tables themselves:
+    in-flight micro-batches exactly, and the bubble with F = 1, B = 2 (split: B = W = 1)."""
+    table = build_schedule(sched, num_ranks=p, num_micro=m, vpp=vpp)
+    assert memory.in_flight(sched, pp=p, micro=m, vpp=vpp) * vpp == max(peak_in_flight(table))
+    timeline = simulate(table, costs={"F": Fraction(1, vpp), "B": Fraction(2 if sched != "zb" else 1, vpp),
+                                      **({"W": 1} if sched == "zb" else {})})
+    makespan = max(end for row in timeline for _, end, _ in row)
+    plan = Plan(pp=p, mb=m, sched=sched, vpp=vpp)
+    assert makespan - m * 3 == _bubble(plan, 1.0, 2.0)
+    assert 0 <= bubble_fraction(timeline) < 1
+
+
+# ----------------------------------------------------------------------------- the estimate
+def _estimate(text: str, cluster: str = "8xA100-80GB", model: ModelConfig = TINY, batch: int = 16, seq: int = 128,
+              **kw):
+    c = parse_cluster(cluster)
+    plan = Plan.parse(text).resolve(c.world_size, "cuda")
+    return estimate(plan, Workload(model=model, global_batch=batch, seq_len=seq), c, **kw)
+
+
+def test_one_device_compute_by_hand():
+    e = _estimate("dp1", cluster="1xA100-80GB")
+    tokens = 16 * 128
+    rate = 312e12 * 0.8
+    per_token = 4 * (98_304 + 294_912) + 2 * 128 * 256  # blocks' matmuls and the head
+    assert e.time["compute_matmul"] == pytest.approx(3 * tokens * per_token / rate)
+    assert e.time["compute_attention"] == pytest.approx(3 * tokens * 4 * 32_768 / (312e12 * 0.6))
+    assert sum(e.time.values()) == pytest.approx(e.step_time_s)
+    assert e.tokens_per_s == pytest.approx(tokens / e.step_time_s)
+
+
+def test_terms_add_up_and_sharding_saves_memory():
+    model, batch, seq = get_preset("llama3-8b"), 64, 4096
+    plans = {t: _estimate(t, model=model, batch=batch, seq=seq, cluster="16xH100") for t in
+             ("fsdp16", "dp2,fsdp8,zero=1", "tp8,fsdp2", "pp4,fsdp4,mb=16", "cp2,fsdp8", "tp2,pp2,fsdp4,mb=8,ac=full")}
+    for e in plans.values():
+        assert sum(e.time.values()) == pytest.approx(e.step_time_s)
+        assert sum(e.memory.values()) * memory.FRAGMENTATION == pytest.approx(e.mem_per_device_bytes)
+    assert plans["fsdp16"].memory["optimizer"] < plans["dp2,fsdp8,zero=1"].memory["optimizer"]
+    assert plans["tp8,fsdp2"].time["tp_comm"] > 0 and plans["fsdp16"].time["tp_comm"] == 0
+    assert plans["pp4,fsdp4,mb=16"].time["pp_bubble"] > 0
+    assert plans["tp2,pp2,fsdp4,mb=8,ac=full"].time["recompute"] > 0
+
+
+# ----------------------------------------------------------------------------- the search
+@pytest.mark.parametrize(("cluster", "model", "batch", "seq"), [
+    ("8xA100-80GB", "gpt3-1.3b", 64, 2048), ("64xH100", "llama3-8b", 256, 4096), ("16xV100", "bert-large", 256, 512),
+    ("4xcpu", "tiny", 16, 128), ("8xA100-80GB", "tiny-moe", 32, 128),
+])
+def test_search_returns_only_valid_plans_that_fit(cluster, model, batch, seq):
+    c = parse_cluster(cluster)
+    work = Workload(model=get_preset(model), global_batch=batch, seq_len=seq)
+    device = "cpu" if c.device.name == "cpu" else "cuda"
+    result = search(work, c, device=device)
+    assert result.plans
+    times = [e.step_time_s for e in result.plans]
+    assert times == sorted(times)
+    for e in result.plans:
+        Plan.parse(e.plan_text).resolve(c.world_size, device).validate(work.model, global_batch=batch, seq_len=seq)
+        assert e.fits and e.mem_per_device_bytes <= c.device.memory_bytes
+        again = estimate(e.plan, work, c, micro_batch=e.micro_batch)
+        assert again.step_time_s == pytest.approx(e.step_time_s)
+
+
+def test_search_prunes_on_memory():
+    """175B parameters need more than 16 bytes x 175e9 / 64 = 44 GB of model states even fully
+    sharded over 64 A100-40GB: nothing fits; on 512 A100-80GB some plans do."""
+    work = Workload(model=get_preset("gpt3-175b").replace(tie_embeddings=False), global_batch=512, seq_len=2048)
+    assert not search(work, parse_cluster("64xA100-40GB")).plans
+    fits = search(work, parse_cluster("512xA100-80GB"), top=5).plans
+    assert fits and all(e.plan.pp * e.plan.tp * e.plan.fsdp > 1 for e in fits)
+
+
+# ----------------------------------------------------------------------------- shoal plan
+def test_shoal_plan_json_has_the_documented_keys(capsys):
+    assert main(["plan", "--model", "gpt3-1.3b", "--cluster", "16xA100-80GB", "--global-batch", "64",
+                 "--seq-len", "2048", "--top", "3", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert len(plans) == 3
+    for p in plans:
+        assert {"plan", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "mem_per_device_gb",
+                "breakdown"} <= p.keys()
+        Plan.parse(p["plan"])
+    assert plans[0]["step_time_s"] <= plans[1]["step_time_s"]
+
+
+def test_shoal_plan_prices_one_plan_and_explains(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--set", "num_layers=8", "--cluster", "2x8xH100", "--global-batch",
+                 "32", "--seq-len", "4096", "--plan", "tp8,fsdp2", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp2,tp8" in out and "tp_comm" in out and "memory optimizer" in out
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--cluster", "12xA100"], "12"),
+    (["--cluster", "8xB300"], "B300"),
+    (["--cluster", "8xA100", "--plan", "tp3"], "tp3"),
+    (["--cluster", "8xA100", "--global-batch", "0"], "--global-batch 0"),
+    (["--cluster", "local", "--model", "tiny"], "--calibrate"),
+])
+def test_shoal_plan_bad_input_is_one_line(argv, words, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("SHOAL_PROFILE", str(tmp_path / "none.json"))
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and words in err and err.startswith("shoal: error:"), repr(err)
+
+
+# ----------------------------------------------------------------------------- --plan auto
+def _profile_file(tmp_path):
+    """A hand-made calibration profile (this machine's real one is measured by `shoal plan --calibrate`)."""
+    from shoal.planner.calibrate import COLLECTIVES, CollectiveFit, Profile, save_profile
+
+    def line(alpha: float, beta: float) -> CollectiveFit:
+        return CollectiveFit(alpha=alpha, beta=beta, points=tuple((b, alpha + beta * b) for b in (1024, 2**20)))
+
+    profile = Profile(
+        hostname="box", torch_version="2.13.0", cpu_model="Test CPU", date="2026-11-22T00:00:00+00:00", quick=True,
+        load_average=0.1, matmul_flops={n: {"fp32": 90e9 / max(1, n / 2)} for n in (1, 2, 4)},
+        matmul_by_shape={n: {"fp32": {"128x128x128": 90e9 / max(1, n / 2)}} for n in (1, 2, 4)},
+        memory_bw={1: 30e9, 2: 20e9, 4: 10e9}, memory_by_op={n: {"add": 1e10, "copy": 1e10} for n in (1, 2, 4)},
+        collectives={2: {k: line(300e-6, 1e-9) for k in COLLECTIVES}, 4: {k: line(2e-3, 2e-9) for k in COLLECTIVES}})
+    return save_profile(profile, tmp_path / "profile.json")
+
+
+def test_auto_picks_the_searchs_best_and_prices_the_local_processes(tmp_path, monkeypatch):
+    from shoal.auto_plan import choose
+
+    monkeypatch.setenv("SHOAL_PROFILE", str(_profile_file(tmp_path)))
+    choice = choose(TINY, global_batch=16, seq_len=128, world_size=4, device="cpu")
+    assert choice.cluster.world_size == 4 and choice.cluster.device.name == "cpu"
+    plan = Plan.parse(choice.plan_text).resolve(4, "cpu")
+    plan.validate(TINY, global_batch=16, seq_len=128)
+    everything = main(["plan", "--cluster", "local", "--nproc", "4", "--top", "1", "--json"])
+    assert everything == 0
+    assert choice.prediction()["step_time_s"] == pytest.approx(choice.estimate.step_time_s)
+
+
+def test_train_plan_auto_runs_the_chosen_plan_and_keeps_the_prediction(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SHOAL_PROFILE", str(_profile_file(tmp_path)))
+    run = tmp_path / "run"
+    assert main(["train", "--plan", "auto", "--nproc", "2", "--device", "cpu", "--steps", "3", "--log-every", "1",
+                 "--eval-every", "0", "--eval-batches", "1", "--global-batch", "8", "--seq-len", "32",
+                 "--set", "num_layers=2", "--out", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "plan auto: " in out  # printed by the launcher; the workers print the summary
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["predicted"]["step_time_s"] > 0 and summary["measured_over_predicted_step_time"] > 0
+    chosen = Plan.parse(summary["predicted"]["plan"]).resolve(2, "cpu")
+    assert str(chosen) == summary["plan"]

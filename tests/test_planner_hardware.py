@@ -1,0 +1,177 @@
+"""Hardware specs and clusters as data: hand-checked numbers, cluster strings, which link a group
+crosses, TOML files, and one-line errors naming the valid values. Pure: no process, no torch."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from shoal.planner import hardware
+from shoal.planner.hardware import (ALIASES, DEVICES, Cluster, DeviceSpec, Link, dump_cluster, get_device,
+                                    load_cluster, parse_cluster)
+from shoal.testing import one_line_error
+
+
+def test_count_fills_whole_nodes():
+    cluster = parse_cluster("64xA100-80GB")
+    assert (cluster.num_nodes, cluster.per_node, cluster.world_size) == (8, 8, 64)
+    assert cluster.device.memory_bytes == 80 * 2**30
+    assert cluster.intra is cluster.device.intra and cluster.inter is cluster.device.inter
+
+
+def test_nodes_by_per_node_and_small_counts():
+    cluster = parse_cluster("2x4xH100")
+    assert (cluster.num_nodes, cluster.per_node, cluster.device.name) == (2, 4, "H100-80GB")
+    cpus = parse_cluster("4xcpu")
+    assert (cpus.num_nodes, cpus.per_node, cpus.world_size, cpus.device.name) == (1, 4, 4, "cpu")
+    six = parse_cluster(" 6 x a100 ")  # a count under per_node is one node; names are case-insensitive
+    assert (six.num_nodes, six.per_node, six.device.name) == (1, 6, "A100-80GB")
+
+
+def test_aliases_resolve_case_insensitively():
+    for alias, name in ALIASES.items():
+        assert get_device(alias.lower()) is DEVICES[name]
+    assert get_device("h200-141gb") is DEVICES["H200"]
+
+
+def test_link_picks_intra_inside_a_node_and_inter_across():
+    cluster = parse_cluster("64xA100-80GB")
+    assert cluster.link(8, 1) is cluster.intra  # tp8 over the 8 GPUs of a node: span 7 < 8
+    assert cluster.link(8, 8) is cluster.inter  # dp8 at stride 8: one rank per node
+    assert cluster.link(1, 8) is cluster.intra  # a group of one crosses nothing
+    assert cluster.link(2, 4) is cluster.intra  # ranks 0 and 4: same node
+    assert cluster.link(2, 8) is cluster.inter  # ranks 0 and 8: next node
+    assert parse_cluster("4xcpu").link(4, 1) is parse_cluster("4xcpu").intra
+    assert "world has 64" in one_line_error(cluster.link, 9, 8)
+
+
+def test_hand_checked_numbers():
+    a100, v100, h100 = DEVICES["A100-80GB"], DEVICES["V100-32GB"], DEVICES["H100-80GB"]
+    assert a100.intra.bandwidth == 300e9  # NVLink 3: 600 GB/s both directions
+    assert a100.inter.bandwidth == 25e9  # 8 x HDR 200 Gb/s per 8 GPUs = 200e9 / 8 bytes/s each
+    assert h100.inter.bandwidth == 50e9  # 8 x NDR 400 Gb/s per 8 GPUs
+    assert v100.inter.bandwidth == 6.25e9  # 4 x EDR 100 Gb/s per 8 GPUs = 50 Gb/s each
+    assert a100.inter.achievable == pytest.approx(25e9 * 0.9)
+    assert h100.flops("bf16") == pytest.approx(989e12 * 0.81)
+    assert a100.flops("fp32") == pytest.approx(19.5e12 * 0.8)  # tf32 off, PyTorch's default
+    assert DEVICES["H200"].flops("bf16") == h100.flops("bf16")
+    assert DEVICES["H200"].memory_bw == 4.8e12 and DEVICES["A100-40GB"].memory_bw == 1555e9
+
+
+def test_bf16_without_bf16_costs_as_fp16():
+    for name in ("V100-32GB", "P100-16GB"):
+        device = DEVICES[name]
+        assert "bf16" not in device.peak_flops
+        assert device.flops("bf16") == device.flops("fp16") == device.peak_flops["fp16"] * device.matmul_efficiency
+    assert "valid: fp32, bf16, fp16" in one_line_error(DEVICES["V100-32GB"].flops, "fp8")
+
+
+@pytest.mark.parametrize("name", list(DEVICES))
+def test_every_table_is_sane(name):
+    device = DEVICES[name]
+    assert device.name == name and device.source
+    assert device.intra.achievable > device.inter.achievable  # a node's own link beats the network
+    assert 0 < device.matmul_efficiency <= 1 and device.memory_bytes > 0
+    assert device.flops("fp32") > 0 and device.flops("bf16") > 0
+
+
+def test_describe():
+    assert parse_cluster("64xA100-80GB").describe() == (
+        "64 x A100-80GB: 8 nodes of 8, NVLink 3 (300 GB/s) within, InfiniBand HDR (25 GB/s per device) across")
+    assert parse_cluster("4xcpu").describe() == "4 x cpu: 1 node of 4, gloo loopback (2 GB/s) within"
+
+
+@pytest.mark.parametrize("text, names", [
+    ("64xTPUv9", ["A100-80GB", "H200", "cpu", "H100"]),  # unknown device: every name and alias
+    ("0xA100", ["positive integer"]),
+    ("65xA100", ["1-8", "64", "72", "NODESxPER_NODExA100-80GB"]),
+    ("2x0xA100", ["positive integers"]),
+    ("A100", ["COUNTxDEVICE", "NODESxPER_NODExDEVICE", ".toml"]),
+    ("", ["COUNTxDEVICE"]),
+    ("missing.toml", ["missing.toml"]),
+])
+def test_bad_cluster_strings(text, names):
+    message = one_line_error(parse_cluster, text)
+    for name in names:
+        assert name in message
+
+
+def test_bad_device_values():
+    assert "in (0, 1]" in one_line_error(Link, bandwidth=1e9, efficiency=1.5, latency=0.0, name="x")
+    assert "fp32, bf16, fp16" in one_line_error(
+        dataclasses.replace, DEVICES["cpu"], peak_flops={"fp8": 1e12})
+    assert "num_nodes" in one_line_error(dataclasses.replace, parse_cluster("8xcpu"), num_nodes=0)
+
+
+def test_toml_overrides_a_base_device(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text("""
+nodes = 2
+per_node = 4
+
+[device]
+base = "a100"
+name = "A100-custom"
+peak_tflops_bf16 = 300
+memory_gib = 40
+
+[inter]
+name = "RoCE 100 Gb/s"
+bandwidth_gbs = 12.5
+latency_us = 20
+""")
+    for cluster in (load_cluster(path), parse_cluster(str(path))):
+        device = cluster.device
+        assert (cluster.num_nodes, cluster.per_node, cluster.world_size) == (2, 4, 8)
+        assert (device.name, device.memory_bytes) == ("A100-custom", 40 * 2**30)
+        assert device.peak_flops == {"fp32": 19.5e12, "bf16": 300e12, "fp16": 312e12}
+        assert cluster.inter == Link(name="RoCE 100 Gb/s", bandwidth=12.5e9, efficiency=0.9, latency=20e-6)
+        assert cluster.intra == DEVICES["A100-80GB"].intra and device.inter == cluster.inter
+
+
+@pytest.mark.parametrize("text", ["16xH100", "2x4xV100", "4xcpu", "8xP100"])
+def test_toml_round_trip(tmp_path, text):
+    cluster = parse_cluster(text)
+    path = tmp_path / "cluster.toml"
+    path.write_text(dump_cluster(cluster))
+    assert load_cluster(path) == cluster
+
+
+def test_toml_device_from_scratch(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text(dump_cluster(parse_cluster("4xcpu")).replace('name = "cpu"', 'name = "my-cpu"'))
+    assert load_cluster(path).device.name == "my-cpu"
+    path.write_text('[device]\nname = "x"\npeak_tflops_fp32 = 1\n')
+    message = one_line_error(load_cluster, path)
+    assert "matmul_efficiency" in message and "memory_gib" in message and "A100-80GB" in message
+
+
+@pytest.mark.parametrize("text, names", [
+    ('device = "A100"\nnode = 2\n', ["'node'", "nodes, per_node, device, intra, inter"]),
+    ('device = "A100"\n[intra]\nbandwidth = 1\n', ["'bandwidth'", "bandwidth_gbs", "latency_us"]),
+    ('[device]\nbase = "A100"\nmemory_gb = 80\n', ["'memory_gb'", "memory_gib", "peak_tflops_bf16"]),
+    ('device = "TPU"\n', ["'TPU'", "A100-80GB"]),
+    ('nodes = 2\n', ["missing device", "A100-80GB"]),
+    ('device = "A100"\nnodes = 0\n', ["nodes", "positive"]),
+    ('device = "A100"\n[inter]\nefficiency = "high"\n', ["efficiency", "number"]),
+    ('device = "A100"\nnodes = \n', ["not valid TOML"]),
+])
+def test_bad_toml(tmp_path, text, names):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    message = one_line_error(load_cluster, path)
+    for name in names:
+        assert name in message
+
+
+def test_no_torch_import():
+    tree = ast.parse(Path(hardware.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert "torch" not in imported
+    assert isinstance(DEVICES["cpu"], DeviceSpec) and isinstance(parse_cluster("1xcpu"), Cluster)
