@@ -231,3 +231,22 @@ def test_train_plan_auto_runs_the_chosen_plan_and_keeps_the_prediction(tmp_path,
     assert summary["predicted"]["step_time_s"] > 0 and summary["measured_over_predicted_step_time"] > 0
     chosen = Plan.parse(summary["predicted"]["plan"]).resolve(2, "cpu")
     assert str(chosen) == summary["plan"]
+
+
+@pytest.mark.parametrize(("name", "spec"), [
+    ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("Tesla V100-SXM2-16GB", "V100-32GB"), ("NVIDIA H200", "H200"),
+])
+def test_auto_knows_the_gpus_torch_names(name, spec):
+    from shoal.auto_plan import gpu_cluster
+
+    cluster = gpu_cluster(name, 16 * 2**30, world_size=16, per_node=8)
+    assert cluster.device.name == spec and cluster.num_nodes == 2 and cluster.per_node == 8
+    assert cluster.device.memory_bytes == 16 * 2**30  # what the device reports, not the spec's
+
+
+def test_auto_refuses_an_unknown_gpu_in_one_line():
+    from shoal.auto_plan import gpu_cluster
+
+    with pytest.raises(ValueError, match="no spec for GPU 'Radeon'.*valid: .*H100-80GB"):
+        gpu_cluster("Radeon", 2**30, world_size=1, per_node=1)

@@ -7,6 +7,7 @@ The choice and its prediction are printed at start-up and kept for the run's sum
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -76,11 +77,19 @@ def local_world(world_size: int, device: str) -> tuple[Cluster, Network | None]:
         return local_cluster(profile, world_size), CalibratedNetwork(profile, world_size)
     import torch
 
-    name = torch.cuda.get_device_name()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return gpu_cluster(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory,
+                       world_size=world_size, per_node=per_node), None
+
+
+def gpu_cluster(name: str, memory_bytes: int, *, world_size: int, per_node: int) -> Cluster:
+    """The cluster of `world_size` GPUs named `name` (torch's device name), `per_node` to a node,
+    with the memory the device reports (a V100 may have 16 or 32 GB)."""
     spec = next((v for k, v in GPU_NAMES.items() if k in name), None)
     if spec is None:
         raise ValueError(f"plan auto: no spec for GPU {name!r}; valid: {', '.join(d for d in DEVICES if d != 'cpu')} "
                          "(give a --plan, or price one with shoal plan --cluster FILE.toml)")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    nodes = max(1, world_size // per_node)
-    return parse_cluster(f"{nodes}x{min(per_node, world_size)}x{spec}"), None
+    per_node = min(per_node, world_size)
+    cluster = parse_cluster(f"{max(1, world_size // per_node)}x{per_node}x{spec}")
+    device = dataclasses.replace(cluster.device, memory_bytes=memory_bytes)
+    return dataclasses.replace(cluster, device=device)

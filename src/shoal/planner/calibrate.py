@@ -84,6 +84,9 @@ class Profile:
     """N -> "add" / "copy" -> bytes/s."""
     collectives: Mapping[int, Mapping[str, CollectiveFit]]
     """N -> kind (see COLLECTIVES) -> fit; only for N > 1."""
+    dtensor_dispatch: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    """N -> the same for an op on a DTensor (tensor parallelism's ops): sharding propagation and
+    wrapping on top of the op."""
     dispatch: Mapping[int, float] = dataclasses.field(default_factory=dict)
     """N -> seconds of host time per eager op on a tiny tensor, its backward included: what an op
     costs beyond its arithmetic (dispatch, autograd bookkeeping), which small models pay per op."""
@@ -100,7 +103,9 @@ class Profile:
         if not isinstance(data, dict) or data.pop("format", None) != PROFILE_FORMAT:
             raise ValueError(f"not a profile of format {PROFILE_FORMAT}")
         data.setdefault("dispatch", {})
-        for key in ("matmul_flops", "matmul_by_shape", "memory_bw", "memory_by_op", "collectives", "dispatch"):
+        data.setdefault("dtensor_dispatch", {})
+        for key in ("matmul_flops", "matmul_by_shape", "memory_bw", "memory_by_op", "collectives", "dispatch",
+                    "dtensor_dispatch"):
             data[key] = {int(n): v for n, v in data[key].items()}  # JSON keys are strings
         data["collectives"] = {
             n: {kind: CollectiveFit(alpha=float(f["alpha"]), beta=float(f["beta"]),
@@ -181,6 +186,8 @@ def local_cluster(profile: Profile, world_size: int) -> Cluster:
         memory_bytes=_ram_bytes(base.memory_bytes) // world_size,
         memory_bw=profile.memory_bw[nearest(profile.memory_bw, world_size)], intra=intra, per_node=world_size,
         op_overhead=profile.dispatch[nearest(profile.dispatch, world_size)] if profile.dispatch else base.op_overhead,
+        dtensor_overhead=(profile.dtensor_dispatch[nearest(profile.dtensor_dispatch, world_size)]
+                          if profile.dtensor_dispatch else base.dtensor_overhead),
         source=f"calibrated on {profile.hostname} at {profile.date}, {n} processes at once",
     )
     return Cluster(device=device, num_nodes=1, per_node=world_size, intra=intra, inter=base.inter)
@@ -320,6 +327,27 @@ def _measure_dispatch(s: _Settings) -> float:
     return _median_over_ranks(1.0 / _rate(step, chain + 1, s.seconds))
 
 
+def _measure_dtensor_dispatch(s: _Settings) -> float:
+    """The same chain on a DTensor sharded over every rank (no communication): what tensor
+    parallelism's DTensor ops cost beyond a plain op's (sharding propagation, wrapping)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = distribute_tensor(torch.randn(8 * dist.get_world_size()), mesh, [Shard(0)]).requires_grad_()
+    chain = 16
+
+    def step() -> None:
+        y = x
+        for _ in range(chain // 2):
+            y = y * 1.0001 + 0.0001
+        y.to_local().sum().backward()
+
+    return _median_over_ranks(1.0 / _rate(step, chain + 1, s.seconds))
+
+
 def _collective(kind: str, nbytes: int) -> Callable[[], Any]:
     """A call of `kind` over an fp32 tensor of about `nbytes` (rounded to a multiple of the world size)."""
     import torch
@@ -395,6 +423,7 @@ def _worker(rank: int, world_size: int, store_path: str, s: _Settings, results: 
         out["memory"] = _measure_memory(s)
         say("memory")
         out["dispatch"] = _measure_dispatch(s)
+        out["dtensor_dispatch"] = _measure_dtensor_dispatch(s)
         say("dispatch")
         out["collectives"] = {}
         for kind in COLLECTIVES if s.collectives else ():
@@ -497,4 +526,5 @@ def _profile(raw: Mapping[int, Mapping[str, Any]], *, quick: bool, torch_version
                          for kind, pts in r["collectives"].items()}
                      for n, r in raw.items() if r["collectives"]},
         dispatch={n: float(r["dispatch"]) for n, r in raw.items() if "dispatch" in r},
+        dtensor_dispatch={n: float(r["dtensor_dispatch"]) for n, r in raw.items() if "dtensor_dispatch" in r},
     )

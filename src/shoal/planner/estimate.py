@@ -24,6 +24,7 @@ so what is priced is what will run. Times are per step on the busiest rank:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,17 @@ OPS_PER_BLOCK = {False: 48, True: 10}
 """Host-side ops per block forward (each with its backward) in eager mode and compiled: shoal's
 block runs 6 per norm, 43 for attention with RoPE (views counted at half), 5 for the FFN and 4
 residual adds and dropouts; compiled, one graph launches about ten fused kernels."""
+DTENSOR_OPS_PER_BLOCK = {True: 50, False: 40}
+"""DTensor ops per block forward under tensor parallelism, with sequence-parallel norms and without:
+each of the 7 Colwise/Rowwise linears wraps its input, redistributes it, multiplies and unwraps
+(4), and with sp the norms, residual adds and the two PrepareModuleInput gathers run on DTensors."""
+RING_OPS_PER_HOP = 50
+"""Plain ops per block per ring hop (context parallelism): the zig-zag chunk pairs' attention, the
+log-sum-exp merge and the exchange, forward and hand-written backward (shoal.parallel.context)."""
+ENGINE_OPS_PER_PARAMETER = {"fsdp2": 6, "zero": 3, "ddp": 1, "none": 0}
+"""Host ops per parameter tensor per micro-batch that a data engine's hooks run: FSDP2 copies each
+shard into and out of the gathered buffer in forward and again in backward; shoal's ZeRO engine
+packs and unpacks gradient buckets; DDP marks each gradient ready."""
 OPS_PER_PARAMETER = 3
 """Host ops per parameter tensor per step outside forward and backward: the clipping norm, the
 optimizer's per-tensor update, zeroing the gradient."""
@@ -133,17 +145,23 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts
-    time["optimizer"] = stored * OPTIMIZER_BYTES / cluster.device.memory_bw + cost.op_overhead * OPS_PER_PARAMETER * (
-        9 * cfg.num_layers / plan.pp + 3)
-    step = steady + bubble + grads_exposed + time["optimizer"]
+    tensors = 9 * cfg.num_layers / plan.pp + 3  # parameter tensors on a rank: 9 per block, embeddings, norm, head
+    time["optimizer"] = stored * OPTIMIZER_BYTES / cluster.device.memory_bw + cost.op_overhead * OPS_PER_PARAMETER * tensors
+    time["engine_overhead"] = micro * cost.op_overhead * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors
+    step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"]
     mem = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro, b, stages)
     peak = sum(mem.values()) * memory.FRAGMENTATION
     usable = cluster.device.memory_bytes - (0 if cluster.device.name == "cpu" else RESERVED_BYTES)
     tokens = work.global_batch * S
-    flops = compute.model_flops_per_token(cfg, S) * tokens / step / plan.world_size
+    flops = _model_flops(cfg, S) * tokens / step / plan.world_size
     return Estimate(plan=plan, micro_batch=b, engine=engine.kind, step_time_s=step, tokens_per_s=tokens / step,
                     tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster)],
                     mem_per_device_bytes=peak, fits=peak <= usable, time=time, memory=mem, traffic=sync)
+
+
+@functools.lru_cache(maxsize=256)
+def _model_flops(cfg: ModelConfig, seq_len: int) -> float:
+    return compute.model_flops_per_token(cfg, seq_len)
 
 
 def _dtype(plan: Plan, cluster: Cluster) -> str:
@@ -151,6 +169,7 @@ def _dtype(plan: Plan, cluster: Cluster) -> str:
     return plan.precision if plan.precision in peak else "fp16"
 
 
+@functools.lru_cache(maxsize=4096)
 def _stage_layers(num_layers: int, pp: int, *, head_blocks: float) -> tuple[int, int]:
     """(blocks on the busiest non-last stage, blocks on the last stage) of the balanced split
     (the last stage also runs the head, worth `head_blocks` blocks; split_layers balances the same way)."""
@@ -191,6 +210,7 @@ class _Costs:
         self.overlap = 0.0 if cluster.device.name == "cpu" else 1.0
         # A GPU's host queues kernels ahead of the device (hidden); a CPU's cores run both.
         self.op_overhead = cluster.device.op_overhead if cluster.device.name == "cpu" else 0.0
+        self.dtensor_overhead = cluster.device.dtensor_overhead if cluster.device.name == "cpu" else 0.0
         # Collectives on a CPU share its cores with compute (gloo's thread): little hides (MACHINE-FACTS).
         self.stride = {"tp": 1, "cp": plan.tp, "fsdp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.fsdp,
                        "pp": plan.tp * plan.cp * plan.fsdp * (plan.dp or 1), "ep": plan.tp}
@@ -204,7 +224,11 @@ class _Costs:
         return compute.head_flops(self.cfg) / (dense.matmul + dense.attention)
 
     def _moe_count(self, lo: int, hi: int) -> int:
-        return sum(self.cfg.is_moe_layer(i) for i in range(lo, hi))
+        """MoE blocks among lo..hi-1 (block i is MoE when (i + 1) % moe_every == 0)."""
+        if not self.cfg.num_experts:
+            return 0
+        k = self.cfg.moe_every
+        return hi // k - lo // k
 
     def stage(self, lo: int, hi: int, *, head: bool) -> tuple[float, float, dict[str, float]]:
         """(forward, backward, terms per micro-batch) of blocks lo..hi-1 (and the head)."""
@@ -219,7 +243,11 @@ class _Costs:
             elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
         recompute = (mm + attn + elem) if p.ac == "full" else (attn if p.ac == "selective" else 0.0)
         ops = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
+        if p.cp > 1:
+            ops += (hi - lo) * RING_OPS_PER_HOP * p.cp if p.cp_mode == "ring" else 0
         host = ops * self.op_overhead
+        if tp > 1:
+            host += (hi - lo) * DTENSOR_OPS_PER_BLOCK[p.sp] * self.dtensor_overhead
         n = hi - lo
         act = T * self.cfg.dim * self.bytes
         if tp > 1 and p.sp:
@@ -306,11 +334,12 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     expert = memory.model_state_bytes(experts, shards=1, stage=0, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
     tokens = cost.tokens  # of one micro-batch on this rank
     worst: dict[str, float] = {}
+    per_block = {moe: memory.activation_elements(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg),
+                                                 seq_len=cost.seq_len, tp=plan.tp, sp=plan.sp, ac=plan.ac,
+                                                 fused_attention=cost.fused) for moe in (False, True)}
     for lo, hi, head in stages:
         moe = cost._moe_count(lo, hi)
-        act = sum(memory.activation_elements(cfg, i, seq_len=cost.seq_len, tp=plan.tp,
-                                             sp=plan.sp, ac=plan.ac, fused_attention=cost.fused)
-                  for i in ((cfg.moe_every - 1,) * moe + (_dense_index(cfg),) * (hi - lo - moe)))
+        act = per_block[True] * moe + per_block[False] * (hi - lo - moe)
         held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)
         if plan.ac == "full":  # the block being recomputed holds its full activations
             held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=plan.sp, ac="none",

@@ -68,6 +68,8 @@ class DeviceSpec:
     """Host seconds per eager op beyond its arithmetic (dispatch, autograd bookkeeping), backward
     included. On a CPU the same cores run the ops, so it adds to the step; on a GPU the host
     queues kernels ahead of the device and it is hidden unless it exceeds the device's time."""
+    dtensor_overhead: float = 0.0
+    """The same for an op on a DTensor (tensor parallelism's ops), which adds sharding propagation."""
     attention_efficiency: float | None = None
     """Fraction of peak the fused attention kernel PyTorch's SDPA picks reaches, forward and backward
     together (None: the matmul efficiency). Attention runs well below GEMMs: FlashAttention-2
@@ -130,6 +132,7 @@ def _cpu() -> DeviceSpec:
     can be ranked without a GPU; real numbers come from calibration (`shoal plan --calibrate`)."""
     return DeviceSpec(
         name="cpu", peak_flops={d: 50e9 for d in DTYPES}, matmul_efficiency=1.0, op_overhead=10e-6,
+        dtensor_overhead=100e-6,
         memory_bytes=16 * GiB, memory_bw=10 * GB,
         intra=Link(name="gloo loopback", bandwidth=2 * GB, efficiency=1.0, latency=200e-6),
         inter=Link(name="gloo over 10 GbE", bandwidth=1.25 * GB, efficiency=0.7, latency=500e-6),
@@ -253,6 +256,7 @@ _DEVICE_KEYS = {"base": (None, None), "name": ("name", None), "source": ("source
                 **{f"peak_tflops_{d}": (d, TERA) for d in DTYPES},
                 "matmul_efficiency": ("matmul_efficiency", 1.0),
                 "attention_efficiency": ("attention_efficiency", 1.0), "op_overhead_us": ("op_overhead", US),
+                "dtensor_overhead_us": ("dtensor_overhead", US),
                 "memory_gib": ("memory_bytes", GiB),
                 "memory_bw_gbs": ("memory_bw", GB), "per_node": ("per_node", 1)}
 

@@ -3,9 +3,10 @@
 Structures (the degrees of tp, cp, pp, ep and the split of the data ranks into dp x fsdp) are
 enumerated from the divisors of the world size; for each, the options that trade time for memory
 are tried cheapest first, and the first that fits is kept: activation recompute none, then
-selective, then full (recompute only ever adds time). Pipeline schedules and micro-batch counts,
-ZeRO stages and gradient-accumulation passes are all kept, since neither is always faster. Every
-plan kept has passed Plan.validate, the same check `shoal train` runs.
+selective, then full (recompute only ever adds time). GPipe is left out: it takes 1F1B's time
+with more memory. Micro-batch counts are pp times a power of two (and the whole local batch);
+ZeRO stages, schedules and gradient-accumulation passes are all kept, since none is always
+faster. Every plan kept has passed Plan.validate, the same check `shoal train` runs.
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ def variants(skeleton: Plan, work: Workload) -> Iterator[tuple[Plan, int | None]
                     yield base, b
             continue
         for mb in divisors(local):
-            if mb < skeleton.pp:
+            if mb < skeleton.pp or (mb != local and (mb % skeleton.pp or (mb // skeleton.pp) & (mb // skeleton.pp - 1))):
                 continue
-            for sched, vpp in (("1f1b", 1), ("zb", 1), ("gpipe", 1), ("interleaved", 2)):
+            for sched, vpp in (("1f1b", 1), ("zb", 1), ("interleaved", 2)):
                 if sched == "interleaved" and (mb % skeleton.pp or 2 * skeleton.pp > work.model.num_layers):
                     continue
                 yield dataclasses.replace(base, mb=mb, sched=sched, vpp=vpp), None
