@@ -53,7 +53,7 @@ def assert_user_error(capsys, argv: list[str], *names: str) -> str:
     (["--set", "norm=batchnorm"], ["'batchnorm'", "rmsnorm"]),
     (["--seq-len", "4096"], ["--seq-len 4096", "max_seq_len=256"]),
     (["--lr", "-1"], ["--lr -1.0"]),
-    (["--model", "tiny-moe", "--plan", "tp2"], ["tp=2", "Mixture-of-Experts", "num_experts=4"]),
+    (["--model", "tiny-moe", "--plan", "cp2"], ["cp=2", "Mixture-of-Experts", "num_experts=4"]),
     (["--tokenizer", "/no/such/tokenizer"], ["'/no/such/tokenizer'", "byte"]),
     (["--bogus", "1"], ["--bogus"]),
     (["--steps", "ten"], ["'ten'"]),

@@ -67,7 +67,7 @@ def test_router_top_k_on_known_logits(top_k, normalize):
 
 def test_router_prototyping_one_expert_per_group_with_in_group_weights():
     torch.manual_seed(0)
-    router = Router(8, 6, top_k=3, num_prototypes=3)  # groups {0,1}, {2,3}, {4,5}
+    router = Router(8, 6, top_k=3, num_prototypes=3, normalize=False)  # groups {0,1}, {2,3}, {4,5}
     x_ND = torch.randn(32, 8)
     routing = router(x_ND)
     logits_NKG = (x_ND @ router.gate.weight.T).view(32, 3, 2)
@@ -77,6 +77,38 @@ def test_router_prototyping_one_expert_per_group_with_in_group_weights():
     torch.testing.assert_close(routing.probs_NE, in_group_NKG.flatten(1), **TOL)
     # Not renormalised: the three weights are in-group probabilities, each >= 1/2 here.
     assert not torch.allclose(routing.weights_NK.sum(-1), torch.ones(32))
+
+
+# Weights by hand. Top-2 of softmax([ln 6, ln 3, ln 1, 0 ...]): probs 6/10, 3/10, 1/10 for a row
+# [ln 6, ln 3, 0] over 3 experts; the two chosen are 6/10 and 3/10, normalised 2/3 and 1/3.
+# Prototyping, groups {0,1} and {2,3}, row [ln 3, 0 | 0, ln 4]: in-group probs [3/4, 1/4] and
+# [1/5, 4/5]; winners 0 (3/4) and 3 (4/5); normalised over the two: 15/31 and 16/31. One group
+# of all four: softmax [3, 1, 1, 4] / 9, winner 3 with 4/9. A single choice normalises to 1.
+HAND_WEIGHTS = [
+    (dict(num_experts=3, top_k=2), [math.log(6), math.log(3), 0.0], [0, 1], [0.6, 0.3], [2 / 3, 1 / 3]),
+    (dict(num_experts=3, top_k=1), [math.log(6), math.log(3), 0.0], [0], [0.6], [1.0]),
+    (dict(num_experts=4, top_k=2, num_prototypes=2), [math.log(3), 0.0, 0.0, math.log(4)], [0, 3], [0.75, 0.8],
+     [15 / 31, 16 / 31]),
+    (dict(num_experts=4, top_k=1, num_prototypes=1), [math.log(3), 0.0, 0.0, math.log(4)], [3], [4 / 9], [1.0]),
+]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("kwargs, logits, experts, raw, normalised", HAND_WEIGHTS)
+def test_router_weights_normalised_over_the_k_or_not(kwargs, logits, experts, raw, normalised, normalize):
+    kwargs = dict(kwargs)
+    routing = identity_router(kwargs.pop("num_experts"), normalize=normalize, **kwargs)(torch.tensor([logits]))
+    assert routing.experts_NK.tolist() == [experts]
+    torch.testing.assert_close(routing.weights_NK, torch.tensor([normalised if normalize else raw]), **TOL)
+
+
+def test_norm_topk_reaches_the_router_and_top1_with_it_warns():
+    cfg = ModelConfig(num_layers=1, dim=16, num_heads=2, ffn_dim=8, num_experts=4, top_k=2)
+    assert Transformer(cfg).layers["0"].feed_forward.router.normalize is True  # the default
+    assert Transformer(cfg.replace(norm_topk=False)).layers["0"].feed_forward.router.normalize is False
+    assert cfg.with_overrides(["norm_topk=false"]).norm_topk is False
+    with pytest.warns(UserWarning, match="top_k=1 with norm_topk=true"):
+        cfg.replace(top_k=1)
 
 
 def test_router_prototyping_ties_go_to_the_lowest_index():

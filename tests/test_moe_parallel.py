@@ -20,8 +20,9 @@ from shoal.testing import SMALL, case, check_parity, run_parallel
 MOE = dataclasses.replace(SMALL, num_experts=4, top_k=2, ffn_dim=64)
 
 ROUTERS = {
-    "top1": dict(top_k=1),
+    "top1": dict(top_k=1, norm_topk=False),  # Switch: the weight is the gate probability
     "top2": dict(top_k=2),
+    "top2_raw": dict(top_k=2, norm_topk=False),
     "prototypes2": dict(top_k=2, num_prototypes=2),
     "dropless": dict(top_k=2, capacity_factor=0.0),
     "shared": dict(top_k=2, num_shared_experts=1),
@@ -45,11 +46,16 @@ def test_what_moe_does_not_run_with_yet_is_refused():
     from shoal.plan import Plan
     from shoal.testing import one_line_error
 
-    for text in ("tp2", "pp2", "cp2"):
-        assert "Mixture-of-Experts" in one_line_error(Plan.parse(text).resolve(2).validate, MOE, global_batch=8,
-                                                      seq_len=16)
-    assert "share_moe" in one_line_error(Plan.parse("fsdp2").resolve(2).validate, MOE.replace(share_moe=True),
-                                         global_batch=8, seq_len=16)
+    assert "Mixture-of-Experts" in one_line_error(Plan.parse("cp2").resolve(2).validate, MOE, global_batch=8,
+                                                  seq_len=16)
+    for text in ("fsdp2", "tp2", "pp2"):
+        assert "share_moe" in one_line_error(Plan.parse(text).resolve(2).validate, MOE.replace(share_moe=True),
+                                             global_batch=8, seq_len=16)
+    assert "bias" in one_line_error(Plan.parse("tp2").resolve(2).validate, MOE.replace(bias=True),
+                                    global_batch=8, seq_len=16)
+    # fsdp6,ep2: the experts' model dim 64 over the 3 data ranks outside ep.
+    assert "model dim 64" in one_line_error(Plan.parse("fsdp6,ep2").resolve(6).validate, MOE.replace(num_experts=6),
+                                            global_batch=12, seq_len=16)
 
 
 def test_tiny_moe_preset_counts_its_parameters():
@@ -83,6 +89,7 @@ def test_tiny_moe_through_the_trainer(tmp_path):
 
 
 EP_ROUTERS = {k: ROUTERS[k] for k in ("top1", "top2", "prototypes2", "dropless", "shared")}
+EP_ROUTERS["prototypes2_raw"] = dict(top_k=2, num_prototypes=2, norm_topk=False)
 
 
 @pytest.mark.parametrize("router", list(EP_ROUTERS))
@@ -124,3 +131,100 @@ def test_experts_keep_their_identity_across_ep_degrees(pools, tmp_path):
                                   what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
     assert set(results[0]["params"]) == set(ref64["final_params"])
     assert_trained_close(results[0]["params"], ref32, ref64)
+
+
+# ----------------------------------------------------------------------------- ep with sharded data, ep with tp
+
+@pytest.mark.parametrize("plan, router", [("fsdp4,ep2", r) for r in ("top1", "top2", "prototypes2", "dropless")]
+                         + [("fsdp4,ep2,zero=2", "top2"), ("dp2,fsdp2,ep2", "shared"), ("fsdp4,ep4", "top2_raw")])
+def test_ep_with_sharded_data_matches_single_process(pools, plan, router):
+    """The dense part sharded over the 4 data ranks (FSDP2 at zero=3, shoal's engine at zero=1/2),
+    each half of the experts over the 2 data ranks outside ep (all-gathered in forward, gradients
+    reduce-scattered in backward)."""
+    c = case(plan=plan, model=dataclasses.replace(MOE, **ROUTERS[router]), steps=3, reference_micro=4)
+    check_parity(pools(4).run(run_parallel, c), c)
+
+
+def test_ep_with_zero1_and_micro_batches(pools):
+    c = case(plan="fsdp2,ep2,zero=1", model=MOE, steps=3, num_micro=2, reference_micro=4)
+    check_parity(pools(2).run(run_parallel, c), c)
+
+
+@pytest.mark.parametrize("plan, router, world", [("tp2", "top2", 2), ("tp2,sp=off", "dropless", 2),
+                                                 ("tp2", "shared", 2), ("tp2,ep2", "top2", 4),
+                                                 ("tp2,ep2", "prototypes2", 4), ("tp2,ep2", "top1", 4),
+                                                 ("fsdp2,tp2,ep2", "dropless", 4), ("fsdp2,tp2", "top2", 4)])
+def test_ep_with_tp_matches_single_process(pools, plan, router, world):
+    """Each expert's FFN split over tp like the dense FFN (w1/w3 by columns, w2 by rows, outputs
+    summed over tp), the experts over ep (tp2,ep2 on 4 processes is dp2,tp2,ep2); fsdp2,tp2: the
+    experts also sharded over the 2 data ranks (no ep)."""
+    c = case(plan=plan, model=dataclasses.replace(MOE, **ROUTERS[router]), steps=3, reference_micro=world // 2)
+    check_parity(pools(world).run(run_parallel, c), c)
+
+
+def _expert_local_shapes(plan_text: str) -> dict[str, tuple[int, ...]]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from shoal.parallelize import parallelize
+    from shoal.plan import Plan
+    from shoal.testing import cached_mesh
+
+    plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+    runtime = parallelize(case(model=MOE).build_model(), plan, cached_mesh(plan))
+    return {name.rpartition(".")[2]: tuple(p.to_local().shape) for name, p in runtime.named_parameters()
+            if name.startswith("layers.0.feed_forward.experts.") and isinstance(p, DTensor)}
+
+
+@pytest.mark.parametrize("plan, expected", [
+    ("fsdp4,ep2", {"w1": (2, 64, 32), "w3": (2, 64, 32), "w2": (2, 32, 64)}),  # E/ep, F, D/replicas
+    ("tp2,ep2", {"w1": (2, 32, 64), "w3": (2, 32, 64), "w2": (2, 64, 32)}),    # E/ep, F/tp, D
+    ("fsdp2,tp2", {"w1": (4, 32, 32), "w3": (4, 32, 32), "w2": (4, 32, 32)}),  # E, F/tp, D/replicas
+])
+def test_each_rank_holds_its_piece_of_the_experts(pools, plan, expected):
+    """MOE: E=4, F=64, D=64."""
+    assert pools(4).run(_expert_local_shapes, plan) == [expected] * 4
+
+
+LAYOUTS = [("fsdp4,ep2", 4, 0, 2), ("tp2,ep2", 4, 2, 3), ("fsdp2,ep2,zero=2", 2, 3, 4), ("single", 0, 4, 5),
+           ("fsdp2,tp2,ep2", 4, 5, 6)]
+
+
+def test_experts_keep_their_identity_across_sharded_and_tp_layouts(pools, tmp_path):
+    """fsdp4,ep2 -> tp2,ep2 -> fsdp2,ep2,zero=2 -> one process -> fsdp2,tp2,ep2, each resuming the
+    previous checkpoint: the unbroken single-process run's losses and final experts."""
+    from shoal.testing import assert_rounding_close, assert_trained_close, references, train_segment
+
+    ref32, ref64 = references(RESHARD)
+    for plan_text, world, start, end in LAYOUTS:
+        if world == 0:
+            results = [train_segment(RESHARD, str(tmp_path), plan_text, start, end)]
+        else:
+            results = pools(world).run(train_segment, RESHARD, str(tmp_path), plan_text, start, end)
+        for rank, res in enumerate(results):
+            assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
+                                  what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
+    assert set(results[0]["params"]) == set(ref64["final_params"])
+    assert_trained_close(results[0]["params"], ref32, ref64)
+
+
+# ----------------------------------------------------------------------------- MoE in a pipeline
+
+@pytest.mark.parametrize("plan, router, world, micro", [
+    ("pp2,mb=4", "top2", 2, 4), ("pp2,mb=2,sched=gpipe", "prototypes2", 2, 2), ("pp2,mb=4,sched=zb", "top1", 2, 4),
+    ("dp2,pp2,mb=2", "top2", 4, 2), ("pp2,ep2,mb=2", "top2", 4, 2), ("fsdp2,pp2,ep2,mb=2", "dropless", 4, 2),
+    ("tp2,pp2,mb=2", "shared", 4, 2),
+])
+def test_moe_in_a_pipeline_matches_single_process(pools, plan, router, world, micro):
+    """Stages start backward from their outputs, not from one loss: each MoE layer's losses ride
+    on its output (MoECollector.attached) and are differentiated with the stage's backward."""
+    data_ranks = world // 2 // (2 if plan.startswith("tp2") else 1)
+    c = case(plan=plan, model=dataclasses.replace(MOE, **ROUTERS[router]), steps=3, num_micro=micro,
+             reference_micro=micro * data_ranks)
+    check_parity(pools(world).run(run_parallel, c), c)
+
+
+def test_moe_interleaved_pipeline_matches_single_process(pools):
+    c = case(plan="pp2,sched=interleaved,vpp=2,mb=2", model=MOE.replace(num_layers=4), steps=3, num_micro=2,
+             reference_micro=2)
+    check_parity(pools(2).run(run_parallel, c), c)

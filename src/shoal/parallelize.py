@@ -9,19 +9,19 @@ Each step is a no-op when its axis has degree 1.
 from __future__ import annotations
 
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from shoal.parallel.choice import choose_engine
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
-from shoal.parallel.choice import EngineChoice
 from shoal.parallel.data import TorchDataEngine, apply_data_parallel, transformer_blocks
-from shoal.parallel.expert import ExpertGrads, apply_expert_parallel, ep_mesh
+from shoal.parallel.expert import ExpertGrads, MoETensorParallel, apply_expert_parallel, ep_mesh
 from shoal.parallel.pipeline import Pipeline, build_stages, merged_view
 from shoal.parallel.schedules import split_backward
 from shoal.parallel.recompute import apply_recompute
-from shoal.parallel.tensor import apply_tensor_parallel
+from shoal.parallel.tensor import apply_tensor_parallel, transformer_tp_plan
+from shoal.moe.layer import MoELayer
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 
@@ -35,7 +35,8 @@ def check_supported(plan: Plan) -> None:
         if getattr(plan, axis) > 1:
             raise ValueError(f"{axis}{getattr(plan, axis)}: {what} parallelism is not available in this version of shoal yet")
     if plan.auto:
-        raise ValueError("plan 'auto' needs the planner, which is not available in this version of shoal yet")
+        raise ValueError("plan 'auto' is chosen before the model is parallelized: `shoal train --plan auto` does it, "
+                         "or in Python shoal.auto_plan.choose(...); valid: the chosen plan, e.g. dp2 or fsdp2,tp2")
 
 
 def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | None = None) -> Runtime:
@@ -53,8 +54,9 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     if plan.pp == 1:
         choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
         model, context = _within_stage(model, mesh, plan)
-        experts = _experts(model, mesh, plan, choice)
-        engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice)
+        experts = _experts([model], mesh, plan)
+        engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice,
+                                     ignore=experts.params if experts is not None else ())
         return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, experts=experts)
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
                           split=plan.split)
@@ -69,10 +71,12 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
                          f"sched=1f1b or gpipe, or zero=1/2 without tp")
     for s, stage in stages.items():
         stages[s], context = _within_stage(stage, mesh, plan)
+    experts = _experts(list(stages.values()), mesh, plan)
     modules, reduce = dict(stages), None
     if len(stages) == 1:
         (s, stage), = stages.items()
-        engine = apply_data_parallel(stage, mesh=mesh, plan=plan, choice=choice)
+        engine = apply_data_parallel(stage, mesh=mesh, plan=plan, choice=choice,
+                                     ignore=experts.params if experts is not None else ())
         stages[s] = engine.model
         if choice.kind == "zero":
             reduce = engine.reduce_grads  # type: ignore[attr-defined]
@@ -81,26 +85,50 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         engine = TorchDataEngine(view, view)
     pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync,
                         modules=modules, reduce=reduce)
-    return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline)
+    return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline, experts=experts)
 
 
-def _experts(model: nn.Module, mesh: DeviceMesh, plan: Plan, choice: EngineChoice) -> ExpertGrads | None:
-    """ep > 1: the experts split over the ep axis; DDP told to leave their weights alone."""
-    if plan.ep == 1:
+def _experts(parts: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> ExpertGrads | None:
+    """ep > 1 or tp > 1 with MoE layers in this rank's model parts: the experts split over the ep
+    axis (and within each expert over tp, and over the replicas under sharded data parallelism;
+    shoal/parallel/expert.py), their gradients reduced by the returned object, which the data
+    engine leaves them to."""
+    if (plan.ep == 1 and plan.tp == 1) or not any(isinstance(m, MoELayer) for p in parts for m in p.modules()):
         return None
-    if choice.kind != "ddp":
-        raise ValueError(f"ep={plan.ep} runs with replicated data parallelism in fp32 (torch DDP) in this version; "
-                         f"plan {plan} needs {choice.kind}; valid: dpN,epM with precision=fp32")
-    emesh = ep_mesh(mesh.size(), plan.ep, mesh.device_type)
-    names = apply_expert_parallel(model, emesh)
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-    params = dict(model.named_parameters())
-    return ExpertGrads([params[n] for n in names], emesh, plan.data_ranks)
+    if plan.offload:
+        raise ValueError(f"offload=on with an expert-parallel or tensor-parallel MoE model is not available in this "
+                         f"version (the experts are sharded outside FSDP2); plan {plan}; valid: offload=off")
+    emesh = ep_mesh(mesh.size(), plan.ep, mesh.device_type, tp=plan.tp, pp=plan.pp)
+    params = []
+    for part in parts:
+        names = apply_expert_parallel(part, emesh, shard_replicas=plan.fsdp > 1)
+        by_name = dict(part.named_parameters())
+        params += [by_name[n] for n in names]
+    return ExpertGrads(params, emesh, plan.data_ranks)
+
+
+def _tp_plan(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle] | None:
+    """The tensor-parallel plan of an MoE model: the Transformer's, with `MoETensorParallel` in
+    each MoE layer's feed-forward slot instead of the dense FFN's styles (None: a dense model,
+    the default plan)."""
+    moe = {name.split(".")[1] for name, m in model.named_modules() if isinstance(m, MoELayer)
+           and name.startswith("layers.") and name.endswith(".feed_forward")}
+    if plan.tp == 1 or not moe:
+        return None
+    dense = [name for name, _ in model.layers.named_children() if name not in moe]  # type: ignore[union-attr]
+    tp_plan: dict[str, ParallelStyle] = {}
+    for key, style in transformer_tp_plan(model, sp=plan.sp).items():
+        if key.startswith("layers.*.feed_forward"):  # the dense FFN's styles, for the dense blocks only
+            tp_plan.update({key.replace("*", i, 1): style for i in dense})
+        else:
+            tp_plan[key] = style
+    tp_plan.update({f"layers.{i}.feed_forward": MoETensorParallel(sp=plan.sp) for i in sorted(moe, key=int)})
+    return tp_plan
 
 
 def _within_stage(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> tuple[nn.Module, ContextSplit | None]:
     """The parallelisms inside one model part, in order: tensor, context, recompute, compile."""
-    model = apply_tensor_parallel(model, mesh=mesh, plan=plan)
+    model = apply_tensor_parallel(model, mesh=mesh, plan=plan, tp_plan=_tp_plan(model, plan))
     context = apply_context_parallel(model, mesh=mesh, mode=plan.cp_mode)
     model = apply_recompute(model, plan=plan)
     return apply_compile(model, plan=plan), context

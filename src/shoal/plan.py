@@ -275,14 +275,26 @@ class Plan:
             raise ValueError(f"cp={self.cp} with dropout={model.dropout}: attention dropout under context "
                              "parallelism is not available; valid: --set dropout=0, or no cp")
         if model.num_experts:
-            for axis in ("tp", "pp", "cp"):
-                if getattr(self, axis) > 1:
-                    raise ValueError(f"{axis}={getattr(self, axis)} with a Mixture-of-Experts model (num_experts="
-                                     f"{model.num_experts}) is not available in this version; valid: dp and fsdp "
-                                     "axes, or a dense model (num_experts=0)")
+            if self.cp > 1:
+                raise ValueError(f"cp={self.cp} with a Mixture-of-Experts model (num_experts={model.num_experts}) is "
+                                 "not available in this version; valid: dp, fsdp, tp, pp and ep axes, or a dense "
+                                 "model (num_experts=0)")
             if model.share_moe and self.fsdp > 1:
                 raise ValueError(f"fsdp={self.fsdp} with share_moe (WideNet): the one shared MoE layer sits in "
                                  "every block's shard unit; valid: dp axes, or share_moe=false")
+            for axis in ("tp", "pp"):  # pp: the one shared layer would be copied into every stage
+                if model.share_moe and getattr(self, axis) > 1:
+                    raise ValueError(f"{axis}={getattr(self, axis)} with share_moe (WideNet) is not available in this "
+                                     "version; valid: dp and ep axes, or share_moe=false")
+            if model.bias and self.tp > 1:
+                raise ValueError(f"tp={self.tp} with an MoE model with bias=true: expert biases are not split over "
+                                 "tp in this version; valid: bias=false, or no tp")
+            replicas = self.data_ranks // self.ep  # the data ranks outside ep, which shard the experts under fsdp
+            sharded = self.fsdp > 1 and (self.ep > 1 or self.tp > 1) and not self.data_ranks % self.ep
+            if sharded and model.dim % replicas:
+                raise ValueError(f"fsdp={self.fsdp} with ep={self.ep}, tp={self.tp} shards every expert's model dim "
+                                 f"{model.dim} over the {replicas} data ranks outside ep, which do not divide it; "
+                                 f"valid: (dp*fsdp)/ep in {_divisors(model.dim)}")
         if self.ep > 1:
             if model.num_experts == 0:
                 raise ValueError(f"ep={self.ep} needs a Mixture-of-Experts model; this one has num_experts=0")
@@ -353,7 +365,10 @@ class Plan:
         if self.dp > 1 or self.data_ranks == 1:
             lines.append(f"  data: {self.dp} replica(s), each sees 1/{self.data_ranks} of every global batch")
         if self.ep > 1:
-            lines.append(f"  expert: experts split {self.ep} ways over the data ranks")
+            outside = self.data_ranks // self.ep
+            lines.append(f"  expert: experts split {self.ep} ways over the data ranks"
+                         + (f", each sharded over the {outside} data ranks outside ep" if self.fsdp > 1 < outside else "")
+                         + (f", each expert's FFN split {self.tp} ways like the dense FFN" if self.tp > 1 else ""))
         if self.ac != "none":
             lines.append(f"  recompute: {self.ac} activation checkpointing")
         lines.append(f"  precision: {self.precision}" + (f", gradients reduced in {self.reduce}" if self.reduce != "fp32" else ""))

@@ -12,8 +12,9 @@ shoal/parallel/ asks which engine runs a plan.
   micro-batches: gradient sync on the last one only (`no_sync()` for loops of one's own), loss
   scaling, the vocabulary-parallel loss.
   Under pp the pipeline's schedule runs them (shoal/parallel/pipeline.py); the context-parallel
-  sequence split, and the MoE layers' auxiliary losses (added to each micro-batch's loss; their
-  load figures in `moe_stats`) go here too.
+  sequence split, and the MoE layers' auxiliary losses (added to each micro-batch's loss, or
+  under pp carried on each layer's output into its stage's backward; their load figures in
+  `moe_stats`, this rank's layers) go here too.
 - `grad_norm()` (fp16: unscales first, reports overflow) and `clip_grads_(max_norm, norm)`.
 - `global_mean(value)` over the data ranks; `data_rank`: which slice of each global batch is ours.
 - `state_dict(optimizer)` / `load_state_dict(...)`: DCP's format, so checkpoints reshard;
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
 from shoal.moe.collect import MoECollector
@@ -134,7 +135,12 @@ class Runtime:
         loss_fn = loss_fn or cross_entropy
         if self.pipeline is not None:
             scale = self.loss_scaler.scale if self.loss_scaler is not None else None
-            return self._pp_sum(self.pipeline.step(self.local_batches(micro_batches), loss_fn, scale=scale))
+            n = len(micro_batches)
+            # Stages start backward from their outputs, so MoE losses ride on the layers' outputs.
+            with self._moe.attached(lambda added: scale(added / n) if scale is not None else added / n):
+                total = self.pipeline.step(self.local_batches(micro_batches), loss_fn, scale=scale)
+            self._after_backward()
+            return self._pp_sum(total)
         total: torch.Tensor | float = 0.0
         for i, (inputs, targets) in enumerate(self.local_batches(micro_batches)):
             last = i == len(micro_batches) - 1
@@ -143,13 +149,20 @@ class Runtime:
                 with vocab_parallel_loss(output):  # tp: vocab-sharded logits, softmax across shards
                     loss = loss_fn(output, targets) / len(micro_batches)
                     added = self._moe.take_loss()  # MoE load-balancing and z-losses, weighted
+                    if added is not None and isinstance(loss, DTensor):  # tp: the same on every tp rank
+                        added = DTensor.from_local(added, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim,
+                                                   run_check=False)
                     trained = loss + added / len(micro_batches) if added is not None else loss
                     (self.loss_scaler.scale(trained) if self.loss_scaler is not None else trained).backward()
             total = total + local_value(loss)
+        self._after_backward()
+        return torch.as_tensor(total)
+
+    def _after_backward(self) -> None:
+        """The expert gradients' reduction (ep, or tp on an MoE model) and the step's MoE figures."""
         if self._experts is not None:
             self._experts.sync()
         self.moe_stats = self._moe.take_stats()
-        return torch.as_tensor(total)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 
@@ -35,6 +36,13 @@ class ModelConfig:
     """Experts per MoE layer; 0 makes every layer dense."""
     top_k: int = 2
     """Experts each token is routed to in MoE layers."""
+    norm_topk: bool = True
+    """Rescale each token's top_k routing weights (under prototyping: its num_prototypes group
+    winners' in-group probabilities) to sum to 1, as GShard's top-2 and Mixtral do; false keeps
+    the router's probabilities (Switch's top-1, M6-T's prototypes). On by default because top_k
+    defaults to 2, where renormalising is the usual choice (and what a Mixtral config means);
+    with top_k=1 it makes every weight 1 and the gate learns from the auxiliary losses alone,
+    so top-1 wants norm_topk=false (a warning says so)."""
     moe_every: int = 1
     """Every moe_every-th layer is an MoE layer (when num_experts > 0)."""
     num_prototypes: int = 0
@@ -76,6 +84,9 @@ class ModelConfig:
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
+        if self.num_experts and self.top_k == 1 and self.norm_topk:
+            warnings.warn("top_k=1 with norm_topk=true: every routing weight is 1, so the gate learns from the "
+                          "auxiliary losses only; set norm_topk=false for Switch-style top-1 routing", stacklevel=3)
 
     @property
     def head_dim(self) -> int:

@@ -99,7 +99,7 @@ class FeedForward(nn.Module):
 def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
     """The feed-forward slot of block `index`: dense, or a Mixture-of-Experts layer."""
     if cfg.is_moe_layer(index):
-        return MoELayer(cfg.dim, cfg.ffn_dim, num_experts=cfg.num_experts, top_k=cfg.top_k,
+        return MoELayer(cfg.dim, cfg.ffn_dim, num_experts=cfg.num_experts, top_k=cfg.top_k, normalize=cfg.norm_topk,
                         num_prototypes=cfg.num_prototypes, capacity_factor=cfg.capacity_factor,
                         num_shared_experts=cfg.num_shared_experts, activation=cfg.activation, bias=cfg.bias,
                         init_std=cfg.init_std, num_layers=cfg.num_layers, aux_loss_coef=cfg.aux_loss_coef,

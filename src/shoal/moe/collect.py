@@ -10,6 +10,8 @@ share of the kept tokens (the load heatmap's column for this step).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,16 +34,35 @@ class MoECollector:
                 module.register_forward_hook(self._called)
         self._losses: list[torch.Tensor] = []
         self._calls: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self._attach: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.names)
 
-    def _called(self, module: nn.Module, _args: Any, _out: Any) -> None:
+    @contextlib.contextmanager
+    def attached(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+        """Within: each layer's added loss, through `transform` (the micro-batch's share, a loss
+        scale), rides on the layer's output instead of waiting for `take_loss`: backward through the
+        output also differentiates it (`attach_loss`). For a pipeline, whose stages start backward
+        from their outputs, never from one loss (Megatron-Core's MoEAuxLossAutoScaler)."""
+        self._attach = transform
+        try:
+            yield
+        finally:
+            self._attach = None
+
+    def _called(self, module: nn.Module, _args: Any, out: Any) -> Any:
         assert isinstance(module, MoELayer)
-        if torch.is_grad_enabled():
-            self._losses.append(module.added_loss())
+        if torch._C._current_graph_task_id() != -1:
+            return None  # recomputed inside backward (activation checkpointing): counted in forward
         if module.training:
             self._calls.setdefault(self.names[id(module)], []).append(module.stats)
+        if not torch.is_grad_enabled():
+            return None
+        if self._attach is not None:
+            return attach_loss(out, self._attach(module.added_loss()))
+        self._losses.append(module.added_loss())
+        return None
 
     def take_loss(self) -> torch.Tensor | None:
         """The sum of the added losses of the calls since the last take (None without any)."""
@@ -81,3 +102,23 @@ def records(stats: dict[str, list[float]]) -> dict[str, Any]:
     if shares:
         out["moe_load"] = [sum(col) / len(shares) for col in zip(*shares)]
     return out
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Forward: `y` unchanged. Backward: `y`'s gradient passed on, and 1 for `loss`."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+def attach_loss(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """`y`, such that any backward through it also differentiates the scalar `loss` (as if it were
+    added to the final loss)."""
+    return _AttachLoss.apply(y, loss)

@@ -41,15 +41,17 @@ def top_choices(probs_NE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 class Router(nn.Module):
     """A bias-free linear gate D -> E followed by top-k selection (Shazeer et al. 2017).
 
-    Plain (num_prototypes=0): softmax over the E experts, the top_k most probable; with
-    `normalize` their weights are rescaled to sum to 1 (Mixtral), otherwise they are the raw
-    probabilities (GShard/Switch). With top_k=1 and `normalize`, the weight is always 1, so the
-    gate learns only from the auxiliary losses.
+    Plain (num_prototypes=0): softmax over the E experts, the top_k most probable. With
+    `normalize` their weights are rescaled to sum to 1 (GShard's top-2, Mixtral); otherwise they
+    are the raw probabilities (Switch's top-1, DeepSeek-V2, OLMoE). With top_k=1 and `normalize`
+    the weight is always 1, so the gate learns only from the auxiliary losses.
 
     Expert prototyping (num_prototypes=K > 0; Yang et al. 2021, M6-T, arXiv 2105.15082): the
     experts form K contiguous groups of E/K, each with its own softmax and top-1; the K outputs
-    are summed with their in-group probabilities as weights, never renormalised (`normalize`
-    does not apply). K top-1 choices are cheaper to balance than one top-K choice.
+    are summed. A prototype's weight is its winner's in-group probability (M6-T), or with
+    `normalize` that probability divided by the sum of the K winners' (the K choices then weigh
+    1 in all, as top-K's do; normalising within a group would make every weight 1). K top-1
+    choices are cheaper to balance than one top-K choice.
     """
 
     def __init__(self, dim: int, num_experts: int, *, top_k: int, num_prototypes: int = 0,
@@ -92,8 +94,8 @@ class Router(nn.Module):
         else:
             probs_NE = logits_NE.softmax(dim=-1)
             weights_NK, experts_NK = top_choices(probs_NE, self.top_k)
-            if self.normalize:
-                weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+        if self.normalize:  # over the K choices (the K prototypes' winners under prototyping)
+            weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
         return Routing(experts_NK=experts_NK, weights_NK=weights_NK.to(x_ND.dtype),
                        probs_NE=probs_NE, logits_NE=logits_NE)
 

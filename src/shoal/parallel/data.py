@@ -57,7 +57,7 @@ import contextlib
 import inspect
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -122,10 +122,13 @@ class DataEngine(Protocol):
         ...
 
 
-def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
-                        choice: EngineChoice | None = None) -> DataEngine:
+def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan, choice: EngineChoice | None = None,
+                        ignore: Collection[nn.Parameter] = ()) -> DataEngine:
     """Replicate and/or shard `model` over the dp and fsdp axes with the engine `choice` names
-    (None: `choose_engine(plan, ...)`, the choice the planner costs)."""
+    (None: `choose_engine(plan, ...)`, the choice the planner costs). Parameters in `ignore`
+    (ep-sharded experts, shoal/parallel/expert.py) are left as they are: the engine neither
+    reduces their gradients nor shards them, but hands them to the optimizer, the gradient norm
+    and the state dicts like the others."""
     precision = PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce)
     blocks = transformer_blocks(model)
     choice = choice or choose_engine(plan, num_layers=len(blocks))
@@ -133,13 +136,17 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
         raise ValueError(f"offload=on needs fsdp > 1 (plan {plan}); valid: add fsdpN, or offload=off")
     if choice.kind == "none":
         return TorchDataEngine(model, model)  # a tp-only model stays as tensor parallel left it
+    ignored = {id(p) for p in ignore}
     if choice.kind == "ddp":
+        names = [name for name, p in model.named_parameters() if id(p) in ignored]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
         return TorchDataEngine(_ddp(model, replica_mesh(mesh)), model)
     if choice.kind == "zero":
         return ZeroDataParallel(model, mesh=mesh, zero=choice.zero, bucket=choice.bucket, precision=precision,
-                                blocks=blocks)
+                                blocks=blocks, ignore=ignored)
     offload = _offload_policy(mesh) if plan.offload else OffloadPolicy()
-    _fully_shard(model, blocks, mesh=mesh, choice=choice, precision=precision, offload=offload)
+    _fully_shard(model, blocks, mesh=mesh, choice=choice, precision=precision, offload=offload,
+                 ignored={p for p in model.parameters() if id(p) in ignored})
     return TorchDataEngine(model, model, gradient_sync_toggle=choice.zero == 1)
 
 
@@ -183,20 +190,19 @@ class TorchDataEngine:
         grads = self._grads()
         if not grads:  # nothing trainable here: zero, where the parameters live
             return torch.zeros((), device=next(self.module.parameters(), torch.zeros(())).device)
-        # Plain and DTensor gradients (replicated weights beside ep-sharded experts) in two groups:
-        # a norm over DTensors reduces over their meshes, and the two do not mix in one call.
-        groups = [[g for g in grads if not isinstance(g, DTensor)], [g for g in grads if isinstance(g, DTensor)]]
+        # Plain gradients and DTensor gradients by mesh (the data engine's beside ep-sharded experts'):
+        # a norm over DTensors reduces over their mesh, and different meshes do not mix in one call.
+        groups = _by_mesh(grads)
         norms = []
-        for group in (g for g in groups if g):
+        for group in groups:
             norm = torch.nn.utils.get_total_norm(group)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         return torch.stack([n.to(norms[0].device) for n in norms]).pow(2).sum().sqrt() if len(norms) > 1 else norms[0]
 
     def scale_grads_(self, factor: torch.Tensor) -> None:
         grads = self._grads()
-        for group in ([g for g in grads if not isinstance(g, DTensor)], [g for g in grads if isinstance(g, DTensor)]):
-            if group:  # what clip_grads_with_norm_ does, plain and DTensor gradients apart
-                torch._foreach_mul_(group, factor.to(grads[0].device))
+        for group in _by_mesh(grads):  # what clip_grads_with_norm_ does, plain and each mesh's DTensors apart
+            torch._foreach_mul_(group, factor.to(grads[0].device))
 
     def model_state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.model)
@@ -215,6 +221,14 @@ class TorchDataEngine:
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         # strict=False: the runtime checked the names; a partial dict leaves the rest as it is.
         set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Gradients in groups that one foreach or norm call can take: plain tensors, then DTensors by mesh."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    return list(groups.values())
 
 
 def _ddp(model: nn.Module, replicas: DeviceMesh) -> nn.Module:
@@ -257,8 +271,9 @@ def _offload_policy(mesh: DeviceMesh) -> CPUOffloadPolicy:
 
 
 def _fully_shard(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh, choice: EngineChoice,
-                 precision: PrecisionPolicy, offload: OffloadPolicy) -> None:
-    kwargs = dict(mesh=_data_mesh(mesh), mp_policy=precision.fsdp_policy(), offload_policy=offload)
+                 precision: PrecisionPolicy, offload: OffloadPolicy, ignored: set[nn.Parameter]) -> None:
+    kwargs = dict(mesh=_data_mesh(mesh), mp_policy=precision.fsdp_policy(), offload_policy=offload,
+                  ignored_params=ignored or None)
     keep_full = choice.zero < 3  # ZeRO-1/2 keep a block's gathered parameters from forward to backward
     step = choice.bucket
     for unit in (blocks[i:i + step] for i in range(0, len(blocks), step)):

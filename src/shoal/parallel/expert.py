@@ -1,53 +1,93 @@
 """Expert parallelism over the ep axis: every MoE layer's experts split over ep ranks, tokens sent
-to their experts' ranks and back with all-to-all.
+to their experts' ranks and back with all-to-all; composed with replicated or sharded data
+parallelism and with tensor parallelism.
 
-- Where: ep is carved out of the data ranks (they see different tokens). `ep_mesh` arranges the
-  data ranks as (replica, ep): each row of ep consecutive data ranks holds all E experts, E/ep
-  each; the rows are replicas of one another.
-- The experts' stacked weights become DTensor parameters, Shard(0) over ep (Replicate over the
-  replicas): the optimizer keeps their state sharded, the global gradient norm is right, and
-  checkpoints hold the (E, ...) tensors in expert order, so they reload under another ep degree
-  or none with every expert's identity kept. The model computes with the local rows (a forward
-  pre-hook hands it `to_local()` views, through which gradients reach the parameters).
+- Where: ep is carved out of the data ranks (they see different tokens). `ep_mesh` arranges a
+  pipeline stage's ranks as (ep_replica, ep, tp): each row of ep consecutive data ranks holds
+  all E experts, E/ep each; the rows are replicas of one another; tp is the plan's tp axis
+  (size 1 without it). Under pp every stage has a mesh of its own.
+- The experts' stacked weights become DTensor parameters on that mesh, Shard(0) over ep: the
+  optimizer keeps their state sharded, the global gradient norm is right, and checkpoints hold
+  the (E, ...) tensors in expert order, so they reload under another ep degree (or none, or
+  another data layout) with every expert's identity kept. The model computes with local views
+  (forward pre-hooks hand it plain tensors, through which gradients reach the parameters).
+- Over the replicas: under replicated data parallelism (DDP) the experts are Replicate and
+  `ExpertGrads.sync` sums their gradients over the replicas. Under sharded data parallelism
+  (fsdp > 1: ZeRO-1/2/3) the dense part is sharded over all data ranks by the data engine and the
+  experts over the replicas (the data ranks outside ep) here: each weight matrix is Shard over
+  its model dim D across ep_replica, all-gathered in forward (a differentiable all-gather, whose
+  backward reduce-scatters the gradient: the ZeRO-3 pattern for every stage, since a rank's
+  experts are a small part of the model and ZeRO-1/2 would keep them whole for nothing).
+- Tensor parallelism splits each expert's FFN, as it splits the dense FFN (w1/w3 by output
+  columns F, w2 by input columns F); it does not spread the experts over tp. Why: the MoE layer
+  keeps the dense FFN's contract. Every tp rank holds 1/tp of every FFN weight, dense or expert,
+  and sees the same tokens (the sequence all-gathered, as for the dense FFN). So routing,
+  capacity, dropping and the router's losses come out the same on every tp rank with no
+  cross-tp reduction, and ep stays carved out of the data ranks (with sp=off the tp ranks see
+  the same tokens, so experts over tp would first need the tokens split). The cost: the
+  all-to-all carries each token once per tp rank, and the experts' outputs are all-reduced over
+  tp (the dense FFN's row-parallel reduction). The router gate is a replicated DTensor on the
+  tp mesh; shared experts are split like the routed ones. `MoETensorParallel` is the style the
+  tensor-parallel plan gives an MoE layer. Expert biases are not split (Plan.validate refuses
+  them with tp).
 - The dispatcher's communication steps (shoal/moe/dispatch.py) become two all-to-alls with
   uneven splits (`AllToAllDispatcher`): the kept rows go to the ranks of their experts, are
   regrouped there by local expert, and come back in their original order.
 - Gradients: an expert's gradient on its rank already sums the contributions of every token
   routed to it from the ep group; the data engine leaves these parameters alone and
-  `sync_expert_grads` sums them over the replicas and divides by the number of data ranks, the
-  average the engine takes for the dense weights.
+  `ExpertGrads.sync` sums them over the replicas (if the backward's reduce-scatter did not) and
+  divides by the number of data ranks, the average the engine takes for the dense weights.
 
-Why not torch's expert-parallel pieces: torch 2.13 has none outside torchtitan, whose
-implementation needs CUDA kernels; this is the one piece written here, over funcol's
-differentiable all_to_all_single.
+Why not torch's pieces: torch 2.13 has no expert parallelism outside torchtitan, whose
+implementation needs CUDA kernels; FSDP2 cannot shard the experts over the replicas because their
+parameters are already DTensors on the ep mesh, a mesh of its own (FSDP2 composes only with
+DTensors on a sub-mesh of its own mesh's root). This module is the one piece written here, over
+funcol's differentiable all_to_all_single and all_gather.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from shoal.moe.dispatch import Dispatcher
+from shoal.moe.experts import Experts
 from shoal.moe.layer import MoELayer
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3", "b1", "b2", "b3")
+_TP_DIM = {"w1": 1, "w3": 1, "b1": 1, "b3": 1, "w2": 2}
+"""The dim tp splits (F: w1/w3 (E, F, D) column-parallel, w2 (E, D, F) row-parallel); b2 (E, D) is whole."""
+_REPLICA_DIM = {"w1": 2, "w3": 2, "w2": 1}
+"""The dim the replicas shard under sharded data parallelism (D); biases stay whole (they are small)."""
 
 
-def ep_mesh(world_size: int, ep: int, device_type: str) -> DeviceMesh:
-    """The data ranks as (replica, ep): rank r holds expert slice r % ep (all ranks are data ranks
-    under the plans that run MoE models)."""
-    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("ep_replica", "ep"))
+def ep_mesh(world_size: int, ep: int, device_type: str, *, tp: int = 1, pp: int = 1) -> DeviceMesh:
+    """This rank's pipeline stage's ranks as (ep_replica, ep, tp): within a stage, rank r holds
+    expert slice (r // tp) % ep. It matches the plan's mesh (pp outermost, then the data axes,
+    tp innermost; cp does not run with MoE models)."""
+    names = ("pp", "ep_replica", "ep", "tp")
+    mesh = init_device_mesh(device_type, (pp, world_size // (pp * ep * tp), ep, tp), mesh_dim_names=names)
+    return mesh["ep_replica", "ep", "tp"]
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
-    """Split the experts of every MoE layer of `model` over mesh["ep"] (in place); returns the
-    names of the expert parameters (which the data engine must leave alone)."""
-    ep = mesh["ep"].size()
-    rank = mesh["ep"].get_local_rank()
+def expert_placements(name: str, *, shard_replicas: bool, tp: int) -> list[Placement]:
+    """Placements of expert weight `name` on `ep_mesh`: (ep_replica, ep, tp)."""
+    replica = Shard(_REPLICA_DIM[name]) if shard_replicas and name in _REPLICA_DIM else Replicate()
+    return [replica, Shard(0), Shard(_TP_DIM[name]) if tp > 1 and name in _TP_DIM else Replicate()]
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, shard_replicas: bool = False) -> list[str]:
+    """Split the experts of every MoE layer of `model` over `mesh` (an `ep_mesh`; in place): over
+    ep by expert, over tp within each expert, and with `shard_replicas` over the replicas too.
+    Returns the names of the expert parameters (which the data engine must leave alone)."""
+    ep, tp = mesh["ep"].size(), mesh["tp"].size()
     names = []
     for layer_name, layer in model.named_modules():
         if not isinstance(layer, MoELayer):
@@ -55,35 +95,138 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[str]:
         experts = layer.experts
         if layer.num_experts % ep:
             raise ValueError(f"ep={ep} does not divide num_experts={layer.num_experts}")
-        local = layer.num_experts // ep
         for name in EXPERT_WEIGHTS:
             param = getattr(experts, name, None)
             if param is None:
                 continue
-            rows = param.detach()[rank * local:(rank + 1) * local].clone()
-            shard = DTensor.from_local(rows, mesh, [Replicate(), Shard(0)], run_check=False)
+            placements = expert_placements(name, shard_replicas=shard_replicas, tp=tp)
+            # Every rank built the same weights (same seed): each takes its own piece, no communication.
+            shard = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(shard))
             names.append(f"{layer_name}.experts.{name}")
-        experts.num_experts = local
-        experts.register_forward_pre_hook(_local_views)
-        experts.register_forward_hook(_drop_views)
-        layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), num_experts=layer.num_experts, ep=ep)
+        experts.num_experts = layer.num_experts // ep
+        _register_views(experts, mesh["tp"].get_group() if tp > 1 else None)
+        if ep > 1:
+            layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), num_experts=layer.num_experts, ep=ep)
     return names
 
 
-def _local_views(module: nn.Module, _args: tuple) -> None:
-    """The experts compute with plain local rows: an instance attribute shadows the DTensor
-    parameter for the length of the forward (to_local is differentiable)."""
-    for name in EXPERT_WEIGHTS:
-        param = module._parameters.get(name)
+def _register_views(experts: Experts, tp_group: dist.ProcessGroup | None) -> None:
+    """Hooks that let `experts` compute with local views of its DTensor weights (gathered over
+    the replicas where they shard them) and, over tp, make it one column-then-row-parallel FFN:
+    its input's gradient and its output summed over tp (Megatron's f and g)."""
+
+    def before(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        _local_views(module)
+        return (_CopyToTP.apply(args[0], tp_group), *args[1:]) if tp_group is not None else args
+
+    def after(module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        _drop_views(module)
+        return _ReduceFromTP.apply(out, tp_group) if tp_group is not None else out
+
+    experts.register_forward_pre_hook(before)
+    experts.register_forward_hook(after)
+
+
+def _local_views(module: nn.Module) -> None:
+    """An instance attribute shadows each DTensor parameter for the length of the forward: its
+    local rows, all-gathered over the replicas where they shard it (to_local and the gather are
+    differentiable; the gather's backward reduce-scatters the gradient)."""
+    for name, param in module._parameters.items():
+        if not isinstance(param, DTensor):
+            continue
+        local = param.to_local()
+        names = param.device_mesh.mesh_dim_names or ()
+        for dim_name, placement in zip(names, param.placements):
+            if dim_name == "ep_replica" and isinstance(placement, Shard):
+                group = param.device_mesh.get_group(dim_name)
+                moved = local.movedim(placement.dim, 0).contiguous()  # funcol gathers along dim 0
+                local = _all_gather(moved, 0, group).movedim(0, placement.dim)
+        module.__dict__[name] = local
+
+
+# torch 2.13 renamed funcol's differentiable all-gather; older releases in shoal's range only have the old name.
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def _drop_views(module: nn.Module) -> None:
+    for name, param in module._parameters.items():
         if isinstance(param, DTensor):
-            module.__dict__[name] = param.to_local()
-
-
-def _drop_views(module: nn.Module, _args: tuple, _out: object) -> None:
-    for name in EXPERT_WEIGHTS:
-        if isinstance(module._parameters.get(name), DTensor):
             module.__dict__.pop(name, None)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over tp (the input of a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward sums over tp (the partial outputs of a row-parallel layer); identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class MoETensorParallel(ParallelStyle):
+    """The tensor-parallel style of an MoE layer (see the module docstring): its input gathered
+    over tp (with sequence parallelism; a local full (B, T, D) tensor in any case), the router
+    gate a replicated DTensor computed through a local view, shared experts split like the
+    routed ones (these `apply_expert_parallel` splits, on the ep mesh), and the output, the same
+    on every tp rank, handed back as the residual stream's layout (this rank's sequence shard
+    with `sp`)."""
+
+    def __init__(self, *, sp: bool) -> None:
+        super().__init__()
+        self.sp = sp
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, MoELayer), type(module)
+        seq = [Shard(1)] if self.sp else [Replicate()]
+        gate = module.router.gate
+        gate.register_parameter("weight", nn.Parameter(
+            DTensor.from_local(gate.weight.detach(), device_mesh, [Replicate()], run_check=False)))
+        module.router.register_forward_pre_hook(lambda *_: _local_views(gate))
+        module.router.register_forward_hook(lambda *_: _drop_views(gate))
+        if module.shared is not None:
+            for name in EXPERT_WEIGHTS:
+                param = getattr(module.shared, name, None)
+                if param is not None:
+                    placement = Shard(_TP_DIM[name]) if name in _TP_DIM else Replicate()
+                    module.shared.register_parameter(name, nn.Parameter(
+                        distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=None)))
+            _register_views(module.shared, device_mesh.get_group())
+
+        def gather_input(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, seq, run_check=False)
+            return (x.redistribute(device_mesh, [Replicate()]).to_local(), *args[1:])
+
+        def shard_output(_module: nn.Module, _args: tuple[Any, ...], y: torch.Tensor) -> torch.Tensor:
+            # y is the same on every tp rank (the experts' outputs were summed over tp).
+            return DTensor.from_local(y, device_mesh, [Replicate()], run_check=False).redistribute(
+                device_mesh, seq).to_local()
+
+        module.register_forward_pre_hook(gather_input)
+        module.register_forward_hook(shard_output)
+        return module
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -119,23 +262,20 @@ class AllToAllDispatcher(Dispatcher):
 
 
 class ExpertGrads:
-    """The expert parameters of a model under ep, and their gradients' reduction."""
+    """The expert parameters of a model under ep (or tp), and their gradients' reduction."""
 
     def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, data_ranks: int) -> None:
         self.params, self.mesh, self.data_ranks = params, mesh, data_ranks
 
+    @torch.no_grad()
     def sync(self) -> None:
-        sync_expert_grads(self.params, self.mesh, self.data_ranks)
-
-
-@torch.no_grad()
-def sync_expert_grads(params: list[nn.Parameter], mesh: DeviceMesh, data_ranks: int) -> None:
-    """Each expert's gradient summed over its replicas, divided by the number of data ranks."""
-    replicas = mesh["ep_replica"]
-    for param in params:
-        if param.grad is None:
-            continue
-        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        if replicas.size() > 1:
-            dist.all_reduce(local, group=replicas.get_group())
-        local.div_(data_ranks)
+        """Each expert's gradient summed over its replicas (where backward's reduce-scatter did not
+        already), divided by the number of data ranks."""
+        replicas = self.mesh["ep_replica"]
+        for param in self.params:
+            if param.grad is None:
+                continue
+            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if replicas.size() > 1 and isinstance(param.placements[0], Replicate):
+                dist.all_reduce(local, group=replicas.get_group())
+            local.div_(self.data_ranks)

@@ -30,6 +30,10 @@ shard:
   Any optimizer works, and evaluation between steps sees the update. (The shards' version
   counters cannot tell: a DTensor's in-place foreach update leaves them as they were.)
 
+Parameters passed in `ignore` (the experts under ep, which shoal/parallel/expert.py shards and
+reduces itself) are not bucketed: the engine hands them to the optimizer as they are and counts
+their gradients in the norm and the scaling.
+
 It implements shoal.parallel.data.DataEngine, the interface the runtime uses. Its speed and memory
 against DeepSpeed and FSDP2 are measured by bench/zero_vs_peers.py and bench/zero_memory.py.
 Not covered: tensor-parallel models and offload=on keep FSDP2 (see shoal/parallel/data.py).
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from shoal.mesh import replica_mesh
@@ -105,7 +109,7 @@ class ZeroDataParallel(nn.Module):
     """`module` trained with ZeRO stage 1 or 2 over the mesh's fsdp axis (replicated across dp)."""
 
     def __init__(self, module: nn.Module, *, mesh: DeviceMesh, zero: int, bucket: int,
-                 precision: PrecisionPolicy, blocks: list[nn.Module]) -> None:
+                 precision: PrecisionPolicy, blocks: list[nn.Module], ignore: AbstractSet[int] = frozenset()) -> None:
         super().__init__()
         if zero not in (1, 2):
             raise ValueError(f"zero={zero}: this engine runs ZeRO stages 1 and 2; valid: 1, 2")
@@ -122,7 +126,9 @@ class ZeroDataParallel(nn.Module):
         self._callback_queued = False
         self._stale = False  # the master shards changed since the full parameters were gathered
         master = precision.param_dtype != torch.float32
-        block_groups, rest = _group(module, blocks, bucket)
+        # Parameters another engine shards (ep experts, by id): handed to the optimizer as they are.
+        self._others = [(name, p) for name, p in module.named_parameters() if id(p) in ignore and p.requires_grad]
+        block_groups, rest = _group(module, blocks, bucket, ignore)
         self.buckets = [_Bucket(group, self._shards, master=master) for _, group in block_groups]
         self._rest = _Bucket(rest, self._shards, master=master) if rest else None
         self._order = self.buckets[::-1] + ([self._rest] if self._rest else [])  # backward's order
@@ -165,6 +171,8 @@ class ZeroDataParallel(nn.Module):
         for b in self.buckets:
             for slot in b.slots:
                 yield prefix + slot.names[0], slot.shard  # type: ignore[misc]
+        for name, p in self._others:
+            yield prefix + name, p
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
@@ -193,6 +201,10 @@ class ZeroDataParallel(nn.Module):
         device = self.buckets[0].slots[0].param.device
         squares = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
         dist.all_reduce(squares, group=self._fsdp.get_group())  # dp replicas hold the same shards
+        others = [p.grad for _, p in self._others if p.grad is not None]
+        if others:  # DTensors on another mesh: their own norm, reduced over it
+            norm = torch.nn.utils.get_total_norm(others)
+            squares = squares + (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(device).square()
         return squares.sqrt()
 
     @torch.no_grad()
@@ -201,6 +213,9 @@ class ZeroDataParallel(nn.Module):
         grads = self._flat_grads()
         if grads:
             torch._foreach_mul_(grads, factor.to(grads[0].device))
+        for _, p in self._others:
+            if p.grad is not None:
+                p.grad.mul_(factor.to(p.device))
 
     def _flat_grads(self) -> list[torch.Tensor]:
         return [b.grad for b in self.buckets if b.grad is not None and b.slots[0].shard.grad is not None]  # type: ignore[union-attr]
@@ -409,10 +424,15 @@ class ZeroDataParallel(nn.Module):
     @torch.no_grad()
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take full (unsharded) tensors by name: each rank keeps its rows of the trainable ones."""
+        others = {name for name, _ in self._others}
         for name, target in self.model_state_dict().items():
             if name not in weights:
                 continue
             source = weights[name]
+            if name in others:  # this rank's piece by the parameter's own placements
+                target.to_local().copy_(distribute_tensor(source.to(target.dtype), target.device_mesh,
+                                                          target.placements, src_data_rank=None).to_local())
+                continue
             if isinstance(target, DTensor):
                 start = self._rank * -(-source.shape[0] // self._shards)
                 source = source[start:start + target.to_local().shape[0]]
@@ -456,13 +476,14 @@ all_gather is as fast as the all-to-all alternative, so it stays. NCCL keeps its
 _Group = list[tuple[list[str], nn.Parameter]]
 
 
-def _group(module: nn.Module, blocks: list[nn.Module], per_bucket: int) -> tuple[list[tuple[nn.Module, _Group]], _Group]:
-    """Trainable parameters in groups of `per_bucket` blocks (with each group's first block), and the
-    rest (embeddings, head)."""
+def _group(module: nn.Module, blocks: list[nn.Module], per_bucket: int,
+           ignore: AbstractSet[int] = frozenset()) -> tuple[list[tuple[nn.Module, _Group]], _Group]:
+    """Trainable parameters (but those in `ignore`, by id) in groups of `per_bucket` blocks (with
+    each group's first block), and the rest (embeddings, head)."""
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in ignore:
             names.setdefault(id(p), []).append(name)
             params[id(p)] = p
     buckets, seen = [], set()
