@@ -55,9 +55,9 @@ def variants(capacities: list[float]) -> list[Variant]:
     """The dense model, then top-1, top-2 and prototyping k=2 at each capacity factor."""
     dense_ffn = get_preset(PRESET).ffn_dim
     families = {
-        "top1": dict(top_k="1", ffn_dim=str(dense_ffn)),
+        "top1": dict(top_k="1", norm_topk="false", ffn_dim=str(dense_ffn)),  # the gate scales the output
         "top2": dict(top_k="2", ffn_dim=str(dense_ffn // 2)),
-        "proto2": dict(top_k="2", num_prototypes="2", ffn_dim=str(dense_ffn // 2)),
+        "proto2": dict(top_k="2", num_prototypes="2", norm_topk="false", ffn_dim=str(dense_ffn // 2)),  # M6-T
     }
     out = [Variant("dense", "dense", None)]
     for family, sets in families.items():

@@ -84,6 +84,9 @@ class Profile:
     """N -> "add" / "copy" -> bytes/s."""
     collectives: Mapping[int, Mapping[str, CollectiveFit]]
     """N -> kind (see COLLECTIVES) -> fit; only for N > 1."""
+    training_flops: Mapping[int, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    """N -> "linear" / "attention" -> FLOP/s of a linear layer's forward and backward through
+    autograd and of causal attention's (fp32): the rates a training step's kernels reach."""
     dtensor_dispatch: Mapping[int, float] = dataclasses.field(default_factory=dict)
     """N -> the same for an op on a DTensor (tensor parallelism's ops): sharding propagation and
     wrapping on top of the op."""
@@ -104,8 +107,9 @@ class Profile:
             raise ValueError(f"not a profile of format {PROFILE_FORMAT}")
         data.setdefault("dispatch", {})
         data.setdefault("dtensor_dispatch", {})
+        data.setdefault("training_flops", {})
         for key in ("matmul_flops", "matmul_by_shape", "memory_bw", "memory_by_op", "collectives", "dispatch",
-                    "dtensor_dispatch"):
+                    "dtensor_dispatch", "training_flops"):
             data[key] = {int(n): v for n, v in data[key].items()}  # JSON keys are strings
         data["collectives"] = {
             n: {kind: CollectiveFit(alpha=float(f["alpha"]), beta=float(f["beta"]),
@@ -181,8 +185,14 @@ def local_cluster(profile: Profile, world_size: int) -> Cluster:
         fit = profile.collectives[nearest(with_p2p, max(world_size, 2))]["send_recv"]
         intra = Link(bandwidth=1.0 / fit.beta if fit.beta > 0 else float("inf"), efficiency=1.0,
                      latency=fit.alpha, name="gloo send/recv (calibrated)")
+    peak = dict(profile.matmul_flops[n])
+    attention_efficiency = None
+    if profile.training_flops:  # what training's kernels reach, rather than a bare product's
+        train = profile.training_flops[nearest(profile.training_flops, world_size)]
+        peak["fp32"] = train["linear"]
+        attention_efficiency = min(1.0, train["attention"] / train["linear"])
     device = dataclasses.replace(
-        base, peak_flops=dict(profile.matmul_flops[n]), matmul_efficiency=1.0,
+        base, peak_flops=peak, matmul_efficiency=1.0, attention_efficiency=attention_efficiency,
         memory_bytes=_ram_bytes(base.memory_bytes) // world_size,
         memory_bw=profile.memory_bw[nearest(profile.memory_bw, world_size)], intra=intra, per_node=world_size,
         op_overhead=profile.dispatch[nearest(profile.dispatch, world_size)] if profile.dispatch else base.op_overhead,
@@ -327,6 +337,36 @@ def _measure_dispatch(s: _Settings) -> float:
     return _median_over_ranks(1.0 / _rate(step, chain + 1, s.seconds))
 
 
+TRAIN_SHAPES = ((512, 128, 384), (2048, 128, 384), (2048, 512, 512), (512, 1024, 1024))
+"""(tokens, in, out) of the timed linear layers, forward and backward: activation-shaped products."""
+ATTENTION_SHAPES = ((4, 8, 128, 16), (2, 8, 512, 64))
+"""(batch, heads, sequence, head dim) of the timed causal attention, forward and backward."""
+
+
+def _measure_training_kernels(s: _Settings) -> dict[str, float]:
+    """FLOP/s of what a training step runs, as it runs them: a linear layer's forward and both
+    backward products through autograd (6 T K N FLOPs, allocation included), and causal SDPA's
+    forward and backward (3 x 2 x 2 B H T^2 E / 2 FLOPs: the causal half of QK^T and AV, backward
+    twice the forward). Median over shapes."""
+    import torch
+    import torch.nn.functional as F
+
+    linear = []
+    for t, k, n in TRAIN_SHAPES:
+        x = torch.randn(t, k, requires_grad=True)
+        w = torch.randn(n, k, requires_grad=True)
+        g = torch.randn(t, n)
+        linear.append(_rate(lambda: F.linear(x, w).backward(g), 6.0 * t * k * n, s.seconds))
+    attention = []
+    for b, h, t, e in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(b, h, t, e, requires_grad=True) for _ in range(3))
+        g = torch.randn(b, h, t, e)
+        attention.append(_rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g),
+                               3 * 2 * 2 * b * h * t * t * e / 2, s.seconds))
+    return {"linear": _median_over_ranks(statistics.median(linear)),
+            "attention": _median_over_ranks(statistics.median(attention))}
+
+
 def _measure_dtensor_dispatch(s: _Settings) -> float:
     """The same chain on a DTensor sharded over every rank (no communication): what tensor
     parallelism's DTensor ops cost beyond a plain op's (sharding propagation, wrapping)."""
@@ -422,6 +462,7 @@ def _worker(rank: int, world_size: int, store_path: str, s: _Settings, results: 
         say("matmul")
         out["memory"] = _measure_memory(s)
         say("memory")
+        out["training"] = _measure_training_kernels(s)
         out["dispatch"] = _measure_dispatch(s)
         out["dtensor_dispatch"] = _measure_dtensor_dispatch(s)
         say("dispatch")
@@ -527,4 +568,5 @@ def _profile(raw: Mapping[int, Mapping[str, Any]], *, quick: bool, torch_version
                      for n, r in raw.items() if r["collectives"]},
         dispatch={n: float(r["dispatch"]) for n, r in raw.items() if "dispatch" in r},
         dtensor_dispatch={n: float(r["dtensor_dispatch"]) for n, r in raw.items() if "dtensor_dispatch" in r},
+        training_flops={n: {k: float(v) for k, v in r["training"].items()} for n, r in raw.items() if "training" in r},
     )

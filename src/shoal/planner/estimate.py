@@ -141,12 +141,14 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["pp_bubble"] = bubble
     params, experts = cost.params_per_rank(first if first >= last else last, head=plan.pp == 1 or last >= first)
     grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
-                                           units=max(engine.units, 4), compute=steady)
+                                           units=_units(engine.kind, engine.units, params), compute=steady)
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts
     tensors = 9 * cfg.num_layers / plan.pp + 3  # parameter tensors on a rank: 9 per block, embeddings, norm, head
-    time["optimizer"] = stored * OPTIMIZER_BYTES / cluster.device.memory_bw + cost.op_overhead * OPS_PER_PARAMETER * tensors
+    # Sharded engines and tensor parallelism hand the optimizer DTensors: each per-tensor op pays DTensor's dispatch.
+    per_op = cost.dtensor_overhead if engine.kind in ("zero", "fsdp2") or plan.tp > 1 else cost.op_overhead
+    time["optimizer"] = stored * OPTIMIZER_BYTES / cluster.device.memory_bw + per_op * OPS_PER_PARAMETER * tensors
     time["engine_overhead"] = micro * cost.op_overhead * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors
     step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"]
     mem = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro, b, stages)
@@ -255,6 +257,8 @@ class _Costs:
         else:
             tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
         tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
+        if tp > 1 and head:  # vocabulary-parallel embedding and loss: ~2 collectives each way, small
+            tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
         cp_comm = n * self._ring(attn / max(n, 1))
         routed = compute.experts_per_token(self.cfg) - self.cfg.num_shared_experts
         ep_comm = moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"]) if p.ep > 1 else 0.0
@@ -274,7 +278,8 @@ class _Costs:
         kv = self.tokens * 2 * self.cfg.kv_heads * self.cfg.head_dim * self.bytes / self.plan.tp
         hop = self.net.time("send_recv", 2, kv, stride=self.stride["cp"])
         # each hop hides behind one chunk's attention (1/cp of the block's); backward moves twice the bytes
-        return (cp - 1) * (max(0.0, hop - attn_fwd / cp) + max(0.0, 2 * hop - 2 * attn_fwd / cp))
+        hidden = self.overlap * attn_fwd / cp
+        return (cp - 1) * (max(0.0, hop - hidden) + max(0.0, 2 * hop - 2 * hidden))
 
     def params_per_rank(self, blocks: int, *, head: bool) -> tuple[float, float]:
         """(dense parameters, expert parameters) one rank of the busiest stage holds."""
@@ -293,32 +298,53 @@ class _Costs:
     def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
                   compute: float) -> tuple[float, dict[str, float]]:
         """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic."""
-        p, net = self.plan, self.net
+        p = self.plan
         grad = 4.0 if p.reduce == "fp32" else 2.0
-        dp, fsdp = p.dp or 1, p.fsdp
+        # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
+        dp, fsdp = (p.dp or 1) * p.cp, p.fsdp
+        calls = units + 1  # one collective per bucket or unit, plus the rest of the model
+        span = ((p.dp or 1) - 1) * self.stride["dp"] + (p.cp - 1) * self.stride["cp"]
+        dp_stride = max(1, span // max(1, dp - 1))  # the dp x cp group's spread in rank order
+
+        def net(kind: str, n: int, nbytes: float, *, stride: int) -> float:
+            return calls * self.net.time(kind, n, nbytes / calls, stride=stride)
+
         terms: dict[str, float] = {}
         if kind == "ddp" or (kind == "fsdp2" and fsdp == 1):
-            terms["dp_allreduce"] = net.time("all_reduce", dp, (params + experts) * grad, stride=self.stride["dp"])
+            terms["dp_allreduce"] = net("all_reduce", dp, params * grad, stride=dp_stride)
+            if experts and p.ep < p.data_ranks:  # each expert's replicas: the data ranks outside its ep group
+                terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
+                                                stride=p.ep * p.tp)
         elif kind in ("zero", "fsdp2"):
             # ZeRO-2 and -3 reduce every micro-batch's gradients, ZeRO-1 only the last's
             # (shoal.parallel.data); ZeRO-3 gathers each unit in forward and again in backward,
             # FSDP2 at zero=1/2 once per micro-batch, shoal's ZeRO-1/2 engine once per step.
             reduces = 1 if zero == 1 else micro
             gathers = {3: 2 * micro}.get(zero, micro if kind == "fsdp2" else 1)
-            terms["fsdp_reduce_scatter"] = reduces * net.time("reduce_scatter", fsdp, params * grad,
-                                                              stride=self.stride["fsdp"])
-            terms["fsdp_all_gather"] = gathers * net.time("all_gather", fsdp, params * self.bytes,
-                                                          stride=self.stride["fsdp"])
+            terms["fsdp_reduce_scatter"] = reduces * net("reduce_scatter", fsdp, params * grad,
+                                                         stride=self.stride["fsdp"])
+            terms["fsdp_all_gather"] = gathers * net("all_gather", fsdp, params * self.bytes,
+                                                     stride=self.stride["fsdp"])
             if dp > 1:
-                terms["dp_allreduce"] = reduces * net.time("all_reduce", dp, params * grad / fsdp,
-                                                           stride=self.stride["dp"])
+                terms["dp_allreduce"] = reduces * net("all_reduce", dp, params * grad / fsdp, stride=dp_stride)
             if experts and p.ep < p.data_ranks:
-                terms["expert_allreduce"] = net.time("all_reduce", p.data_ranks // p.ep, experts * grad,
-                                                     stride=p.ep * p.tp)  # the replicas outside each ep group
+                terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
+                                                stride=p.ep * p.tp)  # the replicas outside each ep group
         total = sum(terms.values())
         # Bucketed (DDP) or per-unit (ZeRO) traffic hides behind compute, all but its last piece.
         hidden = min(self.overlap * compute, total * (1 - 1 / (units + 1)))
         return max(0.0, total - hidden), terms
+
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""torch DDP's default gradient bucket (bucket_cap_mb=25)."""
+
+
+def _units(kind: str, units: int, params: float) -> int:
+    """Gather/reduce units besides the rest of the model: the engine's, or DDP's 25 MB buckets."""
+    if kind in ("ddp", "none"):
+        return max(1, math.ceil(params * 4 / DDP_BUCKET_BYTES)) - 1
+    return units
 
 
 def _dense_index(cfg: ModelConfig) -> int:
@@ -331,7 +357,11 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
     dense = memory.model_state_bytes(params, shards=shards, stage=zero, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
-    expert = memory.model_state_bytes(experts, shards=1, stage=0, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
+    # Under sharded data the experts are also split over the data ranks outside ep, gathered per
+    # layer in forward (shoal/parallel/expert.py): ZeRO-3 over those replicas.
+    replicas = plan.data_ranks // plan.ep if plan.fsdp > 1 else 1
+    expert = memory.model_state_bytes(experts, shards=replicas, stage=3 if replicas > 1 else 0, param_bytes=pb,
+                                      grad_bytes=gb, optim_bytes=ob)
     tokens = cost.tokens  # of one micro-batch on this rank
     worst: dict[str, float] = {}
     per_block = {moe: memory.activation_elements(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg),

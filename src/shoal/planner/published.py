@@ -183,7 +183,7 @@ _BLOOM = PublishedRun(fused_attention=False,
     plan="fsdp8,zero=1,tp4,pp12,mb=128,sched=1f1b,ac=full,precision=bf16,sp=off",
     global_batch=2048, seq_len=2048, micro_batch_size=2,
     reported=149.77, unit="tflops_per_gpu_hw", tokens_per_s_per_device=104.3,
-    source=("github.com/bigscience-workshop/bigscience train/tr11-176B-ml/README.md ('Important checkpoints': "
+    source=("https://github.com/bigscience-workshop/bigscience train/tr11-176B-ml/README.md ('Important checkpoints': "
             "iteration 85376 log line, end of epoch one, 2022-06-28) and tr11-176B-ml.slurm; chronicles.md "
             "gives 149-150 TFLOPs at full batch"),
     note=("Megatron-DeepSpeed, 48 nodes x 8 A100 80GB (Jean Zay). Log line: 104.70 s/iteration, 19.561 "
@@ -263,10 +263,10 @@ _TT_HW = ("Grand Teton: 8 H100 per host with NVLink, 96GB HBM2e H100s at the def
           "80GB/700 W SXM part; recorded as H100-80GB, the nearest shoal device), 400 Gb/s RDMA per GPU. ")
 _TT_SEQ = ("Sequence length is not in the table; 8192 is seq_len in torchtitan's llama3 8B/70B/405B "
            "train_configs at the benchmarked commit. ")
-_TT_2412 = ("github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (formerly "
+_TT_2412 = ("https://github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (formerly "
             "docs/performance.md, torchtitan 9dec370, torch 1963fc8, 2024-12); same tables in "
             "arXiv 2410.06511")
-_TT_2506 = ("github.com/pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md "
+_TT_2506 = ("https://github.com/pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md "
             "(torchtitan 820504e, 2025-06), 'Vanilla TP' column, bf16 row")
 
 _TORCHTITAN = (

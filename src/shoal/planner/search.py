@@ -48,19 +48,19 @@ def structures(work: Workload, cluster: Cluster, *, device: str) -> Iterator[Pla
     """Every resolved plan skeleton (degrees only) that fits the world size and divides the model."""
     cfg, world = work.model, cluster.world_size
     moe = cfg.num_experts > 0
-    for tp in _tp_degrees(work, cluster) if not moe else [1]:
+    for tp in _tp_degrees(work, cluster):
         for cp in divisors(world // tp):
             if cp > 1 and (moe or work.seq_len % (2 * cp) or cfg.pos_emb != "rope" or cfg.dropout):
                 continue
             for pp in divisors(world // (tp * cp)):
-                if pp > cfg.num_layers or (pp > 1 and (moe or cfg.tie_embeddings)):
+                if pp > cfg.num_layers or (pp > 1 and cfg.tie_embeddings):
                     continue
                 data = world // (tp * cp * pp)
                 for fsdp in divisors(data):
                     if work.global_batch % data:
                         continue
                     for ep in (divisors(data) if moe else [1]):
-                        if moe and (cfg.num_experts % ep or (ep > 1 and fsdp > 1)):
+                        if moe and cfg.num_experts % ep:
                             continue
                         yield Plan(dp=data // fsdp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep).resolve(world, device)
 
