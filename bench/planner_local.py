@@ -40,7 +40,16 @@ def measure(plan: str, *, nproc: int, steps: int, micro_batch: int | None, out: 
     if micro_batch is not None:
         cmd += ["--micro-batch", str(micro_batch)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for attempt in (1, 2):
+        done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode == 0:
+            break
+        # Said, not hidden: a failed run is printed with its last words, and retried once.
+        print(f"shoal train --plan {plan} failed (attempt {attempt}): {done.stderr.strip()[-600:]}", flush=True)
+        if attempt == 2:
+            raise SystemExit(1)
+        folder = out / f"run{len(list(out.iterdir()))}"
+        cmd[cmd.index("--out") + 1] = str(folder)
     summary = json.loads((folder / "summary.json").read_text())
     return 16 * 128 / summary["tokens_per_s"]
 

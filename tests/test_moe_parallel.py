@@ -118,19 +118,7 @@ SEGMENTS = [("ep2", 2, 0, 2), ("ep4", 4, 2, 3), ("single", 0, 3, 4), ("dp2", 2, 
 def test_experts_keep_their_identity_across_ep_degrees(pools, tmp_path):
     """ep2 -> ep4 -> one process -> dp2 -> dp4,ep2, each resuming the previous checkpoint (model and
     AdamW state): the loss curve is the unbroken single-process run's, and so are the final experts."""
-    from shoal.testing import assert_rounding_close, assert_trained_close, references, train_segment
-
-    ref32, ref64 = references(RESHARD)
-    for plan_text, world, start, end in SEGMENTS:
-        if world == 0:
-            results = [train_segment(RESHARD, str(tmp_path), plan_text, start, end)]
-        else:
-            results = pools(world).run(train_segment, RESHARD, str(tmp_path), plan_text, start, end)
-        for rank, res in enumerate(results):
-            assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
-                                  what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
-    assert set(results[0]["params"]) == set(ref64["final_params"])
-    assert_trained_close(results[0]["params"], ref32, ref64)
+    _resume_chain(pools, tmp_path, SEGMENTS)
 
 
 # ----------------------------------------------------------------------------- ep with sharded data, ep with tp
@@ -193,19 +181,7 @@ LAYOUTS = [("fsdp4,ep2", 4, 0, 2), ("tp2,ep2", 4, 2, 3), ("fsdp2,ep2,zero=2", 2,
 def test_experts_keep_their_identity_across_sharded_and_tp_layouts(pools, tmp_path):
     """fsdp4,ep2 -> tp2,ep2 -> fsdp2,ep2,zero=2 -> one process -> fsdp2,tp2,ep2, each resuming the
     previous checkpoint: the unbroken single-process run's losses and final experts."""
-    from shoal.testing import assert_rounding_close, assert_trained_close, references, train_segment
-
-    ref32, ref64 = references(RESHARD)
-    for plan_text, world, start, end in LAYOUTS:
-        if world == 0:
-            results = [train_segment(RESHARD, str(tmp_path), plan_text, start, end)]
-        else:
-            results = pools(world).run(train_segment, RESHARD, str(tmp_path), plan_text, start, end)
-        for rank, res in enumerate(results):
-            assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
-                                  what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
-    assert set(results[0]["params"]) == set(ref64["final_params"])
-    assert_trained_close(results[0]["params"], ref32, ref64)
+    _resume_chain(pools, tmp_path, LAYOUTS)
 
 
 # ----------------------------------------------------------------------------- MoE in a pipeline
@@ -228,3 +204,22 @@ def test_moe_interleaved_pipeline_matches_single_process(pools):
     c = case(plan="pp2,sched=interleaved,vpp=2,mb=2", model=MOE.replace(num_layers=4), steps=3, num_micro=2,
              reference_micro=2)
     check_parity(pools(2).run(run_parallel, c), c)
+
+
+def _resume_chain(pools, tmp_path, segments):
+    """Train RESHARD through `segments` (plan, world (0: this process), first step, end step), each
+    resuming the previous checkpoint: every segment's losses and the final weights must be the
+    unbroken single-process run's."""
+    from shoal.testing import assert_rounding_close, assert_trained_close, references, train_segment
+
+    ref32, ref64 = references(RESHARD)
+    for plan_text, world, start, end in segments:
+        if world == 0:
+            results = [train_segment(RESHARD, str(tmp_path), plan_text, start, end)]
+        else:
+            results = pools(world).run(train_segment, RESHARD, str(tmp_path), plan_text, start, end)
+        for rank, res in enumerate(results):
+            assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
+                                  what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
+    assert set(results[0]["params"]) == set(ref64["final_params"])
+    assert_trained_close(results[0]["params"], ref32, ref64)
