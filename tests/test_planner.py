@@ -250,3 +250,19 @@ def test_auto_refuses_an_unknown_gpu_in_one_line():
 
     with pytest.raises(ValueError, match="no spec for GPU 'Radeon'.*valid: .*H100-80GB"):
         gpu_cluster("Radeon", 2**30, world_size=1, per_node=1)
+
+
+def test_every_published_run_is_a_plan_shoal_accepts():
+    """The held-out published runs (bench/planner_at_scale.py) stay priceable: each names a cluster
+    and a plan that parse, resolve and validate against its model."""
+    from shoal.planner.published import PUBLISHED
+
+    assert len(PUBLISHED) >= 10
+    for run in PUBLISHED:
+        cluster = parse_cluster(run.cluster)
+        plan = Plan.parse(run.plan).resolve(cluster.world_size, "cuda")
+        plan.validate(run.model, global_batch=run.global_batch, seq_len=run.seq_len)
+        work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
+                        fused_attention=run.fused_attention)
+        assert estimate(plan, work, cluster, micro_batch=run.micro_batch_size if plan.pp == 1 else None).step_time_s > 0
+        assert run.tokens_per_s_per_device > 0 and run.source.startswith("http")
