@@ -80,7 +80,7 @@ def main() -> None:
         print(f"profile: {save_profile(calibrate(world_sizes=sorted({1, 2, args.nproc})))}")
     work = workload("tiny", [], global_batch=16, seq_len=128)
     cluster, network = resolve_cluster("local", args.nproc)
-    best = search(work, cluster, device="cpu", network=network, top=1).plans[0]
+    best = search(work, cluster, network=network, top=1).plans[0]
     auto = (best.plan_text, best.micro_batch if best.plan.pp == 1 and best.micro_batch != 16 // best.plan.data_ranks
             else None)
     runs = [(p, None) for p in PLANS] + ([auto] if auto[0] not in PLANS or auto[1] else [])

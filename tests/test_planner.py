@@ -134,8 +134,8 @@ def test_terms_add_up_and_sharding_saves_memory():
 def test_search_returns_only_valid_plans_that_fit(cluster, model, batch, seq):
     c = parse_cluster(cluster)
     work = Workload(model=get_preset(model), global_batch=batch, seq_len=seq)
-    device = "cpu" if c.device.name == "cpu" else "cuda"
-    result = search(work, c, device=device)
+    device = c.device_type
+    result = search(work, c)
     assert result.plans
     times = [e.step_time_s for e in result.plans]
     assert times == sorted(times)
@@ -266,3 +266,12 @@ def test_every_published_run_is_a_plan_shoal_accepts():
                         fused_attention=run.fused_attention)
         assert estimate(plan, work, cluster, micro_batch=run.micro_batch_size if plan.pp == 1 else None).step_time_s > 0
         assert run.tokens_per_s_per_device > 0 and run.source.startswith("http")
+
+
+def test_plan_text_keeps_options_the_device_would_not_default_to():
+    """An fp32, uncompiled plan on GPUs must print both options: left out, CUDA's defaults (bf16,
+    compile) would fill them in."""
+    e = _estimate("fsdp8,precision=fp32,compile=off")
+    assert Plan.parse(e.plan_text).resolve(8, "cuda") == e.plan
+    assert "precision=fp32" in e.plan_text and "compile=off" in e.plan_text
+    assert _estimate("fsdp8").plan_text == "fsdp8"

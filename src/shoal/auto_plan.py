@@ -55,7 +55,7 @@ def choose(model: ModelConfig, *, global_batch: int, seq_len: int, world_size: i
     """The fastest plan that fits, for `world_size` processes on `device` (ValueError if none does)."""
     cluster, network = local_world(world_size, device)
     work = Workload(model=model, global_batch=global_batch, seq_len=seq_len)
-    result = search(work, cluster, device=device, network=network, top=1)
+    result = search(work, cluster, network=network, top=1)
     if not result.plans:
         raise ValueError(f"plan auto: no plan for {world_size} {device} process(es) fits this model's "
                          f"{model.num_params() / 1e9:.3g}B parameters with global batch {global_batch} x {seq_len} "

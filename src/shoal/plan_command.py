@@ -54,7 +54,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     work = workload(args.model, args.set, global_batch=args.global_batch, seq_len=args.seq_len)
     cluster, network = resolve_cluster(args.cluster, args.nproc)
-    device = "cpu" if cluster.device.name == "cpu" else "cuda"
     started = time.perf_counter()
     if args.plan is not None:
         plans = [price(args.plan, work, cluster, network, micro_batch=args.micro_batch)]
@@ -63,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if args.micro_batch is not None:
             raise ValueError("--micro-batch sets one plan's accumulation; give it with --plan, or leave it out "
                              "and the search tries every micro-batch size")
-        result = search(work, cluster, device=device, network=network, top=args.top)
+        result = search(work, cluster, network=network, top=args.top)
         if not result.plans:
             raise ValueError(f"no plan fits {work.model.num_params() / 1e9:.2f}B parameters on {cluster.describe()} "
                              f"({result.priced} priced, all over memory); valid: more or larger devices, or a "
@@ -114,8 +113,7 @@ def resolve_cluster(spec: str, nproc: int | None) -> tuple[Cluster, Network | No
 def price(text: str, work: Workload, cluster: Cluster, network: Network | None, *,
           micro_batch: int | None = None) -> Estimate:
     """One plan's estimate, after the same checks `shoal train` runs."""
-    device = "cpu" if cluster.device.name == "cpu" else "cuda"
-    plan = Plan.parse(text).resolve(cluster.world_size, device)
+    plan = Plan.parse(text).resolve(cluster.world_size, cluster.device_type)
     plan.validate(work.model, global_batch=work.global_batch, seq_len=work.seq_len)
     local = work.global_batch // plan.data_ranks
     if micro_batch is not None and (plan.pp > 1 or micro_batch < 1 or local % micro_batch):

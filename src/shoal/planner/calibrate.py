@@ -321,20 +321,23 @@ def _measure_memory(s: _Settings) -> dict[str, float]:
     return {"add": _median_over_ranks(add), "copy": _median_over_ranks(copy)}
 
 
-def _measure_dispatch(s: _Settings) -> float:
-    """Seconds per forward op, its backward included, of a chain of ops on an 8-element tensor."""
-    import torch
-
-    x = torch.randn(8, requires_grad=True)
-    chain = 32
-
+def _chain_seconds(x: Any, finish: Callable[[Any], Any], s: _Settings, chain: int = 32) -> float:
+    """Seconds per op of a chain of tiny elementwise ops on `x` and its backward (`finish` turns the
+    result into a scalar): an op's cost beyond its arithmetic."""
     def step() -> None:
         y = x
         for _ in range(chain // 2):
             y = y * 1.0001 + 0.0001
-        y.sum().backward()
+        finish(y).backward()
 
     return _median_over_ranks(1.0 / _rate(step, chain + 1, s.seconds))
+
+
+def _measure_dispatch(s: _Settings) -> float:
+    """Seconds per forward op, its backward included, on an 8-element tensor."""
+    import torch
+
+    return _chain_seconds(torch.randn(8, requires_grad=True), lambda y: y.sum(), s)
 
 
 TRAIN_SHAPES = ((512, 128, 384), (2048, 128, 384), (2048, 512, 512), (512, 1024, 1024))
@@ -368,7 +371,7 @@ def _measure_training_kernels(s: _Settings) -> dict[str, float]:
 
 
 def _measure_dtensor_dispatch(s: _Settings) -> float:
-    """The same chain on a DTensor sharded over every rank (no communication): what tensor
+    """The same on a DTensor sharded over every rank (no communication): what tensor
     parallelism's DTensor ops cost beyond a plain op's (sharding propagation, wrapping)."""
     import torch
     import torch.distributed as dist
@@ -377,15 +380,7 @@ def _measure_dtensor_dispatch(s: _Settings) -> float:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     x = distribute_tensor(torch.randn(8 * dist.get_world_size()), mesh, [Shard(0)]).requires_grad_()
-    chain = 16
-
-    def step() -> None:
-        y = x
-        for _ in range(chain // 2):
-            y = y * 1.0001 + 0.0001
-        y.to_local().sum().backward()
-
-    return _median_over_ranks(1.0 / _rate(step, chain + 1, s.seconds))
+    return _chain_seconds(x, lambda y: y.to_local().sum(), s, chain=16)
 
 
 def _collective(kind: str, nbytes: int) -> Callable[[], Any]:

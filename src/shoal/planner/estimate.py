@@ -81,6 +81,8 @@ class Estimate:
     """The cost model's prediction for one plan."""
 
     plan: Plan
+    device_type: str
+    """"cpu" or "cuda": whose defaults (DEVICE_DEFAULTS) the plan was resolved with."""
     micro_batch: int
     """Sequences per micro-batch on one data rank (a pipeline's micro-batch, or one pass of
     gradient accumulation)."""
@@ -101,7 +103,7 @@ class Estimate:
     @property
     def plan_text(self) -> str:
         """The plan as `--plan` takes it, leaving out what the device's defaults fill in."""
-        defaults = DEVICE_DEFAULTS["cpu" if self.plan.precision == "fp32" and not self.plan.compile else "cuda"]
+        defaults = DEVICE_DEFAULTS[self.device_type]
         shown = dataclasses.replace(self.plan, **{k: None for k, v in defaults.items() if getattr(self.plan, k) == v})
         return str(shown)
 
@@ -151,12 +153,13 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["optimizer"] = stored * OPTIMIZER_BYTES / cluster.device.memory_bw + per_op * OPS_PER_PARAMETER * tensors
     time["engine_overhead"] = micro * cost.op_overhead * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors
     step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"]
-    mem = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro, b, stages)
+    mem = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro, stages)
     peak = sum(mem.values()) * memory.FRAGMENTATION
-    usable = cluster.device.memory_bytes - (0 if cluster.device.name == "cpu" else RESERVED_BYTES)
+    on_cpu = cluster.device_type == "cpu"
+    usable = cluster.device.memory_bytes - (0 if on_cpu else RESERVED_BYTES)
     tokens = work.global_batch * S
     flops = _model_flops(cfg, S) * tokens / step / plan.world_size
-    return Estimate(plan=plan, micro_batch=b, engine=engine.kind, step_time_s=step, tokens_per_s=tokens / step,
+    return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step, tokens_per_s=tokens / step,
                     tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster)],
                     mem_per_device_bytes=peak, fits=peak <= usable, time=time, memory=mem, traffic=sync)
 
@@ -209,17 +212,17 @@ class _Costs:
         self.attention_rate = cluster.device.attention_flops(_dtype(plan, cluster)) if fused else self.rate
         self.mem_bw = cluster.device.memory_bw
         self.bytes = 4.0 if plan.precision == "fp32" else 2.0
-        self.overlap = 0.0 if cluster.device.name == "cpu" else 1.0
-        # A GPU's host queues kernels ahead of the device (hidden); a CPU's cores run both.
-        self.op_overhead = cluster.device.op_overhead if cluster.device.name == "cpu" else 0.0
-        self.dtensor_overhead = cluster.device.dtensor_overhead if cluster.device.name == "cpu" else 0.0
+        on_cpu = cluster.device_type == "cpu"
         # Collectives on a CPU share its cores with compute (gloo's thread): little hides (MACHINE-FACTS).
+        self.overlap = 0.0 if on_cpu else 1.0
+        # A GPU's host queues kernels ahead of the device (hidden); a CPU's cores run both.
+        self.op_overhead = cluster.device.op_overhead if on_cpu else 0.0
+        self.dtensor_overhead = cluster.device.dtensor_overhead if on_cpu else 0.0
         self.stride = {"tp": 1, "cp": plan.tp, "fsdp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.fsdp,
                        "pp": plan.tp * plan.cp * plan.fsdp * (plan.dp or 1), "ep": plan.tp}
-        work = {moe: compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=seq_len,
-                                        causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
-                for moe in (False, True)}
-        self.work = work
+        self.work = {moe: compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=seq_len,
+                                             causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
+                     for moe in (False, True)}
 
     def head_in_blocks(self) -> float:
         dense = self.work[False]
@@ -352,7 +355,7 @@ def _dense_index(cfg: ModelConfig) -> int:
 
 
 def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bucket: int, params: float,
-            experts: float, micro: int, b: int, stages: list[tuple[int, int, bool]]) -> dict[str, float]:
+            experts: float, micro: int, stages: list[tuple[int, int, bool]]) -> dict[str, float]:
     """The busiest device's memory terms in bytes."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     shards = plan.fsdp if kind in ("zero", "fsdp2") else 1

@@ -190,6 +190,11 @@ class Cluster:
     def world_size(self) -> int:
         return self.num_nodes * self.per_node
 
+    @property
+    def device_type(self) -> str:
+        """The torch device type its processes compute on: "cpu" or "cuda"."""
+        return "cpu" if self.device.name == "cpu" else "cuda"
+
     def link(self, group_size: int, stride: int) -> Link:
         """The slowest link crossed by a group of `group_size` ranks spaced `stride` apart. The group
         is assumed aligned (inner mesh axes are contiguous), so it stays inside a node iff its

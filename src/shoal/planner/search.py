@@ -44,7 +44,7 @@ def _tp_degrees(work: Workload, cluster: Cluster) -> list[int]:
     return [t for t in divisors(cluster.world_size) if t <= cluster.per_node and all(s % t == 0 for s in sizes)]
 
 
-def structures(work: Workload, cluster: Cluster, *, device: str) -> Iterator[Plan]:
+def structures(work: Workload, cluster: Cluster) -> Iterator[Plan]:
     """Every resolved plan skeleton (degrees only) that fits the world size and divides the model."""
     cfg, world = work.model, cluster.world_size
     moe = cfg.num_experts > 0
@@ -62,7 +62,8 @@ def structures(work: Workload, cluster: Cluster, *, device: str) -> Iterator[Pla
                     for ep in (divisors(data) if moe else [1]):
                         if moe and cfg.num_experts % ep:
                             continue
-                        yield Plan(dp=data // fsdp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep).resolve(world, device)
+                        yield Plan(dp=data // fsdp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep).resolve(
+                            world, cluster.device_type)
 
 
 def variants(skeleton: Plan, work: Workload) -> Iterator[tuple[Plan, int | None]]:
@@ -85,12 +86,12 @@ def variants(skeleton: Plan, work: Workload) -> Iterator[tuple[Plan, int | None]
                 yield dataclasses.replace(base, mb=mb, sched=sched, vpp=vpp), None
 
 
-def search(work: Workload, cluster: Cluster, *, device: str = "cuda", network: Network | None = None,
+def search(work: Workload, cluster: Cluster, *, network: Network | None = None,
            top: int | None = None) -> SearchResult:
     """Every valid plan that fits in memory, ranked by predicted step time (fastest first)."""
     kept: list[Estimate] = []
     priced = rejected = 0
-    for skeleton in structures(work, cluster, device=device):
+    for skeleton in structures(work, cluster):
         for plan, micro in variants(skeleton, work):
             for ac in RECOMPUTE:
                 candidate = dataclasses.replace(plan, ac=ac)
