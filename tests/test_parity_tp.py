@@ -10,12 +10,15 @@ the single float32 process is, like data parallelism's all-reduce.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from shoal.models import PRESETS, ModelConfig
 from shoal.plan import Plan
-from shoal.testing import SMALL, case, check_parity, run_parallel
+from shoal.testing import SMALL, case, check_parity, parallel_setup, run_parallel
+from shoal.train.step import split_micro
 
 GPT = PRESETS["tiny-gpt"].replace(num_layers=2, max_seq_len=32)
 # The Whale case at small scale: a 100,000-class classifier over a one-layer body.
@@ -51,6 +54,42 @@ def test_wide_classifier_tp(pools):
     """100k classes, vocabulary-parallel embedding and loss: the logits are never gathered."""
     c = case(plan="tp2", model=WIDE, steps=3, global_batch=4, seq_len=8)
     check_parity(pools(2).run(run_parallel, c), c)
+
+
+def test_tp_partial_gradients_reduced_once(pools):
+    """Under sequence parallelism the norm weights' gradients come out of backward as partial sums;
+    the runtime reduces them in one all-reduce, so that the gradient norm reduces only the norm
+    itself and the optimizer step communicates nothing (DTensor alone would all-reduce each such
+    gradient at every use). The values are the parity tests' concern (tp2 above)."""
+    norm_weights = 2 * SMALL.num_layers + 1
+    assert pools(2).run(_collectives_per_phase) == [(norm_weights, 1, 0)] * 2
+
+
+def _collectives_per_phase() -> tuple[int, int, int]:
+    """(tensors reduced after backward, all-reduces in the gradient norm, collectives in the optimizer step)."""
+    from torch.distributed.tensor import DTensor
+    from torch.profiler import ProfilerActivity, profile
+
+    from shoal.parallel.tensor import reduce_partial_grads
+
+    runtime, optimizer, batches = parallel_setup(case(plan="tp2"))
+    runtime.forward_backward(split_micro(*batches[0], 1))
+    partial = [n for n, p in runtime.named_parameters()
+               if isinstance(p.grad, DTensor) and any(x.is_partial() for x in p.grad.placements)]
+    assert not partial, partial
+
+    def collectives(fn: Any) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
+
+    norms = collectives(runtime.grad_norm)
+    stepped = collectives(optimizer.step)
+    # A second backward leaves partial sums again; reducing them counts the norm weights.
+    optimizer.zero_grad(set_to_none=True)
+    runtime._engine.model(batches[0][0]).full_tensor().float().pow(2).mean().backward()
+    reduced = reduce_partial_grads(runtime.parameters())
+    return reduced, norms, stepped
 
 
 def test_layout_after_tp(pools):

@@ -47,6 +47,7 @@ from shoal.parallel.expert import ExpertGrads
 from shoal.parallel.pipeline import Pipeline
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.parallel.schedules import bubble_fraction, save_gantt
+from shoal.parallel.tensor import reduce_partial_grads
 from shoal.parallel.vocab import cross_entropy, local_value, vocab_parallel_loss
 from shoal.plan import Plan
 
@@ -159,7 +160,10 @@ class Runtime:
         return torch.as_tensor(total)
 
     def _after_backward(self) -> None:
-        """The expert gradients' reduction (ep, or tp on an MoE model) and the step's MoE figures."""
+        """Partial tp gradients reduced once, the expert gradients' reduction (ep, or tp on an MoE
+        model) and the step's MoE figures."""
+        if self.plan is not None and self.plan.tp > 1 and self.choice is not None and self.choice.kind in ("none", "ddp"):
+            reduce_partial_grads(self.parameters())  # FSDP2 reduces its own; ZeRO never runs with tp
         if self._experts is not None:
             self._experts.sync()
         self.moe_stats = self._moe.take_stats()

@@ -33,13 +33,15 @@ Shape legend: B batch, T sequence (T/t when sequence-sharded), D model dim, V vo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -226,3 +228,32 @@ def _tie_again(model: nn.Module, shared: list[list[str]]) -> None:
                 raise ValueError(f"tied parameters {first} and {name} are sharded differently "
                                  f"({param.placements} vs {old.placements}); give them one style")
             setattr(model.get_submodule(owner), attr, param)
+
+
+@torch.no_grad()
+def reduce_partial_grads(params: Iterable[nn.Parameter]) -> int:
+    """After backward, turn the gradients DTensor left as partial sums (the replicated norm
+    weights under sequence parallelism: each tp rank summed over its own tokens) into their
+    parameter's placement, in one all-reduce per mesh and dtype. Returns the tensors reduced.
+
+    DTensor reduces a Partial gradient lazily, at each use, and does not keep the result: left
+    as it is, the gradient norm reduces every such tensor once and AdamW's update three times
+    more (the tiny preset at tp4: 37 all-reduces per step where one does). This is the piece
+    DTensor does not do for a model without a data-parallel wrapper, written here.
+    """
+    pending: dict[tuple[Any, ...], list[nn.Parameter]] = defaultdict(list)
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(x.is_partial() for x in g.placements):
+            pending[(g.device_mesh, g.placements, g.dtype, tuple(p.placements))].append(p)  # type: ignore[attr-defined]
+    for (mesh, placements, _, target), group in pending.items():
+        if mesh.ndim == 1 and placements[0] == Partial("sum") and target == (Replicate(),):
+            pieces = [p.grad.to_local() for p in group]  # type: ignore[union-attr]
+            flat = torch.cat([t.reshape(-1) for t in pieces])
+            dist.all_reduce(flat, group=mesh.get_group())
+            for p, t, piece in zip(group, pieces, flat.split([t.numel() for t in pieces])):
+                p.grad = DTensor.from_local(piece.view_as(t), mesh, [Replicate()], run_check=False)
+        else:  # other meshes or reductions: DTensor's own redistribution, once per tensor
+            for p in group:
+                p.grad = p.grad.redistribute(placements=target)  # type: ignore[union-attr]
+    return sum(len(g) for g in pending.values())
