@@ -13,7 +13,7 @@ from shoal.models.config import ModelConfig, get_preset
 from shoal.parallel.schedules import bubble_fraction, build_schedule, peak_in_flight, simulate
 from shoal.plan import Plan
 from shoal.planner import compute, memory
-from shoal.planner.comm import ring_time
+from shoal.planner.comm import RingNetwork, ring_time
 from shoal.planner.estimate import Workload, _bubble, estimate
 from shoal.planner.hardware import parse_cluster
 from shoal.planner.search import search
@@ -124,6 +124,45 @@ def test_terms_add_up_and_sharding_saves_memory():
     assert plans["tp8,fsdp2"].time["tp_comm"] > 0 and plans["fsdp16"].time["tp_comm"] == 0
     assert plans["pp4,fsdp4,mb=16"].time["pp_bubble"] > 0
     assert plans["tp2,pp2,fsdp4,mb=8,ac=full"].time["recompute"] > 0
+
+
+def test_every_step_pays_its_small_collectives():
+    """step_sync counts the trainer's own collectives: the stop-signal agreement over the world,
+    the loss's mean over each data and cp axis, the gradient norm's reduction over each sharding
+    axis and the pipeline, and tp's partial gradients without FSDP; each an 8-byte all-reduce."""
+    net = RingNetwork(parse_cluster("1x8xA100-80GB"))  # one node: every group on NVLink
+
+    def t(n: int) -> float:
+        return net.time("all_reduce", n, 8.0, stride=1)
+
+    expected = {
+        "dp8": 2 * t(8),  # loss, world
+        "fsdp8": 3 * t(8),  # loss, norm, world
+        "tp8": 2 * t(8),  # norm, world (bf16 tp runs under FSDP2, which reduces the partial gradients)
+        "tp2,fsdp4": 2 * t(4) + t(2) + t(8),  # loss and norm over fsdp, norm over tp, world
+        "dp2,tp2,pp2,mb=4": t(2) * 3 + t(8),  # loss over dp, norm over tp and pp, world
+    }
+    for text, seconds in expected.items():
+        assert _estimate(text, cluster="1x8xA100-80GB").time["step_sync"] == pytest.approx(seconds), text
+    assert _estimate("dp1", cluster="1xA100-80GB").time["step_sync"] == 0.0
+    # fp32 tp alone runs without a data engine: its partial gradients are one more all-reduce
+    cpu = parse_cluster("4xcpu")
+    plan = Plan.parse("tp4").resolve(4, "cpu")
+    e = estimate(plan, Workload(model=TINY, global_batch=16, seq_len=128), cpu)
+    assert e.time["step_sync"] == pytest.approx(3 * RingNetwork(cpu).time("all_reduce", 4, 8.0, stride=1))
+
+
+def test_context_parallel_ring_counts_its_hops():
+    """cp4: forward passes K, V 3 times; backward passes them 3 times more and the dK, dV
+    accumulator 4 times, in fp32 (shoal.parallel.context); nothing hides on a CPU."""
+    c = parse_cluster("4xcpu")
+    plan = Plan.parse("cp4").resolve(4, "cpu")
+    model = get_preset("tiny")
+    e = estimate(plan, Workload(model=model, global_batch=16, seq_len=128), c)
+    net = RingNetwork(c)
+    kv = 16 * 128 / 4 * 2 * model.kv_heads * model.head_dim  # elements of K and V on one rank
+    per_block = 3 * net.time("ring", 4, kv * 4, stride=1) + 7 * net.time("ring", 4, kv * 4, stride=1)
+    assert e.time["cp_comm_exposed"] == pytest.approx(model.num_layers * per_block)
 
 
 # ----------------------------------------------------------------------------- the search

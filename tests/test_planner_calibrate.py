@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import statistics
@@ -70,6 +72,24 @@ def test_collective_time_is_the_fitted_line():
     assert collective_time(profile, "send_recv", 8, 0) == pytest.approx(800e-6)  # nearest: 4
     with pytest.raises(ValueError, match="valid: all_reduce"):
         collective_time(profile, "allreduce", 2, 1e6)
+
+
+def test_a_steps_collectives_pay_the_in_step_latency_of_their_group_size():
+    """Profile.in_step replaces alpha for the calls a step blocks on, looked up by group size (the
+    world's processes still set the bytes' cost); a pipeline's sends keep alpha; a ring hop is
+    priced on send_recv's bytes."""
+    in_step = {4: {"2": {"all_gather": 3e-3, "ring": 5e-3}, "4": {"all_gather": 6e-3}}}
+    profile = dataclasses.replace(_profile(), in_step=in_step)
+    assert collective_time(profile, "all_gather", 4, 1e6, group=2) == pytest.approx(3e-3 + 2e-9 * 1e6)
+    assert collective_time(profile, "all_gather", 4, 1e6) == pytest.approx(6e-3 + 2e-9 * 1e6)  # the whole world
+    assert collective_time(profile, "all_reduce", 4, 0, group=2) == pytest.approx(800e-6)  # not measured: alpha
+    assert collective_time(profile, "send_recv", 4, 0, group=2) == pytest.approx(800e-6)  # posted ahead: alpha
+    assert collective_time(profile, "ring", 4, 1e6, group=2) == pytest.approx(5e-3 + 2e-9 * 1e6)
+    assert collective_time(profile, "all_gather", 2, 0) == pytest.approx(200e-6)  # no in-step figure at 2
+    assert Profile.from_json(profile.to_json()) == profile
+    old = json.loads(_profile().to_json())
+    del old["in_step"]  # a profile written before in-step latencies were measured still loads
+    assert Profile.from_json(json.dumps(old)).in_step == {}
 
 
 # ----------------------------------------------------------------------------- the file
@@ -181,4 +201,8 @@ def test_quick_calibration_on_this_machine():
         assert all(t > 0 for _, t in fit.points), (kind, fit.points)
         assert all(1 / 20 < fit.time(b) / t < 20 for b, t in fit.points), (kind, fit)
     assert set(profile.dispatch) == {1, 2} and all(0 < d < 1e-3 for d in profile.dispatch.values())
+    # The in-step latency of a 4 KB call after compute: above zero, below the 20x-of-a-second bound of a hang.
+    assert set(profile.in_step) == {2} and set(profile.in_step[2]) == {"2"}
+    assert set(profile.in_step[2]["2"]) == set(cal.IN_STEP_KINDS)
+    assert all(0 <= t < 1.0 for t in profile.in_step[2]["2"].values()), profile.in_step
     assert Profile.from_json(profile.to_json()) == profile

@@ -9,8 +9,11 @@ Each N is started once (spawn, one thread per process) and measures everything i
 launch, because importing torch in each process costs more than most measurements.
 Collectives are fitted to `time = alpha + beta * nbytes` by least squares over sizes from
 1 KB to 16 MB; the planner uses that fit directly on CPU (gloo's algorithms are not NCCL's
-ring, so the ring formulas over a Link would mispredict them). The result is a `Profile`,
-saved as JSON at `default_profile_path()`.
+ring, so the ring formulas over a Link would mispredict them). Back-to-back calls understate
+what a step's collectives cost where processes outnumber cores: the ranks come to each call from
+compute, and one the scheduler has set aside holds up the rest. So the calls a step blocks on are
+also timed after a few ms of matmuls, in groups of each size that divides N (`Profile.in_step`);
+that latency replaces alpha. The result is a `Profile`, saved as JSON at `default_profile_path()`.
 """
 
 from __future__ import annotations
@@ -90,6 +93,13 @@ class Profile:
     dtensor_dispatch: Mapping[int, float] = dataclasses.field(default_factory=dict)
     """N -> the same for an op on a DTensor (tensor parallelism's ops): sharding propagation and
     wrapping on top of the op."""
+    in_step: Mapping[int, Mapping[str, Mapping[str, float]]] = dataclasses.field(default_factory=dict)
+    """N -> group size g (a string, JSON's keys) -> kind -> seconds a small collective over groups of g
+    ranks takes when the ranks come to it from compute, as in a training step, with all N processes
+    running (N/g groups at once). Measured: a few ms of matmuls then the call, less the matmuls
+    alone. Where processes outnumber cores, a rank the scheduler has set aside holds up the others:
+    far more than back-to-back calls show. "ring" is cp's exchange (each rank sends to the next and
+    receives from the previous). Empty in profiles from before it was measured."""
     dispatch: Mapping[int, float] = dataclasses.field(default_factory=dict)
     """N -> seconds of host time per eager op on a tiny tensor, its backward included: what an op
     costs beyond its arithmetic (dispatch, autograd bookkeeping), which small models pay per op."""
@@ -108,8 +118,9 @@ class Profile:
         data.setdefault("dispatch", {})
         data.setdefault("dtensor_dispatch", {})
         data.setdefault("training_flops", {})
+        data.setdefault("in_step", {})
         for key in ("matmul_flops", "matmul_by_shape", "memory_bw", "memory_by_op", "collectives", "dispatch",
-                    "dtensor_dispatch", "training_flops"):
+                    "dtensor_dispatch", "training_flops", "in_step"):
             data[key] = {int(n): v for n, v in data[key].items()}  # JSON keys are strings
         data["collectives"] = {
             n: {kind: CollectiveFit(alpha=float(f["alpha"]), beta=float(f["beta"]),
@@ -154,17 +165,26 @@ def nearest(measured: Iterable[int], world_size: int) -> int:
     return min(options, key=lambda m: (abs(m - world_size), -m))
 
 
-def collective_time(profile: Profile, kind: str, world_size: int, nbytes: float) -> float:
-    """Seconds for one `kind` collective over a `nbytes` tensor (see COLLECTIVES) on `world_size` ranks.
+def collective_time(profile: Profile, kind: str, world_size: int, nbytes: float, *, group: int | None = None) -> float:
+    """Seconds for one `kind` collective over a `nbytes` tensor (see COLLECTIVES) on `world_size` ranks,
+    in groups of `group` ranks (default: all of them). The bytes cost what they cost with every
+    process running; the fixed cost is the in-step latency of a group of that size where the
+    profile has it (Profile.in_step), else back-to-back calls' alpha.
 
     0 at world size 1; a world size not measured uses the nearest measured one.
     """
-    if kind not in COLLECTIVES:
-        raise ValueError(f"unknown collective {kind!r}; valid: {', '.join(COLLECTIVES)}")
+    if kind not in (*COLLECTIVES, "ring"):
+        raise ValueError(f"unknown collective {kind!r}; valid: {', '.join(COLLECTIVES)}, ring")
     if world_size <= 1:
         return 0.0
-    n = nearest((m for m, fits in profile.collectives.items() if kind in fits), world_size)
-    return profile.collectives[n][kind].time(nbytes)
+    measured = "send_recv" if kind == "ring" else kind  # a ring hop moves a point-to-point message
+    n = nearest((m for m, fits in profile.collectives.items() if measured in fits), world_size)
+    fit = profile.collectives[n][measured]
+    groups = profile.in_step.get(n, {})
+    latency = fit.alpha
+    if groups and kind in IN_STEP_KINDS:  # a step's collectives come from compute
+        latency = groups[str(nearest((int(size) for size in groups), group or world_size))].get(kind, fit.alpha)
+    return latency + fit.beta * nbytes
 
 
 def local_cluster(profile: Profile, world_size: int) -> Cluster:
@@ -383,25 +403,32 @@ def _measure_dtensor_dispatch(s: _Settings) -> float:
     return _chain_seconds(x, lambda y: y.to_local().sum(), s, chain=16)
 
 
-def _collective(kind: str, nbytes: int) -> Callable[[], Any]:
-    """A call of `kind` over an fp32 tensor of about `nbytes` (rounded to a multiple of the world size)."""
+def _collective(kind: str, nbytes: int, group: Any = None) -> Callable[[], Any]:
+    """A call of `kind` over an fp32 tensor of about `nbytes` (rounded to a multiple of the group's
+    size) in `group` (None: the world)."""
     import torch
     import torch.distributed as dist
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = max(world, nbytes // 4 // world * world)
     full, part = torch.zeros(numel), torch.zeros(numel // world)
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(full)
+        return lambda: dist.all_reduce(full, group=group)
     if kind == "all_gather":
-        return lambda: dist.all_gather_single(full, part)
+        return lambda: dist.all_gather_single(full, part, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(part, full)
+        return lambda: dist.reduce_scatter_single(part, full, group=group)
     if kind == "all_to_all":
         recv = torch.zeros(numel)
         return lambda: dist.all_to_all_single(recv, full)
     if kind == "broadcast":
         return lambda: dist.broadcast(full, src=0)
+    if kind == "ring":  # context parallelism's hop: send to the next rank, receive from the previous
+        ahead, behind = ((rank + step) % world if group is None else dist.get_global_rank(group, (rank + step) % world)
+                         for step in (1, -1))
+        recv = torch.zeros(numel)
+        return lambda: [w.wait() for w in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, full, ahead, group), dist.P2POp(dist.irecv, recv, behind, group)])]
     assert kind == "send_recv", kind
     if rank % 2 == 0 and rank + 1 < world:
         return lambda: dist.send(full, dst=rank + 1)
@@ -439,6 +466,56 @@ def _measure_collective(kind: str, s: _Settings) -> list[tuple[int, float]]:
     return [(nbytes, statistics.median(row)) for nbytes, row in zip(s.sizes, times.tolist())]
 
 
+IN_STEP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "ring")
+"""The calls a step blocks on. A pipeline's sends are not among them: they are posted ahead and waited
+for late (its waiting is the bubble)."""
+IN_STEP_COMPUTE_S = 0.003
+"""Seconds of matmuls before each timed call: about what a small model's block computes between two of
+its collectives on this kind of machine (the tiny preset's block forward is 5-10 ms at 4 processes)."""
+
+
+def _measure_in_step(s: _Settings) -> dict[str, dict[str, float]]:
+    """Group size -> kind -> seconds a 4 KB collective adds after IN_STEP_COMPUTE_S of compute (see
+    Profile.in_step), for groups of every size from 2 to the world that divides it: the median over
+    repetitions of the slowest rank's (compute + call) less its compute alone."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    a = torch.randn(128, 128)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, a)
+    count = torch.tensor([max(1, round(IN_STEP_COMPUTE_S / ((time.perf_counter() - t0) / 20)))], dtype=torch.float64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # the same compute on every rank
+    chunk = int(count.item())
+
+    def compute() -> None:
+        for _ in range(chunk):
+            torch.mm(a, a)
+
+    out: dict[str, dict[str, float]] = {}
+    for size in (g for g in range(2, world + 1) if world % g == 0):
+        group = None if size == world else dist.new_subgroups(group_size=size)[0]
+        calls = {kind: _collective(kind, 4096, group) for kind in IN_STEP_KINDS}
+        extra = torch.zeros(len(calls), s.reps, dtype=torch.float64)
+        for i in range(s.reps):
+            for j, fn in enumerate(calls.values()):
+                timed = []
+                for with_call in (False, True):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(8):
+                        compute()
+                        if with_call:
+                            fn()
+                    timed.append((time.perf_counter() - start) / 8)
+                extra[j, i] = max(0.0, timed[1] - timed[0])
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+        out[str(size)] = {kind: statistics.median(row) for kind, row in zip(calls, extra.tolist())}
+    return out
+
+
 def _worker(rank: int, world_size: int, store_path: str, s: _Settings, results: Any) -> None:
     """One rank: join the gloo group, measure everything, rank 0 reports each step and the result."""
     try:
@@ -465,6 +542,9 @@ def _worker(rank: int, world_size: int, store_path: str, s: _Settings, results: 
         for kind in COLLECTIVES if s.collectives else ():
             out["collectives"][kind] = _measure_collective(kind, s)
             say(kind)
+        if s.collectives:
+            out["in_step"] = _measure_in_step(s)
+            say("in-step latency")
         if rank == 0:
             results.put(("done", out))
         dist.destroy_process_group()
@@ -536,7 +616,7 @@ def calibrate(world_sizes: Sequence[int] = (1, 2, 4), *, quick: bool = False, pr
     sizes = sorted(set(world_sizes))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     raw: dict[int, dict[str, Any]] = {}
-    steps = sum(5 + (len(COLLECTIVES) if n > 1 else 0) for n in sizes)  # started, matmul, memory, dispatch, kinds, exited
+    steps = sum(5 + (len(COLLECTIVES) + 1 if n > 1 else 0) for n in sizes)  # started, matmul, memory, dispatch, kinds, in-step, exited
     with tqdm(total=steps, desc="calibrating", unit="step", disable=not progress) as bar:
         for n in sizes:
             raw[n] = _launch(n, _settings(quick, n), bar)
@@ -564,4 +644,6 @@ def _profile(raw: Mapping[int, Mapping[str, Any]], *, quick: bool, torch_version
         dispatch={n: float(r["dispatch"]) for n, r in raw.items() if "dispatch" in r},
         dtensor_dispatch={n: float(r["dtensor_dispatch"]) for n, r in raw.items() if "dtensor_dispatch" in r},
         training_flops={n: {k: float(v) for k, v in r["training"].items()} for n, r in raw.items() if "training" in r},
+        in_step={n: {g: {k: float(v) for k, v in kinds.items()} for g, kinds in r["in_step"].items()}
+                 for n, r in raw.items() if "in_step" in r},
     )

@@ -19,7 +19,9 @@ from typing import Protocol
 from shoal.planner.calibrate import Profile, collective_time
 from shoal.planner.hardware import Cluster
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "ring")
+""""ring" is one hop of context parallelism's ring: every rank sends a message to the next and receives
+one from the previous at once (a point-to-point message's time on each link)."""
 
 
 def ring_time(kind: str, n: int, nbytes: float, *, bandwidth: float, latency: float) -> float:
@@ -28,7 +30,7 @@ def ring_time(kind: str, n: int, nbytes: float, *, bandwidth: float, latency: fl
         raise ValueError(f"collective {kind!r} is not valid; valid: {', '.join(KINDS)}")
     if n <= 1 or nbytes <= 0:
         return 0.0
-    if kind == "send_recv":
+    if kind in ("send_recv", "ring"):
         return latency + nbytes / bandwidth
     if kind == "broadcast":  # pipelined along a ring: the buffer crosses each link once
         return (n - 1) * latency + nbytes / bandwidth
@@ -57,7 +59,8 @@ class RingNetwork:
 class CalibratedNetwork:
     """This machine's collectives as `shoal plan --calibrate` measured them (gloo's algorithms are not
     NCCL's rings, so the measured fit is used directly). A group inside a larger run is priced at the
-    run's world size: on a shared CPU every process of the run competes for the same cores."""
+    run's world size, since on a shared CPU every process of the run competes for the same cores,
+    with the in-step latency of a group of its own size (Profile.in_step)."""
 
     profile: Profile
     world_size: int
@@ -65,4 +68,4 @@ class CalibratedNetwork:
     def time(self, kind: str, n: int, nbytes: float, *, stride: int) -> float:
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return collective_time(self.profile, kind, max(n, self.world_size), nbytes)
+        return collective_time(self.profile, kind, max(n, self.world_size), nbytes, group=n)

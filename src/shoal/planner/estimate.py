@@ -18,7 +18,9 @@ so what is priced is what will run. Times are per step on the busiest rank:
   (p-1)F for ZB-H1 (Qi et al. 2023, section 3, with B split evenly into input and weight halves);
 - data axes: gradients reduced (and ZeRO-3 parameters gathered) over the data ranks, hidden
   behind backward on devices whose collectives overlap compute, then the optimizer step, which
-  is memory-bound (Adam reads and writes 28 bytes per parameter, the norm for clipping 4 more).
+  is memory-bound (Adam reads and writes 28 bytes per parameter, the norm for clipping 4 more);
+- the step's own small collectives (loss, gradient norm, stop signals), each a latency;
+- on CPUs, where the host runs the ops, each op's dispatch (DTensor's under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -43,10 +45,14 @@ OPS_PER_BLOCK = {False: 48, True: 10}
 """Host-side ops per block forward (each with its backward) in eager mode and compiled: shoal's
 block runs 6 per norm, 43 for attention with RoPE (views counted at half), 5 for the FFN and 4
 residual adds and dropouts; compiled, one graph launches about ten fused kernels."""
-DTENSOR_OPS_PER_BLOCK = {True: 50, False: 40}
-"""DTensor ops per block forward under tensor parallelism, with sequence-parallel norms and without:
-each of the 7 Colwise/Rowwise linears wraps its input, redistributes it, multiplies and unwraps
-(4), and with sp the norms, residual adds and the two PrepareModuleInput gathers run on DTensors."""
+DTENSOR_DISPATCHES = {"block": 144, "head": 62}
+"""DTensor dispatches of one block's forward and backward under tensor parallelism, and of the
+vocabulary-parallel embedding, head and loss, counted with torch.profiler ("PythonSubclass" events;
+the tiny preset at tp2, torch 2.13): the same with sequence parallelism and without (its norms'
+DTensor ops replace the all-reduces' wrapping)."""
+DTENSOR_DISPATCHES_PER_OP = 25 / 17
+"""What the calibration's DTensor chain (calibrate._measure_dtensor_dispatch, whose figure is per op of
+the chain, its backward included) runs per op: 25 dispatches for its 16 ops and the final sum."""
 RING_OPS_PER_HOP = 50
 """Plain ops per block per ring hop (context parallelism): the zig-zag chunk pairs' attention, the
 log-sum-exp merge and the exchange, forward and hand-written backward (shoal.parallel.context)."""
@@ -152,7 +158,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     per_op = cost.dtensor_overhead if engine.kind in ("zero", "fsdp2") or plan.tp > 1 else cost.op_overhead
     time["optimizer"] = stored * OPTIMIZER_BYTES / cluster.device.memory_bw + per_op * OPS_PER_PARAMETER * tensors
     time["engine_overhead"] = micro * cost.op_overhead * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors
-    step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"]
+    time["step_sync"] = cost.step_sync(engine.kind)
+    step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
     mem = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro, stages)
     peak = sum(mem.values()) * memory.FRAGMENTATION
     on_cpu = cluster.device_type == "cpu"
@@ -252,7 +259,8 @@ class _Costs:
             ops += (hi - lo) * RING_OPS_PER_HOP * p.cp if p.cp_mode == "ring" else 0
         host = ops * self.op_overhead
         if tp > 1:
-            host += (hi - lo) * DTENSOR_OPS_PER_BLOCK[p.sp] * self.dtensor_overhead
+            dispatches = (hi - lo) * DTENSOR_DISPATCHES["block"] + (DTENSOR_DISPATCHES["head"] if head else 0)
+            host += dispatches / DTENSOR_DISPATCHES_PER_OP * self.dtensor_overhead
         n = hi - lo
         act = T * self.cfg.dim * self.bytes
         if tp > 1 and p.sp:
@@ -274,15 +282,33 @@ class _Costs:
         return fwd, sum(terms.values()) - fwd, terms
 
     def _ring(self, attn_fwd: float) -> float:
-        """Exposed ring time of one block (forward + backward) given its attention's forward time."""
+        """Exposed ring time of one block (forward + backward) given its attention's forward time.
+        Forward passes K and V on cp-1 times; backward (in fp32) passes them cp-1 times more and the
+        dK, dV accumulator cp times (shoal.parallel.context). Each hop hides behind one chunk's
+        attention, 1/cp of the block's."""
         cp = self.plan.cp
         if cp == 1:
             return 0.0
-        kv = self.tokens * 2 * self.cfg.kv_heads * self.cfg.head_dim * self.bytes / self.plan.tp
-        hop = self.net.time("send_recv", 2, kv, stride=self.stride["cp"])
-        # each hop hides behind one chunk's attention (1/cp of the block's); backward moves twice the bytes
+        kv = self.tokens * 2 * self.cfg.kv_heads * self.cfg.head_dim / self.plan.tp
+        hop = self.net.time("ring", cp, kv * self.bytes, stride=self.stride["cp"])
+        hop_fp32 = self.net.time("ring", cp, kv * 4, stride=self.stride["cp"])
         hidden = self.overlap * attn_fwd / cp
-        return (cp - 1) * (max(0.0, hop - hidden) + max(0.0, 2 * hop - 2 * hidden))
+        return (cp - 1) * max(0.0, hop - hidden) + (2 * cp - 1) * max(0.0, hop_fp32 - hidden)
+
+    def step_sync(self, kind: str) -> float:
+        """The small collectives of every step, each a latency (shoal.train): the trainer's agreement
+        on stop signals (the world), the loss averaged over each data and cp axis, the gradient
+        norm's reduction over each axis that shards the gradients (DTensor reduces one mesh
+        dimension at a time) and over the pipeline's stages, and under tensor parallelism without
+        FSDP the norm weights' partial gradients (shoal.parallel.tensor.reduce_partial_grads)."""
+        p = self.plan
+        axes = [("dp", p.dp or 1), ("fsdp", p.fsdp), ("cp", p.cp)]  # the loss's mean
+        axes += [("fsdp", p.fsdp)] if kind in ("zero", "fsdp2") else []  # the norm's reductions
+        axes += [("tp", p.tp), ("pp", p.pp)]
+        axes += [("tp", p.tp)] if kind in ("none", "ddp") else []  # the partial gradients
+        calls = [(n, self.stride[axis]) for axis, n in axes if n > 1]
+        calls += [(p.world_size, 1)] if p.world_size > 1 else []  # the stop-signal agreement
+        return sum(self.net.time("all_reduce", n, 8.0, stride=stride) for n, stride in calls)
 
     def params_per_rank(self, blocks: int, *, head: bool) -> tuple[float, float]:
         """(dense parameters, expert parameters) one rank of the busiest stage holds."""
