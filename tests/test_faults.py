@@ -247,3 +247,34 @@ def test_pipeline_failures_name_the_stage_and_micro_batch(tmp_path):
     assert run.rc == 1 and "rank 1 of 2 failed" in line and "it last reported step" in line, line
     assert run.exit_after_fault_s < EXIT_S
     record("kill@forward:rank=1:step=4 under pp2", run, line, lost=None, exact=None)
+
+
+def test_watchdog_reads_other_threads_stacks_without_frame_objects():
+    """The watchdog's view of where a rank is comes from faulthandler's dump of every thread (not
+    sys._current_frames, whose f_back walk crashed CPython 3.11 in a tp2,pp2 run): a thread
+    blocked in a torch.distributed call is named by that call, and one inside torch's backward
+    is in the backward."""
+    import tempfile
+    import threading
+
+    from shoal.train import watchdog
+
+    release = threading.Event()
+    fake = {}
+    exec(compile("def all_reduce(ev):\n    ev.wait()\n", "/x/torch/distributed/distributed_c10d.py", "exec"), fake)
+    exec(compile("def backward(fn, ev):\n    fn(ev)\n", os.path.join(watchdog._TORCH_ROOT, "_tensor.py"), "exec"), fake)
+    waiting = threading.Thread(target=fake["backward"], args=(fake["all_reduce"], release))
+    waiting.start()
+    try:
+        with tempfile.TemporaryFile() as dump:
+            time.sleep(0.1)
+            stacks = watchdog._thread_stacks(dump.fileno())
+            assert threading.get_ident() in stacks and waiting.ident in stacks
+            stack = stacks[waiting.ident]
+            assert watchdog._collective(stack) == "all_reduce"
+            assert watchdog._step_part(stack) == "backward"
+            assert watchdog._collective(stacks[threading.get_ident()]) is None
+            assert watchdog._step_part(stacks[threading.get_ident()]) == "forward"
+    finally:
+        release.set()
+        waiting.join()

@@ -24,17 +24,18 @@ slowest step seen, at least FLOOR_S.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import re
 import signal
 import socket
-import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
@@ -71,6 +72,7 @@ class Watchdog:
         self._store = _store(self.world)
         self.beat_s = min(5.0, max(BEAT_S, self.world / 100))
         self._main = threading.main_thread().ident
+        self._stacks = tempfile.TemporaryFile()  # where faulthandler writes the threads' stacks (_thread_stacks)
         self._stop, self._moved = threading.Event(), threading.Event()
         self._last_where = "start-up"
         self.detail: Callable[[], str | None] = lambda: None
@@ -109,6 +111,8 @@ class Watchdog:
         self._stop.set()
         self._moved.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._stacks.close()
 
     # ---------------------------------------------------------------- the diagnosis
     def diagnose(self, error: BaseException, waited_s: float) -> HangError:
@@ -174,9 +178,9 @@ class Watchdog:
 
     def _where(self) -> str:
         """The phase refined from the threads' stacks: forward/backward/optimizer, and the collective."""
-        frames = sys._current_frames()
-        stacks = [frames[self._main]] if self._main in frames else []
-        stacks += [f for ident, f in frames.items() if ident not in (self._main, threading.get_ident())]
+        threads = _thread_stacks(self._stacks.fileno())
+        stacks = [threads[self._main]] if self._main in threads else []
+        stacks += [f for ident, f in threads.items() if ident not in (self._main, threading.get_ident())]
         collective = next((c for c in map(_collective, stacks) if c), None)
         phase = self.phase
         if phase == "step" and stacks:
@@ -247,26 +251,51 @@ def last_words(store: Any, run_id: str, rank: int, attempts: int) -> str | None:
     return None
 
 
-def _collective(frame: FrameType | None) -> str | None:
+Stack = list[tuple[str, str]]
+"""A thread's stack as (file, function) pairs, innermost first."""
+_FRAME_LINE = re.compile(r'^  File "(.*)", line \S+ in (\S+)$')
+_THREAD_LINE = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
+
+
+def _thread_stacks(fd: int) -> dict[int, Stack]:
+    """Thread ident -> its stack, as faulthandler prints them into the file `fd` (rewritten each call).
+
+    Not sys._current_frames(): walking another running thread's frames from Python (f_back) now and
+    then crashes CPython 3.11 (cpython#99110, #111363). It did here, once in two 150-step tp2,pp2
+    runs, while the main thread waited in a functional collective under DTensor's dispatch.
+    faulthandler reads the interpreter's frames in C without making frame objects (it is what
+    prints the stacks of a crash); it keeps the innermost 100 frames of each thread."""
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    faulthandler.dump_traceback(fd, all_threads=True)
+    size = os.lseek(fd, 0, os.SEEK_END)
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = os.read(fd, size).decode("utf-8", "replace")
+    stacks: dict[int, Stack] = {}
+    current: Stack | None = None
+    for line in text.splitlines():
+        if (thread := _THREAD_LINE.match(line)) is not None:
+            current = stacks.setdefault(int(thread.group(1), 16), [])
+        elif current is not None and (frame := _FRAME_LINE.match(line)) is not None:
+            current.append((frame.group(1), frame.group(2)))
+    return stacks
+
+
+def _collective(stack: Stack) -> str | None:
     """The innermost public torch.distributed function on the stack (all_reduce, reduce_scatter_tensor, ...)."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_filename.endswith("distributed_c10d.py") and not code.co_name.startswith("_") \
-                and code.co_name != "wrapper":
-            return code.co_name
-        frame = frame.f_back
+    for path, name in stack:
+        if path.endswith("distributed_c10d.py") and not name.startswith("_") and name != "wrapper":
+            return name
     return None
 
 
-def _step_part(frame: FrameType | None) -> str:
+def _step_part(stack: Stack) -> str:
     """forward, backward or optimizer (its step or zero_grad), from the main thread's stack."""
-    while frame is not None:
-        path, name = frame.f_code.co_filename, frame.f_code.co_name
+    for path, name in stack:
         if name == "backward" and path.startswith(_TORCH_ROOT) and not path.startswith(_TORCH_DIR):
             return "backward"
         if path.startswith(os.path.join(_TORCH_ROOT, "optim")):
             return "optimizer"
-        frame = frame.f_back
     return "forward"
 
 
