@@ -162,8 +162,9 @@ class Runtime:
     def _after_backward(self) -> None:
         """Partial tp gradients reduced once, the expert gradients' reduction (ep, or tp on an MoE
         model) and the step's MoE figures."""
-        if self.plan is not None and self.plan.tp > 1 and self.choice is not None and self.choice.kind in ("none", "ddp"):
-            reduce_partial_grads(self.parameters())  # FSDP2 reduces its own; ZeRO never runs with tp
+        # tp runs on no data engine ("none") or under FSDP2, which reduces its own (shoal.parallel.choice)
+        if self.plan is not None and self.plan.tp > 1 and self.choice is not None and self.choice.kind == "none":
+            reduce_partial_grads(self.parameters())
         if self._experts is not None:
             self._experts.sync()
         self.moe_stats = self._moe.take_stats()

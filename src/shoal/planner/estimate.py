@@ -305,7 +305,7 @@ class _Costs:
         axes = [("dp", p.dp or 1), ("fsdp", p.fsdp), ("cp", p.cp)]  # the loss's mean
         axes += [("fsdp", p.fsdp)] if kind in ("zero", "fsdp2") else []  # the norm's reductions
         axes += [("tp", p.tp), ("pp", p.pp)]
-        axes += [("tp", p.tp)] if kind in ("none", "ddp") else []  # the partial gradients
+        axes += [("tp", p.tp)] if kind == "none" else []  # the partial gradients (FSDP2 reduces its own)
         calls = [(n, self.stride[axis]) for axis, n in axes if n > 1]
         calls += [(p.world_size, 1)] if p.world_size > 1 else []  # the stop-signal agreement
         return sum(self.net.time("all_reduce", n, 8.0, stride=stride) for n, stride in calls)
