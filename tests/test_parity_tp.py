@@ -131,7 +131,8 @@ def _layout(model_cfg: ModelConfig) -> bool:
         ("tp8", SMALL, "tp=8 does not divide 4 KV heads; valid: 1, 2, 4"),
         ("tp4", SMALL.replace(ffn_dim=130), "tp=4 does not divide 130 FFN hidden size; valid: 1, 2, 5, 10"),
         ("tp4", SMALL.replace(vocab_size=130), "tp=4 does not divide 130 vocabulary size; valid: 1, 2, 5, 10"),
-        ("tp2", SMALL, "tp=2 with sequence parallelism does not divide the sequence length 15; valid: tp in 1, 3, 5, 15"),
+        ("tp2", SMALL,
+         "tp=2 with sequence parallelism does not divide the sequence length 15; valid: tp in 1, 3, 5, 15"),
     ],
 )
 def test_tp_degree_errors(plan, cfg, message):
@@ -141,8 +142,8 @@ def test_tp_degree_errors(plan, cfg, message):
 
 
 def test_tp_error_for_a_model_passed_directly():
-    from shoal.parallel.tensor import _check_divisible
     from shoal.models import Transformer
+    from shoal.parallel.tensor import _check_divisible
 
     with pytest.raises(ValueError, match="tp=3 does not divide 8 attention heads; valid: 1, 2, 4, 8"):
         _check_divisible(Transformer(SMALL), 3)

@@ -273,7 +273,8 @@ def test_train_plan_auto_runs_the_chosen_plan_and_keeps_the_prediction(tmp_path,
 
 
 @pytest.mark.parametrize(("name", "spec"), [
-    ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+    ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
     ("Tesla V100-SXM2-16GB", "V100-32GB"), ("NVIDIA H200", "H200"),
 ])
 def test_auto_knows_the_gpus_torch_names(name, spec):

@@ -10,8 +10,17 @@ from pathlib import Path
 import pytest
 
 from shoal.planner import hardware
-from shoal.planner.hardware import (ALIASES, DEVICES, Cluster, DeviceSpec, Link, dump_cluster, get_device,
-                                    load_cluster, parse_cluster)
+from shoal.planner.hardware import (
+    ALIASES,
+    DEVICES,
+    Cluster,
+    DeviceSpec,
+    Link,
+    dump_cluster,
+    get_device,
+    load_cluster,
+    parse_cluster,
+)
 from shoal.testing import one_line_error
 
 

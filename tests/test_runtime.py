@@ -149,4 +149,4 @@ def test_device_type_reads_the_group_backend(monkeypatch):
 def test_engine_choice_is_frozen_data():
     choice = EngineChoice(kind="zero", zero=2, bucket=2, units=3)
     with pytest.raises(AttributeError):
-        choice.kind = "ddp"  # type: ignore[misc]
+        choice.kind = "ddp"  # type: ignore[misc]  # the point: a frozen field refuses assignment

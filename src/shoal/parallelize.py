@@ -12,16 +12,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from shoal.moe.layer import MoELayer
 from shoal.parallel.choice import choose_engine
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
 from shoal.parallel.data import TorchDataEngine, apply_data_parallel, transformer_blocks
 from shoal.parallel.expert import ExpertGrads, MoETensorParallel, apply_expert_parallel, ep_mesh
 from shoal.parallel.pipeline import Pipeline, build_stages, merged_view
-from shoal.parallel.schedules import split_backward
 from shoal.parallel.recompute import apply_recompute
+from shoal.parallel.schedules import split_backward
 from shoal.parallel.tensor import apply_tensor_parallel, transformer_tp_plan
-from shoal.moe.layer import MoELayer
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 
@@ -33,7 +33,8 @@ def check_supported(plan: Plan) -> None:
     """ValueError naming the first part of `plan` this version of shoal cannot run."""
     for axis, what in _NOT_YET.items():
         if getattr(plan, axis) > 1:
-            raise ValueError(f"{axis}{getattr(plan, axis)}: {what} parallelism is not available in this version of shoal yet")
+            raise ValueError(f"{axis}{getattr(plan, axis)}: {what} parallelism is not available in this "
+                             "version of shoal yet")
     if plan.auto:
         raise ValueError("plan 'auto' is chosen before the model is parallelized: `shoal train --plan auto` does it, "
                          "or in Python shoal.auto_plan.choose(...); valid: the chosen plan, e.g. dp2 or fsdp2,tp2")
@@ -79,7 +80,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
                                      ignore=experts.params if experts is not None else ())
         stages[s] = engine.model
         if choice.kind == "zero":
-            reduce = engine.reduce_grads  # type: ignore[attr-defined]
+            reduce = engine.reduce_grads  # type: ignore[attr-defined]  # the ZeRO engine has it, the protocol not
     else:
         view = merged_view(stages)
         engine = TorchDataEngine(view, view)
@@ -115,7 +116,7 @@ def _tp_plan(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle] | None:
            and name.startswith("layers.") and name.endswith(".feed_forward")}
     if plan.tp == 1 or not moe:
         return None
-    dense = [name for name, _ in model.layers.named_children() if name not in moe]  # type: ignore[union-attr]
+    dense = [name for name, _ in model.layers.named_children() if name not in moe]  # type: ignore[union-attr]  # the model's ModuleDict of blocks
     tp_plan: dict[str, ParallelStyle] = {}
     for key, style in transformer_tp_plan(model, sp=plan.sp).items():
         if key.startswith("layers.*.feed_forward"):  # the dense FFN's styles, for the dense blocks only

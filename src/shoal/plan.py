@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from shoal.models.config import ModelConfig
@@ -41,8 +41,8 @@ _CHOICES = {
     "compile": ("on", "off"),
 }
 _ON_OFF = ("sp", "offload", "compile")
-NEEDS_AXIS = {"zero": "fsdp", "bucket": "fsdp", "offload": "fsdp", "mb": "pp", "sched": "pp", "vpp": "pp", "split": "pp",
-              "cp_mode": "cp", "sp": "tp"}
+NEEDS_AXIS = {"zero": "fsdp", "bucket": "fsdp", "offload": "fsdp", "mb": "pp", "sched": "pp", "vpp": "pp",
+              "split": "pp", "cp_mode": "cp", "sp": "tp"}
 """Options that act on one axis only: given without that axis they would do nothing, so they
 are refused (the other options act on every plan)."""
 
@@ -135,12 +135,14 @@ class Plan:
         """Parse a plan string such as "dp2,tp2", "fsdp4,zero=1" or "auto"."""
         text = text.strip()
         if not text:
-            raise ValueError("empty plan; valid: a comma-separated list such as 'dp2', 'fsdp4,zero=1', 'tp2,pp2' or 'auto'")
+            raise ValueError("empty plan; valid: a comma-separated list such as 'dp2', 'fsdp4,zero=1', "
+                             "'tp2,pp2' or 'auto'")
         fields: dict[str, object] = {}
         for part in (p.strip() for p in text.split(",")):
             if not part:
                 raise ValueError(f"plan {text!r} has an empty item; items are separated by single commas")
-            key = part.partition("=")[0].strip().rstrip("0123456789") if "=" not in part else part.partition("=")[0].strip()
+            name = part.partition("=")[0].strip()
+            key = name.rstrip("0123456789") if "=" not in part else name
             if key in fields:
                 raise ValueError(f"plan {text!r} names {key!r} twice")
             if part == "auto":
@@ -159,7 +161,7 @@ class Plan:
                 if not digits or int(digits) < 1:
                     raise ValueError(f"plan axis {part!r} needs a degree >= 1, as in '{name}2'")
                 fields[name] = int(digits)
-        plan = cls(**fields)  # type: ignore[arg-type]
+        plan = cls(**fields)  # type: ignore[arg-type]  # values parsed per field above
         plan._check_axes([k for k in NEEDS_AXIS if k in fields])  # given, even at its default value
         return plan
 
@@ -208,9 +210,9 @@ class Plan:
             plan = dataclasses.replace(self, dp=world_size // others)
         else:
             plan = self
-            if plan.dp * others != world_size:
+            if self.dp * others != world_size:
                 raise ValueError(
-                    f"plan {self} uses dp*fsdp*tp*pp*cp = {plan.dp * others} processes but the world size is "
+                    f"plan {self} uses dp*fsdp*tp*pp*cp = {self.dp * others} processes but the world size is "
                     f"{world_size}; leave dp out to let it take what the other axes leave"
                 )
         if world_size % plan.ep or plan.data_ranks * plan.cp % plan.ep:
@@ -218,7 +220,7 @@ class Plan:
                 f"ep={plan.ep} must divide the ranks that see different tokens (dp*fsdp*cp = "
                 f"{plan.data_ranks * plan.cp}); valid: {_divisors(plan.data_ranks * plan.cp)}"
             )
-        unset = {k: v for k, v in DEVICE_DEFAULTS[device].items() if getattr(plan, k) is None}
+        unset: dict[str, Any] = {k: v for k, v in DEVICE_DEFAULTS[device].items() if getattr(plan, k) is None}
         return dataclasses.replace(plan, **unset) if unset else plan
 
     @property
@@ -258,7 +260,8 @@ class Plan:
                              f"data ranks, and plan {self} has one; valid: more processes for dp or fsdp, or leave "
                              f"reduce out")
         if self.pp > model.num_layers:
-            raise ValueError(f"pp={self.pp} exceeds the model's {model.num_layers} layers; valid: 1..{model.num_layers}")
+            raise ValueError(f"pp={self.pp} exceeds the model's {model.num_layers} layers; "
+                             f"valid: 1..{model.num_layers}")
         if self.cp > 1 and seq_len % (2 * self.cp):
             raise ValueError(f"cp={self.cp} splits each sequence into 2*cp = {2 * self.cp} equal chunks (zig-zag, for "
                              f"balanced causal work) and {seq_len} tokens do not divide; valid: a sequence length that "
@@ -367,11 +370,13 @@ class Plan:
         if self.ep > 1:
             outside = self.data_ranks // self.ep
             lines.append(f"  expert: experts split {self.ep} ways over the data ranks"
-                         + (f", each sharded over the {outside} data ranks outside ep" if self.fsdp > 1 < outside else "")
+                         + (f", each sharded over the {outside} data ranks outside ep"
+                            if self.fsdp > 1 < outside else "")
                          + (f", each expert's FFN split {self.tp} ways like the dense FFN" if self.tp > 1 else ""))
         if self.ac != "none":
             lines.append(f"  recompute: {self.ac} activation checkpointing")
-        lines.append(f"  precision: {self.precision}" + (f", gradients reduced in {self.reduce}" if self.reduce != "fp32" else ""))
+        reduce = f", gradients reduced in {self.reduce}" if self.reduce != "fp32" else ""
+        lines.append(f"  precision: {self.precision}{reduce}")
         if self.compile:
             lines.append("  compile: each transformer block compiled with torch.compile (the first steps pay for it)")
         return "\n".join(lines)

@@ -110,7 +110,8 @@ class Estimate:
     def plan_text(self) -> str:
         """The plan as `--plan` takes it, leaving out what the device's defaults fill in."""
         defaults = DEVICE_DEFAULTS[self.device_type]
-        shown = dataclasses.replace(self.plan, **{k: None for k, v in defaults.items() if getattr(self.plan, k) == v})
+        unset: dict[str, Any] = {k: None for k, v in defaults.items() if getattr(self.plan, k) == v}
+        shown = dataclasses.replace(self.plan, **unset)
         return str(shown)
 
     def to_json(self) -> dict[str, Any]:
@@ -166,7 +167,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     usable = cluster.device.memory_bytes - (0 if on_cpu else RESERVED_BYTES)
     tokens = work.global_batch * S
     flops = _model_flops(cfg, S) * tokens / step / plan.world_size
-    return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step, tokens_per_s=tokens / step,
+    return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step,
+                    tokens_per_s=tokens / step,
                     tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster)],
                     mem_per_device_bytes=peak, fits=peak <= usable, time=time, memory=mem, traffic=sync)
 
@@ -264,7 +266,8 @@ class _Costs:
         n = hi - lo
         act = T * self.cfg.dim * self.bytes
         if tp > 1 and p.sp:
-            tp_fwd = 2 * (self.net.time("all_gather", tp, act, stride=1) + self.net.time("reduce_scatter", tp, act, stride=1))
+            tp_fwd = 2 * (self.net.time("all_gather", tp, act, stride=1)
+                          + self.net.time("reduce_scatter", tp, act, stride=1))
         else:
             tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
         tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
@@ -272,7 +275,8 @@ class _Costs:
             tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
         cp_comm = n * self._ring(attn / max(n, 1))
         routed = compute.experts_per_token(self.cfg) - self.cfg.num_shared_experts
-        ep_comm = moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"]) if p.ep > 1 else 0.0
+        ep_comm = (moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"])
+                   if p.ep > 1 else 0.0)
         p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if p.sp and tp > 1 else 1),
                                     stride=self.stride["pp"]) if p.pp > 1 else 0.0
         terms = {"compute_matmul": 3 * mm, "compute_attention": 3 * attn, "compute_elementwise": 3 * elem,
@@ -313,12 +317,13 @@ class _Costs:
     def params_per_rank(self, blocks: int, *, head: bool) -> tuple[float, float]:
         """(dense parameters, expert parameters) one rank of the busiest stage holds."""
         cfg, p = self.cfg, self.plan
-        D, F = cfg.dim, cfg.ffn_dim
+        D = cfg.dim
         attn = compute.attention_matmul_flops(cfg) / 2
         mlp = compute.mlp_matmul_flops(cfg) / 2
         moe = round(blocks * self._moe_count(0, cfg.num_layers) / cfg.num_layers)
         moe_sets = 1 if cfg.share_moe and moe else moe
-        dense = blocks * (attn + 2 * D) + (blocks - moe) * mlp + moe * (D * cfg.num_experts + cfg.num_shared_experts * mlp)
+        dense = (blocks * (attn + 2 * D) + (blocks - moe) * mlp
+                 + moe * (D * cfg.num_experts + cfg.num_shared_experts * mlp))
         embed = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
         dense += embed if p.pp == 1 else (embed / 2 if head else 0)
         experts = moe_sets * cfg.num_experts * mlp / p.ep

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from shoal.models import ModelConfig, get_preset
 from shoal.plan import Plan

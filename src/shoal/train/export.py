@@ -49,7 +49,8 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     try:
         meta = dcp.FileSystemReader(str(checkpoint)).read_metadata()
     except Exception as exc:  # missing folder, no or unreadable .metadata
-        raise ValueError(f"checkpoint {checkpoint} cannot be exported: its DCP metadata is unreadable ({exc})") from None
+        raise ValueError(f"checkpoint {checkpoint} cannot be exported: its DCP metadata is unreadable "
+                         f"({exc})") from None
     prefix = MODEL_KEY + "."
     weights = {
         key[len(prefix):]: torch.empty(item.size, dtype=item.properties.dtype)
@@ -134,8 +135,9 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
 def _live_model_config(runtime: Runtime) -> ModelConfig:
     """The ModelConfig of the shoal Transformer the runtime trains."""
     for module in runtime.parts[0].modules():
-        if isinstance(getattr(module, "config", None), ModelConfig):
-            return module.config
+        config = getattr(module, "config", None)
+        if isinstance(config, ModelConfig):
+            return config
     raise ValueError(f"{type(runtime.parts[0]).__name__} holds no shoal Transformer (no ModelConfig `config`); "
                      "Hugging Face weights need one to convert")
 
