@@ -40,7 +40,6 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
 from shoal.moe.collect import MoECollector
-from shoal.parallel.choice import EngineChoice
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
 from shoal.parallel.expert import ExpertGrads
@@ -50,6 +49,7 @@ from shoal.parallel.schedules import bubble_fraction, save_gantt
 from shoal.parallel.tensor import reduce_partial_grads
 from shoal.parallel.vocab import cross_entropy, local_value, vocab_parallel_loss
 from shoal.plan import Plan
+from shoal.rules import EngineChoice
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -75,7 +75,7 @@ class Runtime:
         share of the kept tokens), on the device; {} for a dense model."""
         """cp > 1: this rank's slice of every sequence, taken from each micro-batch here."""
         self.choice = choice
-        """The data-parallel engine that runs the plan (shoal.parallel.choice); None in one process."""
+        """The data-parallel engine that runs the plan (shoal.rules.choose_engine); None in one process."""
         self._engine = engine
         # The loss is averaged over every rank that sees other tokens: data ranks and cp ranks.
         self._data_groups = reduction_groups(mesh, ("dp", "fsdp", "cp")) if mesh is not None else []
@@ -163,7 +163,7 @@ class Runtime:
     def _after_backward(self) -> None:
         """Partial tp gradients reduced once, the expert gradients' reduction (ep, or tp on an MoE
         model) and the step's MoE figures."""
-        # tp runs on no data engine ("none") or under FSDP2, which reduces its own (shoal.parallel.choice)
+        # tp runs on no data engine ("none") or under FSDP2, which reduces its own (shoal.rules)
         if self.plan is not None and self.plan.tp > 1 and self.choice is not None and self.choice.kind == "none":
             reduce_partial_grads(self.parameters())
         if self._experts is not None:
@@ -281,7 +281,7 @@ class Runtime:
         """Under pp, after a step run with `pipeline.record` on: its measured bubble (idle share of
         the ranks' time) beside the formula (p-1)/(v*m+p-1), and, where `chart` is given, the
         step drawn there (a Gantt chart PNG). Collective over the pp group."""
-        assert self.pipeline is not None and self.plan is not None
+        assert self.pipeline is not None and self.plan is not None and self.plan.vpp is not None
         timeline = self.pipeline_timeline()
         p, m, v = self.plan.pp, self.plan.micro_batches, self.plan.vpp
         if chart is not None:

@@ -192,7 +192,7 @@ def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
         raise ValueError(f"plan tp={plan.tp} does not match the mesh's tp axis of size {tp_mesh.size()}")
     _check_divisible(model, tp_mesh.size())
     shared = _shared_parameters(model)
-    parallelize_module(model, tp_mesh, dict(tp_plan or transformer_tp_plan(model, sp=plan.sp)))
+    parallelize_module(model, tp_mesh, dict(tp_plan or transformer_tp_plan(model, sp=bool(plan.sp))))
     _tie_again(model, shared)
     return model
 

@@ -1,6 +1,6 @@
 """One plan's predicted step time, throughput and memory per device: the cost model put together.
 
-The engine that runs the plan's data axes is the runtime's own choice (shoal.parallel.choice),
+The engine that runs the plan's data axes is the runtime's own choice (shoal.rules.choose_engine),
 so what is priced is what will run. Times are per step on the busiest rank:
 
 - compute: each block's matrix FLOPs over the device's achievable matmul rate, its elementwise
@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.models.config import ModelConfig
-from shoal.parallel.choice import choose_engine
 from shoal.plan import DEVICE_DEFAULTS, Plan
 from shoal.planner import compute, memory
 from shoal.planner.comm import Network, RingNetwork
 from shoal.planner.hardware import Cluster
+from shoal.rules import choose_engine, micro_batches
 
 OPTIMIZER_BYTES = 28 + 4 * 2
 """Bytes an Adam step moves per parameter: read weight, gradient, two moments (16), write the weight
@@ -135,7 +135,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     assert plan.dp is not None and plan.precision is not None, "resolve the plan first"
     cfg, S = work.model, work.seq_len
     local = work.global_batch // plan.data_ranks
-    micro = plan.micro_batches if plan.pp > 1 else local // (micro_batch or local)
+    micro = micro_batches(plan, local_batch=local, micro_batch=micro_batch)
     b = local // micro  # sequences per micro-batch
     net = network or RingNetwork(cluster)
     engine = choose_engine(plan, num_layers=cfg.num_layers)
@@ -205,6 +205,7 @@ def _bubble(plan: Plan, fwd: float, bwd: float) -> float:
     if plan.sched == "zb":
         return (p - 1) * fwd
     if plan.sched == "interleaved":
+        assert plan.vpp is not None, "estimates are of resolved plans"
         return (p - 1) * (fwd + bwd) / plan.vpp
     return (p - 1) * (fwd + bwd)
 
@@ -247,6 +248,7 @@ class _Costs:
     def stage(self, lo: int, hi: int, *, head: bool) -> tuple[float, float, dict[str, float]]:
         """(forward, backward, terms per micro-batch) of blocks lo..hi-1 (and the head)."""
         p, T, tp = self.plan, self.tokens, self.plan.tp
+        assert p.vpp is not None, "estimates are of resolved plans"
         moe = self._moe_count(lo, hi)
         blocks = [(self.work[True], moe), (self.work[False], hi - lo - moe)]
         mm = sum(w.matmul * n for w, n in blocks) * T / tp / self.rate
@@ -399,14 +401,14 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     tokens = cost.tokens  # of one micro-batch on this rank
     worst: dict[str, float] = {}
     per_block = {moe: memory.activation_elements(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg),
-                                                 seq_len=cost.seq_len, tp=plan.tp, sp=plan.sp, ac=plan.ac,
+                                                 seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=plan.ac,
                                                  fused_attention=cost.fused) for moe in (False, True)}
     for lo, hi, head in stages:
         moe = cost._moe_count(lo, hi)
         act = per_block[True] * moe + per_block[False] * (hi - lo - moe)
-        held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)
+        held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)  # type: ignore[arg-type]  # resolved
         if plan.ac == "full":  # the block being recomputed holds its full activations
-            held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=plan.sp, ac="none",
+            held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
                                                fused_attention=cost.fused) * tokens * cost.bytes
         logits = memory.logits_bytes(cfg, tokens, tp=plan.tp) if head else 0.0
         if held + logits > worst.get("activations", 0) + worst.get("logits", 0):
