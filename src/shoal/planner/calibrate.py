@@ -283,8 +283,8 @@ class _Settings:
 
 
 def _settings(quick: bool, world_size: int) -> _Settings:
-    # A small collective here takes ~0.2 ms, and a process losing the core to another costs
-    # several ms: a repetition averages back-to-back calls over a few ms, and the median over an
+    # A small collective is short next to what a process loses when another takes its core: a
+    # repetition averages back-to-back calls over a few ms, and the median over an
     # odd number of repetitions drops those another process disturbed.
     if quick:
         return _Settings(0.1, tuple(2**k for k in (10, 14, 18, 22, 24)), 1, 5, 0.003, world_size > 1)
@@ -470,8 +470,8 @@ IN_STEP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "ring")
 """The calls a step blocks on. A pipeline's sends are not among them: they are posted ahead and waited
 for late (its waiting is the bubble)."""
 IN_STEP_COMPUTE_S = 0.003
-"""Seconds of matmuls before each timed call: about what a small model's block computes between two of
-its collectives on this kind of machine (the tiny preset's block forward is 5-10 ms at 4 processes)."""
+"""Seconds of matmuls before each timed call: of the order of what a small model's block computes
+between two of its collectives on a CPU, so that the ranks come to the call as in a training step."""
 
 
 def _measure_in_step(s: _Settings) -> dict[str, dict[str, float]]:
