@@ -341,16 +341,21 @@ def _measure_memory(s: _Settings) -> dict[str, float]:
     return {"add": _median_over_ranks(add), "copy": _median_over_ranks(copy)}
 
 
-def _chain_seconds(x: Any, finish: Callable[[Any], Any], s: _Settings, chain: int = 32) -> float:
-    """Seconds per op of a chain of tiny elementwise ops on `x` and its backward (`finish` turns the
-    result into a scalar): an op's cost beyond its arithmetic."""
+def _chain_step(x: Any, finish: Callable[[Any], Any], chain: int) -> Callable[[], None]:
+    """One pass of a chain of `chain` tiny elementwise ops on `x`, then `finish` (which turns the result
+    into a scalar) and the backward of it all: chain + 1 ops, each with its backward."""
     def step() -> None:
         y = x
         for _ in range(chain // 2):
             y = y * 1.0001 + 0.0001
         finish(y).backward()
 
-    return _median_over_ranks(1.0 / _rate(step, chain + 1, s.seconds))
+    return step
+
+
+def _chain_seconds(x: Any, finish: Callable[[Any], Any], s: _Settings, chain: int = 32) -> float:
+    """Seconds per op of `_chain_step`: an op's cost beyond its arithmetic."""
+    return _median_over_ranks(1.0 / _rate(_chain_step(x, finish, chain), chain + 1, s.seconds))
 
 
 def _measure_dispatch(s: _Settings) -> float:
@@ -393,6 +398,16 @@ def _measure_training_kernels(s: _Settings) -> dict[str, float]:
 def _measure_dtensor_dispatch(s: _Settings) -> float:
     """The same on a DTensor sharded over every rank (no communication): what tensor
     parallelism's DTensor ops cost beyond a plain op's (sharding propagation, wrapping)."""
+    return _median_over_ranks(1.0 / _rate(dtensor_chain_step(), DTENSOR_CHAIN + 1, s.seconds))
+
+
+DTENSOR_CHAIN = 16
+"""Elementwise ops in the DTensor chain (then its sum: DTENSOR_CHAIN + 1 ops, each with its backward)."""
+
+
+def dtensor_chain_step() -> Callable[[], None]:
+    """One pass of the chain `_measure_dtensor_dispatch` times, on a DTensor sharded over every rank
+    of the default group (shoal.planner.counts counts the dispatches it runs)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -400,7 +415,7 @@ def _measure_dtensor_dispatch(s: _Settings) -> float:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     x = distribute_tensor(torch.randn(8 * dist.get_world_size()), mesh, [Shard(0)]).requires_grad_()
-    return _chain_seconds(x, lambda y: y.to_local().sum(), s, chain=16)
+    return _chain_step(x, lambda y: y.to_local().sum(), DTENSOR_CHAIN)
 
 
 def _collective(kind: str, nbytes: int, group: Any = None) -> Callable[[], Any]:
