@@ -119,7 +119,7 @@ def _attempt_store() -> dict[str, Any]:
     """Under torch's elastic agent, a store of this attempt's own. The workers of every restart
     connect to the same agent store, and torch's env:// rendezvous adds no per-attempt prefix
     there: a restarted rank could read an address the previous attempt's dead peer published and
-    fail with "Connection refused" (seen in about 1 restart in 4 here). Elsewhere: torch's default."""
+    fail with "Connection refused". Elsewhere: torch's default."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
