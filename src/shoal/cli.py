@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="DIR", help="continue this run folder from its newest checkpoint that "
                        "verifies [off: a new run]")
     train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys) [none]")
+    train.add_argument("--dry-run", dest="dry_run", action="store_const", const=True, default=argparse.SUPPRESS,
+                       help="set up, run one step on throwaway state, print each rank's memory beside the planner's "
+                       "prediction, save nothing, exit")
     train.add_argument("--no-memory-check", dest="memory_check", action="store_const", const=False,
                        default=argparse.SUPPRESS, help="run even where the memory check predicts the plan won't fit")
     train.set_defaults(func=_train)
@@ -306,9 +309,9 @@ def validate(cfg: Any, device: str) -> None:
     """Model, plan, batch and data against each other, for the world the run will have on `device`."""
     import torch
 
+    from shoal import rules
     from shoal.launch import under_torchrun
     from shoal.models import Transformer
-    from shoal import rules
     from shoal.train.config import parse_plan
     from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
 

@@ -33,12 +33,11 @@ from shoal.moe.collect import records as moe_records
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train import faults, memory
-from shoal.train.checkpoint import (latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune,
-                                    save_checkpoint)
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune, save_checkpoint
 from shoal.train.config import RunConfig, dump_toml, parse_plan, to_flat
 from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
-from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
-                                 write_summary)
+from shoal.train.dry_run import dry_run
+from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.preempt import StopSignals
 from shoal.train.step import StepResult, split_micro, train_step
@@ -84,6 +83,8 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         if error is not None:
             return {"error": error}
         assert trainer is not None
+        if job.config.dry_run:
+            return dry_run(trainer)
         summary = trainer.run(signals)
         if trainer.stopped_by:
             return {**(summary or {}), "stopped": trainer.stopped_by}
