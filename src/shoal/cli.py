@@ -146,9 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys) [none]")
     train.add_argument("--dry-run", dest="dry_run", action="store_const", const=True, default=argparse.SUPPRESS,
                        help="set up, run one step on throwaway state, print each rank's memory beside the planner's "
-                       "prediction, save nothing, exit")
+                       "prediction, save nothing, exit [off]")
     train.add_argument("--no-memory-check", dest="memory_check", action="store_const", const=False,
-                       default=argparse.SUPPRESS, help="run even where the memory check predicts the plan won't fit")
+                       default=argparse.SUPPRESS, help="run even where the memory check predicts the plan won't fit [off: checked]")
     train.set_defaults(func=_train)
 
     from shoal.plan_command import add_parser as add_plan_parser
