@@ -34,9 +34,22 @@ def predict(run: PublishedRun) -> tuple[float, float, bool]:
     return e.tokens_per_s / cluster.world_size, e.mem_per_device_bytes / 1e9, e.fits
 
 
-def table(runs: tuple[PublishedRun, ...]) -> tuple[list[str], list[float], list[float]]:
-    lines = ["| run | devices | plan | published tok/s/dev | predicted | predicted / published | memory GB (fits) |",
-             "|---|---|---|---|---|---|---|"]
+def read_ratios(path: Path) -> dict[str, float]:
+    """Run name -> predicted / published from an earlier planner_at_scale.md (its last ratio column before
+    the memory column), so a change to the cost model can show the error before and after, per run."""
+    ratios = {}
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 6 and cells[0] not in ("run", "---"):
+            ratios[cells[0].removesuffix(" (*)")] = float(cells[-2])
+    return ratios
+
+
+def table(runs: tuple[PublishedRun, ...], before: dict[str, float] | None = None
+          ) -> tuple[list[str], list[float], list[float]]:
+    was = "predicted / published before | " if before else ""
+    lines = [f"| run | devices | plan | published tok/s/dev | predicted | {was}predicted / published | memory GB (fits) |",
+             "|---|---|---|---|---|---|---|" + ("---|" if before else "")]
     errors, checked = [], []
     for run in runs:
         predicted, mem, fits = predict(run)
@@ -45,25 +58,39 @@ def table(runs: tuple[PublishedRun, ...]) -> tuple[list[str], list[float], list[
         if run.checked:
             checked.append(ratio - 1)
         mark = "" if run.checked else " (*)"
+        old = f"{before[run.name]:.3f} | " if before and run.name in before else ("- | " if before else "")
         lines.append(f"| {run.name}{mark} | {run.cluster} | `{run.plan}` | {run.tokens_per_s_per_device:,.1f} | "
-                     f"{predicted:,.1f} | {ratio:.3f} | {mem:.0f} ({'yes' if fits else 'no'}) |")
+                     f"{predicted:,.1f} | {old}{ratio:.3f} | {mem:.0f} ({'yes' if fits else 'no'}) |")
     return lines, errors, checked
+
+
+def before_summary(runs: tuple[PublishedRun, ...], before: dict[str, float]) -> list[str]:
+    """The same summary lines for the ratios of the earlier page."""
+    errors = [before[r.name] - 1 for r in runs if r.name in before]
+    checked = [before[r.name] - 1 for r in runs if r.name in before and r.checked]
+    return [summary("before: all runs", errors), summary("before: runs whose every input was checked", checked)]
 
 
 def summary(name: str, errors: list[float]) -> str:
     absolute = [abs(e) for e in errors]
     within = sum(a <= 0.15 for a in absolute)
+    within20 = sum(a <= 0.20 for a in absolute)
     return (f"{name}: {len(errors)} runs, mean absolute error {100 * statistics.mean(absolute):.1f}%, median "
             f"{100 * statistics.median(absolute):.1f}%, worst {100 * max(absolute):.1f}%, mean signed "
-            f"{100 * statistics.mean(errors):+.1f}%, within 15%: {within}/{len(errors)}")
+            f"{100 * statistics.mean(errors):+.1f}%, within 15%: {within}/{len(errors)}, within 20%: {within20}/{len(errors)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"write {DOC.relative_to(DOC.parent.parent)}")
+    parser.add_argument("--before", type=Path, help="an earlier planner_at_scale.md: show its ratios beside "
+                        "(e.g. git show REV:docs/planner_at_scale.md > before.md)")
     args = parser.parse_args()
-    lines, errors, checked = table(PUBLISHED)
+    before = read_ratios(args.before) if args.before else None
+    lines, errors, checked = table(PUBLISHED, before)
     figures = [summary("all runs", errors), summary("runs whose every input was checked in a source", checked)]
+    if before:
+        figures += before_summary(PUBLISHED, before)
     print("\n".join(lines + [""] + figures))
     if args.write:
         DOC.write_text(_document(lines, figures))

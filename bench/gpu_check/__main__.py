@@ -133,6 +133,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--device-name", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.out = args.out.resolve()  # the parts run from the repository root
     names = [n.strip() for n in args.parts.split(",") if n.strip()]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown or not names:
