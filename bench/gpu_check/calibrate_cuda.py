@@ -4,8 +4,8 @@ and one-GPU predictions against measured runs.
 The planner prices a GPU from a DeviceSpec (shoal.planner.hardware): a matmul efficiency, an
 attention efficiency and a memory bandwidth. Here they are measured on this GPU at the shapes a
 training step runs (the projections and FFN of the 85M and 1.9B shapes of bench/gpu_throughput.py,
-forward and the two backward products; their FLOP-weighted rate is the efficiency) and written as
-a cluster file that `shoal plan --cluster FILE.toml` reads: a profile for this device kind only.
+forward and the two backward products, each beside what the planner's square-GEMM model says for it;
+square GEMMs give the model's table and its large-GEMM efficiency) and written as a cluster file that `shoal plan --cluster FILE.toml` reads: a profile for this device kind only.
 It is kept out of shoal.planner.calibrate (the CPU calibration) on purpose: it is a bench-side
 measurement until a GPU run has shown its figures.
 """
@@ -30,6 +30,8 @@ from bench.gpu_check.report import safe_name
 SHAPES = {"85m": (16 * 1024, 768, 12, 12, 64, 2048, 256, 16, 1024),
           "1.9b": (8 * 2048, 4096, 32, 8, 128, 14336, 128256, 8, 2048)}
 DRY_SHAPES = {"toy": (256, 64, 4, 4, 16, 128, 256, 2, 128)}
+SQUARES = {False: (1024, 2048, 4096, 8192), True: (32, 64, 128)}
+"""Square GEMM sizes measured for the planner's table (DeviceSpec.gemm_square); True: the dry run's."""
 
 
 def gemms(shape: tuple) -> list[tuple[str, int, int, int]]:
@@ -79,14 +81,18 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
     base = parse_cluster(planner_cluster(device_name))
     peak = base.device.peak_flops["fp32" if ctx.dry else "bf16"]
     gemm_rows, attn_rows = [], []
-    flops_total = time_total = attn_flops = attn_time = 0.0
+    attn_flops = attn_time = 0.0
+    # The planner's GEMM model: the largest square's rate (matmul_efficiency) scaled by the square of the
+    # same work (DeviceSpec.gemm_factor); the training shapes below check that model on this device.
+    square = tuple((size, measure_gemm(size, size, size, dev, dtype, repeats)) for size in SQUARES[ctx.dry])
+    large = max(rate for _, rate in square)
+    shaped = dataclasses.replace(base.device, gemm_square=square)
     for shape_name, shape in (DRY_SHAPES if ctx.dry else SHAPES).items():
         for name, m, k, n in gemms(shape):
             rate = measure_gemm(m, k, n, dev, dtype, repeats)
+            model = large * shaped.gemm_factor(m, n, k)
             gemm_rows.append({"shape": shape_name, "gemm": name, "M": m, "K": k, "N": n, "tflops": rate / 1e12,
-                              "efficiency": rate / peak})
-            flops_total += 2 * m * k * n
-            time_total += 2 * m * k * n / rate
+                              "efficiency": rate / peak, "measured / square model": rate / model})
         _, _, heads, kv, hd, _, _, batch, seq = shape
         rates = measure_attention(batch, heads, kv, seq, hd, dev, dtype, repeats)
         attn_rows.append({"shape": shape_name, "B": batch, "H": heads, "T": seq, "head_dim": hd,
@@ -97,9 +103,10 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
         attn_flops += 3 * fwd_flops
         attn_time += 3.5 * fwd_flops / rates["forward_backward"]
     bandwidth = measure_bandwidth(dev, 2**24 if ctx.dry else 2**31, repeats)
-    matmul_eff = min(1.0, flops_total / time_total / peak)
+    matmul_eff = min(1.0, large / peak)
     attention_eff = min(1.0, attn_flops / attn_time / peak)
     device = dataclasses.replace(base.device, name=f"{base.device.name}-calibrated", matmul_efficiency=matmul_eff,
+                                 gemm_square=square, sustained_clock=1.0,  # measured: whatever clock it held
                                  attention_efficiency=attention_eff, memory_bw=bandwidth,
                                  source=f"bench.gpu_check calibrate on {device_name or 'cpu (dry run)'}, "
                                         f"{datetime.date.today().isoformat()}")
@@ -111,8 +118,11 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
     profile = {"device_name": device_name, "device_kind": base.device.name, "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "dry_run": ctx.dry, "matmul_efficiency": matmul_eff, "attention_efficiency": attention_eff,
-               "memory_bw_gbs": bandwidth / 1e9, "gemms": gemm_rows, "attention": attn_rows}
+               "memory_bw_gbs": bandwidth / 1e9, "gemm_square_tflops": [[s, r / 1e12] for s, r in square],
+               "gemms": gemm_rows, "attention": attn_rows}
     json_path.write_text(json.dumps(profile, indent=1))
+    ctx.tables["square GEMMs"] = [{"size": size, "tflops": rate / 1e12, "efficiency": rate / peak}
+                                  for size, rate in square]
     ctx.tables["GEMMs of training shapes"] = gemm_rows
     ctx.tables["causal attention (SDPA)"] = attn_rows
     ctx.figures.update(matmul_efficiency=matmul_eff, attention_efficiency=attention_eff,
@@ -120,7 +130,8 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
                            "matmul_efficiency": base.device.matmul_efficiency,
                            "attention_efficiency": base.device.attention_efficiency,
                            "memory_bw_gbs": base.device.memory_bw / 1e9}, profile=toml_path.name)
-    ctx.check("profile written and read back by the planner", parse_cluster(str(toml_path)).device == device,
+    back = parse_cluster(str(toml_path))  # floats pass through TFLOP/s text: compare as the file writes them
+    ctx.check("profile written and read back by the planner", dump_cluster(back) == dump_cluster(cluster),
               f"{toml_path.name}: matmul {matmul_eff:.2f}, attention {attention_eff:.2f} of peak, "
               f"{bandwidth / 1e9:.0f} GB/s")
     return {"toml": toml_path}
