@@ -14,6 +14,7 @@ import argparse
 import statistics
 from pathlib import Path
 
+from shoal import rules
 from shoal.plan import Plan
 from shoal.planner.estimate import Workload, estimate
 from shoal.planner.hardware import parse_cluster
@@ -25,10 +26,12 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "planner_at_scale.md"
 def predict(run: PublishedRun) -> tuple[float, float, bool]:
     """(predicted tokens/s per device, predicted memory per device in GB, fits)."""
     cluster = parse_cluster(run.cluster)
-    plan = Plan.parse(run.plan).resolve(cluster.world_size, "cuda")
     work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
                     fused_attention=run.fused_attention)
-    plan.validate(work.model, global_batch=work.global_batch, seq_len=work.seq_len)
+    # Priced as it ran, also where shoal's runtime would refuse the layout (tests/test_planner.py names it).
+    plan = rules.fill(Plan.parse(run.plan), rules.Facts(world_size=cluster.world_size, device="cuda",
+                                                        model=run.model, global_batch=run.global_batch,
+                                                        seq_len=run.seq_len))
     micro = run.micro_batch_size if plan.pp == 1 else None
     e = estimate(plan, work, cluster, micro_batch=micro)
     return e.tokens_per_s / cluster.world_size, e.mem_per_device_bytes / 1e9, e.fits

@@ -298,7 +298,7 @@ def validate(cfg: Any, device: str) -> None:
 
     from shoal.launch import under_torchrun
     from shoal.models import Transformer
-    from shoal.parallelize import check_supported
+    from shoal import rules
     from shoal.train.config import parse_plan
     from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
 
@@ -312,14 +312,8 @@ def validate(cfg: Any, device: str) -> None:
     if loop.seq_len > model.max_seq_len:
         raise UserError(f"--seq-len {loop.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
                         f"valid: 1..{model.max_seq_len} (or --set max_seq_len={loop.seq_len})")
-    plan = parse_plan(cfg.plan).resolve(world, device)
-    plan.validate(model, global_batch=loop.global_batch, seq_len=loop.seq_len)
-    check_supported(plan)
-    local = loop.global_batch // plan.data_ranks
-    if loop.micro_batch is not None and local % loop.micro_batch:
-        raise UserError(f"--micro-batch {loop.micro_batch} does not divide the {local} sequences each of the "
-                        f"{plan.data_ranks} data ranks gets (global batch {loop.global_batch}); valid: "
-                        + ", ".join(str(d) for d in range(1, local + 1) if local % d == 0))
+    rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
+                  global_batch=loop.global_batch, seq_len=loop.seq_len, micro_batch=loop.micro_batch)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     tokens = load_tokens(cfg.data, tokenizer)
     train, held_out = split_tokens(tokens, cfg.data.val_fraction, loop.seq_len)

@@ -1,6 +1,6 @@
 """Data parallelism over the mesh's dp axis and sharded data parallelism (ZeRO) over its fsdp axis.
 
-Three engines, chosen by the plan (`shoal.parallel.choice.choose_engine`, a pure function the
+Three engines, chosen by the plan (`shoal.rules.choose_engine`, a pure function the
 planner shares):
 - dp alone, fp32, no tensor parallel: torch's DistributedDataParallel on the dp sub-mesh's process
   group (bucketed gradient all-reduce overlapped with backward, the well-kept replicated path).
@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.mesh import replica_mesh
-from shoal.parallel.choice import EngineChoice, choose_engine
+from shoal.rules import EngineChoice, choose_engine
 from shoal.parallel.precision import PrecisionPolicy
 from shoal.parallel.zero import ZeroDataParallel
 from shoal.plan import Plan

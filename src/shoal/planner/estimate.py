@@ -1,6 +1,6 @@
 """One plan's predicted step time, throughput and memory per device: the cost model put together.
 
-The engine that runs the plan's data axes is the runtime's own choice (shoal.parallel.choice),
+The engine that runs the plan's data axes is the runtime's own choice (shoal.rules.choose_engine),
 so what is priced is what will run. Times are per step on the busiest rank:
 
 - compute: each block's matrix FLOPs over the device's achievable matmul rate, its elementwise
@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.models.config import ModelConfig
-from shoal.parallel.choice import choose_engine
 from shoal.plan import DEVICE_DEFAULTS, Plan
 from shoal.planner import compute, memory
 from shoal.planner.comm import Network, RingNetwork
 from shoal.planner.hardware import Cluster
+from shoal.rules import choose_engine, micro_batches
 
 OPTIMIZER_BYTES = 28 + 4 * 2
 """Bytes an Adam step moves per parameter: read weight, gradient, two moments (16), write the weight
@@ -139,7 +139,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     assert plan.dp is not None and plan.precision is not None, "resolve the plan first"
     cfg, S = work.model, work.seq_len
     local = work.global_batch // plan.data_ranks
-    micro = plan.micro_batches if plan.pp > 1 else local // (micro_batch or local)
+    micro = micro_batches(plan, local_batch=local, micro_batch=micro_batch)
     b = local // micro  # sequences per micro-batch
     net = network or RingNetwork(cluster)
     engine = choose_engine(plan, num_layers=cfg.num_layers)
