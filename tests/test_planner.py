@@ -342,7 +342,7 @@ def test_small_gemms_and_overlapped_collectives_on_an_h100_by_hand():
     slow = sum(2 * n * k / h100.gemm_factor(2048, n, k) for n, k in gemms)
     assert _gemm_scale(h100, TINY, 2048, 1, moe=False) == pytest.approx(slow / flops)
     assert slow / flops > 1  # small products: slower than the large-GEMM rate
-    from shoal.parallel.choice import choose_engine
+    from shoal.rules import choose_engine
 
     e = _estimate("dp8", cluster="8xH100", batch=4096)  # enough compute to hide behind
     total = e.traffic["dp_allreduce"]
