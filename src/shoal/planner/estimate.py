@@ -71,6 +71,11 @@ packs and unpacks gradient buckets; DDP marks each gradient ready."""
 OPS_PER_PARAMETER = 3
 """Host ops per parameter tensor per step outside forward and backward: the clipping norm, the
 optimizer's per-tensor update, zeroing the gradient."""
+OVERLAP_SLOWDOWN = 0.189
+"""How much longer a GPU's compute takes while a collective runs beside it (NCCL's kernels hold SMs and
+memory bandwidth): the mean slowdown measured over GPT and Llama layers on A100 and H100 in Tatikonda
+et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning"
+(arXiv 2507.03114, abstract: 18.9% on average, 40.0% at most). Charged on the communication time hidden."""
 RESERVED_BYTES = 2**30
 """Device memory no tensor can use: the CUDA context, cuBLAS workspaces and NCCL buffers (~1 GiB
 on current GPUs; PyTorch "Understanding CUDA memory usage" notes). None on a CPU."""
@@ -235,6 +240,9 @@ class _Costs:
         self.dtensor_overhead = cluster.device.dtensor_overhead if on_cpu else 0.0
         self.stride = {"tp": 1, "cp": plan.tp, "fsdp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.fsdp,
                        "pp": plan.tp * plan.cp * plan.fsdp * (plan.dp or 1), "ep": plan.tp}
+        # Small products run below the large-GEMM rate (hardware.DeviceSpec.gemm_factor): time multipliers.
+        self.mm_scale = {moe: _gemm_scale(cluster.device, cfg, tokens, plan.tp, moe=moe) for moe in (False, True)}
+        self.head_scale = 1 / cluster.device.gemm_factor(tokens, cfg.vocab_size / plan.tp, cfg.dim)
         self.work = {moe: compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=seq_len,
                                              causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
                      for moe in (False, True)}
@@ -255,11 +263,12 @@ class _Costs:
         p, T, tp = self.plan, self.tokens, self.plan.tp
         moe = self._moe_count(lo, hi)
         blocks = [(self.work[True], moe), (self.work[False], hi - lo - moe)]
-        mm = sum(w.matmul * n for w, n in blocks) * T / tp / self.rate
+        mm = (self.mm_scale[True] * blocks[0][0].matmul * moe
+              + self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe)) * T / tp / self.rate
         attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate
         elem = sum(w.elementwise * n for w, n in blocks) * T * self.bytes / tp / self.mem_bw
         if head:
-            mm += compute.head_flops(self.cfg) * T / tp / self.rate
+            mm += self.head_scale * compute.head_flops(self.cfg) * T / tp / self.rate
             elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
         recompute = (mm + attn + elem) if p.ac == "full" else (attn if p.ac == "selective" else 0.0)
         ops = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
@@ -370,7 +379,7 @@ class _Costs:
         total = sum(terms.values())
         # Bucketed (DDP) or per-unit (ZeRO) traffic hides behind compute, all but its last piece.
         hidden = min(self.overlap * compute, total * (1 - 1 / (units + 1)))
-        return max(0.0, total - hidden), terms
+        return max(0.0, total - hidden) + OVERLAP_SLOWDOWN * hidden, terms
 
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -382,6 +391,21 @@ def _units(kind: str, units: int, params: float) -> int:
     if kind in ("ddp", "none"):
         return max(1, math.ceil(params * 4 / DDP_BUCKET_BYTES)) - 1
     return units
+
+
+def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: bool) -> float:
+    """Time over time-at-the-large-GEMM-rate of one block's weight products, FLOP-weighted: Q/K/V and
+    output projections and the dense FFN as (tokens x k) @ (k x n) on one tp rank (the backward's two
+    products per weight have the same m n k). Routed experts and the router are left at 1."""
+    D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    gemms = [((cfg.num_heads + 2 * cfg.kv_heads) * hd / tp, D), (D, cfg.num_heads * hd / tp)]  # (n, k)
+    if not moe:
+        gemms += [(F / tp, D)] * (2 if cfg.activation == "swiglu" else 1) + [(D, F / tp)]
+    listed = sum(2.0 * n * k for n, k in gemms) * tp  # per token, all ranks (block_work's convention)
+    slow = sum(2.0 * n * k / device.gemm_factor(tokens, n, k) for n, k in gemms) * tp
+    whole = compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=1, causal_skip=True,
+                               fused_attention=True).matmul
+    return (whole - listed + slow) / whole
 
 
 def _dense_index(cfg: ModelConfig) -> int:
