@@ -87,8 +87,8 @@ def test_micro_batch_flag_is_a_rule_too():
     assert rules.micro_batches(resolve("pp2", facts(2))[0], local_batch=8) == 4
 
 
-def test_issue_example_is_refused_by_shoal_plan(capsys):
-    """The plan the search used to rank first on 64 H100s (zb on FSDP2) is refused in one line."""
+def test_zb_on_fsdp2_is_refused_by_shoal_plan(capsys):
+    """A plan that prices well on 64 H100s but does not run (zb on FSDP2) is refused in one line."""
     argv = ["plan", "--model", "llama3-70b", "--cluster", "64xH100-80GB", "--global-batch", "256", "--seq-len", "4096",
             "--plan", "fsdp2,tp2,pp8,cp2,zero=1,mb=128,sched=zb"]
     assert main(argv) == 2
@@ -144,7 +144,7 @@ def test_shoal_plan_and_shoal_train_agree(model, text, nproc, runs, tmp_path, ca
         assert errors == plan_err and len(plan_err) == 1, (errors, plan_err)
 
 
-def test_agreement_cases_cover_the_issue_list():
+def test_agreement_cases_cover_every_feature():
     """zb, interleaved, tp with bf16, ep and cp each appear with and without data axes, accepted and refused."""
     for feature in ("zb", "interleaved", "ep2", "cp2", "precision=bf16"):
         assert {ok for _, text, _, ok in AGREE if feature in text} == {True, False}, feature

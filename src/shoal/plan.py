@@ -22,8 +22,9 @@ DEVICE_DEFAULTS = {"cpu": {"precision": "fp32", "compile": False}, "cuda": {"pre
 """Options a plan leaves out take these values on each device: bf16 compute with fp32 master
 weights and fp32 gradient reduction on GPUs (what users expect there), plain fp32 on CPUs (no
 fast bf16 matmuls; exact parity with a single process). Blocks are compiled on GPUs, where fused
-kernels roughly double a small model's speed; on CPUs a cold compile costs 20-30 s per run for
-a speed-up lost in noise at the sizes one trains there (MACHINE-FACTS.md)."""
+kernels replace a small model's many short ones; on CPUs the cold compile every run starts with
+costs more than it saves at the sizes one trains there (bench/gpu_throughput.py compares compiled
+and eager on either device; --compile-on-cpu on a CPU)."""
 # Mesh dimension order, outermost first: pipeline stages span the slowest links, tensor
 # parallel the fastest (the torchtitan / Megatron convention).
 MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")

@@ -47,8 +47,7 @@ what forward calls, what the optimizer updates, gradient-sync control, the gradi
 scaling, and state dicts in DCP's format. Nothing outside shoal/parallel/ asks which engine runs.
 
 Measured figures (time and memory against DeepSpeed and FSDP2 used directly, memory against the
-ZeRO formulas) are in the benchmarks (bench/zero_vs_peers.py, bench/zero_memory.py) and the
-issue notes.
+ZeRO formulas) come from the benchmarks (bench/zero_vs_peers.py, bench/zero_memory.py).
 """
 
 from __future__ import annotations

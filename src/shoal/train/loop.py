@@ -36,6 +36,7 @@ from shoal.train import faults, memory
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune, save_checkpoint
 from shoal.train.config import RunConfig, dump_toml, parse_plan, to_flat
 from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
+from shoal.train.dry_run import dry_run
 from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.preempt import StopSignals
@@ -82,6 +83,8 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         if error is not None:
             return {"error": error}
         assert trainer is not None
+        if job.config.dry_run:
+            return dry_run(trainer)
         summary = trainer.run(signals)
         if trainer.stopped_by:
             return {**(summary or {}), "stopped": trainer.stopped_by}
@@ -117,7 +120,7 @@ def _attempt_store() -> dict[str, Any]:
     """Under torch's elastic agent, a store of this attempt's own. The workers of every restart
     connect to the same agent store, and torch's env:// rendezvous adds no per-attempt prefix
     there: a restarted rank could read an address the previous attempt's dead peer published and
-    fail with "Connection refused" (seen in about 1 restart in 4 here). Elsewhere: torch's default."""
+    fail with "Connection refused". Elsewhere: torch's default."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
