@@ -36,7 +36,7 @@ from shoal.train import faults, memory
 from shoal.train.checkpoint import (latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune,
                                     save_checkpoint)
 from shoal.train.config import RunConfig, dump_toml, parse_plan, to_flat
-from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
+from shoal.train.data import open_data
 from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
                                  write_summary)
 from shoal.train.optim import build_optimizer, build_scheduler
@@ -152,11 +152,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.runtime.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps)
 
-        tokens = load_tokens(cfg.data, load_tokenizer(cfg.data.tokenizer))
-        train, held_out = split_tokens(tokens, cfg.data.val_fraction, self.loop.seq_len)
-        self.batches = TokenBatches(train, seq_len=self.loop.seq_len, seed=self.loop.seed)
-        self.held_out = TokenBatches(held_out, seq_len=self.loop.seq_len, seed=self.loop.seed)
-        self.num_train_tokens, self.num_held_out = len(train), len(held_out)
+        data = open_data(cfg.data, seq_len=self.loop.seq_len, seed=self.loop.seed)
+        self.batches, self.held_out = data.train, data.held_out
+        self.num_train_tokens, self.num_held_out = data.num_train, data.num_held_out
 
         self.start, self.restart, self.stopped_by = 0, restart_count(), None
         path = None
