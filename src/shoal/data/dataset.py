@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shoal.data.prepare import FORMAT, MANIFEST
+from shoal.data.prepare import FORMAT, MANIFEST, PROGRESS
 
 BLOCK = 4096
 """Samples per mixture block: the shares are exact at every block boundary."""
@@ -75,8 +75,8 @@ def is_prepared_spec(spec: str | None) -> bool:
     """Whether --data names prepared datasets (one folder with a manifest, or a weighted list)."""
     if spec is None:
         return False
-    if Path(spec).exists():
-        return is_prepared(spec)
+    if Path(spec).exists():  # a half-prepared folder too: read_manifest then refuses it
+        return is_prepared(spec) or (Path(spec) / PROGRESS).is_file()
     return ":" in spec or "," in spec
 
 

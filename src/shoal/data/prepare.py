@@ -249,7 +249,7 @@ def _run(cfg: PrepareConfig, tok: dict[str, Any], paths: list[Path], progress: b
                     yield chunk
 
     records: list[dict[str, Any]] = []
-    with tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress) as bar:
+    with tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=None if progress else True) as bar:
         for record in _bounded(cfg, tok, todo()):
             record["source"] = int(record["name"][:3])
             records.append(record)
