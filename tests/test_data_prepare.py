@@ -150,21 +150,65 @@ def test_an_interrupted_preparation_resumes_and_a_finished_one_is_skipped(bpe, c
     assert "other inputs or settings" in one_line_error(prepare, other, progress=False)
 
 
-def test_tables_need_their_package(tmp_path):
-    (tmp_path / "t.parquet").write_bytes(b"PAR1 not really")
-    hf = tmp_path / "saved"
-    hf.mkdir()
-    (hf / "dataset_info.json").write_text("{}")
-    for path, package in ((tmp_path / "t.parquet", "pyarrow"), (hf, "datasets")):
-        cfg = PrepareConfig(inputs=[str(path)], out=str(tmp_path / "out"))
-        try:
-            __import__(package)
-        except ImportError:
+def _installed(package: str) -> bool:
+    try:
+        __import__(package)
+    except ImportError:
+        return False
+    return True
+
+
+def test_tables_read_with_their_package_or_are_refused_naming_it(corpus, tmp_path):
+    """parquet and saved datasets give the jsonl's shards where pyarrow / datasets are installed (the
+    `data` extra); where they are not, the input is refused in one line naming the package."""
+    texts = DOCS[:100]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in texts))
+    parquet, saved = tmp_path / "t.parquet", tmp_path / "saved"
+    if _installed("pyarrow"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"id": list(range(len(texts))), "body": texts}), parquet, row_group_size=17)
+    else:
+        parquet.write_bytes(b"PAR1 not really")
+    if _installed("datasets"):
+        import datasets
+
+        datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(saved))
+    else:
+        saved.mkdir()
+        (saved / "dataset_info.json").write_text("{}")
+    kw = {"tokenizer": "byte", "field": "body", "holdout": 0.1, "workers": 1, "shard_mb": 1.0}  # one shard: the same held-out documents
+    reference = prepare(PrepareConfig(inputs=[str(tmp_path / "in.jsonl")], out=str(tmp_path / "ref"), **kw),
+                        progress=False)
+    for path, package in ((parquet, "pyarrow"), (saved, "datasets")):
+        out = tmp_path / f"out-{package}"
+        cfg = PrepareConfig(inputs=[str(path)], out=str(out), **kw)
+        if _installed(package):
+            assert prepare(cfg, progress=False)["splits"] == reference["splits"]
+            assert _files(out) == _files(tmp_path / "ref")
+            bad = PrepareConfig(inputs=[str(path)], out=str(tmp_path / "bad"), **(kw | {"field": "nope"}))
+            assert "no column 'nope'" in one_line_error(prepare, bad, progress=False)
+        else:
             message = one_line_error(prepare, cfg, progress=False)
             assert repr(package) in message and "shoal[data]" in message
-        else:
-            one_line_error(prepare, cfg, progress=False)  # installed: the fake file is unreadable, in one line
-        assert not (tmp_path / "out").exists()
+        assert not (tmp_path / "bad").exists()
+    zst = tmp_path / "in.jsonl.zst"
+    cfg = PrepareConfig(inputs=[str(zst)], out=str(tmp_path / "out-zst"), **kw)
+    if _installed("zstandard"):
+        import zstandard
+
+        zst.write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "in.jsonl").read_bytes()))
+        prepare(cfg, progress=False)
+        assert _files(tmp_path / "out-zst") == _files(tmp_path / "ref")
+    else:
+        zst.write_bytes(b"")
+        assert "'zstandard'" in one_line_error(prepare, cfg, progress=False)
+    if _installed("pyarrow"):
+        (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+        cfg = PrepareConfig(inputs=[str(tmp_path / "broken.parquet")], out=str(tmp_path / "bad"), **kw)
+        assert "not a readable parquet" in one_line_error(prepare, cfg, progress=False)
+        assert not (tmp_path / "bad").exists()
 
 
 # ----------------------------------------------------------------------------- reading
