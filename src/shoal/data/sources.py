@@ -27,7 +27,7 @@ class Chunk:
 
     source: int
     shard: int
-    kind: str  # "jsonl" | "files" | "texts"
+    kind: str  # "jsonl-range" (start, end byte) | "jsonl" (lines) | "files" | "texts"
     path: str
     first_line: int
     items: list[Any]
@@ -103,6 +103,18 @@ def chunks(source: int, path: Path, field: str, shard_bytes: int) -> Iterator[Ch
 
 
 def _jsonl_chunks(source: int, path: Path, shard_bytes: int) -> Iterator[Chunk]:
+    """A plain file is cut by byte ranges that the workers read themselves; the shard ends with
+    the line holding its last byte, as for compressed files, whose lines are read here."""
+    if not path.name.lower().endswith((".gz", ".zst")):
+        size, start, shard = path.stat().st_size, 0, 0
+        with open(path, "rb") as f:
+            while start < size:
+                f.seek(start + shard_bytes - 1)
+                f.readline()
+                end = min(f.tell(), size)
+                yield Chunk(source, shard, "jsonl-range", str(path), 0, [start, end])
+                start, shard = end, shard + 1
+        return
     lines: list[bytes] = []
     size, shard, first = 0, 0, 1
     with _open_binary(path) as raw:
@@ -161,18 +173,35 @@ def documents(chunk: Chunk, field: str) -> list[str]:
         return chunk.items
     if chunk.kind == "files":
         return [Path(p).read_text(encoding="utf-8", errors="replace") for p in chunk.items]
+    lines, first = chunk.items, chunk.first_line
+    if chunk.kind == "jsonl-range":
+        start, end = chunk.items
+        with open(chunk.path, "rb") as f:
+            f.seek(start)
+            lines = f.read(end - start).split(b"\n")
     out = []
-    for number, line in enumerate(chunk.items, chunk.first_line):
+    for index, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError as exc:
-            raise ValueError(f"{chunk.path}:{number}: not a JSON line ({getattr(exc, 'msg', exc)})") from None
+            where = _line(chunk, first, index)
+            raise ValueError(f"{where}: not a JSON line ({getattr(exc, 'msg', exc)})") from None
         if not isinstance(record, dict) or field not in record:
             fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{chunk.path}:{number}: no field {field!r} (has: {fields}); choose one with --field")
+            raise ValueError(f"{_line(chunk, first, index)}: no field {field!r} (has: {fields}); choose one with "
+                             "--field")
         if not isinstance(record[field], str):
-            raise ValueError(f"{chunk.path}:{number}: field {field!r} holds {type(record[field]).__name__}, not text")
+            raise ValueError(f"{_line(chunk, first, index)}: field {field!r} holds {type(record[field]).__name__}, "
+                             "not text")
         out.append(record[field])
     return out
+
+
+def _line(chunk: Chunk, first: int, index: int) -> str:
+    """`file:line` of line `index` of a chunk; a byte range counts the lines before it (errors only)."""
+    if chunk.kind == "jsonl-range":
+        with open(chunk.path, "rb") as f:
+            first = f.read(chunk.items[0]).count(b"\n") + 1
+    return f"{chunk.path}:{first + index}"
