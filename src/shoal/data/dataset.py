@@ -99,13 +99,18 @@ def _key(*parts: int) -> int:
     return h
 
 
+@functools.lru_cache(maxsize=64)
+def _round_keys(key: int) -> list[np.uint64]:
+    return [np.uint64(_key(key, r)) for r in range(4)]
+
+
 def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
     """A pseudo-random bijection of [0, n) chosen by `key`, applied to `index` (values in [0, n)):
     a 4-round Feistel network on the next even number of bits, cycle-walked back into range."""
     bits = max(2, (n - 1).bit_length())
     bits += bits % 2
     half, mask = np.uint64(bits // 2), np.uint64((1 << (bits // 2)) - 1)
-    keys = [np.uint64(_key(key, r)) for r in range(4)]
+    keys = _round_keys(key)
     out = np.asarray(index, dtype=np.uint64).copy()
     todo = np.ones(out.shape, dtype=bool)
     while todo.any():
@@ -181,17 +186,25 @@ class MixtureBatches:
                 np.array([p[1][o] for p, o in zip(pairs, offsets)], dtype=np.int64))
 
     def window_of(self, source: int, position: int) -> int:
-        stream = self.streams[source]
-        epoch, offset = divmod(position, stream.num_windows)
-        key = _key(self.seed, source, epoch)
-        return int(permute(np.array([offset]), stream.num_windows, key)[0])
+        return int(self.windows(np.array([source]), np.array([position]))[0])
+
+    def windows(self, sources: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The window each (source, position in its stream) reads: epoch e of a source visits its
+        windows in the permutation keyed by (seed, source, e)."""
+        out = np.empty(len(sources), dtype=np.int64)
+        for k in np.unique(sources):
+            n = self.streams[int(k)].num_windows
+            for epoch in np.unique(positions[sources == k] // n):
+                where = (sources == k) & (positions // n == epoch)
+                out[where] = permute(positions[where] % n, n, _key(self.seed, int(k), int(epoch)))
+        return out
 
     def batch(self, step: int, size: int, part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets (B, T) of this rank's slice `part` = (index, count) of global batch `step`."""
         index, count = part
         local = size // count
         sources, positions = self.draws(step * size + index * local, local)
-        rows = [self.streams[k].window(self.window_of(int(k), int(p))) for k, p in zip(sources, positions)]
+        rows = [self.streams[int(k)].window(int(w)) for k, w in zip(sources, self.windows(sources, positions))]
         seq = torch.from_numpy(np.stack(rows).astype(np.int64))
         return seq[:, :-1], seq[:, 1:]
 
