@@ -6,6 +6,7 @@ and bad input is one line, exit 2, nothing left behind. The tokenizer is trained
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 from pathlib import Path
@@ -64,7 +65,7 @@ def _documents(out: Path, source: int, split: str) -> list[list[int]]:
     for shard in manifest["sources"][source][split]["shards"]:
         tokens = np.fromfile(out / f"{shard['name']}.bin", dtype=manifest["dtype"])
         offsets = np.fromfile(out / f"{shard['name']}.idx", dtype=np.int64)
-        docs += [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+        docs += [tokens[a:b].tolist() for a, b in itertools.pairwise(offsets)]
     return docs
 
 
