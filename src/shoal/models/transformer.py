@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.models.config import ModelConfig
+from shoal.models.init import InitSpec
 from shoal.moe.layer import MoELayer
 
 
@@ -168,6 +169,29 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, MoELayer):  # stacked expert weights: their own rule, same scales
                 module.init_weights(std, self.config.num_layers)
+
+    def init_spec(self, name: str, ndim: int) -> InitSpec:
+        """How parameter `name` (of `ndim` dims) starts, by the rules of `init_weights`, for
+        building on the meta device and materializing each rank's slice (shoal.models.init)."""
+        std = self.config.init_std
+        leaf = name.rsplit(".", 1)[-1]
+        stacked = ".experts." in name or ".shared." in name  # MoE experts' stacked (E, ...) weights
+        if ndim == 1:
+            return InitSpec("ones") if name.endswith("norm.weight") else InitSpec("zeros")
+        if stacked and leaf.startswith("b"):
+            return InitSpec("zeros")
+        if name.endswith(("wo.weight", "w2.weight")) or (stacked and leaf == "w2"):
+            return InitSpec("normal", std / math.sqrt(2 * self.config.num_layers))
+        return InitSpec("normal", std)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the buffers that are not parameters (the rotary tables), on their device:
+        after building on the meta device they hold no values."""
+        if hasattr(self, "rope_cos"):
+            cos, sin = rope_tables(self.config)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def num_params(self) -> int:
         """Parameters this module holds (a pipeline stage counts its own; shared ones once)."""

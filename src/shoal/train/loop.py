@@ -143,10 +143,11 @@ class Trainer:
             seq_len=self.loop.seq_len, micro_batch=self.loop.micro_batch))
         set_matmul_precision(device, tf32=cfg.tf32)
 
-        torch.manual_seed(self.loop.seed)  # identical initial weights on every rank
-        model = Transformer(self.model_cfg).to(device)
+        torch.manual_seed(self.loop.seed)
+        with torch.device("meta"):  # shapes only: each rank allocates its own shards in parallelize
+            model = Transformer(self.model_cfg)
         faults.arm(model)  # test-only hooks; nothing unless SHOAL_FAULT is set
-        self.runtime = parallelize(model, self.plan, build_mesh(self.plan, device.type))
+        self.runtime = parallelize(model, self.plan, build_mesh(self.plan, device.type), seed=self.loop.seed)
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
         self.num_micro = rules.micro_batches(self.plan, local_batch=self.local_batch, micro_batch=self.loop.micro_batch)
