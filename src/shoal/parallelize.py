@@ -20,8 +20,8 @@ from shoal.moe.layer import MoELayer
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
 from shoal.parallel.data import DataEngine, TorchDataEngine, apply_data_parallel, transformer_blocks
-from shoal.parallel.materialize import materialize, on_meta
 from shoal.parallel.expert import ExpertGrads, MoETensorParallel, apply_expert_parallel, ep_mesh
+from shoal.parallel.materialize import materialize, on_meta
 from shoal.parallel.pipeline import Pipeline, build_stages, merged_view
 from shoal.parallel.recompute import apply_recompute
 from shoal.parallel.tensor import apply_tensor_parallel, transformer_tp_plan
