@@ -234,7 +234,7 @@ another order (across ranks, micro-batches); float32 rounds each to 2^-24 ~ 6e-8
 longest sum behind a loss (a mean over the batch's tokens, or a dot product over the vocabulary or
 the model dim: at most 256 terms here) can gather ~256 of those: 1.5e-5. Three AdamW steps carry
 such differences from the weights into the next losses without growing them past that size. A
-plan that routed differently (the per-micro-batch capacity before routing groups) is off by 1e-3."""
+plan that routed differently (per micro-batch, as before routing groups) is off by ~1e-3 at these shapes."""
 
 
 @pytest.mark.parametrize("router, runs", [

@@ -35,7 +35,8 @@ class MoELayer(nn.Module):
                 the mean over the routing groups of each group's loss;
       z_loss    router z-loss (router.router_z_loss), float32, with gradient: a mean over tokens;
       stats     detached float tensors: tokens_per_expert (E,) kept, dropped_fraction,
-                load_cv (std / mean of the routed counts before dropping), aux_loss, z_loss.
+                load_cv (std / mean of the routed counts before dropping, over this call's tokens:
+                unlike the losses, a figure of the micro-batch), aux_loss, z_loss.
     The training loss adds coefficient * aux_loss and coefficient * z_loss; the layer does not.
     """
 
