@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
 from shoal.moe.collect import MoECollector
-from shoal.parallel.choice import EngineChoice
+from shoal.rules import EngineChoice
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
 from shoal.parallel.expert import ExpertGrads
@@ -75,7 +75,7 @@ class Runtime:
         share of the kept tokens), on the device; {} for a dense model."""
         """cp > 1: this rank's slice of every sequence, taken from each micro-batch here."""
         self.choice = choice
-        """The data-parallel engine that runs the plan (shoal.parallel.choice); None in one process."""
+        """The data-parallel engine that runs the plan (shoal.rules.choose_engine); None in one process."""
         self._engine = engine
         # The loss is averaged over every rank that sees other tokens: data ranks and cp ranks.
         self._data_groups = reduction_groups(mesh, ("dp", "fsdp", "cp")) if mesh is not None else []
@@ -162,7 +162,7 @@ class Runtime:
     def _after_backward(self) -> None:
         """Partial tp gradients reduced once, the expert gradients' reduction (ep, or tp on an MoE
         model) and the step's MoE figures."""
-        # tp runs on no data engine ("none") or under FSDP2, which reduces its own (shoal.parallel.choice)
+        # tp runs on no data engine ("none") or under FSDP2, which reduces its own (shoal.rules)
         if self.plan is not None and self.plan.tp > 1 and self.choice is not None and self.choice.kind == "none":
             reduce_partial_grads(self.parameters())
         if self._experts is not None:

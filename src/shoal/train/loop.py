@@ -26,18 +26,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.moe.collect import records as moe_records
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train import faults, memory
-from shoal.train.checkpoint import (latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune,
-                                    save_checkpoint)
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune, save_checkpoint
 from shoal.train.config import RunConfig, dump_toml, parse_plan, to_flat
 from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
-from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
-                                 write_summary)
+from shoal.train.dry_run import dry_run
+from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.preempt import StopSignals
 from shoal.train.step import StepResult, split_micro, train_step
@@ -83,6 +83,8 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         if error is not None:
             return {"error": error}
         assert trainer is not None
+        if job.config.dry_run:
+            return dry_run(trainer)
         summary = trainer.run(signals)
         if trainer.stopped_by:
             return {**(summary or {}), "stopped": trainer.stopped_by}
@@ -118,7 +120,7 @@ def _attempt_store() -> dict[str, Any]:
     """Under torch's elastic agent, a store of this attempt's own. The workers of every restart
     connect to the same agent store, and torch's env:// rendezvous adds no per-attempt prefix
     there: a restarted rank could read an address the previous attempt's dead peer published and
-    fail with "Connection refused" (seen in about 1 restart in 4 here). Elsewhere: torch's default."""
+    fail with "Connection refused". Elsewhere: torch's default."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
@@ -136,8 +138,9 @@ class Trainer:
         self.cfg, self.loop, self.model_cfg, self.device = cfg, cfg.loop, cfg.model_config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = Path(broadcast_from_rank0(job.run_dir or default_run_dir()))
-        self.plan: Plan = parse_plan(cfg.plan).resolve(self.world, device.type)
-        self.plan.validate(self.model_cfg, global_batch=self.loop.global_batch, seq_len=self.loop.seq_len)
+        self.plan, self.plan_notes = rules.resolve_noting(parse_plan(cfg.plan), rules.Facts(
+            world_size=self.world, device=device.type, model=self.model_cfg, global_batch=self.loop.global_batch,
+            seq_len=self.loop.seq_len, micro_batch=self.loop.micro_batch))
         set_matmul_precision(device, tf32=cfg.tf32)
 
         torch.manual_seed(self.loop.seed)  # identical initial weights on every rank
@@ -146,9 +149,7 @@ class Trainer:
         self.runtime = parallelize(model, self.plan, build_mesh(self.plan, device.type))
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
-        # A pipeline's micro-batches are the plan's (mb=); otherwise --micro-batch sets them.
-        self.num_micro = self.plan.micro_batches if self.plan.pp > 1 else \
-            self.local_batch // (self.loop.micro_batch or self.local_batch)
+        self.num_micro = rules.micro_batches(self.plan, local_batch=self.local_batch, micro_batch=self.loop.micro_batch)
         self.optimizer = build_optimizer(self.runtime.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps)
 
@@ -350,6 +351,7 @@ class Trainer:
             f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {self.local_batch} per data "
             f"rank in {self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}",
             self.runtime.describe(),
+            *(f"  default {note}" for note in self.plan_notes),
             f"run folder: {self.run_dir}"
             + (f" (resuming at step {self.start} of {loop.steps})" if self.start else f" ({loop.steps} steps)")
             + (f"; restart {self.restart} after a failure" if self.restart else ""),
