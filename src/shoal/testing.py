@@ -225,10 +225,6 @@ class ParityCase:
     """AdamW's eps."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form knobs for cases that later parallelisms add."""
-    reference_micro: int | None = None
-    """Micro-batches of the single-process reference (None: num_micro). An MoE layer routes each
-    micro-batch on its own (capacity is per micro-batch): to compare dp2 with one micro-batch per
-    rank, the reference runs the same two groups of rows, as 2."""
 
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The global batches of every step: seeded random tokens, the same in every process."""
@@ -252,9 +248,9 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
     batches = case.batches()
     result: dict[str, Any] = {"losses": [], "init_params": full_tensors(model)}
     moe = MoECollector(model)  # an MoE model's auxiliary losses join the training loss
-    micro = case.reference_micro or case.num_micro
-    with torch.no_grad():  # in the data ranks' groups of rows (an MoE layer routes each on its own)
-        result["logits"] = torch.cat([model(x) for x in batches[0][0].chunk(micro // case.num_micro)])
+    micro = case.num_micro  # one process's accumulation over the whole global batch
+    with torch.no_grad():
+        result["logits"] = model(batches[0][0])
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0

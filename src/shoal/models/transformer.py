@@ -102,6 +102,7 @@ def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
     if cfg.is_moe_layer(index):
         return MoELayer(cfg.dim, cfg.ffn_dim, num_experts=cfg.num_experts, top_k=cfg.top_k, normalize=cfg.norm_topk,
                         num_prototypes=cfg.num_prototypes, capacity_factor=cfg.capacity_factor,
+                        group_tokens=cfg.moe_group_tokens,
                         num_shared_experts=cfg.num_shared_experts, activation=cfg.activation, bias=cfg.bias,
                         init_std=cfg.init_std, num_layers=cfg.num_layers, aux_loss_coef=cfg.aux_loss_coef,
                         z_loss_coef=cfg.z_loss_coef)
