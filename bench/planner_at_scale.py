@@ -71,12 +71,14 @@ def read_ratios(path: Path) -> dict[str, float]:
 
 def table(rows: list[Row], before: dict[str, float] | None = None) -> list[str]:
     was = "predicted / published before | " if before else ""
-    lines = [f"| run | devices | plan | published tok/s/dev | predicted | {was}predicted / published | memory GB (fits) |",
+    lines = [f"| run | devices | plan | published tok/s/dev | predicted | {was}predicted / published "
+             "| memory GB (fits) |",
              "|---|---|---|---|---|---|---|" + ("---|" if before else "")]
     for r in rows:
         mark = "" if r.run.checked else " (*)"
         old = f"{before[r.run.name]:.3f} | " if before and r.run.name in before else ("- | " if before else "")
-        lines.append(f"| {r.run.name}{mark} | {r.run.cluster} | `{r.run.plan}` | {r.run.tokens_per_s_per_device:,.1f} | "
+        lines.append(f"| {r.run.name}{mark} | {r.run.cluster} | `{r.run.plan}` "
+                     f"| {r.run.tokens_per_s_per_device:,.1f} | "
                      f"{r.predicted:,.1f} | {old}{1 + r.error:.3f} | {r.estimate.mem_per_device_bytes / 1e9:.0f} "
                      f"({'yes' if r.estimate.fits else 'no'}) |")
     return lines
@@ -154,7 +156,8 @@ def _findings(table_rows: list[Row]) -> str:
         "shoal/planner/hardware.py); the planner has no measured GPU calibration yet (`python -m bench.gpu_check "
         f"--parts calibrate` writes one), and the published runs stay held out from it. {_one_gpu()}"),
     ]
-    return "\n".join(textwrap.fill(b, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False) for b in bullets)
+    return "\n".join(textwrap.fill(b, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
+                     for b in bullets)
 
 
 def _one_gpu() -> str:

@@ -14,8 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `bench` is a folder beside `src`, not an installed package
 
-from bench.gpu_check import __main__ as gpu_check
-from bench.gpu_check import report
+from bench.gpu_check import __main__ as gpu_check  # noqa: E402  (after the sys.path line above)
+from bench.gpu_check import report  # noqa: E402
 
 
 @pytest.fixture(scope="module")

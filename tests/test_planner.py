@@ -12,12 +12,12 @@ from shoal.cli import main
 from shoal.models.config import ModelConfig, get_preset
 from shoal.parallel.schedules import bubble_fraction, build_schedule, peak_in_flight, simulate
 from shoal.plan import Plan
+from shoal.plan_command import price
 from shoal.planner import compute, memory
 from shoal.planner.comm import RingNetwork, ring_time
 from shoal.planner.estimate import Workload, _bubble, estimate
 from shoal.planner.hardware import parse_cluster
 from shoal.planner.search import search
-from shoal.plan_command import price
 
 TINY = get_preset("tiny")  # 4 layers, dim 128, 8 heads of 16, 4 KV heads, FFN 384, SwiGLU, vocab 256
 
@@ -175,7 +175,6 @@ def test_context_parallel_ring_counts_its_hops():
 def test_search_returns_only_valid_plans_that_fit(cluster, model, batch, seq):
     c = parse_cluster(cluster)
     work = Workload(model=get_preset(model), global_batch=batch, seq_len=seq)
-    device = c.device_type
     result = search(work, c)
     assert result.plans
     times = [e.step_time_s for e in result.plans]
@@ -276,7 +275,8 @@ def test_train_plan_auto_runs_the_chosen_plan_and_keeps_the_prediction(tmp_path,
 
 
 @pytest.mark.parametrize(("name", "spec"), [
-    ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+    ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
     ("Tesla V100-SXM2-16GB", "V100-32GB"), ("NVIDIA H200", "H200"),
 ])
 def test_auto_knows_the_gpus_torch_names(name, spec):

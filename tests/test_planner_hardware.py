@@ -10,8 +10,17 @@ from pathlib import Path
 import pytest
 
 from shoal.planner import hardware
-from shoal.planner.hardware import (ALIASES, DEVICES, Cluster, DeviceSpec, Link, dump_cluster, get_device,
-                                    load_cluster, parse_cluster)
+from shoal.planner.hardware import (
+    ALIASES,
+    DEVICES,
+    Cluster,
+    DeviceSpec,
+    Link,
+    dump_cluster,
+    get_device,
+    load_cluster,
+    parse_cluster,
+)
 from shoal.testing import one_line_error
 
 
@@ -189,5 +198,6 @@ def test_gemm_factor_by_hand():
     assert h100.gemm_factor(4096, 2048, 1024) == pytest.approx(676.59 / 797.51)
     side = 2 ** 11.5
     assert h100.gemm_factor(side, side, side) == pytest.approx((676.59 + 788.72) / 2 / 797.51)
-    assert h100.gemm_factor(2**15, 2**15, 2**15) == 1.0 and h100.gemm_factor(64, 64, 64) == pytest.approx(176.62 / 797.51)
+    assert h100.gemm_factor(2**15, 2**15, 2**15) == 1.0
+    assert h100.gemm_factor(64, 64, 64) == pytest.approx(176.62 / 797.51)
     assert DEVICES["A100-80GB"].gemm_factor(64, 64, 64) == 1.0  # no table: every GEMM at the large rate

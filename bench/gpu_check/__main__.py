@@ -90,7 +90,8 @@ def run_part(part: Part, args: argparse.Namespace, header: dict[str, Any]) -> di
         cmd = [sys.executable, "-m", "bench.gpu_check", "--worker", part.name, "--result", str(result_path),
                "--out", str(args.out), *(["--dry-run"] if args.dry_run else []),
                *(["--device-name", header["device"]] if header.get("device") else [])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+        paths = (str(REPO), os.environ.get("PYTHONPATH", ""))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)

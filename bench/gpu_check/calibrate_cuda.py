@@ -5,7 +5,8 @@ The planner prices a GPU from a DeviceSpec (shoal.planner.hardware): a matmul ef
 attention efficiency and a memory bandwidth. Here they are measured on this GPU at the shapes a
 training step runs (the projections and FFN of the 85M and 1.9B shapes of bench/gpu_throughput.py,
 forward and the two backward products, each beside what the planner's square-GEMM model says for it;
-square GEMMs give the model's table and its large-GEMM efficiency) and written as a cluster file that `shoal plan --cluster FILE.toml` reads: a profile for this device kind only.
+square GEMMs give the model's table and its large-GEMM efficiency) and written as a cluster file that
+`shoal plan --cluster FILE.toml` reads: a profile for this device kind only.
 It is kept out of shoal.planner.calibrate (the CPU calibration) on purpose: it is a bench-side
 measurement until a GPU run has shown its figures.
 """
@@ -149,7 +150,8 @@ def part(ctx: Context, device_name: str | None) -> None:
     for plan in ("", "ac=full", "compile=off") if not ctx.dry else ("",):
         row: dict[str, Any] = {"plan": plan or "(default)"}
         for label, spec in (("data sheet", planner_cluster(device_name)), ("calibrated", str(toml))):
-            row[f"predicted tokens/s ({label})"] = price(plan or DEFAULT_PLAN, work, parse_cluster(spec), None).tokens_per_s
+            predicted = price(plan or DEFAULT_PLAN, work, parse_cluster(spec), None)
+            row[f"predicted tokens/s ({label})"] = predicted.tokens_per_s
         if not ctx.dry:
             got = train_plan(plan, PLAN_MODEL, "cuda", 12)
             if got["status"] == "ok":

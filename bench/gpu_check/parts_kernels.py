@@ -218,7 +218,7 @@ def _ring_rank_by_rank(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: in
     from shoal.parallel.context import attend_blocks, chunks_of
 
     scale = q.shape[-1] ** -0.5
-    chunks = list(q.float().chunk(2 * cp, dim=2)), list(k.float().chunk(2 * cp, dim=2)), list(v.float().chunk(2 * cp, dim=2))
+    chunks = tuple(list(t.float().chunk(2 * cp, dim=2)) for t in (q, k, v))
     out_chunks: dict[int, torch.Tensor] = {}
     for rank in range(cp):
         mine = chunks_of(rank, cp)

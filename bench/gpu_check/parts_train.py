@@ -45,13 +45,15 @@ def default_train(ctx: Context) -> None:
             status, text = _run_in(tmp, shoal_command("train"))
         runs = sorted(Path(tmp, "runs").glob("*")) if Path(tmp, "runs").exists() else []
         records = read_jsonl(runs[-1] / "metrics.jsonl") if runs and (runs[-1] / "metrics.jsonl").exists() else []
-        summary = json.loads((runs[-1] / "summary.json").read_text()) if runs and (runs[-1] / "summary.json").exists() else {}
+        found = runs[-1] / "summary.json" if runs else None
+        summary = json.loads(found.read_text()) if found is not None and found.exists() else {}
     ctx.figures.update(exit_status=status, summary=summary, tail=text[-1500:] if status else "")
     ctx.check("shoal train runs to the end", status == 0 and bool(records), f"exit {status}, {len(records)} steps")
     if records:
         first, last = records[0]["loss"], records[-1]["loss"]
         ctx.check("loss falls", last < first, f"{first:.3f} -> {last:.3f}")
-        ctx.check("metrics have step, loss, tokens_per_s", all({"step", "loss", "tokens_per_s"} <= set(r) for r in records))
+        ctx.check("metrics have step, loss, tokens_per_s",
+                  all({"step", "loss", "tokens_per_s"} <= set(r) for r in records))
 
 
 def _fake_run(run: Path) -> None:
@@ -119,7 +121,8 @@ def train_plan(plan: str, model: tuple, device: str, steps: int) -> dict[str, An
     preset, sets, batch, seq = model
     with tempfile.TemporaryDirectory(prefix="gpu-check-plan-") as out:
         cmd = shoal_command("train", "--nproc", "1", "--device", device, "--model", preset,
-                            *[a for s in sets for a in ("--set", s)], "--global-batch", str(batch), "--seq-len", str(seq),
+                            *[a for s in sets for a in ("--set", s)], "--global-batch", str(batch),
+                            "--seq-len", str(seq),
                             "--steps", str(steps), "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
                             "--ckpt-every", "0", "--out", out, *(["--plan", plan] if plan else []))
         status, text = _run_in(out, cmd, timeout_s=300)
@@ -190,7 +193,8 @@ def throughput(ctx: Context, shape: str) -> None:
         else:
             status, text = run_command(cmd, timeout_s=1800)
         data = json.loads(result.read_text()) if result.exists() else {}
-    ctx.check("gpu_throughput ran", status == 0 and bool(data), f"exit {status}" + (f": {text[-300:]}" if status else ""))
+    ctx.check("gpu_throughput ran", status == 0 and bool(data),
+              f"exit {status}" + (f": {text[-300:]}" if status else ""))
     for name, res in data.get("shapes", {}).items():
         rows = []
         for who, row in res["contestants"].items():

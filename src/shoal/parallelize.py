@@ -55,6 +55,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         experts = _experts([model], mesh, plan)
         engine = _data_parallel(model, mesh, plan, choice, experts, seed)
         return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, experts=experts)
+    assert plan.vpp is not None, "rules.resolve chose it"
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
                           split=plan.split)
     choice = choose_engine(plan, num_layers=max(len(transformer_blocks(m)) for m in stages.values()))
@@ -67,7 +68,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         engine = _data_parallel(stage, mesh, plan, choice, experts, seed)
         stages[s] = engine.model
         if choice.kind == "zero":
-            reduce = engine.reduce_grads  # type: ignore[attr-defined]
+            reduce = engine.reduce_grads  # type: ignore[attr-defined]  # the ZeRO engine has it, the protocol not
     else:
         for stage in stages.values():  # interleaved chunks run with no data engine
             if on_meta([stage]):
@@ -125,14 +126,14 @@ def _tp_plan(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle] | None:
            and name.startswith("layers.") and name.endswith(".feed_forward")}
     if plan.tp == 1 or not moe:
         return None
-    dense = [name for name, _ in model.layers.named_children() if name not in moe]  # type: ignore[union-attr]
+    dense = [name for name, _ in model.layers.named_children() if name not in moe]  # type: ignore[union-attr]  # the model's ModuleDict of blocks
     tp_plan: dict[str, ParallelStyle] = {}
-    for key, style in transformer_tp_plan(model, sp=plan.sp).items():
+    for key, style in transformer_tp_plan(model, sp=bool(plan.sp)).items():
         if key.startswith("layers.*.feed_forward"):  # the dense FFN's styles, for the dense blocks only
             tp_plan.update({key.replace("*", i, 1): style for i in dense})
         else:
             tp_plan[key] = style
-    tp_plan.update({f"layers.{i}.feed_forward": MoETensorParallel(sp=plan.sp) for i in sorted(moe, key=int)})
+    tp_plan.update({f"layers.{i}.feed_forward": MoETensorParallel(sp=bool(plan.sp)) for i in sorted(moe, key=int)})
     return tp_plan
 
 

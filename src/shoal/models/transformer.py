@@ -149,7 +149,7 @@ class Transformer(nn.Module):
         self.norm: nn.Module | None = make_norm(cfg)
         self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight  # type: ignore[union-attr]
+            self.output.weight = self.tok_embeddings.weight
         if cfg.pos_emb == "rope":
             cos, sin = rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)

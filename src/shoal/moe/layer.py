@@ -9,6 +9,8 @@ Shape legend: B batch, T sequence, N = B*T tokens, D model dim, E experts, K cho
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -60,7 +62,7 @@ class MoELayer(nn.Module):
         self.group_tokens = group_tokens
         """Tokens per routing group within a sequence (0: the whole sequence)."""
         self.router = Router(dim, num_experts, top_k=top_k, num_prototypes=num_prototypes, normalize=normalize)
-        expert_args = dict(activation=activation, bias=bias, init_std=init_std, num_layers=num_layers)
+        expert_args: dict[str, Any] = dict(activation=activation, bias=bias, init_std=init_std, num_layers=num_layers)
         self.experts = Experts(num_experts, dim, ffn_dim, **expert_args)
         # Shared experts: the same Experts module with every token sent to each of them.
         self.shared = Experts(num_shared_experts, dim, ffn_dim, **expert_args) if num_shared_experts else None

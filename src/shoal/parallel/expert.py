@@ -242,7 +242,7 @@ class AllToAllDispatcher(Dispatcher):
     def communicate(self, tokens_MD: torch.Tensor, splits_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         local = self.num_experts // self.ep
         # Counts per (destination rank, its expert) out, per (source rank, my expert) in.
-        counts_in = funcol.all_to_all_single(splits_E.contiguous(), None, None, self.group).wait()
+        counts_in = funcol.all_to_all_single(splits_E.contiguous(), None, None, self.group).wait()  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
         send = splits_E.view(self.ep, local).sum(1).tolist()  # host sync: all-to-all sizes
         receive_RE = counts_in.view(self.ep, local)
         receive = receive_RE.sum(1).tolist()
@@ -284,6 +284,6 @@ class ExpertGrads:
             if param.grad is None:
                 continue
             local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            if replicas.size() > 1 and isinstance(param.placements[0], Replicate):
+            if replicas.size() > 1 and isinstance(param.placements[0], Replicate):  # type: ignore[attr-defined]  # DTensors
                 dist.all_reduce(local, group=replicas.get_group())
             local.div_(self.data_ranks)

@@ -16,11 +16,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the standard library has no TOML reader yet
-    tomllib = None
+    tomllib = None  # type: ignore[assignment]  # checked before use (load_cluster)
 
 TERA = 1e12  # FLOP/s per TFLOP/s
 GB = 1e9  # bytes per GB: data sheets quote bandwidth in decimal gigabytes
@@ -155,12 +156,12 @@ _H100_SQUARE = ((1024, 176.62 * TERA), (2048, 676.59 * TERA), (4096, 788.72 * TE
 _DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
 _DGX_A100_IB = _infiniband("HDR", 200, 8, 0.9)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
 _DGX_H100_IB = _infiniband("NDR", 400, 8, 0.9)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
-_A100 = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
-             matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED, attention_efficiency=0.6,
-             intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
-_H100 = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
-             matmul_efficiency=_MAMF_H100, gemm_square=_H100_SQUARE, attention_efficiency=0.35,
-             intra=_nvlink(4, 900, 0.8), inter=_DGX_H100_IB)
+_A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
+                             matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED, attention_efficiency=0.6,
+                             intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
+_H100: dict[str, Any] = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
+                             matmul_efficiency=_MAMF_H100, gemm_square=_H100_SQUARE, attention_efficiency=0.35,
+                             intra=_nvlink(4, 900, 0.8), inter=_DGX_H100_IB)
 
 
 def _cpu() -> DeviceSpec:
@@ -320,7 +321,7 @@ def _read_table(table: object, keys: dict, where: str) -> dict:
     """{field: value in base units} from a TOML table, checking key names and value types."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table, got {table!r}")
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in table.items():
         if key not in keys:
             raise ValueError(f"{where}: unknown key {key!r}; valid: {', '.join(keys)}")
@@ -337,8 +338,8 @@ def _read_table(table: object, keys: dict, where: str) -> dict:
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: {key} must be a number, got {value!r}")
         else:
-            value = _scale(value, scale)
-            out[field] = round(value) if field in ("memory_bytes", "per_node") else value
+            scaled = _scale(value, scale)
+            out[field] = round(scaled) if field in ("memory_bytes", "per_node") else scaled
     return out
 
 

@@ -10,6 +10,7 @@ note says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from shoal.models.config import PRESETS, ModelConfig
 
@@ -45,7 +46,7 @@ class PublishedRun:
 
 # GPT-3-style blocks as Megatron-LM builds them: LayerNorm, GeLU MLP of 4h, learned absolute
 # positions, biases, input and output embeddings tied.
-_GPT = dict(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
+_GPT: dict[str, Any] = dict(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
 
 
 _UNTIED = ("The model ties input and output embeddings; with pp > 1 Megatron-style pipelines hold a copy "

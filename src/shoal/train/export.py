@@ -177,8 +177,9 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
 def _live_model_config(runtime: Runtime) -> ModelConfig:
     """The ModelConfig of the shoal Transformer the runtime trains."""
     for module in runtime.parts[0].modules():
-        if isinstance(getattr(module, "config", None), ModelConfig):
-            return module.config
+        config = getattr(module, "config", None)
+        if isinstance(config, ModelConfig):
+            return config
     raise ValueError(f"{type(runtime.parts[0]).__name__} holds no shoal Transformer (no ModelConfig `config`); "
                      "Hugging Face weights need one to convert")
 

@@ -105,15 +105,15 @@ def init_distributed(device: str) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+        where = torch.device("cuda", local_rank)
+        torch.cuda.set_device(where)
         # A gloo backend beside NCCL for CPU tensors: under offload=on the gradient shards live in
         # host memory, and the global gradient norm is all-reduced where they are.
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, **_attempt_store())
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=where, **_attempt_store())
     else:
-        device = torch.device("cpu")
+        where = torch.device("cpu")
         dist.init_process_group("gloo", **_attempt_store())
-    return device
+    return where
 
 
 def _attempt_store() -> dict[str, Any]:
@@ -160,7 +160,8 @@ class Trainer:
         self.held_out = TokenBatches(held_out, seq_len=self.loop.seq_len, seed=self.loop.seed)
         self.num_train_tokens, self.num_held_out = len(train), len(held_out)
 
-        self.start, self.restart, self.stopped_by = 0, restart_count(), None
+        self.start, self.restart = 0, restart_count()
+        self.stopped_by: str | None = None
         path = None
         if self.restart:  # restarted after a failure: the newest checkpoint that verifies, if any
             path = broadcast_from_rank0(newest_good_checkpoint(self.run_dir)[0] if self.rank == 0 else None)
@@ -221,7 +222,8 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             window.append((lr, self.train_one(s)))
             n = s + 1
-            eval_due, ckpt_due = _due(n, self.loop.eval_every, self.loop.steps), _due(n, self.loop.ckpt_every, self.loop.steps)
+            eval_due = _due(n, self.loop.eval_every, self.loop.steps)
+            ckpt_due = _due(n, self.loop.ckpt_every, self.loop.steps)
             self.stopped_by = signals.agreed() if signals is not None else None  # every rank, the same step
             ckpt_due = ckpt_due or self.stopped_by is not None
             if not (eval_due or ckpt_due or _due(n, self.loop.log_every, self.loop.steps)):
@@ -251,7 +253,7 @@ class Trainer:
                     if self.loop.keep:
                         prune(self.run_dir, self.loop.keep)
                     writer.plot()
-                    bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]
+                    bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]  # bar exists where writer does
             t_window = time.perf_counter()  # evaluation and checkpoints are not step time
             memory.reset_peak()
             if self.stopped_by:
@@ -327,7 +329,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i in range(self.loop.eval_batches):
             inputs, targets = self.held_out.batch(i, self.loop.global_batch, self.part)
-            total += self.runtime.eval_loss(split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro))
+            micro = split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro)
+            total += self.runtime.eval_loss(micro)
         self.runtime.train()
         return float(self.runtime.global_mean(total / self.loop.eval_batches))
 
