@@ -191,8 +191,8 @@ class Transformer(nn.Module):
         after building on the meta device they hold no values."""
         if hasattr(self, "rope_cos"):
             cos, sin = rope_tables(self.config)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+            self.get_buffer("rope_cos").copy_(cos)
+            self.get_buffer("rope_sin").copy_(sin)
 
     def num_params(self) -> int:
         """Parameters this module holds (a pipeline stage counts its own; shared ones once)."""

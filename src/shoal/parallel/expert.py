@@ -24,12 +24,13 @@ parallelism and with tensor parallelism.
   and sees the same tokens (the sequence all-gathered, as for the dense FFN). So routing,
   capacity, dropping and the router's losses come out the same on every tp rank with no
   cross-tp reduction (every tp rank routes the same whole routing groups: a group lies within
-  one sequence, and a sequence-parallel shard is gathered back before routing), and ep stays carved out of the data ranks (with sp=off the tp ranks see
-  the same tokens, so experts over tp would first need the tokens split). The cost: the
-  all-to-all carries each token once per tp rank, and the experts' outputs are all-reduced over
-  tp (the dense FFN's row-parallel reduction). The router gate is a replicated DTensor on the
+  one sequence, and a sequence-parallel shard is gathered back before routing), and ep stays
+  carved out of the data ranks (with sp=off the tp ranks see the same tokens, so experts over
+  tp would first need the tokens split). The cost: the all-to-all carries each token once per
+  tp rank, and the experts' outputs are all-reduced over tp (the dense FFN's row-parallel
+  reduction). The router gate is a replicated DTensor on the
   tp mesh; shared experts are split like the routed ones. `MoETensorParallel` is the style the
-  tensor-parallel plan gives an MoE layer. Expert biases are not split (Plan.validate refuses
+  tensor-parallel plan gives an MoE layer. Expert biases are not split (shoal.rules refuses
   them with tp).
 - The dispatcher's communication steps (shoal/moe/dispatch.py) become two all-to-alls with
   uneven splits (`AllToAllDispatcher`): the kept rows go to the ranks of their experts, are

@@ -67,4 +67,4 @@ def _reset_each(module: nn.Module, device: torch.device) -> None:
                          "on a real device, or give those modules reset_parameters()")
     module.to_empty(device=device)
     for m in owners:
-        m.reset_parameters()
+        getattr(m, "reset_parameters")()  # noqa: B009 (typed as a Tensor-or-Module attribute otherwise)

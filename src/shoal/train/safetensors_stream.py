@@ -51,7 +51,7 @@ def write_streaming(path: Path, entries: Sequence[tuple[str, torch.dtype, tuple[
                 if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
                     raise ValueError(f"tensor {name}: got {tensor.dtype} {tuple(tensor.shape)}, the header says "
                                      f"{dtype} {tuple(shape)}")
-                f.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
