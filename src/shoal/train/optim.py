@@ -95,7 +95,7 @@ class WarmupCosine(LRScheduler):
         self.schedule = schedule
         super().__init__(optimizer)
 
-    def get_lr(self) -> list[float]:  # type: ignore[override]
+    def get_lr(self) -> list[float]:  # type: ignore[override]  # torch types it list[float | Tensor]
         return [self.schedule.lr_at(self.last_epoch) for _ in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, int]:
