@@ -234,7 +234,7 @@ def open_prepared(spec: str, *, seq_len: int, seed: int) -> OpenedData:
     for split in ("train", "eval"):
         streams = []
         for (folder, _), m in zip(mixture, manifests):
-            for i, src in enumerate(m["sources"]):
+            for src in m["sources"]:
                 stream = TokenStream(Path(folder), src[split]["shards"], m["dtype"], seq_len=seq_len,
                                      name=f"{folder}:{src['input']}")
                 if stream.num_windows < 1:
@@ -245,11 +245,10 @@ def open_prepared(spec: str, *, seq_len: int, seed: int) -> OpenedData:
                                      f"--seq-len or more data{hint}")
                 streams.append(stream)
         splits.append(streams)
-    weights = [w * s[split]["tokens"] / m["splits"][split]["tokens"]
-               for (_, w), m in zip(mixture, manifests) for s in m["sources"] for split in ["train"]]
-    eval_weights = [w * s["eval"]["tokens"] / m["splits"]["eval"]["tokens"]
-                    for (_, w), m in zip(mixture, manifests) for s in m["sources"]]
-    return OpenedData(train=MixtureBatches(splits[0], weights, seed=seed),
-                      held_out=MixtureBatches(splits[1], eval_weights, seed=seed),
+    # A folder's sources share its weight in proportion to their tokens.
+    weights = {split: [w * src[split]["tokens"] / m["splits"][split]["tokens"]
+                       for (_, w), m in zip(mixture, manifests) for src in m["sources"]] for split in ("train", "eval")}
+    return OpenedData(train=MixtureBatches(splits[0], weights["train"], seed=seed),
+                      held_out=MixtureBatches(splits[1], weights["eval"], seed=seed),
                       num_train=sum(s.num_tokens for s in splits[0]), num_held_out=sum(s.num_tokens for s in splits[1]),
                       max_id=max(int(m["max_id"]) for m in manifests), tokenizer=first)

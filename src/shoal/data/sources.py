@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 EXTRA = "pip install 'shoal[data]'"
 
@@ -70,7 +70,7 @@ def check_readable(path: Path) -> str:
     return kind
 
 
-def _open_binary(path: Path) -> IO[bytes]:
+def _open_binary(path: Path) -> Any:
     name = path.name.lower()
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
