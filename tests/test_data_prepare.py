@@ -335,3 +335,23 @@ def test_train_reads_a_prepared_dataset_with_its_tokenizer(bpe, corpus, tmp_path
     assert f'tokenizer = "{bpe}"' in (run / "config.toml").read_text()  # the manifest's, so shoal sample decodes
     assert len((run / "metrics.jsonl").read_text().splitlines()) >= 2
     assert os.path.isfile(ds / prep.MANIFEST)
+
+
+def test_a_run_on_a_mixture_resumes_with_the_unbroken_losses(bpe, corpus, tmp_path):
+    """Batch s is a function of (seed, s) for a mixture too: stopping at step 2 and resuming gives
+    the unbroken run's losses exactly (same world size: the same arithmetic)."""
+    kw = {"tokenizer": str(bpe), "holdout": 0.1, "workers": 1}
+    prepare(PrepareConfig(inputs=[str(corpus / "a.jsonl")], out=str(tmp_path / "a"), **kw), progress=False)
+    prepare(PrepareConfig(inputs=[str(corpus / "txt")], out=str(tmp_path / "b"), **kw), progress=False)
+    small = ["--data", f"{tmp_path / 'a'}:0.6,{tmp_path / 'b'}:0.4", "--set", "vocab_size=512", "--device", "cpu",
+             "--nproc", "1", "--set", "num_layers=1", "--set", "dim=32", "--set", "ffn_dim=64", "--global-batch", "4",
+             "--seq-len", "32", "--eval-every", "2", "--ckpt-every", "2", "--log-every", "1",
+             "--decay-steps", "4", "--warmup-steps", "1"]  # the same schedule for the part run
+    assert cli.main(["train", "--out", str(tmp_path / "whole"), "--steps", "4", *small]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "part"), "--steps", "2", *small]) == 0
+    assert cli.main(["train", "--resume", str(tmp_path / "part"), "--steps", "4"]) == 0
+
+    def losses(run: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses(tmp_path / "whole")) == 4 and losses(tmp_path / "part") == losses(tmp_path / "whole")
