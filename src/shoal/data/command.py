@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -29,12 +30,16 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shoal.data.prepare import PrepareConfig, prepare
+    from shoal.data.prepare import MANIFEST, PrepareConfig, prepare
 
     cfg = PrepareConfig(inputs=list(args.inputs), tokenizer=args.tokenizer, out=args.out, field=args.field,
                         workers=args.workers, holdout=args.holdout, shard_mb=args.shard_mb)
+    already = (Path(args.out) / MANIFEST).is_file()
     started = time.perf_counter()
     manifest = prepare(cfg)
+    if already:  # the same inputs and settings (prepare refuses others)
+        print(f"{args.out}: already prepared from these inputs with these settings; nothing to do", flush=True)
+        return 0
     seconds = time.perf_counter() - started
     train, held = manifest["splits"]["train"], manifest["splits"]["eval"]
     tokens = train["tokens"] + held["tokens"]
