@@ -100,6 +100,12 @@ class DataEngine(Protocol):
         """Multiply every gradient by `factor` (a scalar tensor) in place."""
         ...
 
+    def reduce_grads(self) -> None:
+        """Reduce, now, gradients that reached the parameters without autograd accumulating them,
+        so that no gradient hook of the engine saw them (a zero-bubble pipeline's weight passes
+        assign them); the pipeline calls it after such a schedule. A no-op where nothing can be left."""
+        ...
+
     def model_state_dict(self) -> dict[str, Any]:
         """Clean names -> tensors (sharded ones as DTensors): DCP saves and loads these in place."""
         ...
@@ -203,6 +209,11 @@ class TorchDataEngine:
         grads = self._grads()
         for group in _by_mesh(grads):  # what clip_grads_with_norm_ does, plain and each mesh's DTensors apart
             torch._foreach_mul_(group, factor.to(grads[0].device))
+
+    def reduce_grads(self) -> None:
+        # Nothing is left: "none" reduces nothing, DDP never runs under pp, and a zero-bubble
+        # schedule on FSDP2 is refused (shoal.parallel.choice, shoal.parallelize).
+        pass
 
     def model_state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.model)
