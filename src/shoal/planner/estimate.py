@@ -51,7 +51,7 @@ vocabulary-parallel embedding, head and loss, counted with torch.profiler ("Pyth
 the tiny preset at tp2, torch 2.13): the same with sequence parallelism and without (its norms'
 DTensor ops replace the all-reduces' wrapping)."""
 DTENSOR_DISPATCHES_PER_OP = 25 / 17
-"""What the calibration's DTensor chain (calibrate._measure_dtensor_dispatch, whose figure is per op of
+"""What the calibration's DTensor chain (measure._measure_dtensor_dispatch, whose figure is per op of
 the chain, its backward included) runs per op: 25 dispatches for its 16 ops and the final sum."""
 RING_OPS_PER_HOP = 50
 """Plain ops per block per ring hop (context parallelism): the zig-zag chunk pairs' attention, the
