@@ -5,7 +5,7 @@ stage (GPipe against 1F1B), and shoal's executor against torch.distributed.pipel
    action timed (`Runtime.record_timeline`); the bubble is 1 - busy / (P x makespan) over the step
    (shoal.parallel.schedules.bubble_fraction), the median over repeats, divided by the formula:
    (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved, and ZB-H1 beside 1F1B.
-   At P=4 the 4 ranks share 2 cores here: busy times stretch and the ratio says less.
+   With fewer cores than ranks the ranks share them: busy times stretch and the ratio says less.
 2. Memory. The bytes of the tensors each stage's forwards create that are still alive after each
    forward (what autograd keeps for backward, exact), its peak over a step: GPipe keeps m
    micro-batches, 1F1B at most p - stage.

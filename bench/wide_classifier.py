@@ -5,8 +5,7 @@ computed across shards) at 4 processes.
 Whale (arXiv 2011.09208) reports 14.8x over data parallelism at 64 GPUs for a 100k-class
 classifier: with data parallelism every device holds, updates and all-reduces the whole (V, D)
 classifier; with the classifier split each holds 1/t of it and the activations it sends are
-(B, T, D), not (V, D). Here on 4 CPU processes (2 cores, oversubscribed) the figures show the same
-direction at a much smaller scale.
+(B, T, D), not (V, D). On 4 CPU processes the same effect shows at a much smaller scale.
 
 Reported per plan (shoal's parallelize + train_step, all plans interleaved step by step in the same
 ranks): median step time and spread, the model state each rank holds (parameters + gradients +

@@ -40,7 +40,7 @@ def assert_user_error(capsys, argv: list[str], *names: str) -> str:
     (["--model", "gpt-9000"], ["'gpt-9000'", "tiny"]),
     (["--plan", "dp2,,tp"], ["'dp2,,tp'"]),
     (["--plan", "tp3", "--nproc", "3"], ["tp=3", "8 attention heads", "valid: 1, 2, 4, 8"]),
-    (["--plan", "pp2,sched=interleaved"], ["sched=interleaved", "vpp=1", "valid: sched=interleaved,vpp=2"]),
+    (["--plan", "pp2,sched=interleaved,vpp=1"], ["sched=interleaved", "vpp=1", "valid: sched=interleaved,vpp=2"]),
     (["--plan", "pp2,split=7"], ["split=7", "does not split 4 layers", "1..3"]),
     (["--plan", "dp3"], ["dp3", "world size is 2"]),
     (["--data", "/no/such/corpus"], ["'/no/such/corpus'"]),
@@ -242,6 +242,9 @@ def test_gpu_machine_defaults(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    # The memory check prices the plan on the GPU torch names, with the memory it reports.
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 80 * 2**30}))
     out = str(tmp_path / "run")
     job = cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out]))
     assert job.device == "cuda" and cli.world_size(job.config, job.device) == 1

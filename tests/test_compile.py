@@ -3,8 +3,8 @@ under every data-parallel engine, tensor parallelism and selective recompute.
 
 The tolerance is the harness's: a compiled kernel fuses element-wise ops and so rounds
 differently from eager, but each result must stay within SLACK x the eager float32 run's own
-error against the float64 reference (see shoal.testing). One cold compile costs ~20 s per
-process on CPU; the cases share the compiled graphs inside each worker pool's processes.
+error against the float64 reference (see shoal.testing). A cold compile is slow on a CPU, so
+the cases share the compiled graphs inside each worker pool's processes.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ in a clear message within seconds, and a resume that continues the unbroken run'
 
 Faults come from shoal/train/faults.py (SHOAL_FAULT, off in normal runs). Each faulted run is a
 fresh `python -m shoal train` process, so that signals reach a real launcher; steps are tiny, so
-the start-up (~5 s on 2 cores) dominates. The unbroken reference runs once. Bit-exact resume:
+the start-up dominates. The unbroken reference runs once. Bit-exact resume:
 same processes and threads, state restored bit for bit, batches a pure function of the step.
 """
 
@@ -25,7 +25,7 @@ FLAGS = ["--device", "cpu", "--nproc", "2", "--set", "num_layers=2", "--set", "d
          "--global-batch", "8", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1", "--seed", "5",
          "--ckpt-every", "2", "--log-every", "1"]
 TABLE: list[dict] = []
-"""Each faulted run's figures; written as JSON to $SHOAL_FAULT_TABLE when set (the issue's table)."""
+"""Each faulted run's figures; written as JSON to $SHOAL_FAULT_TABLE when set (a report of the suite)."""
 EXIT_S = 20.0
 """A faulted run must end within this after the fault (hangs: after the hang timeout)."""
 

@@ -141,8 +141,12 @@ def test_tp_degree_errors(plan, cfg, message):
 
 
 def test_tp_error_for_a_model_passed_directly():
-    from shoal.parallel.tensor import _check_divisible
-    from shoal.models import Transformer
+    """parallelize asks shoal.rules with the model's own config before touching the mesh."""
+    from types import SimpleNamespace
 
+    from shoal.models import Transformer
+    from shoal.parallelize import parallelize
+
+    mesh = SimpleNamespace(size=lambda: 3, device_type="cpu")  # refused before any collective
     with pytest.raises(ValueError, match="tp=3 does not divide 8 attention heads; valid: 1, 2, 4, 8"):
-        _check_divisible(Transformer(SMALL), 3)
+        parallelize(Transformer(SMALL), Plan.parse("tp3"), mesh)  # type: ignore[arg-type]  # a stand-in mesh

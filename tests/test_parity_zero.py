@@ -26,7 +26,7 @@ GROUPS = {
         case(plan="dp2,fsdp2"), case(plan="dp2,fsdp2,zero=1", num_micro=2), case(plan="dp2,fsdp2,zero=2"),
         # ZeRO-1 over a tensor-parallel model.
         case(plan="fsdp2,tp2,zero=1", num_micro=2)],
-    # All three data/tensor axes at once: HSDP over a tensor-parallel model (8 ranks, ~30 s on 2 cores).
+    # All three data/tensor axes at once: HSDP over a tensor-parallel model (8 ranks).
     8: [case(plan="dp2,fsdp2,tp2"), case(plan="dp2,fsdp2,tp2,zero=1", num_micro=2)],
 }
 

@@ -214,6 +214,6 @@ def test_every_option_against_every_axis_combination():
 def test_options_built_in_python_follow_the_same_rule():
     assert "acts on the fsdp axis" in one_line_error(Plan, dp=2, zero=2)
     assert "acts on the pp axis" in one_line_error(Plan, fsdp=2, mb=4)
-    assert Plan(fsdp=2, zero=1).zero == 1 and Plan(dp=2).zero == 3  # defaults need no axis
-    assert "reduce=bf16" in one_line_error(Plan.parse("tp2,reduce=bf16").resolve(2).validate, PRESETS["tiny"],
-                                           global_batch=4, seq_len=8)
+    assert Plan(fsdp=2, zero=1).zero == 1 and Plan(dp=2).zero is None  # left out: chosen by shoal.rules
+    assert Plan(dp=2).resolve(2).zero == 3 and Plan(dp=2, zero=3).zero == 3  # the usual value needs no axis
+    assert "reduce=bf16" in one_line_error(Plan.parse("tp2,reduce=bf16").resolve, 2)

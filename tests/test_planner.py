@@ -17,6 +17,7 @@ from shoal.planner.comm import RingNetwork, ring_time
 from shoal.planner.estimate import Workload, _bubble, estimate
 from shoal.planner.hardware import parse_cluster
 from shoal.planner.search import search
+from shoal.plan_command import price
 
 TINY = get_preset("tiny")  # 4 layers, dim 128, 8 heads of 16, 4 KV heads, FFN 384, SwiGLU, vocab 256
 
@@ -178,8 +179,9 @@ def test_search_returns_only_valid_plans_that_fit(cluster, model, batch, seq):
     assert result.plans
     times = [e.step_time_s for e in result.plans]
     assert times == sorted(times)
-    for e in result.plans:
-        Plan.parse(e.plan_text).resolve(c.world_size, device).validate(work.model, global_batch=batch, seq_len=seq)
+    for e in result.plans:  # each ranked plan, as `shoal plan --plan` reads its text: the same rules accept it
+        again = price(e.plan_text, work, c, None, micro_batch=e.micro_batch if e.plan.pp == 1 else None)
+        assert again.plan == e.plan
         assert e.fits and e.mem_per_device_bytes <= c.device.memory_bytes
         again = estimate(e.plan, work, c, micro_batch=e.micro_batch)
         assert again.step_time_s == pytest.approx(e.step_time_s)
@@ -293,14 +295,21 @@ def test_auto_refuses_an_unknown_gpu_in_one_line():
 
 def test_every_published_run_is_a_plan_shoal_accepts():
     """The held-out published runs (bench/planner_at_scale.py) stay priceable: each names a cluster
-    and a plan that parse, resolve and validate against its model."""
+    and a plan that parse, resolve and validate against its model; the one layout shoal's runtime
+    does not run (interleaved chunks over sharded data) is priced as it ran, and the rules say why."""
+    from shoal import rules
     from shoal.planner.published import PUBLISHED
 
     assert len(PUBLISHED) >= 10
+    not_run = {"fsdp8,tp8,pp8,mb=8,sched=interleaved,vpp=2,ac=full,precision=bf16,compile=on"}
     for run in PUBLISHED:
         cluster = parse_cluster(run.cluster)
-        plan = Plan.parse(run.plan).resolve(cluster.world_size, "cuda")
-        plan.validate(run.model, global_batch=run.global_batch, seq_len=run.seq_len)
+        facts = rules.Facts(world_size=cluster.world_size, device="cuda", model=run.model,
+                            global_batch=run.global_batch, seq_len=run.seq_len)
+        plan = rules.fill(Plan.parse(run.plan), facts)
+        reason = rules.refusal(plan, facts)
+        assert (reason is not None) == (run.plan in not_run), (run.plan, reason)
+        assert reason is None or reason.startswith("sched=interleaved runs with pp, tp and cp only")
         work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
                         fused_attention=run.fused_attention)
         assert estimate(plan, work, cluster, micro_batch=run.micro_batch_size if plan.pp == 1 else None).step_time_s > 0

@@ -187,10 +187,9 @@ def test_local_cluster_takes_the_nearest_size_not_measured():
 def test_quick_calibration_on_this_machine():
     """Measure world sizes 1 and 2 for real and check the figures are sane and the fit follows them.
 
-    Tolerance: timing on this 2-core machine swings with other processes (other test runs share
-    the cores): on a quiet machine every size sits within ~30% of the line, but under load one
-    size's median has been seen 11x above it, when most of its repetitions were preempted, and the
-    median size 60% off. So every size must be within 20x of the line: that still catches a wrong
+    Tolerance: timing on a small machine swings with other processes sharing its cores (other test
+    runs): a size most of whose repetitions were preempted can have its median an order of
+    magnitude above the line. So every size must be within 20x of the line: that still catches a wrong
     fit (a units slip is 1000x; a line through the wrong points is off by the 4 decades the sizes
     span) without failing on a busy machine. The fit itself is checked exactly on made-up points.
     """

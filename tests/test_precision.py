@@ -1,11 +1,10 @@
 """Mixed precision: bf16/fp16 compute with fp32 master weights tracks the fp32 run.
 
-Tolerance: the loss of every step within 0.1% of the fp32 reference (measured: 3e-5 for bf16, 1e-5
-for fp16). bf16 rounds each value to 8 significant bits (relative error up to 2^-9 = 0.2%), but
-matmuls accumulate in fp32 and the loss is a mean over 128 positions whose rounding errors mostly
-cancel; the fp32 master weights keep the updates themselves exact, so the curves do not drift
-apart over a few steps. A difference of exactly zero would mean nothing was cast, which the test
-also rules out.
+Tolerance: the loss of every step within 0.1% of the fp32 reference. bf16 rounds each value to 8
+significant bits (relative error up to 2^-9 = 0.2%), but matmuls accumulate in fp32 and the loss is
+a mean over 128 positions whose rounding errors mostly cancel; the fp32 master weights keep the
+updates themselves exact, so the curves do not drift apart over a few steps. A difference of exactly
+zero would mean nothing was cast, which the test also rules out.
 """
 
 from __future__ import annotations

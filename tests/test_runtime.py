@@ -1,5 +1,5 @@
 """The parallel runtime (shoal/runtime.py): the one object the trainer, checkpoints, export and the
-parity harness talk to, and the pure engine choice behind it (shoal/parallel/choice.py).
+parity harness talk to, and the pure engine choice behind it (shoal/rules.py).
 
 Comparisons in one process are exact (torch.equal): the runtime runs the same kernels in the same
 order as the plain loop it replaces, and a norm computed from the same gradients is the same sum.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.models import Transformer
-from shoal.parallel.choice import EngineChoice, choose_engine
+from shoal.rules import EngineChoice, choose_engine
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.testing import SMALL, cached_mesh, full_tensors
@@ -50,7 +50,7 @@ def test_engine_choice_table(text, world, device, expected):
 
 def test_engine_choice_imports_no_torch():
     """The planner costs the same choice without torch.distributed (or torch) loaded."""
-    code = "import sys, shoal.parallel.choice; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    code = "import sys, shoal.rules; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -189,12 +189,14 @@ def test_action_prints_op_micro_and_stage():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"name": "pipedream"}, "sched='pipedream' is not a pipeline schedule; valid: gpipe, 1f1b, interleaved, zb"),
-    ({"name": "interleaved", "vpp": 1}, "sched=interleaved needs vpp >= 2 (got vpp=1)"),
-    ({"name": "1f1b", "vpp": 2}, "sched=1f1b runs one stage per rank (got vpp=2); valid: vpp=1, or sched=interleaved"),
-    ({"name": "zb", "vpp": 2}, "sched=zb runs one stage per rank"),
-    ({"name": "interleaved", "vpp": 2, "num_micro": 6}, "multiples of num_ranks=4 (got num_micro=6)"),
-    ({"name": "gpipe", "num_micro": 0}, "num_micro=0 is not a count; valid: an integer >= 1"),
-    ({"name": "gpipe", "num_ranks": 0}, "num_ranks=0 is not a count"),
+    # The schedule's counts are the plan's (pp ranks, mb micro-batches, vpp): one rule in shoal.rules.
+    ({"name": "interleaved", "vpp": 1}, "sched=interleaved with vpp=1: interleaved schedules run vpp >= 2"),
+    ({"name": "1f1b", "vpp": 2}, "sched=1f1b with vpp=2: interleaved schedules run vpp >= 2 chunks per rank, the "
+                                 "others one; valid: sched=interleaved,vpp=2 or another sched with vpp=1"),
+    ({"name": "zb", "vpp": 2}, "sched=zb with vpp=2"),
+    ({"name": "interleaved", "vpp": 2, "num_micro": 6}, "micro-batches in multiples of pp=4; mb=6"),
+    ({"name": "gpipe", "num_micro": 0}, "mb=0 is not a count; valid: an integer >= 1"),
+    ({"name": "gpipe", "num_ranks": 0}, "pp=0 is not a count"),
 ])
 def test_user_mistakes_are_one_line_errors(kwargs, message):
     args = {"num_ranks": 4, "num_micro": 8, "vpp": 1} | kwargs

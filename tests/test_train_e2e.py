@@ -1,7 +1,7 @@
 """`shoal train` end to end: real launches through the elastic launcher, compared run against run.
 
 The runs are small (a 2-layer model, 6 steps) and shared by the tests through module fixtures:
-five launches in all, about 40 s on 2 cores.
+five launches in all.
 """
 
 from __future__ import annotations

@@ -67,6 +67,12 @@ def fail(message: str, status: int, run_dir: str | Path | None = None) -> int:
     return status
 
 
+def warn(message: str) -> None:
+    """Print `shoal: warning: <message>` on one line (under torchrun, on rank 0 only)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"shoal: warning: {' '.join(message.split())}", file=sys.stderr, flush=True)
+
+
 # ----------------------------------------------------------------------------- the parser
 
 def _on_off(text: str) -> bool:
@@ -114,6 +120,8 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
      "checkpoint; under torchrun use torchrun's --max-restarts [0]"),
     ("--log-every", int, "read loss and memory from the device every K steps (one sync per K) [10]"),
     ("--tf32", _on_off, "fp32 matmuls on TF32 tensor cores on GPUs that have them [on]"),
+    ("--memory-check", _on_off, "refuse before start a plan predicted not to fit this machine's memory, naming "
+     "plans that fit; --no-memory-check: off [on]"),
     ("--data", str, "a folder of .txt files, a .txt, .bin (uint16) or .npy token file [built-in corpus]"),
     ("--tokenizer", str, "byte, or a local Hugging Face tokenizer folder [byte]"),
 ]
@@ -136,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="DIR", help="continue this run folder from its newest checkpoint that "
                        "verifies [off: a new run]")
     train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys) [none]")
+    train.add_argument("--dry-run", dest="dry_run", action="store_const", const=True, default=argparse.SUPPRESS,
+                       help="set up, run one step on throwaway state, print each rank's memory beside the planner's "
+                       "prediction, save nothing, exit [off]")
+    train.add_argument("--no-memory-check", dest="memory_check", action="store_const", const=False,
+                       default=argparse.SUPPRESS, help="run even where the memory check predicts the plan won't fit [off: checked]")
     train.set_defaults(func=_train)
 
     from shoal.plan_command import add_parser as add_plan_parser
@@ -296,9 +309,9 @@ def validate(cfg: Any, device: str) -> None:
     """Model, plan, batch and data against each other, for the world the run will have on `device`."""
     import torch
 
+    from shoal import rules
     from shoal.launch import under_torchrun
     from shoal.models import Transformer
-    from shoal.parallelize import check_supported
     from shoal.train.config import parse_plan
     from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
 
@@ -312,14 +325,9 @@ def validate(cfg: Any, device: str) -> None:
     if loop.seq_len > model.max_seq_len:
         raise UserError(f"--seq-len {loop.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
                         f"valid: 1..{model.max_seq_len} (or --set max_seq_len={loop.seq_len})")
-    plan = parse_plan(cfg.plan).resolve(world, device)
-    plan.validate(model, global_batch=loop.global_batch, seq_len=loop.seq_len)
-    check_supported(plan)
-    local = loop.global_batch // plan.data_ranks
-    if loop.micro_batch is not None and local % loop.micro_batch:
-        raise UserError(f"--micro-batch {loop.micro_batch} does not divide the {local} sequences each of the "
-                        f"{plan.data_ranks} data ranks gets (global batch {loop.global_batch}); valid: "
-                        + ", ".join(str(d) for d in range(1, local + 1) if local % d == 0))
+    plan = rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
+                         global_batch=loop.global_batch, seq_len=loop.seq_len, micro_batch=loop.micro_batch)
+    _check_memory(cfg, plan, device)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     tokens = load_tokens(cfg.data, tokenizer)
     train, held_out = split_tokens(tokens, cfg.data.val_fraction, loop.seq_len)
@@ -328,6 +336,33 @@ def validate(cfg: Any, device: str) -> None:
     if top >= model.vocab_size:
         raise UserError(f"the data holds token id {top} but the model's vocab_size is {model.vocab_size}; "
                         f"use --set vocab_size={max(top + 1, tokenizer.vocab_size)}")
+
+
+def _check_memory(cfg: Any, plan: Any, device: str) -> None:
+    """Refuse (one line) a plan the planner predicts won't fit this machine (shoal.planner.fit)."""
+    from shoal.planner.estimate import Workload
+    from shoal.planner.fit import cpu_cluster, memory_refusal
+
+    if not cfg.memory_check:
+        warn("--no-memory-check: the plan is not priced against this machine's memory before it starts")
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+    if device == "cpu":
+        cluster = cpu_cluster(plan.world_size, local=local)
+    else:
+        import torch
+
+        from shoal.auto_plan import gpu_cluster
+        try:
+            cluster = gpu_cluster(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory,
+                                  world_size=plan.world_size, per_node=local)
+        except ValueError:  # a GPU the planner has no spec for: nothing to price it with
+            warn(f"no planner spec for GPU {torch.cuda.get_device_name()!r}: memory not checked before start")
+            return
+    work = Workload(model=cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len)
+    reason = memory_refusal(plan, work, cluster, micro_batch=cfg.loop.micro_batch)
+    if reason is not None:
+        raise UserError(reason + " (--no-memory-check runs it anyway)")
 
 
 def _check_resumable(folder: Path, steps: int) -> Path:

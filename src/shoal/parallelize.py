@@ -3,7 +3,8 @@ the runtime (shoal/runtime.py) that trains it.
 
 The order is fixed (as in torchtitan): pipeline split -> tensor -> context -> activation
 recompute -> compile -> data/sharded data, the later ones applied to each stage a rank runs.
-Each step is a no-op when its axis has degree 1.
+Each step is a no-op when its axis has degree 1. Whether the plan runs at all is asked of
+shoal.rules first, the same question `shoal plan` and `shoal train` ask.
 """
 
 from __future__ import annotations
@@ -12,31 +13,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from shoal.parallel.choice import choose_engine
+from shoal import rules
+from shoal.models.config import ModelConfig
+from shoal.moe.layer import MoELayer
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
 from shoal.parallel.data import TorchDataEngine, apply_data_parallel, transformer_blocks
 from shoal.parallel.expert import ExpertGrads, MoETensorParallel, apply_expert_parallel, ep_mesh
 from shoal.parallel.pipeline import Pipeline, build_stages, merged_view
-from shoal.parallel.schedules import split_backward
 from shoal.parallel.recompute import apply_recompute
 from shoal.parallel.tensor import apply_tensor_parallel, transformer_tp_plan
-from shoal.moe.layer import MoELayer
 from shoal.plan import Plan
+from shoal.rules import choose_engine
 from shoal.runtime import Runtime
-
-# Axes and options a Plan can name that this version does not run yet.
-_NOT_YET: dict[str, str] = {}
-
-
-def check_supported(plan: Plan) -> None:
-    """ValueError naming the first part of `plan` this version of shoal cannot run."""
-    for axis, what in _NOT_YET.items():
-        if getattr(plan, axis) > 1:
-            raise ValueError(f"{axis}{getattr(plan, axis)}: {what} parallelism is not available in this version of shoal yet")
-    if plan.auto:
-        raise ValueError("plan 'auto' is chosen before the model is parallelized: `shoal train --plan auto` does it, "
-                         "or in Python shoal.auto_plan.choose(...); valid: the chosen plan, e.g. dp2 or fsdp2,tp2")
 
 
 def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | None = None) -> Runtime:
@@ -49,8 +38,10 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         return Runtime(TorchDataEngine(model, model), plan=None, mesh=None, choice=None)
     if plan is None or mesh is None:
         raise ValueError("parallelize needs both a plan and a mesh, or neither (one process)")
-    plan = plan.resolve(mesh.size(), mesh.device_type)
-    check_supported(plan)
+    config = getattr(model, "config", None)
+    plan = rules.resolve(plan, world_size=mesh.size(), device=mesh.device_type,
+                         model=config if isinstance(config, ModelConfig) else None,
+                         num_layers=len(transformer_blocks(model)))
     if plan.pp == 1:
         choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
         model, context = _within_stage(model, mesh, plan)
@@ -61,14 +52,6 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
                           split=plan.split)
     choice = choose_engine(plan, num_layers=max(len(transformer_blocks(m)) for m in stages.values()))
-    if plan.vpp > 1 and choice.kind != "none":
-        raise ValueError(f"sched=interleaved runs with pp, tp and cp only in this version (a data engine per "
-                         f"chunk is not built yet); plan {plan} uses {choice.kind}; valid: sched=1f1b, gpipe or zb, "
-                         f"or no dp/fsdp axis")
-    if split_backward(plan.sched) and choice.kind == "fsdp2":
-        raise ValueError(f"sched=zb does not run on FSDP2 in this version (its weight passes bypass FSDP2's "
-                         f"gradient hooks); plan {plan} needs FSDP2 (zero=3, tp or offload with data axes); valid: "
-                         f"sched=1f1b or gpipe, or zero=1/2 without tp")
     for s, stage in stages.items():
         stages[s], context = _within_stage(stage, mesh, plan)
     experts = _experts(list(stages.values()), mesh, plan)
@@ -93,9 +76,6 @@ def _experts(parts: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> ExpertGrad
     engine leaves them to."""
     if (plan.ep == 1 and plan.tp == 1) or not any(isinstance(m, MoELayer) for p in parts for m in p.modules()):
         return None
-    if plan.offload:
-        raise ValueError(f"offload=on with an expert-parallel or tensor-parallel MoE model is not available in this "
-                         f"version (the experts are sharded outside FSDP2); plan {plan}; valid: offload=off")
     emesh = ep_mesh(mesh.size(), plan.ep, mesh.device_type, tp=plan.tp, pp=plan.pp)
     params = []
     for part in parts:

@@ -10,7 +10,6 @@ ep is carved out of the ranks that see different tokens (dp x fsdp x cp).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,8 +22,9 @@ DEVICE_DEFAULTS = {"cpu": {"precision": "fp32", "compile": False}, "cuda": {"pre
 """Options a plan leaves out take these values on each device: bf16 compute with fp32 master
 weights and fp32 gradient reduction on GPUs (what users expect there), plain fp32 on CPUs (no
 fast bf16 matmuls; exact parity with a single process). Blocks are compiled on GPUs, where fused
-kernels roughly double a small model's speed; on CPUs a cold compile costs 20-30 s per run for
-a speed-up lost in noise at the sizes one trains there (MACHINE-FACTS.md)."""
+kernels replace a small model's many short ones; on CPUs the cold compile every run starts with
+costs more than it saves at the sizes one trains there (bench/gpu_throughput.py compares compiled
+and eager on either device; --compile-on-cpu on a CPU)."""
 # Mesh dimension order, outermost first: pipeline stages span the slowest links, tensor
 # parallel the fastest (the torchtitan / Megatron convention).
 MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
@@ -63,8 +63,9 @@ class Plan:
     """Context-parallel degree (the sequence split, ring self-attention)."""
     ep: int = 1
     """Expert-parallel degree (experts split over data ranks)."""
-    zero: int = 3
-    """ZeRO stage of the fsdp axis: 1 optimizer state, 2 + gradients, 3 + parameters."""
+    zero: int | None = None
+    """ZeRO stage of the fsdp axis: 1 optimizer state, 2 + gradients, 3 + parameters. None: 3,
+    or 2 where the plan's pipeline schedule needs shoal's ZeRO-1/2 engine (shoal.rules)."""
     bucket: int | None = None
     """Transformer blocks gathered and reduced together (an FSDP2 unit at zero=3, a bucket of the
     ZeRO-1/2 engine): larger units mean fewer, larger collectives and more transient memory.
@@ -73,18 +74,21 @@ class Plan:
     """Keep the fsdp shards (parameters, gradients, optimizer state) in CPU memory; the optimizer
     step runs on the CPU (FSDP2's CPUOffloadPolicy). Needs fsdp > 1."""
     mb: int | None = None
-    """Pipeline micro-batches per step (None: 2 x pp)."""
+    """Pipeline micro-batches per step. None: 2 x pp, or the valid count nearest it where 2 x pp
+    does not divide the sequences each pipeline gets (shoal.rules)."""
     sched: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved or zb."""
-    vpp: int = 1
-    """Virtual pipeline stages per rank (interleaved schedules)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved schedules). None: 2 under sched=interleaved,
+    else 1."""
     split: tuple[int, ...] | None = None
     """The first layer of every pipeline stage but the first (`split=2/5`: layers 0-1, 2-4, 5-);
     None: balanced by cost (shoal.parallel.pipeline.split_layers)."""
     cp_mode: str = "ring"
     """How context parallelism exchanges keys/values: ring (pass K/V) or a2a (all-to-all heads)."""
-    sp: bool = True
-    """Sequence-parallel norms and residuals between tensor-parallel sublayers."""
+    sp: bool | None = None
+    """Sequence-parallel norms and residuals between tensor-parallel sublayers. None: on, unless
+    the sequence does not split over tp (shoal.rules)."""
     ac: str = "none"
     """Activation recompute: none, selective or full (per block)."""
     precision: str | None = None
@@ -106,7 +110,7 @@ class Plan:
             degree = getattr(self, axis)
             if degree is not None and degree < 1:
                 raise ValueError(f"plan axis {axis}={degree} needs a degree >= 1")
-        if self.zero not in (1, 2, 3):
+        if self.zero is not None and self.zero not in (1, 2, 3):
             raise ValueError(f"plan option zero={self.zero} is not valid; valid: 1, 2, 3")
         for key in ("bucket", "mb", "vpp"):
             value = getattr(self, key)
@@ -117,7 +121,8 @@ class Plan:
             if value is not None and value not in _CHOICES[key]:
                 raise ValueError(f"plan option {key}={value!r} is not valid; valid: {', '.join(_CHOICES[key])}")
         defaults = _DEFAULT_OPTIONS or {}
-        self._check_axes([k for k in NEEDS_AXIS if k in defaults and getattr(self, k) != defaults[k]])
+        self._check_axes([k for k in NEEDS_AXIS if k in defaults and getattr(self, k) not in
+                          (defaults[k], _USUAL.get(k, defaults[k]))])
 
     def _check_axes(self, keys: list[str]) -> None:
         """ValueError for the first option in `keys` whose axis this plan lacks."""
@@ -169,11 +174,10 @@ class Plan:
             degree = getattr(self, axis)
             if degree is not None and (degree != 1 or (axis == "dp" and not parts and self._only_dp())):
                 parts.append(f"{axis}{degree}")
-        defaults = Plan()
         for key in ("zero", "bucket", "offload", "mb", "sched", "vpp", "split", "cp_mode", "sp", "ac", "precision",
                     "reduce", "compile"):
             value = getattr(self, key)
-            if value == getattr(defaults, key):
+            if value is None or value == _USUAL.get(key, getattr(_DEFAULT, key)):
                 continue
             if key in ("zero", "bucket") and self.fsdp == 1:
                 continue
@@ -192,34 +196,12 @@ class Plan:
         return self.fsdp * self.tp * self.pp * self.cp
 
     def resolve(self, world_size: int, device: str = "cpu") -> Plan:
-        """Fill in dp from the world size, and the options left out from the device's defaults
-        (DEVICE_DEFAULTS); check that the degrees multiply to the world size."""
-        if device not in DEVICES:
-            raise ValueError(f"device {device!r} is not valid; valid: {', '.join(DEVICES)}")
-        if world_size < 1:
-            raise ValueError(f"world size {world_size} must be >= 1")
-        others = self.non_dp_product
-        if self.dp is None:
-            if world_size % others:
-                raise ValueError(
-                    f"plan {self} needs a multiple of {others} processes (fsdp*tp*pp*cp = {others}); "
-                    f"got {world_size}; valid: {', '.join(str(others * k) for k in range(1, 5))}, ..."
-                )
-            plan = dataclasses.replace(self, dp=world_size // others)
-        else:
-            plan = self
-            if plan.dp * others != world_size:
-                raise ValueError(
-                    f"plan {self} uses dp*fsdp*tp*pp*cp = {plan.dp * others} processes but the world size is "
-                    f"{world_size}; leave dp out to let it take what the other axes leave"
-                )
-        if world_size % plan.ep or plan.data_ranks * plan.cp % plan.ep:
-            raise ValueError(
-                f"ep={plan.ep} must divide the ranks that see different tokens (dp*fsdp*cp = "
-                f"{plan.data_ranks * plan.cp}); valid: {_divisors(plan.data_ranks * plan.cp)}"
-            )
-        unset = {k: v for k, v in DEVICE_DEFAULTS[device].items() if getattr(plan, k) is None}
-        return dataclasses.replace(plan, **unset) if unset else plan
+        """Fill in dp from the world size and the options left out (shoal.rules.resolve, which a
+        caller that knows the model and the batch asks directly); one-line ValueError if the
+        plan cannot run on `world_size` processes of `device`."""
+        from shoal import rules  # rules reads Plan: imported here, not at the top
+
+        return rules.resolve(self, world_size=world_size, device=device)
 
     @property
     def data_ranks(self) -> int:
@@ -239,101 +221,13 @@ class Plan:
 
     # ------------------------------------------------------------------ validation
     def validate(self, model: ModelConfig, *, global_batch: int, seq_len: int) -> None:
-        """Check the (resolved) plan against a model shape and batch; one-line ValueError if wrong."""
+        """Check the (resolved) plan against a model shape and batch (shoal.rules.check); one-line
+        ValueError if wrong."""
+        from shoal import rules
+
         assert self.dp is not None, "call Plan.resolve(world_size) first"
-        num_kv = model.num_kv_heads or model.num_heads
-        for what, size in (
-            ("attention heads", model.num_heads),
-            ("KV heads", num_kv),
-            ("FFN hidden size", model.ffn_dim),
-            ("vocabulary size", model.vocab_size),
-        ):
-            if size % self.tp:
-                raise ValueError(f"tp={self.tp} does not divide {size} {what}; valid: {_divisors(size)}")
-        if self.tp > 1 and self.sp and seq_len % self.tp:
-            raise ValueError(f"tp={self.tp} with sequence parallelism does not divide the sequence length {seq_len}; "
-                             f"valid: tp in {_divisors(seq_len)}, or the plan option sp=off")
-        if self.reduce != "fp32" and self.data_ranks == 1:
-            raise ValueError(f"plan option reduce={self.reduce} sets the dtype gradients are reduced in over the "
-                             f"data ranks, and plan {self} has one; valid: more processes for dp or fsdp, or leave "
-                             f"reduce out")
-        if self.pp > model.num_layers:
-            raise ValueError(f"pp={self.pp} exceeds the model's {model.num_layers} layers; valid: 1..{model.num_layers}")
-        if self.cp > 1 and seq_len % (2 * self.cp):
-            raise ValueError(f"cp={self.cp} splits each sequence into 2*cp = {2 * self.cp} equal chunks (zig-zag, for "
-                             f"balanced causal work) and {seq_len} tokens do not divide; valid: a sequence length that "
-                             f"is a multiple of {2 * self.cp}, or cp in "
-                             f"{', '.join(str(d) for d in range(1, seq_len + 1) if seq_len % (2 * d) == 0)}")
-        heads = model.num_heads // self.tp  # each tp rank's heads
-        if self.cp > 1 and self.cp_mode == "a2a" and heads % self.cp:
-            raise ValueError(f"cp_mode=a2a scatters the {heads} heads of each tp rank over cp={self.cp}, which does "
-                             f"not divide them; valid: cp in {_divisors(heads)}, or cp_mode=ring")
-        if self.cp > 1 and model.pos_emb != "rope":
-            raise ValueError(f"cp={self.cp} with pos_emb={model.pos_emb!r}: positions follow the sequence split "
-                             f"for RoPE only in this version; valid: a RoPE model, or no cp")
-        if self.cp > 1 and model.dropout:
-            raise ValueError(f"cp={self.cp} with dropout={model.dropout}: attention dropout under context "
-                             "parallelism is not available; valid: --set dropout=0, or no cp")
-        if model.num_experts:
-            if self.cp > 1:
-                raise ValueError(f"cp={self.cp} with a Mixture-of-Experts model (num_experts={model.num_experts}) is "
-                                 "not available in this version; valid: dp, fsdp, tp, pp and ep axes, or a dense "
-                                 "model (num_experts=0)")
-            if model.share_moe and self.fsdp > 1:
-                raise ValueError(f"fsdp={self.fsdp} with share_moe (WideNet): the one shared MoE layer sits in "
-                                 "every block's shard unit; valid: dp axes, or share_moe=false")
-            for axis in ("tp", "pp"):  # pp: the one shared layer would be copied into every stage
-                if model.share_moe and getattr(self, axis) > 1:
-                    raise ValueError(f"{axis}={getattr(self, axis)} with share_moe (WideNet) is not available in this "
-                                     "version; valid: dp and ep axes, or share_moe=false")
-            if model.bias and self.tp > 1:
-                raise ValueError(f"tp={self.tp} with an MoE model with bias=true: expert biases are not split over "
-                                 "tp in this version; valid: bias=false, or no tp")
-            replicas = self.data_ranks // self.ep  # the data ranks outside ep, which shard the experts under fsdp
-            sharded = self.fsdp > 1 and (self.ep > 1 or self.tp > 1) and not self.data_ranks % self.ep
-            if sharded and model.dim % replicas:
-                raise ValueError(f"fsdp={self.fsdp} with ep={self.ep}, tp={self.tp} shards every expert's model dim "
-                                 f"{model.dim} over the {replicas} data ranks outside ep, which do not divide it; "
-                                 f"valid: (dp*fsdp)/ep in {_divisors(model.dim)}")
-        if self.ep > 1:
-            if model.num_experts == 0:
-                raise ValueError(f"ep={self.ep} needs a Mixture-of-Experts model; this one has num_experts=0")
-            if self.data_ranks % self.ep:
-                raise ValueError(f"ep={self.ep} is carved out of the {self.data_ranks} data ranks (dp*fsdp) and does "
-                                 f"not divide them; valid: {_divisors(self.data_ranks)}")
-            if model.num_experts % self.ep:
-                raise ValueError(
-                    f"ep={self.ep} does not divide {model.num_experts} experts; valid: {_divisors(model.num_experts)}"
-                )
-        if global_batch % self.data_ranks:
-            raise ValueError(
-                f"global batch {global_batch} is not divisible by the {self.data_ranks} data-parallel ranks "
-                f"(dp*fsdp); valid: multiples of {self.data_ranks}"
-            )
-        if self.pp > 1:
-            if model.tie_embeddings:
-                raise ValueError(f"pp={self.pp} with tie_embeddings: the first and last stages would share the "
-                                 "embedding; valid: --set tie_embeddings=false, or no pp")
-            if (self.sched == "interleaved") != (self.vpp > 1):
-                raise ValueError(f"sched={self.sched} with vpp={self.vpp}: interleaved schedules run vpp >= 2 chunks "
-                                 "per rank, the others one; valid: sched=interleaved,vpp=2 or another sched with vpp=1")
-            if self.pp * self.vpp > model.num_layers:
-                raise ValueError(f"pp={self.pp} x vpp={self.vpp} = {self.pp * self.vpp} stages need as many layers; "
-                                 f"the model has {model.num_layers}; valid: pp*vpp <= {model.num_layers}")
-            if self.split is not None and (len(self.split) != self.pp * self.vpp - 1 or list(self.split) != sorted(
-                    set(self.split)) or not all(0 < p < model.num_layers for p in self.split)):
-                raise ValueError(f"split={'/'.join(map(str, self.split))} does not split {model.num_layers} layers "
-                                 f"into {self.pp * self.vpp} stages; valid: {self.pp * self.vpp - 1} increasing layer "
-                                 f"indices in 1..{model.num_layers - 1}")
-            if self.sched == "interleaved" and self.micro_batches % self.pp:
-                raise ValueError(f"sched=interleaved needs micro-batches in multiples of pp={self.pp}; mb="
-                                 f"{self.micro_batches}; valid: mb in multiples of {self.pp}")
-            micro = self.micro_batches
-            if (global_batch // self.data_ranks) % micro:
-                raise ValueError(
-                    f"mb={micro} does not divide the {global_batch // self.data_ranks} sequences each pipeline "
-                    f"gets per step; valid: {_divisors(global_batch // self.data_ranks)}"
-                )
+        rules.check(self, rules.Facts(world_size=self.world_size, model=model, global_batch=global_batch,
+                                      seq_len=seq_len))
 
     @property
     def micro_batches(self) -> int:
@@ -378,7 +272,11 @@ class Plan:
 
 
 _DEFAULT_OPTIONS: dict[str, object] | None = None  # None while the line below builds the default Plan
-_DEFAULT_OPTIONS = {k: getattr(Plan(), k) for k in NEEDS_AXIS}
+_USUAL: dict[str, object] = {"zero": 3, "sp": True, "vpp": 1}
+"""The values options left out usually take (shoal.rules says when another is chosen): a resolved
+plan prints an option only where it differs from these."""
+_DEFAULT = Plan()
+_DEFAULT_OPTIONS = {k: getattr(_DEFAULT, k) for k in NEEDS_AXIS}
 
 
 def _parse_option(key: str, value: str, text: str) -> object:
@@ -402,6 +300,3 @@ def _parse_option(key: str, value: str, text: str) -> object:
     valid = ", ".join(["mb", "vpp", "split", *_CHOICES, "bucket"])
     raise ValueError(f"unknown plan option {key!r} in {text!r}; valid options: {valid}")
 
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) if n > 0 else "none"

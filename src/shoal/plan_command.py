@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
+from shoal import rules
 from shoal.plan import Plan
 from shoal.planner.comm import CalibratedNetwork, Network
 from shoal.planner.estimate import Estimate, Workload, estimate
@@ -113,13 +115,13 @@ def resolve_cluster(spec: str, nproc: int | None) -> tuple[Cluster, Network | No
 
 def price(text: str, work: Workload, cluster: Cluster, network: Network | None, *,
           micro_batch: int | None = None) -> Estimate:
-    """One plan's estimate, after the same checks `shoal train` runs."""
-    plan = Plan.parse(text).resolve(cluster.world_size, cluster.device_type)
-    plan.validate(work.model, global_batch=work.global_batch, seq_len=work.seq_len)
-    local = work.global_batch // plan.data_ranks
-    if micro_batch is not None and (plan.pp > 1 or micro_batch < 1 or local % micro_batch):
-        raise ValueError(f"--micro-batch {micro_batch} does not divide the {local} sequences each data rank gets "
-                         f"(or the plan has a pipeline, whose micro-batches are mb=); valid: divisors of {local}")
+    """One plan's estimate, after the checks `shoal train` runs (shoal.rules: the same one-line
+    refusal), with the defaults it chose said on stderr."""
+    facts = rules.Facts(world_size=cluster.world_size, device=cluster.device_type, model=work.model,
+                        global_batch=work.global_batch, seq_len=work.seq_len, micro_batch=micro_batch)
+    plan, notes = rules.resolve_noting(Plan.parse(text), facts)
+    for note in notes:
+        print(f"shoal: note: {note}", file=sys.stderr)
     return estimate(plan, work, cluster, micro_batch=micro_batch, network=network)
 
 

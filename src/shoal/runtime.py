@@ -3,7 +3,7 @@
 `shoal.parallelize.parallelize(model, plan, mesh)` applies a plan to an unmodified model (in
 place: sharded, never wrapped) and returns a `Runtime` holding what the parallelisms built: the
 data engine (shoal.parallel.data: none, DDP, shoal's ZeRO-1/2 or FSDP2, as the pure
-`shoal.parallel.choice` picks it), and where the plan has them the pipeline executor, the
+`shoal.rules.choose_engine` picks it), and where the plan has them the pipeline executor, the
 context-parallel sequence split and the expert gradients' reduction. The trainer, checkpoints,
 export, sampling, benchmarks and the parity harness use the parallel layer only through the
 methods below and its read-only `plan`, `mesh` and `choice` (the engine); it keeps its parts
@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
 from shoal.moe.collect import MoECollector
-from shoal.parallel.choice import EngineChoice
+from shoal.rules import EngineChoice
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
 from shoal.parallel.expert import ExpertGrads
@@ -82,7 +82,7 @@ class Runtime:
         """Per MoE layer, the last step's load figures (shoal.moe.collect.FIGURES, then each expert's
         share of the kept tokens), on the device; {} for a dense model."""
         self.choice = choice
-        """The data-parallel engine that runs the plan (shoal.parallel.choice); None in one process."""
+        """The data-parallel engine that runs the plan (shoal.rules.choose_engine); None in one process."""
         self._engine = engine
         # The loss is averaged over every rank that sees other tokens: data ranks and cp ranks.
         self._data_groups = reduction_groups(mesh, ("dp", "fsdp", "cp")) if mesh is not None else []
@@ -169,7 +169,7 @@ class Runtime:
     def _after_backward(self) -> None:
         """Partial tp gradients reduced once, the expert gradients' reduction (ep, or tp on an MoE
         model) and the step's MoE figures."""
-        # tp runs on no data engine ("none") or under FSDP2, which reduces its own (shoal.parallel.choice)
+        # tp runs on no data engine ("none") or under FSDP2, which reduces its own (shoal.rules)
         if self.plan is not None and self.plan.tp > 1 and self.choice is not None and self.choice.kind == "none":
             reduce_partial_grads(self.parameters())
         if self._experts is not None:

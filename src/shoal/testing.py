@@ -57,8 +57,9 @@ U32 = 2.0**-24
 """Unit roundoff of float32: the largest relative error of one rounding."""
 SLACK = 8.0
 """How many times the single-process float32 error a parallel float32 run may be off the float64
-truth (see `assert_rounding_close`). Over every 2- and 4-rank parity case of the suite (1,790
-tensors, 2026-11-22) the largest ratio was 4.0 and the median 1.0, as the error analysis says."""
+truth (see `assert_rounding_close`). The error analysis there puts the ratio near 1, a tensor
+now and then a few times that (another order of summation rounds as a random walk, not always
+the same way); a real defect is off by orders of magnitude more."""
 MOVED = 0.01
 """Share of the distance training moved a tensor by which a parallel run's final parameters may
 differ from the float64 run's (see `assert_trained_close`); ordinary tensors differ by ~1e-4."""
@@ -74,9 +75,9 @@ def assert_rounding_close(actual: Any, ref32: Any, ref64: Any, *, what: str = "v
     split across ranks and added in another order. A float32 sum of n terms in any order is off
     by at most (n-1) u sum|x_i| (Higham, Accuracy and Stability of Numerical Algorithms, 4.2),
     and in practice by a similar random-walk amount whatever the order, so the parallel error
-    is of the size of the single process's own error. That error is measured here, on this CPU
-    with its kernels and thread count, rather than assumed from the machine the test was written
-    on: the bound moves with the machine. A real defect (a missing average, a wrong shard) is off
+    is of the size of the single process's own error. That error is measured in each test, on the
+    CPU it runs on with its kernels and thread count, rather than assumed from the machine the test
+    was written on: the bound moves with the machine. A real defect (a missing average, a wrong shard) is off
     by orders of magnitude more than float32 rounding.
     """
     if isinstance(ref64, Mapping):

@@ -1,6 +1,6 @@
 """Data parallelism over the mesh's dp axis and sharded data parallelism (ZeRO) over its fsdp axis.
 
-Three engines, chosen by the plan (`shoal.parallel.choice.choose_engine`, a pure function the
+Three engines, chosen by the plan (`shoal.rules.choose_engine`, a pure function the
 planner shares):
 - dp alone, fp32, no tensor parallel: torch's DistributedDataParallel on the dp sub-mesh's process
   group (bucketed gradient all-reduce overlapped with backward, the well-kept replicated path).
@@ -47,8 +47,7 @@ what forward calls, what the optimizer updates, gradient-sync control, the gradi
 scaling, and state dicts in DCP's format. Nothing outside shoal/parallel/ asks which engine runs.
 
 Measured figures (time and memory against DeepSpeed and FSDP2 used directly, memory against the
-ZeRO formulas) are in the benchmarks (bench/zero_vs_peers.py, bench/zero_memory.py) and the
-issue notes.
+ZeRO formulas) come from the benchmarks (bench/zero_vs_peers.py, bench/zero_memory.py).
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.mesh import replica_mesh
-from shoal.parallel.choice import EngineChoice, choose_engine
+from shoal.rules import EngineChoice, choose_engine
 from shoal.parallel.precision import PrecisionPolicy
 from shoal.parallel.zero import ZeroDataParallel
 from shoal.plan import Plan
@@ -212,7 +211,7 @@ class TorchDataEngine:
 
     def reduce_grads(self) -> None:
         # Nothing is left: "none" reduces nothing, DDP never runs under pp, and a zero-bubble
-        # schedule on FSDP2 is refused (shoal.parallel.choice, shoal.parallelize).
+        # schedule on FSDP2 is refused (shoal.rules).
         pass
 
     def model_state_dict(self) -> dict[str, Any]:

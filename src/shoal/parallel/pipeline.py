@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shoal.parallel.schedules import Action, build_schedule, format_table, split_backward, stage_rank
 from shoal.parallel.vocab import is_vocab_sharded, local_value, vocab_parallel_loss
+from shoal.rules import split_refusal
 
 FIRST_ONLY = ("tok_embeddings", "pos_embeddings")
 """Modules of shoal's Transformer that only the first stage keeps (None elsewhere)."""
@@ -90,10 +91,9 @@ def split_layers(costs: Sequence[float], num_stages: int) -> list[range]:
 
 def ranges_from_points(points: Sequence[int], num_layers: int, num_stages: int) -> list[range]:
     """The user's split (`split`: the first layer of stages 1..S-1) as ranges, checked."""
-    if len(points) != num_stages - 1 or list(points) != sorted(set(points)) or \
-            not all(0 < p < num_layers for p in points):
-        raise ValueError(f"split={'/'.join(map(str, points))} does not split {num_layers} layers into "
-                         f"{num_stages} stages; valid: {num_stages - 1} increasing layer indices in 1..{num_layers - 1}")
+    reason = split_refusal(points, num_layers=num_layers, num_stages=num_stages)
+    if reason is not None:
+        raise ValueError(reason)
     edges = [0, *points, num_layers]
     return [range(a, b) for a, b in zip(edges, edges[1:])]
 
@@ -120,9 +120,7 @@ def build_stages(model: nn.Module, *, rank: int, num_ranks: int, vpp: int,
     rank the module is `model` itself, reduced; with `vpp` chunks each is a reduced copy."""
     num_stages = num_ranks * vpp
     blocks = list(model.layers.keys())
-    if num_stages > len(blocks):
-        raise ValueError(f"pp={num_ranks} with vpp={vpp} needs {num_stages} layers (one per stage); "
-                         f"the model has {len(blocks)}; valid: pp*vpp <= {len(blocks)}")
+    assert num_stages <= len(blocks), "shoal.rules refuses more stages than blocks"
     ranges = ranges_from_points(split, len(blocks), num_stages) if split else \
         split_layers(block_costs(model), num_stages)
     mine = [s for s in range(num_stages) if stage_rank(s, num_ranks) == rank]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+from shoal.rules import SCHEDULES, schedule_refusal
 OPS = ("F", "B", "W")
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 _GANTT_WIDTH = 12  # inches
@@ -71,17 +71,9 @@ def _check_name(name: str) -> None:
 
 
 def _check(name: str, num_ranks: int, num_micro: int, vpp: int) -> None:
-    _check_name(name)
-    for key, value in (("num_ranks", num_ranks), ("num_micro", num_micro), ("vpp", vpp)):
-        if value < 1:
-            raise ValueError(f"{key}={value} is not a count; valid: an integer >= 1")
-    if name == "interleaved" and vpp < 2:
-        raise ValueError(f"sched=interleaved needs vpp >= 2 (got vpp={vpp}); valid: vpp >= 2, or another sched")
-    if name != "interleaved" and vpp != 1:
-        raise ValueError(f"sched={name} runs one stage per rank (got vpp={vpp}); valid: vpp=1, or sched=interleaved")
-    if name == "interleaved" and num_micro % num_ranks:
-        raise ValueError(f"sched=interleaved needs num_micro in multiples of num_ranks={num_ranks} "
-                         f"(got num_micro={num_micro}); valid: {num_ranks}, {2 * num_ranks}, ...")
+    reason = schedule_refusal(name, num_ranks=num_ranks, num_micro=num_micro, vpp=vpp)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def build_schedule(name: str, *, num_ranks: int, num_micro: int, vpp: int = 1) -> Table:

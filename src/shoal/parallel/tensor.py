@@ -188,26 +188,11 @@ def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
     tp_mesh = mesh["tp"]
     if tp_mesh.size() == 1:
         return model
-    if plan.tp != tp_mesh.size():
-        raise ValueError(f"plan tp={plan.tp} does not match the mesh's tp axis of size {tp_mesh.size()}")
-    _check_divisible(model, tp_mesh.size())
+    assert plan.tp == tp_mesh.size(), f"plan tp={plan.tp} on a mesh whose tp axis has {tp_mesh.size()} ranks"
     shared = _shared_parameters(model)
     parallelize_module(model, tp_mesh, dict(tp_plan or transformer_tp_plan(model, sp=plan.sp)))
     _tie_again(model, shared)
     return model
-
-
-def _check_divisible(model: nn.Module, tp: int) -> None:
-    """One-line ValueError when tp does not divide a dimension it splits (Plan.validate says
-    the same from the config; this catches a model passed here directly)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return
-    for what, size in (("attention heads", cfg.num_heads), ("KV heads", cfg.kv_heads),
-                       ("FFN hidden size", cfg.ffn_dim), ("vocabulary size", cfg.vocab_size)):
-        if size % tp:
-            valid = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
-            raise ValueError(f"tp={tp} does not divide {size} {what}; valid: {valid}")
 
 
 def _shared_parameters(model: nn.Module) -> list[list[str]]:

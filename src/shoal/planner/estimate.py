@@ -1,6 +1,6 @@
 """One plan's predicted step time, throughput and memory per device: the cost model put together.
 
-The engine that runs the plan's data axes is the runtime's own choice (shoal.parallel.choice),
+The engine that runs the plan's data axes is the runtime's own choice (shoal.rules.choose_engine),
 so what is priced is what will run. Times are per step on the busiest rank:
 
 - compute: each block's matrix FLOPs over the device's achievable matmul rate, its elementwise
@@ -32,30 +32,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.models.config import ModelConfig
-from shoal.parallel.choice import choose_engine
 from shoal.plan import DEVICE_DEFAULTS, Plan
 from shoal.planner import compute, memory
 from shoal.planner.comm import Network, RingNetwork
 from shoal.planner.hardware import Cluster
+from shoal.rules import choose_engine, micro_batches
 
 OPTIMIZER_BYTES = 28 + 4 * 2
 """Bytes an Adam step moves per parameter: read weight, gradient, two moments (16), write the weight
 and the moments (12), and read the gradient twice for the clipping norm and the scaling (8)."""
-OPS_PER_BLOCK = {False: 48, True: 10}
-"""Host-side ops per block forward (each with its backward) in eager mode and compiled: shoal's
-block runs 6 per norm, 43 for attention with RoPE (views counted at half), 5 for the FFN and 4
-residual adds and dropouts; compiled, one graph launches about ten fused kernels."""
+OPS_PER_BLOCK = {False: 49, True: 13}
+"""Host ops of one dense block's forward (each with its backward, the unit calibration times),
+eager and compiled, on a CPU, the one device whose host time the estimate charges: every call
+into the dispatcher, views at half (the norms, attention with RoPE and grouped-query heads, the
+FFN, the residual adds and dropouts); compiled, the graph's fused kernels and the matmul and
+attention kernels it calls. Counted by shoal.planner.counts.block_ops on the tiny preset;
+tests/test_planner_counts.py recounts them."""
 DTENSOR_DISPATCHES = {"block": 144, "head": 62}
 """DTensor dispatches of one block's forward and backward under tensor parallelism, and of the
-vocabulary-parallel embedding, head and loss, counted with torch.profiler ("PythonSubclass" events;
-the tiny preset at tp2, torch 2.13): the same with sequence parallelism and without (its norms'
-DTensor ops replace the all-reduces' wrapping)."""
+vocabulary-parallel embedding, head and loss: shoal.planner.counts.dtensor_dispatches on the tiny
+preset at tp2, the block's from 2 and 4 layers; tests/test_planner_counts.py recounts them. Without
+sequence parallelism a block runs as many (its norms' DTensor ops replace the all-reduces'
+wrapping) and the head slightly fewer; these serve both."""
 DTENSOR_DISPATCHES_PER_OP = 25 / 17
 """What the calibration's DTensor chain (measure._measure_dtensor_dispatch, whose figure is per op of
-the chain, its backward included) runs per op: 25 dispatches for its 16 ops and the final sum."""
-RING_OPS_PER_HOP = 50
-"""Plain ops per block per ring hop (context parallelism): the zig-zag chunk pairs' attention, the
-log-sum-exp merge and the exchange, forward and hand-written backward (shoal.parallel.context)."""
+the chain, its backward included) runs per op: 25 dispatches for its 16 ops and the final sum
+(shoal.planner.counts.dtensor_dispatches_per_chain_op; tests/test_planner_counts.py recounts it)."""
+RING_OPS_PER_HOP = 61.5
+"""Host ops of one block's ring attention per ring step (context parallelism): the zig-zag chunk
+pairs' attention, the log-sum-exp merge and the exchange, forward and hand-written backward
+(shoal.parallel.context), counted as OPS_PER_BLOCK is by shoal.planner.counts.ring_ops_per_hop at
+cp2, the smallest ring (a larger one runs fewer per step: the causal mask hides more of its chunk
+pairs); tests/test_planner_counts.py recounts it."""
 ENGINE_OPS_PER_PARAMETER = {"fsdp2": 6, "zero": 3, "ddp": 1, "none": 0}
 """Host ops per parameter tensor per micro-batch that a data engine's hooks run: FSDP2 copies each
 shard into and out of the gathered buffer in forward and again in backward; shoal's ZeRO engine
@@ -134,7 +142,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     assert plan.dp is not None and plan.precision is not None, "resolve the plan first"
     cfg, S = work.model, work.seq_len
     local = work.global_batch // plan.data_ranks
-    micro = plan.micro_batches if plan.pp > 1 else local // (micro_batch or local)
+    micro = micro_batches(plan, local_batch=local, micro_batch=micro_batch)
     b = local // micro  # sequences per micro-batch
     net = network or RingNetwork(cluster)
     engine = choose_engine(plan, num_layers=cfg.num_layers)
@@ -220,7 +228,7 @@ class _Costs:
         self.mem_bw = cluster.device.memory_bw
         self.bytes = 4.0 if plan.precision == "fp32" else 2.0
         on_cpu = cluster.device_type == "cpu"
-        # Collectives on a CPU share its cores with compute (gloo's thread): little hides (MACHINE-FACTS).
+        # Collectives on a CPU share its cores with compute (gloo's threads): little of them hides.
         self.overlap = 0.0 if on_cpu else 1.0
         # A GPU's host queues kernels ahead of the device (hidden); a CPU's cores run both.
         self.op_overhead = cluster.device.op_overhead if on_cpu else 0.0

@@ -45,8 +45,8 @@ class Settings:
 
 
 def settings(quick: bool, world_size: int) -> Settings:
-    # A small collective here takes ~0.2 ms, and a process losing the core to another costs
-    # several ms: a repetition averages back-to-back calls over a few ms, and the median over an
+    # A small collective is short next to what a process loses when another takes its core: a
+    # repetition averages back-to-back calls over a few ms, and the median over an
     # odd number of repetitions drops those another process disturbed.
     if quick:
         return Settings(0.1, tuple(2**k for k in (10, 14, 18, 22, 24)), 1, 5, 0.003, world_size > 1)
@@ -94,16 +94,21 @@ def _measure_memory(s: Settings) -> dict[str, float]:
     return {"add": _median_over_ranks(add), "copy": _median_over_ranks(copy)}
 
 
-def _chain_seconds(x: Any, finish: Callable[[Any], Any], s: Settings, chain: int = 32) -> float:
-    """Seconds per op of a chain of tiny elementwise ops on `x` and its backward (`finish` turns the
-    result into a scalar): an op's cost beyond its arithmetic."""
+def _chain_step(x: Any, finish: Callable[[Any], Any], chain: int) -> Callable[[], None]:
+    """One pass of a chain of `chain` tiny elementwise ops on `x`, then `finish` (which turns the result
+    into a scalar) and the backward of it all: chain + 1 ops, each with its backward."""
     def step() -> None:
         y = x
         for _ in range(chain // 2):
             y = y * 1.0001 + 0.0001
         finish(y).backward()
 
-    return _median_over_ranks(1.0 / _rate(step, chain + 1, s.seconds))
+    return step
+
+
+def _chain_seconds(x: Any, finish: Callable[[Any], Any], s: Settings, chain: int = 32) -> float:
+    """Seconds per op of `_chain_step`: an op's cost beyond its arithmetic."""
+    return _median_over_ranks(1.0 / _rate(_chain_step(x, finish, chain), chain + 1, s.seconds))
 
 
 def _measure_dispatch(s: Settings) -> float:
@@ -141,9 +146,19 @@ def _measure_training_kernels(s: Settings) -> dict[str, float]:
 def _measure_dtensor_dispatch(s: Settings) -> float:
     """The same on a DTensor sharded over every rank (no communication): what tensor
     parallelism's DTensor ops cost beyond a plain op's (sharding propagation, wrapping)."""
+    return _median_over_ranks(1.0 / _rate(dtensor_chain_step(), DTENSOR_CHAIN + 1, s.seconds))
+
+
+DTENSOR_CHAIN = 16
+"""Elementwise ops in the DTensor chain (then its sum: DTENSOR_CHAIN + 1 ops, each with its backward)."""
+
+
+def dtensor_chain_step() -> Callable[[], None]:
+    """One pass of the chain `_measure_dtensor_dispatch` times, on a DTensor sharded over every rank
+    of the default group (shoal.planner.counts counts the dispatches it runs)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     x = distribute_tensor(torch.randn(8 * dist.get_world_size()), mesh, [Shard(0)]).requires_grad_()
-    return _chain_seconds(x, lambda y: y.to_local().sum(), s, chain=16)
+    return _chain_step(x, lambda y: y.to_local().sum(), DTENSOR_CHAIN)
 
 
 def _collective(kind: str, nbytes: int, group: Any = None) -> Callable[[], Any]:
@@ -204,8 +219,8 @@ def _measure_collective(kind: str, s: Settings) -> list[tuple[int, float]]:
 
 
 IN_STEP_COMPUTE_S = 0.003
-"""Seconds of matmuls before each timed call: about what a small model's block computes between two of
-its collectives on this kind of machine (the tiny preset's block forward is 5-10 ms at 4 processes)."""
+"""Seconds of matmuls before each timed call: of the order of what a small model's block computes
+between two of its collectives on a CPU, so that the ranks come to the call as in a training step."""
 
 
 def _measure_in_step(s: Settings) -> dict[str, dict[str, float]]:

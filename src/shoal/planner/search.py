@@ -6,7 +6,8 @@ are tried cheapest first, and the first that fits is kept: activation recompute 
 selective, then full (recompute only ever adds time). GPipe is left out: it takes 1F1B's time
 with more memory. Micro-batch counts are pp times a power of two (and the whole local batch);
 ZeRO stages, schedules and gradient-accumulation passes are all kept, since none is always
-faster. Every plan kept has passed Plan.validate, the same check `shoal train` runs.
+faster. Every plan kept has passed shoal.rules, the same check `shoal train`, `shoal plan --plan`
+and parallelize run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shoal import rules
 from shoal.plan import Plan
 from shoal.planner.comm import Network
 from shoal.planner.estimate import Estimate, Workload, estimate
@@ -36,38 +38,37 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tp_degrees(work: Workload, cluster: Cluster) -> list[int]:
-    """Tensor-parallel degrees that divide the model's heads, KV heads, FFN and vocabulary and stay
-    inside one node (its all-reduces every block need the fastest links; Narayanan et al. 2021, 3.3)."""
-    cfg = work.model
-    sizes = (cfg.num_heads, cfg.kv_heads, cfg.ffn_dim, cfg.vocab_size)
-    return [t for t in divisors(cluster.world_size) if t <= cluster.per_node and all(s % t == 0 for s in sizes)]
+def _tp_degrees(cluster: Cluster) -> list[int]:
+    """Tensor-parallel degrees kept inside one node: its collectives every block need the fastest
+    links (Narayanan et al. 2021, 3.3). Which degrees divide the model is the rules' question."""
+    return [t for t in divisors(cluster.world_size) if t <= cluster.per_node]
+
+
+def _facts(work: Workload, cluster: Cluster, micro_batch: int | None = None) -> rules.Facts:
+    return rules.Facts(world_size=cluster.world_size, device=cluster.device_type, model=work.model,
+                       global_batch=work.global_batch, seq_len=work.seq_len, micro_batch=micro_batch)
 
 
 def structures(work: Workload, cluster: Cluster) -> Iterator[Plan]:
-    """Every resolved plan skeleton (degrees only) that fits the world size and divides the model."""
+    """Every resolved plan skeleton (degrees, options at their defaults) the rules accept. A
+    skeleton the rules refuse is refused for its degrees, so none of its variants could run."""
     cfg, world = work.model, cluster.world_size
-    moe = cfg.num_experts > 0
-    for tp in _tp_degrees(work, cluster):
+    for tp in _tp_degrees(cluster):
         for cp in divisors(world // tp):
-            if cp > 1 and (moe or work.seq_len % (2 * cp) or cfg.pos_emb != "rope" or cfg.dropout):
-                continue
             for pp in divisors(world // (tp * cp)):
-                if pp > cfg.num_layers or (pp > 1 and cfg.tie_embeddings):
-                    continue
                 data = world // (tp * cp * pp)
                 for fsdp in divisors(data):
-                    if work.global_batch % data:
-                        continue
-                    for ep in (divisors(data) if moe else [1]):
-                        if moe and cfg.num_experts % ep:
+                    for ep in (divisors(data) if cfg.num_experts else [1]):
+                        skeleton = Plan(dp=data // fsdp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep)
+                        try:
+                            yield rules.resolve_noting(skeleton, _facts(work, cluster))[0]
+                        except ValueError:
                             continue
-                        yield Plan(dp=data // fsdp, fsdp=fsdp, tp=tp, cp=cp, pp=pp, ep=ep).resolve(
-                            world, cluster.device_type)
 
 
 def variants(skeleton: Plan, work: Workload) -> Iterator[tuple[Plan, int | None]]:
-    """(plan, micro-batch size) for each schedule, micro-batch count, ZeRO stage and accumulation."""
+    """(plan, micro-batch size) for each schedule, micro-batch count, ZeRO stage and accumulation
+    worth pricing (the rules then refuse those that cannot run)."""
     local = work.global_batch // skeleton.data_ranks
     zeros = (1, 2, 3) if skeleton.fsdp > 1 else (skeleton.zero,)
     for zero in zeros:
@@ -81,8 +82,6 @@ def variants(skeleton: Plan, work: Workload) -> Iterator[tuple[Plan, int | None]
             if mb < skeleton.pp or (mb != local and (mb % skeleton.pp or (mb // skeleton.pp) & (mb // skeleton.pp - 1))):
                 continue
             for sched, vpp in (("1f1b", 1), ("zb", 1), ("interleaved", 2)):
-                if sched == "interleaved" and (mb % skeleton.pp or 2 * skeleton.pp > work.model.num_layers):
-                    continue
                 yield dataclasses.replace(base, mb=mb, sched=sched, vpp=vpp), None
 
 
@@ -93,11 +92,10 @@ def search(work: Workload, cluster: Cluster, *, network: Network | None = None,
     priced = rejected = 0
     for skeleton in structures(work, cluster):
         for plan, micro in variants(skeleton, work):
+            facts = _facts(work, cluster, micro)
             for ac in RECOMPUTE:
                 candidate = dataclasses.replace(plan, ac=ac)
-                try:
-                    candidate.validate(work.model, global_batch=work.global_batch, seq_len=work.seq_len)
-                except ValueError:
+                if rules.refusal(candidate, facts) is not None:
                     break
                 priced += 1
                 result = estimate(candidate, work, cluster, micro_batch=micro, network=network)

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shoal.runtime import Runtime
 from shoal.train import faults
+from shoal.train.safe_load import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
 from shoal.world import broadcast_from_rank0, distributed, first_error, rank, world_size
 
 FORMAT = "shoal-checkpoint/1"
@@ -187,7 +188,8 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path} {error}")
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not distributed())
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
+                     no_dist=not distributed())
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, raised on every rank
         raise ValueError(f"checkpoint {path} could not be read: {_one_line(exc)}") from None
     runtime.load_state_dict(state, optimizer)
@@ -357,7 +359,9 @@ def _check_compatible(path: Path, model_sd: dict[str, Any], has_optimizer: bool,
     """Compare the checkpoint's tensor index with this model (`model_keys`: its names on all
     ranks): names missing on either side and global shapes."""
     try:
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = SafeReader(str(path)).read_metadata().state_dict_metadata
+    except UnsafeCheckpointError as exc:
+        return f"is not loaded: its DCP index {DCP_METADATA} {exc}"
     except Exception as exc:
         return f"is corrupt: its DCP index {DCP_METADATA} cannot be read ({_one_line(exc)})"
     saved_model = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}

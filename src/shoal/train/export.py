@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from shoal.models.config import ModelConfig
 from shoal.models.hf_weights import EMBED_KEY, check_llama, from_hf_llama, hf_llama_config, to_hf_llama
 from shoal.runtime import Runtime
+from shoal.train.safe_load import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
 from shoal.world import rank
 
 MODEL_KEY = "model"  # the top-level key shoal.train.checkpoint saves the model state under
@@ -47,9 +48,12 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     if cfg is not None:
         check_llama(cfg)  # before reading any tensor
     try:
-        meta = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+        meta = SafeReader(str(checkpoint)).read_metadata()
+    except UnsafeCheckpointError as exc:
+        raise ValueError(f"checkpoint {checkpoint} is not exported: its DCP metadata {exc}") from None
     except Exception as exc:  # missing folder, no or unreadable .metadata
-        raise ValueError(f"checkpoint {checkpoint} cannot be exported: its DCP metadata is unreadable ({exc})") from None
+        raise ValueError(f"checkpoint {checkpoint} cannot be exported: its DCP metadata is unreadable "
+                         f"({exc})") from None
     prefix = MODEL_KEY + "."
     weights = {
         key[len(prefix):]: torch.empty(item.size, dtype=item.properties.dtype)
@@ -60,7 +64,8 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
         raise ValueError(f"checkpoint {checkpoint} holds no '{MODEL_KEY}.*' tensors; is it a shoal checkpoint?")
     with warnings.catch_warnings():  # no process group is intended here; DCP warns about it anyway
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({MODEL_KEY: weights}, checkpoint_id=str(checkpoint), no_dist=True)
+        dcp.load({MODEL_KEY: weights}, checkpoint_id=str(checkpoint), storage_reader=SafeReader(str(checkpoint)),
+                 planner=SafeLoadPlanner(), no_dist=True)
     if cfg is not None:
         return _write_hf(weights, out, cfg, {"source": str(checkpoint), **(metadata or {})})
     return _write(weights, out, {"source": str(checkpoint), **(metadata or {})})

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shoal import rules
 from shoal.moe.collect import records as moe_records
 from shoal.plan import Plan
 from shoal.train import faults, memory
@@ -29,8 +30,15 @@ from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summa
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.preempt import StopSignals
 from shoal.train.runs import Job, default_run_dir, write_run_config
-from shoal.train.setup import (build_runtime, checkpoint_to_continue, load_data, num_micro_batches, resolve_plan,
-                               restart_count, restore, set_matmul_precision)
+from shoal.train.setup import (
+    build_runtime,
+    checkpoint_to_continue,
+    load_data,
+    resolve_plan,
+    restart_count,
+    restore,
+    set_matmul_precision,
+)
 from shoal.train.step import StepResult, split_micro, train_step
 from shoal.train.watchdog import Watchdog
 from shoal.world import broadcast_from_rank0
@@ -49,13 +57,13 @@ class Trainer:
         self.cfg, self.loop, self.model_cfg, self.device = cfg, cfg.loop, cfg.model_config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = Path(broadcast_from_rank0(job.run_dir or default_run_dir()))
-        self.plan: Plan = resolve_plan(cfg, self.model_cfg, self.world, device)
+        self.plan, self.plan_notes = resolve_plan(cfg, self.model_cfg, self.world, device)
         set_matmul_precision(device, tf32=cfg.tf32)
 
         self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed)
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
-        self.num_micro = num_micro_batches(self.plan, self.loop, self.local_batch)
+        self.num_micro = rules.micro_batches(self.plan, local_batch=self.local_batch, micro_batch=self.loop.micro_batch)
         self.optimizer = build_optimizer(self.runtime.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps)
 
@@ -248,6 +256,7 @@ class Trainer:
             f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {self.local_batch} per data "
             f"rank in {self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}",
             self.runtime.describe(),
+            *(f"  default {note}" for note in self.plan_notes),
             f"run folder: {self.run_dir}"
             + (f" (resuming at step {self.start} of {loop.steps})" if self.start else f" ({loop.steps} steps)")
             + (f"; restart {self.restart} after a failure" if self.restart else ""),

@@ -1,5 +1,5 @@
 """One rank's set-up for training: the plan resolved and checked, the model built and
-parallelized, the micro-batch count, the token data, and where a resumed or restarted run
+parallelized, the token data, and where a resumed or restarted run
 continues from. `shoal.train.loop.Trainer` is made of these pieces."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
@@ -17,7 +18,7 @@ from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.train import faults
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint
-from shoal.train.config import LoopConfig, RunConfig, parse_plan
+from shoal.train.config import RunConfig, parse_plan
 from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
 from shoal.train.optim import WarmupCosine
 from shoal.world import broadcast_from_rank0
@@ -35,11 +36,12 @@ def set_matmul_precision(device: torch.device, *, tf32: bool) -> None:
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
 
 
-def resolve_plan(cfg: RunConfig, model: ModelConfig, world: int, device: torch.device) -> Plan:
-    """The config's plan for this world size and device, checked against the model and the batch."""
-    plan = parse_plan(cfg.plan).resolve(world, device.type)
-    plan.validate(model, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len)
-    return plan
+def resolve_plan(cfg: RunConfig, model: ModelConfig, world: int, device: torch.device) -> tuple[Plan, list[str]]:
+    """The config's plan for this world size and device, checked against the model and the batch
+    (shoal.rules), and the notes on the options it chose where the plan left them out."""
+    return rules.resolve_noting(parse_plan(cfg.plan), rules.Facts(
+        world_size=world, device=device.type, model=model, global_batch=cfg.loop.global_batch,
+        seq_len=cfg.loop.seq_len, micro_batch=cfg.loop.micro_batch))
 
 
 def build_runtime(model_cfg: ModelConfig, plan: Plan, device: torch.device, *, seed: int) -> Runtime:
@@ -48,13 +50,6 @@ def build_runtime(model_cfg: ModelConfig, plan: Plan, device: torch.device, *, s
     model = Transformer(model_cfg).to(device)
     faults.arm(model)  # test-only hooks; nothing unless SHOAL_FAULT is set
     return parallelize(model, plan, build_mesh(plan, device.type))
-
-
-def num_micro_batches(plan: Plan, loop: LoopConfig, local_batch: int) -> int:
-    """A pipeline's micro-batches are the plan's (mb=); otherwise --micro-batch sets them."""
-    if plan.pp > 1:
-        return plan.micro_batches
-    return local_batch // (loop.micro_batch or local_batch)
 
 
 @dataclass(frozen=True)

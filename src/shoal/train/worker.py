@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shoal.train.dry_run import dry_run
 from shoal.train.loop import Trainer
 from shoal.train.preempt import StopSignals
 from shoal.train.runs import Job
@@ -39,6 +40,8 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         if error is not None:
             return {"error": error}
         assert trainer is not None
+        if job.config.dry_run:
+            return dry_run(trainer)
         summary = trainer.run(signals)
         if trainer.stopped_by:
             return {**(summary or {}), "stopped": trainer.stopped_by}

@@ -1,0 +1,428 @@
+"""Which plans run: every reason a plan cannot run on a device type with a model and a batch, the
+values an option left out takes, and which data-parallel engine runs the plan.
+
+One place, pure (no torch), so that every caller asks the same question and gets the same
+one-line answer: `Plan.validate`, `parallelize`, the planner's search, `shoal plan --plan` and
+`shoal train` before any worker starts. A rule written in two places drifts; add new ones here.
+
+What a rule may look at: the plan, the world size, the device type ("cpu" or "cuda"), the model's
+config (a `ModelConfig`: shapes, experts, positions, dropout, ties) or, for a model that has none,
+its number of blocks, and the batch (global batch, sequence length, `--micro-batch`). A rule
+whose inputs a caller does not have is not asked (parallelize knows no batch; the trainer
+checks it before start).
+
+Defaults never make a plan invalid: an option left out (micro-batches `mb`, `sp`, `vpp`, `zero`)
+takes its usual value where that is valid and otherwise the valid value nearest it, and
+`resolve_noting` says which it chose and why.
+
+The data-parallel engines (shoal/parallel/data.py builds them; `choose_engine` picks one):
+- none: one data rank in full precision; the model is left as the other axes made it.
+- ddp: torch's DistributedDataParallel (replicated, full precision, no tensor parallel).
+- zero: shoal's ZeRO-1/2 engine (shoal/parallel/zero.py): fsdp > 1 at stage 1 or 2, on a model
+  without tensor parallelism and without offload. Under pp it also runs replicated data
+  parallelism (fsdp = 1, at ZeRO-1: gradients accumulate over the micro-batches and are
+  all-reduced after the last one's backward): DDP prepares its reduction in forward, and a
+  pipeline runs later forwards before earlier backwards.
+- fsdp2: torch's FSDP2 `fully_shard` for everything else: ZeRO-3, offload, data parallel over a
+  tensor-parallel model, and replicated mixed precision (a shard degree of 1, since DDP has no
+  parameter-dtype policy).
+Two pipeline schedules need more of the engine than some engines give: zero-bubble's weight
+passes assign gradients no FSDP2 hook sees (zb runs without an engine or on shoal's ZeRO-1/2
+engine), and interleaved chunks would each need an engine of their own (interleaved runs with
+no data engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shoal.plan import DEVICE_DEFAULTS, DEVICES, Plan
+
+if TYPE_CHECKING:
+    from shoal.models.config import ModelConfig
+
+DEFAULT_BUCKET = {1: 2, 2: 2, 3: 1}
+"""Transformer blocks per gather/reduce unit unless the plan says `bucket=`: two at ZeRO-1/2
+(fewer, larger collectives; the full parameters are kept anyway), one at ZeRO-3, where a
+unit's full parameters are the transient memory sharding exists to save."""
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What the rules are told about one run; None: not known to this caller, its rules not asked."""
+
+    world_size: int
+    device: str = "cpu"
+    model: ModelConfig | None = None
+    num_layers: int | None = None
+    """Blocks of a model without a config (a user's module); the config's num_layers otherwise."""
+    global_batch: int | None = None
+    seq_len: int | None = None
+    micro_batch: int | None = None
+    """`--micro-batch`: sequences per accumulation pass on one data rank (plans without pp)."""
+
+    @property
+    def layers(self) -> int | None:
+        return self.model.num_layers if self.model is not None else self.num_layers
+
+
+# ----------------------------------------------------------------------------- the questions callers ask
+def resolve(plan: Plan, *, world_size: int, device: str = "cpu", model: ModelConfig | None = None,
+            num_layers: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
+            micro_batch: int | None = None) -> Plan:
+    """The plan with dp and every option left out filled in, checked: ValueError (one line) naming
+    the first reason it cannot run with what the caller knows."""
+    facts = Facts(world_size=world_size, device=device, model=model, num_layers=num_layers,
+                  global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
+    return resolve_noting(plan, facts)[0]
+
+
+def resolve_noting(plan: Plan, facts: Facts) -> tuple[Plan, list[str]]:
+    """`resolve`, and one line per option whose usual default was not valid here (which value it
+    took instead, and why)."""
+    resolved = _resolve_degrees(plan, facts)
+    resolved, notes = _choose_defaults(resolved, facts)
+    reason = refusal(resolved, facts)
+    if reason is not None:
+        raise ValueError(reason)
+    return resolved, notes
+
+
+def fill(plan: Plan, facts: Facts) -> Plan:
+    """dp and the options left out filled in, without asking whether shoal can run the plan: for
+    pricing a layout another system ran (the planner's published runs), never for a run."""
+    return _choose_defaults(_resolve_degrees(plan, facts), facts)[0]
+
+
+def check(plan: Plan, facts: Facts) -> None:
+    """ValueError (one line) for the first reason a resolved plan cannot run."""
+    reason = refusal(plan, facts)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def refusal(plan: Plan, facts: Facts) -> str | None:
+    """The first reason a resolved plan cannot run, or None (the planner's search asks this for
+    every candidate it prices)."""
+    assert plan.dp is not None and plan.zero is not None and plan.sp is not None and plan.vpp is not None, \
+        "resolve the plan first"
+    for rule in _RULES:
+        reason = rule(plan, facts)
+        if reason is not None:
+            return reason
+    return None
+
+
+def micro_batches(plan: Plan, *, local_batch: int, micro_batch: int | None = None) -> int:
+    """Passes per step on one data rank: a pipeline's micro-batches (`mb`), otherwise the local
+    batch over `--micro-batch` sequences per pass (gradient accumulation; None: one pass)."""
+    if plan.pp > 1:
+        return plan.micro_batches
+    return local_batch // (micro_batch or local_batch)
+
+
+# ----------------------------------------------------------------------------- the engine
+@dataclass(frozen=True, kw_only=True)
+class EngineChoice:
+    """The data-parallel engine of one plan and how it groups the model."""
+
+    kind: str
+    """none, ddp, zero or fsdp2 (see the module docstring)."""
+    zero: int
+    """The ZeRO stage it runs: 1, 2 or 3; 0 for none and ddp (nothing sharded)."""
+    bucket: int
+    """Transformer blocks per gather/reduce unit (0 when nothing is gathered or reduced by units)."""
+    units: int
+    """Gather/reduce units of blocks (the rest of the model, embeddings and head, is one more)."""
+
+    def describe(self) -> str:
+        """One line for the plan's words at start-up."""
+        if self.kind == "none":
+            return "one data rank, nothing to replicate or shard"
+        if self.kind == "ddp":
+            return "torch DDP (bucketed all-reduce overlapped with backward)"
+        engine = "shoal's ZeRO-1/2 engine" if self.kind == "zero" else "torch FSDP2"
+        return f"{engine} at ZeRO-{self.zero}, {self.units} unit(s) of {self.bucket} block(s) plus the rest"
+
+
+def choose_engine(plan: Plan, *, num_layers: int) -> EngineChoice:
+    """The engine that runs the (resolved) plan's dp and fsdp axes for a model of `num_layers`
+    blocks (the module docstring says why each)."""
+    assert plan.dp is not None and plan.precision is not None and plan.zero is not None, "resolve the plan first"
+    full_precision = plan.precision == "fp32" and plan.reduce == "fp32"
+    if plan.dp == 1 and plan.fsdp == 1 and plan.cp == 1 and full_precision:
+        return EngineChoice(kind="none", zero=0, bucket=0, units=0)
+    if plan.pp > 1 and plan.tp == 1 and not plan.offload and (plan.fsdp == 1 or plan.zero < 3):
+        zero = 1 if plan.fsdp == 1 else plan.zero
+        bucket = plan.bucket if plan.bucket is not None else DEFAULT_BUCKET[zero]
+        return EngineChoice(kind="zero", zero=zero, bucket=bucket, units=-(-num_layers // bucket))
+    if plan.fsdp == 1 and plan.tp == 1 and full_precision:
+        return EngineChoice(kind="ddp", zero=0, bucket=0, units=0)
+    # Replicated only (fsdp1): nothing to free after forward, so the gathered copy is kept (zero=2).
+    zero = plan.zero if plan.fsdp > 1 else 2
+    bucket = plan.bucket if plan.bucket is not None else DEFAULT_BUCKET[zero]
+    units = -(-num_layers // bucket)
+    kind = "zero" if zero < 3 and plan.fsdp > 1 and plan.tp == 1 and not plan.offload else "fsdp2"
+    return EngineChoice(kind=kind, zero=zero, bucket=bucket, units=units)
+
+
+# ----------------------------------------------------------------------------- degrees and defaults
+def _resolve_degrees(plan: Plan, facts: Facts) -> Plan:
+    """dp from the world size, the device's defaults for precision and compile."""
+    world = facts.world_size
+    if facts.device not in DEVICES:
+        raise ValueError(f"device {facts.device!r} is not valid; valid: {', '.join(DEVICES)}")
+    if world < 1:
+        raise ValueError(f"world size {world} must be >= 1")
+    others = plan.non_dp_product
+    if plan.dp is None:
+        if world % others:
+            raise ValueError(
+                f"plan {plan} needs a multiple of {others} processes (fsdp*tp*pp*cp = {others}); "
+                f"got {world}; valid: {', '.join(str(others * k) for k in range(1, 5))}, ..."
+            )
+        plan = dataclasses.replace(plan, dp=world // others)
+    elif plan.dp * others != world:
+        raise ValueError(
+            f"plan {plan} uses dp*fsdp*tp*pp*cp = {plan.dp * others} processes but the world size is "
+            f"{world}; leave dp out to let it take what the other axes leave"
+        )
+    unset = {k: v for k, v in DEVICE_DEFAULTS[facts.device].items() if getattr(plan, k) is None}
+    return dataclasses.replace(plan, **unset) if unset else plan
+
+
+def _choose_defaults(plan: Plan, facts: Facts) -> tuple[Plan, list[str]]:
+    """Options left out (None) take their usual value where valid, else the nearest valid one
+    (micro-batches: at least pp where possible, and of two equally near, the fewer)."""
+    notes: list[str] = []
+    sp = plan.sp
+    if sp is None:
+        sp = True
+        if plan.tp > 1 and facts.seq_len is not None and facts.seq_len % plan.tp:
+            sp = False
+            notes.append(f"sp=off: sequence-parallel norms need the sequence length {facts.seq_len} to split "
+                         f"over tp={plan.tp}")
+    vpp = plan.vpp if plan.vpp is not None else (2 if plan.sched == "interleaved" else 1)
+    zero = plan.zero
+    if zero is None:
+        zero = 3
+        trial = dataclasses.replace(plan, sp=sp, vpp=vpp, zero=3)
+        if plan.fsdp > 1 and plan.sched == "zb" and _engine_refusal(trial, facts) is not None:
+            zero = 2
+            notes.append("zero=2: zero-bubble pipelines run on shoal's ZeRO-1/2 engine, not on FSDP2 (ZeRO-3)")
+    plan = dataclasses.replace(plan, sp=sp, vpp=vpp, zero=zero)
+    if plan.mb is None and plan.pp > 1 and facts.global_batch is not None and \
+            facts.global_batch % plan.data_ranks == 0:
+        local = facts.global_batch // plan.data_ranks
+        usual = 2 * plan.pp
+        valid = [m for m in _divisors(local) if plan.sched != "interleaved" or m % plan.pp == 0]
+        if valid:
+            mb = min(valid, key=lambda m: (m < plan.pp, abs(m - usual), m))
+            if mb != usual:
+                notes.append(f"mb={mb}: the usual 2*pp = {usual} micro-batches do not divide the {local} sequences "
+                             "each pipeline gets per step")
+            plan = dataclasses.replace(plan, mb=mb)
+    return plan, notes
+
+
+# ----------------------------------------------------------------------------- the rules
+Rule = Callable[[Plan, Facts], "str | None"]
+
+
+def _auto_rule(plan: Plan, facts: Facts) -> str | None:
+    if plan.auto:
+        return ("plan 'auto' is chosen before the model is parallelized: `shoal train --plan auto` does it, "
+                "or in Python shoal.auto_plan.choose(...); valid: the chosen plan, e.g. dp2 or fsdp2,tp2")
+    return None
+
+
+def _expert_degree_rule(plan: Plan, facts: Facts) -> str | None:
+    data = plan.data_ranks * plan.cp
+    if facts.world_size % plan.ep or data % plan.ep:
+        return (f"ep={plan.ep} must divide the ranks that see different tokens (dp*fsdp*cp = {data}); "
+                f"valid: {_divisor_list(data)}")
+    return None
+
+
+def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
+    model = facts.model
+    if model is not None and plan.tp > 1:
+        for what, size in (("attention heads", model.num_heads), ("KV heads", model.kv_heads),
+                           ("FFN hidden size", model.ffn_dim), ("vocabulary size", model.vocab_size)):
+            if size % plan.tp:
+                return f"tp={plan.tp} does not divide {size} {what}; valid: {_divisor_list(size)}"
+    seq = facts.seq_len
+    if seq is not None and plan.tp > 1 and plan.sp and seq % plan.tp:
+        return (f"tp={plan.tp} with sequence parallelism does not divide the sequence length {seq}; "
+                f"valid: tp in {_divisor_list(seq)}, or the plan option sp=off")
+    return None
+
+
+def _reduce_rule(plan: Plan, facts: Facts) -> str | None:
+    if plan.reduce != "fp32" and plan.data_ranks == 1:
+        return (f"plan option reduce={plan.reduce} sets the dtype gradients are reduced in over the data ranks, "
+                f"and plan {plan} has one; valid: more processes for dp or fsdp, or leave reduce out")
+    return None
+
+
+def _context_rule(plan: Plan, facts: Facts) -> str | None:
+    if plan.cp == 1:
+        return None
+    seq, model = facts.seq_len, facts.model
+    if seq is not None and seq % (2 * plan.cp):
+        return (f"cp={plan.cp} splits each sequence into 2*cp = {2 * plan.cp} equal chunks (zig-zag, for balanced "
+                f"causal work) and {seq} tokens do not divide; valid: a sequence length that is a multiple of "
+                f"{2 * plan.cp}, or cp in {', '.join(str(d) for d in range(1, seq + 1) if seq % (2 * d) == 0)}")
+    if model is None:
+        return None
+    heads = model.num_heads // plan.tp  # each tp rank's heads
+    if plan.cp_mode == "a2a" and heads % plan.cp:
+        return (f"cp_mode=a2a scatters the {heads} heads of each tp rank over cp={plan.cp}, which does not divide "
+                f"them; valid: cp in {_divisor_list(heads)}, or cp_mode=ring")
+    if model.pos_emb != "rope":
+        return (f"cp={plan.cp} with pos_emb={model.pos_emb!r}: positions follow the sequence split for RoPE only "
+                "in this version; valid: a RoPE model, or no cp")
+    if model.dropout:
+        return (f"cp={plan.cp} with dropout={model.dropout}: attention dropout under context parallelism is not "
+                "available; valid: --set dropout=0, or no cp")
+    if model.num_experts:
+        return (f"cp={plan.cp} with a Mixture-of-Experts model (num_experts={model.num_experts}) is not available "
+                "in this version; valid: dp, fsdp, tp, pp and ep axes, or a dense model (num_experts=0)")
+    return None
+
+
+def _moe_rule(plan: Plan, facts: Facts) -> str | None:
+    model = facts.model
+    if model is None:
+        return None
+    if plan.ep > 1 and model.num_experts == 0:
+        return f"ep={plan.ep} needs a Mixture-of-Experts model; this one has num_experts=0"
+    if not model.num_experts:
+        return None
+    if model.share_moe and plan.fsdp > 1:
+        return (f"fsdp={plan.fsdp} with share_moe (WideNet): the one shared MoE layer sits in every block's shard "
+                "unit; valid: dp axes, or share_moe=false")
+    for axis in ("tp", "pp"):  # pp: the one shared layer would be copied into every stage
+        if model.share_moe and getattr(plan, axis) > 1:
+            return (f"{axis}={getattr(plan, axis)} with share_moe (WideNet) is not available in this version; "
+                    "valid: dp and ep axes, or share_moe=false")
+    if model.bias and plan.tp > 1:
+        return (f"tp={plan.tp} with an MoE model with bias=true: expert biases are not split over tp in this "
+                "version; valid: bias=false, or no tp")
+    if plan.offload and (plan.ep > 1 or plan.tp > 1):
+        return (f"offload=on with an expert-parallel or tensor-parallel MoE model is not available in this version "
+                f"(the experts are sharded outside FSDP2); plan {plan}; valid: offload=off")
+    if plan.data_ranks % plan.ep:
+        return (f"ep={plan.ep} is carved out of the {plan.data_ranks} data ranks (dp*fsdp) and does not divide "
+                f"them; valid: {_divisor_list(plan.data_ranks)}")
+    if model.num_experts % plan.ep:
+        return f"ep={plan.ep} does not divide {model.num_experts} experts; valid: {_divisor_list(model.num_experts)}"
+    replicas = plan.data_ranks // plan.ep  # the data ranks outside ep, which shard the experts under fsdp
+    if plan.fsdp > 1 and (plan.ep > 1 or plan.tp > 1) and model.dim % replicas:
+        return (f"fsdp={plan.fsdp} with ep={plan.ep}, tp={plan.tp} shards every expert's model dim {model.dim} over "
+                f"the {replicas} data ranks outside ep, which do not divide it; valid: (dp*fsdp)/ep in "
+                f"{_divisor_list(model.dim)}")
+    return None
+
+
+def _batch_rule(plan: Plan, facts: Facts) -> str | None:
+    batch = facts.global_batch
+    if batch is None:
+        return None
+    if batch % plan.data_ranks:
+        return (f"global batch {batch} is not divisible by the {plan.data_ranks} data-parallel ranks (dp*fsdp); "
+                f"valid: multiples of {plan.data_ranks}")
+    local = batch // plan.data_ranks
+    micro = facts.micro_batch
+    if micro is not None and plan.pp > 1:
+        return (f"--micro-batch {micro} sets gradient accumulation, and plan {plan} has a pipeline, whose "
+                "micro-batches are the plan option mb=; valid: leave --micro-batch out, or set mb")
+    if micro is not None and (micro < 1 or local % micro):
+        return (f"--micro-batch {micro} does not divide the {local} sequences each of the {plan.data_ranks} data "
+                f"ranks gets (global batch {batch}); valid: {_divisor_list(local)}")
+    return None
+
+
+def _pipeline_rule(plan: Plan, facts: Facts) -> str | None:
+    if plan.pp == 1:
+        return None
+    layers, model = facts.layers, facts.model
+    if model is not None and model.tie_embeddings:
+        return (f"pp={plan.pp} with tie_embeddings: the first and last stages would share the embedding; "
+                "valid: --set tie_embeddings=false, or no pp")
+    if layers is not None and plan.pp > layers:
+        return f"pp={plan.pp} exceeds the model's {layers} layers; valid: 1..{layers}"
+    reason = schedule_refusal(plan.sched, num_ranks=plan.pp, num_micro=plan.micro_batches, vpp=plan.vpp)
+    if reason is not None:
+        return reason
+    stages = plan.pp * plan.vpp
+    if layers is not None and stages > layers:
+        return (f"pp={plan.pp} x vpp={plan.vpp} = {stages} stages need as many layers; the model has {layers}; "
+                f"valid: pp*vpp <= {layers}")
+    if layers is not None and plan.split is not None:
+        reason = split_refusal(plan.split, num_layers=layers, num_stages=stages)
+        if reason is not None:
+            return reason
+    if facts.global_batch is not None:
+        local = facts.global_batch // plan.data_ranks
+        if local % plan.micro_batches:
+            return (f"mb={plan.micro_batches} does not divide the {local} sequences each pipeline gets per step; "
+                    f"valid: {_divisor_list(local)}")
+    return _engine_refusal(plan, facts)
+
+
+def _engine_refusal(plan: Plan, facts: Facts) -> str | None:
+    """A pipeline schedule the plan's data engine cannot run (the module docstring says why)."""
+    if plan.pp == 1:
+        return None
+    kind = choose_engine(plan, num_layers=facts.layers or plan.pp * plan.vpp).kind
+    if plan.vpp > 1 and kind != "none":
+        return (f"sched=interleaved runs with pp, tp and cp only in this version (a data engine per chunk is not "
+                f"built yet); plan {plan} uses {kind}; valid: sched=1f1b, gpipe or zb, or no dp/fsdp axis")
+    if plan.sched == "zb" and kind == "fsdp2":
+        return (f"sched=zb does not run on FSDP2 in this version (its weight passes bypass FSDP2's gradient hooks); "
+                f"plan {plan} needs FSDP2 (zero=3, tp or offload with data axes); valid: sched=1f1b or gpipe, or "
+                "zero=1/2 without tp")
+    return None
+
+
+def schedule_refusal(sched: str, *, num_ranks: int, num_micro: int, vpp: int) -> str | None:
+    """Why a pipeline schedule table cannot be built for these counts (shoal.parallel.schedules asks too)."""
+    if sched not in SCHEDULES:
+        return f"sched={sched!r} is not a pipeline schedule; valid: {', '.join(SCHEDULES)}"
+    for key, value in (("pp", num_ranks), ("mb", num_micro), ("vpp", vpp)):
+        if value < 1:
+            return f"{key}={value} is not a count; valid: an integer >= 1"
+    if (sched == "interleaved") != (vpp > 1):
+        return (f"sched={sched} with vpp={vpp}: interleaved schedules run vpp >= 2 chunks per rank, the others one; "
+                "valid: sched=interleaved,vpp=2 or another sched with vpp=1")
+    if sched == "interleaved" and num_micro % num_ranks:
+        return (f"sched=interleaved needs micro-batches in multiples of pp={num_ranks}; mb={num_micro}; "
+                f"valid: mb in multiples of {num_ranks}")
+    return None
+
+
+def split_refusal(points: Sequence[int], *, num_layers: int, num_stages: int) -> str | None:
+    """Why `split=` (the first layer of every stage but the first) does not split the layers."""
+    if len(points) != num_stages - 1 or list(points) != sorted(set(points)) or \
+            not all(0 < p < num_layers for p in points):
+        return (f"split={'/'.join(map(str, points))} does not split {num_layers} layers into {num_stages} stages; "
+                f"valid: {num_stages - 1} increasing layer indices in 1..{num_layers - 1}")
+    return None
+
+
+_RULES: tuple[Rule, ...] = (_auto_rule, _expert_degree_rule, _tensor_rule, _reduce_rule, _context_rule,
+                            _moe_rule, _batch_rule, _pipeline_rule)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _divisor_list(n: int) -> str:
+    return ", ".join(map(str, _divisors(n))) if n > 0 else "none"

@@ -1,0 +1,72 @@
+"""The memory check `shoal train` makes before any worker starts (shoal/planner/fit.py): a plan the
+planner's memory model predicts won't fit is refused in one line naming what it needs, what the
+machine has and plans that fit, or, when none fits, the smallest need and how many devices would
+hold the model. The memory model itself is tested against hand counts in test_planner.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal import cli, rules
+from shoal.models.config import get_preset
+from shoal.plan import Plan
+from shoal.planner import fit
+from shoal.planner.estimate import Workload, estimate
+
+
+def _resolved(text: str, work: Workload, world: int) -> Plan:
+    return rules.resolve(Plan.parse(text), world_size=world, model=work.model, global_batch=work.global_batch,
+                         seq_len=work.seq_len)
+
+
+def test_refusal_names_the_need_the_machine_and_plans_that_fit():
+    """A machine sized between fsdp2's need and dp2's: dp2 is refused, fsdp2 named as fitting."""
+    work = Workload(model=get_preset("gpt3-1.3b"), global_batch=4, seq_len=256)
+    probe = fit.cpu_cluster(2, local=2, memory_bytes=10**15)
+    dp2, fsdp2 = (estimate(_resolved(t, work, 2), work, probe) for t in ("dp2", "fsdp2"))
+    assert fsdp2.mem_per_device_bytes < dp2.mem_per_device_bytes
+    machine = int(fsdp2.mem_per_device_bytes + dp2.mem_per_device_bytes)  # per process: halfway, times 2 processes
+    cluster = fit.cpu_cluster(2, local=2, memory_bytes=machine)
+    assert fit.memory_refusal(_resolved("fsdp2", work, 2), work, cluster) is None
+    line = fit.memory_refusal(_resolved("dp2", work, 2), work, cluster)
+    assert line is not None and "\n" not in line
+    assert line.startswith(f"plan dp2 needs about {fit._gb(dp2.mem_per_device_bytes)} GB per process")
+    assert f"this machine has {fit._gb(machine // 2 * 2)} GB; plans that fit: " in line
+    named = line.split("plans that fit: ")[1].split(", ")
+    assert named and len(set(named)) == len(named) and "dp2" not in named
+    for text in named:  # each named plan fits by the same model
+        assert estimate(_resolved(text, work, 2), work, cluster).fits
+
+
+def test_no_plan_fits_says_the_smallest_need_and_the_devices_it_takes():
+    work = Workload(model=get_preset("llama3-70b"), global_batch=16, seq_len=128)
+    cluster = fit.cpu_cluster(2, local=2, memory_bytes=24 * 10**9)
+    line = fit.memory_refusal(_resolved("dp2", work, 2), work, cluster)
+    assert line is not None and "no plan fits: the smallest need on 2 is about" in line
+    least = fit.smallest_need(work, cluster)
+    count = fit.devices_needed(work, cluster)
+    assert least is not None and count is not None and f"about {count} processes of 12 GB each" in line
+    smaller = fit.devices_needed(work, cluster, limit=count // 2)
+    assert smaller is None  # the count is the fewest power of two that holds it
+
+
+def test_shoal_train_refuses_before_start_and_no_memory_check_runs_anyway(tmp_path, monkeypatch, capsys):
+    """With the machine made small, the default run is refused before any worker starts (no run
+    folder); --no-memory-check warns and trains."""
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: 10**6)
+    flags = ["--device", "cpu", "--nproc", "1", "--steps", "1", "--set", "num_layers=1", "--global-batch", "2",
+             "--seq-len", "16", "--eval-every", "0"]
+    assert cli.main(["train", "--out", str(tmp_path / "a"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shoal: error: plan dp1") and "needs about" in err and "\n" not in err
+    assert not (tmp_path / "a").exists()
+    assert cli.main(["train", "--out", str(tmp_path / "b"), "--no-memory-check", *flags]) == 0
+    assert "shoal: warning: --no-memory-check" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["llama3-70b", "llama3-405b"])
+def test_giant_presets_are_refused_on_this_kind_of_machine(model, capsys):
+    """Refused on two CPU processes, whatever this machine's memory (under a terabyte), never allocated."""
+    assert cli.main(["train", "--model", model, "--device", "cpu", "--nproc", "2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shoal: error: plan dp2 needs about") and "no plan fits" in err and "\n" not in err

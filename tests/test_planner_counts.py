@@ -1,0 +1,70 @@
+"""The op counts in shoal.planner.estimate, recounted from the code as it is now.
+
+The cost model prices a CPU step's host time as counts of ops, taken from the model and the
+parallel code, times the seconds calibration measures per op. A count goes stale silently when
+the code it was taken from changes; these tests recount each (shoal.planner.counts, which says
+what one op is) and fail until the constant is updated to the new count. The counts are exact
+(whole ops, views at half), so they are compared exactly: a different count is a different model.
+
+The tiny preset, as the constants were counted on it; small batches (a count does not depend on
+the tensors' sizes).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from shoal.models import PRESETS
+from shoal.plan import Plan
+from shoal.planner import counts
+from shoal.planner.estimate import DTENSOR_DISPATCHES, DTENSOR_DISPATCHES_PER_OP, OPS_PER_BLOCK, RING_OPS_PER_HOP
+from shoal.testing import cached_mesh, case, parallel_setup
+from shoal.train.step import split_micro
+
+TINY = PRESETS["tiny"].replace(max_seq_len=16)
+
+
+def test_eager_block_ops():
+    assert counts.block_ops(TINY) == OPS_PER_BLOCK[False]
+
+
+def test_compiled_block_ops():
+    """The compiled block's calls on a CPU, where the estimate charges them (one compile of one block)."""
+    assert counts.block_ops(TINY, compiled=True) == OPS_PER_BLOCK[True]
+
+
+def test_ring_ops_per_hop(pools):
+    assert pools(2).run(_ring_ops) == [RING_OPS_PER_HOP] * 2
+
+
+def _ring_ops() -> float:
+    mesh = cached_mesh(Plan.parse("cp2").resolve(dist.get_world_size()))
+    return counts.ring_ops_per_hop(mesh["cp"])
+
+
+def test_dtensor_dispatches_per_chain_op(pools):
+    assert pools(2).run(counts.dtensor_dispatches_per_chain_op) == [DTENSOR_DISPATCHES_PER_OP] * 2
+
+
+def test_dtensor_dispatches_per_block_and_head(pools):
+    """A tp2 forward and backward of the tiny model with 2 and with 4 blocks: the difference is two
+    blocks' dispatches, the rest of the 2-block model's the embedding's, head's and loss's. Without
+    sequence parallelism a block runs as many (the estimate uses one count for both) and the head no more."""
+    pool = pools(2)
+    found = {}
+    for plan in ("tp2", "tp2,sp=off"):
+        two, four = (pool.run(_tp_dispatches, plan, layers) for layers in (2, 4))
+        assert two[0] == two[1] and four[0] == four[1], (plan, two, four)
+        block = (four[0] - two[0]) / 2
+        found[plan] = {"block": block, "head": two[0] - 2 * block}
+    assert found["tp2"] == DTENSOR_DISPATCHES
+    assert found["tp2,sp=off"]["block"] == DTENSOR_DISPATCHES["block"]
+    assert found["tp2,sp=off"]["head"] <= DTENSOR_DISPATCHES["head"]
+
+
+def _tp_dispatches(plan: str, num_layers: int) -> int:
+    runtime, _, batches = parallel_setup(case(plan=plan, model=TINY.replace(num_layers=num_layers),
+                                              global_batch=2, seq_len=16, steps=1))
+    micro = split_micro(*batches[0], 1)
+    runtime.forward_backward(micro)  # warm-up: first calls initialise what later ones skip
+    return counts.dtensor_dispatches(lambda: runtime.forward_backward(micro))
