@@ -26,6 +26,7 @@ from shoal.plan import Plan
 from shoal.train import faults, memory
 from shoal.train.checkpoint import prune, save_checkpoint
 from shoal.train.config import to_flat
+from shoal.train.dry_run import memory_prediction
 from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.preempt import StopSignals
@@ -176,6 +177,10 @@ class Trainer:
                             start=self.start, total=self.loop.steps)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
+        predicted = memory_prediction(self)  # beside mem_peak_mb: every run is a data point on the model's error
+        if predicted is not None:
+            summary.update(mem_predicted_mb=round(predicted["total"], 1),
+                           mem_predicted_terms_mb={k: round(v, 1) for k, v in predicted.items() if k != "total"})
         if self.prediction is not None and summary.get("tokens_per_s"):
             measured = self.loop.global_batch * self.loop.seq_len / summary["tokens_per_s"]
             summary.update(predicted=self.prediction, step_time_s=measured,
