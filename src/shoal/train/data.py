@@ -43,6 +43,13 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+class Batches(Protocol):
+    """A sampler whose batch `step` is a pure function of (seed, step, size): TokenBatches here,
+    shoal.data.dataset.MixtureBatches for prepared datasets."""
+
+    def batch(self, step: int, size: int, part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids; needs no files and no training."""
 
