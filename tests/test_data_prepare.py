@@ -355,3 +355,12 @@ def test_a_run_on_a_mixture_resumes_with_the_unbroken_losses(bpe, corpus, tmp_pa
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     assert len(losses(tmp_path / "whole")) == 4 and losses(tmp_path / "part") == losses(tmp_path / "whole")
+
+
+def test_prepare_help_names_every_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["data", "prepare", "--help"])
+    text = capsys.readouterr().out
+    entries = [e for e in text.split("options:")[1].split("\n  -") if e.strip().startswith("-")]
+    assert len(entries) == 6
+    assert all("[" in e or "(required" in e for e in entries), entries
