@@ -17,12 +17,18 @@ import pytest
 import torch
 from torch import nn
 
-from shoal.testing import (ParityCase, assert_rounding_close, assert_trained_close, one_line_error, references,
-                           run_parallel)
+from shoal.testing import (
+    ParityCase,
+    assert_rounding_close,
+    assert_trained_close,
+    one_line_error,
+    references,
+    run_parallel,
+)
 from shoal.train.optim import OptimConfig, Schedule, build_optimizer, build_scheduler, scale_for_batch
 from shoal.train.optimizers import LAMB, LARS, CowClip
 
-F64 = dict(rtol=1e-12, atol=1e-14)
+F64 = {"rtol": 1e-12, "atol": 1e-14}
 
 # ----------------------------------------------------------------------------- references from the papers
 
@@ -253,7 +259,7 @@ def _halves_step(opt_name):
     w = torch.randn(4, 3, generator=gen, dtype=torch.float64) * torch.tensor([1000.0, 1000, 1, 1]).view(4, 1)
     g = torch.randn(4, 3, generator=gen, dtype=torch.float64) * torch.tensor([1.0, 1, 50, 50]).view(4, 1)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    kwargs = {"lamb": dict(lr=0.01), "lars": dict(lr=1.0, eta=0.01)}[opt_name]
+    kwargs = {"lamb": {"lr": 0.01}, "lars": {"lr": 1.0, "eta": 0.01}}[opt_name]
     cls = {"lamb": LAMB, "lars": LARS}[opt_name]
     full = nn.Parameter(w.clone())
     full.grad = g.clone()
