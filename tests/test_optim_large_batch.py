@@ -273,7 +273,9 @@ def _halves_step(opt_name):
     local.grad = g[mine].clone()
     lone = cls([local], **kwargs)  # what an optimizer blind to the sharding computes on this rank
     lone.step()
-    return {"sharded": sharded.full_tensor(), "full": full.detach(), "trust": opt.last_trust,
+    with torch.no_grad():
+        gathered = sharded.full_tensor()
+    return {"sharded": gathered, "full": full.detach(), "trust": opt.last_trust,
             "local_trust": lone.last_trust, "collectives": opt.collectives}
 
 

@@ -40,6 +40,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _local_grad(param: torch.Tensor) -> torch.Tensor:
+    """`param.grad`'s local shard laid out as the parameter's. A tensor-parallel gradient can come
+    placed otherwise (Replicate where the weight is Shard): taking the shard's part is local."""
+    grad = param.grad
+    assert grad is not None
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        if any(p.is_partial() for p in grad.placements):
+            raise ValueError(f"a gradient placed as {grad.placements} is not reduced yet; valid: Shard or Replicate")
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
+    return _local(grad)
+
+
 def split_groups(param: torch.Tensor, *, rows: bool) -> tuple[dist.ProcessGroup, ...]:
     """The process groups a local squared norm of `param` must be summed over to be the global
     one: every mesh dimension that shards it. With `rows` (one norm per leading index), a shard
@@ -163,7 +175,7 @@ class LAMB(_Layerwise):
             if not params:
                 continue
             b1, b2 = group["betas"]
-            w, g = [_local(p) for p in params], [_local(p.grad) for p in params]
+            w, g = [_local(p) for p in params], [_local_grad(p) for p in params]
             m, v, t = zip(*(self._state(p) for p in params))
             m, v = [_local(x) for x in m], [_local(x) for x in v]
             torch._foreach_lerp_(m, g, 1 - b1)
@@ -233,7 +245,7 @@ class LARS(_Layerwise):
             params = self._params(group)
             if not params:
                 continue
-            w, g = [_local(p) for p in params], [_local(p.grad) for p in params]
+            w, g = [_local(p) for p in params], [_local_grad(p) for p in params]
             ids = None
             if group["adapt"]:
                 rows = [self._rows(p) for p in params]
@@ -326,7 +338,7 @@ class CowClip(LAMB):
             dist.all_reduce(counts, group=group)
         norms = ShardedNorms()
         ids = [(norms.add(_local(w).square().sum(1), split_groups(w, rows=True)),
-                norms.add(_local(w.grad).square().sum(1), split_groups(w, rows=True))) for w, _ in tables]
+                norms.add(_local_grad(w).square().sum(1), split_groups(w, rows=True))) for w, _ in tables]
         reduced = norms.reduce()
         self.embed_collectives = norms.collectives + len(self.count_groups)
         start = 0
@@ -336,11 +348,11 @@ class CowClip(LAMB):
             w_norm, g_norm = reduced[wi].sqrt(), reduced[gi].sqrt()
             clip_t = self.ratio * cnt * torch.clamp(w_norm, min=self.ratio * math.sqrt(w.shape[1]) * self.zeta)
             factor = torch.where((cnt > 0) & (g_norm > clip_t), clip_t / g_norm.clamp(min=1e-30), 1.0)
-            _local(w.grad).mul_(factor.unsqueeze(1))
+            _local_grad(w).mul_(factor.unsqueeze(1))
         for group in self.param_groups:  # L2 (coupled) weight decay on the tables
             if group.get("l2"):
                 for p in self._params(group):
-                    _local(p.grad).add_(_local(p), alpha=group["l2"])
+                    _local_grad(p).add_(_local(p), alpha=group["l2"])
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
