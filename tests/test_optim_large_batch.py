@@ -319,3 +319,50 @@ def test_collectives_per_step_do_not_grow_with_parameters(pools, plan_text, expe
     counts = [pool.run(_count_collectives, plan_text, n, o)[0] for n in (1, 3) for o in ("lamb", "lars")]
     assert all(count == (expected, count[1]) for count in counts), counts
     assert counts[0][1] < counts[2][1]  # three layers: more parameters, the same collectives
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def _user_error(capsys, argv, *names):
+    from shoal import cli
+
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shoal: error: "), lines
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--optimizer", "adam"], ["--optimizer 'adam'", "adamw, lamb, lars, cowclip"]),
+    (["--lr", "0"], ["--lr 0.0", "> 0"]),
+    (["--optimizer", "lars", "--lars-eta", "-1"], ["--lars-eta -1.0"]),
+    (["--lr-scaling", "sqrt"], ["--lr-scaling sqrt", "--base-batch"]),
+    (["--adapt-vectors", "yes"], ["'yes'", "on, off"]),
+])
+def test_bad_optimizer_flags(capsys, tmp_path, argv, names):
+    _user_error(capsys, ["train", "--out", str(tmp_path / "run"), "--device", "cpu", *argv], *names)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_with_lamb_then_resume_with_another_optimizer_is_refused(capsys, tmp_path):
+    """`shoal train --optimizer lamb` runs (one process, 2 steps) and records its optimizer; a resume
+    naming another is refused in one line, its checkpoint untouched."""
+    import json
+
+    from shoal import cli
+
+    run = tmp_path / "run"
+    small = ["--device", "cpu", "--nproc", "1", "--set", "num_layers=1", "--set", "dim=32", "--set", "ffn_dim=64",
+             "--global-batch", "4", "--seq-len", "16", "--eval-batches", "1"]
+    assert cli.main(["train", "--out", str(run), "--steps", "2", "--optimizer", "lamb", "--lr-scaling", "sqrt",
+                     "--base-batch", "1", *small]) == 0
+    assert 'optimizer = "lamb"' in (run / "config.toml").read_text()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["lr"] == pytest.approx(3e-3 * 2, rel=1e-6)  # sqrt(4 / 1) x the default lr; no warm-up in 2 steps
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    _user_error(capsys, ["train", "--resume", str(run), "--steps", "3", "--optimizer", "lars"],
+                "--optimizer", "cannot change")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
