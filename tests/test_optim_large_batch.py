@@ -244,8 +244,8 @@ def test_parity_with_one_process(pools):
             what = f"{c.opt} {c.plan} rank {rank}"
             assert_rounding_close(res["losses"], ref32["losses"], ref64["losses"], what=f"{what} losses")
             assert_trained_close(res["final_params"], ref32, ref64, what=f"{what} final params")
-            # the training moved: a trust ratio that stayed at 1 or 0 would not
-            assert ref64["losses"][-1] < ref64["losses"][0], what
+        # the steps moved every weight (the check above measures against the distance moved)
+        assert all(not torch.equal(ref64["final_params"][k], ref64["init_params"][k]) for k in ref64["init_params"])
 
 
 def _halves_step(opt_name):
