@@ -227,8 +227,23 @@ class OptCase(ParityCase):
                                                    eps=self.adam_eps, lars_eta=0.02, adapt_vectors=True))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CowClipCase(ParityCase):
+    """CowClip over the token embedding: ids counted in every rank's forward, summed over the data
+    ranks; in parallel built as the trainer builds it, from the runtime."""
+
+    def optimizer_for(self, source):
+        # ratio 0.05: rows' gradients are clipped (the test would not see the counts otherwise)
+        cfg = OptimConfig(optimizer="cowclip", lr=self.lr, weight_decay=0.1, eps=self.adam_eps, embed_lr=self.lr / 2,
+                          embed_weight_decay=1e-3, cowclip_ratio=0.05)
+        if isinstance(source, nn.Module):  # the single-process reference
+            return build_optimizer(source.parameters(), cfg, embeddings=[source.tok_embeddings])
+        return build_optimizer(source, cfg)
+
+
 PARITY = [OptCase(plan=p, opt=o, lr=0.01 if o == "lamb" else 0.5) for o in ("lamb", "lars")
-          for p in ("dp2", "fsdp2,zero=1", "fsdp2,zero=2", "fsdp2", "tp2")]
+          for p in ("dp2", "fsdp2,zero=1", "fsdp2,zero=2", "fsdp2", "tp2")] + [
+    CowClipCase(plan=p, lr=0.01) for p in ("dp2", "fsdp2,zero=2", "fsdp2", "tp2")]
 
 
 def run_cases(cases):
@@ -241,7 +256,7 @@ def test_parity_with_one_process(pools):
     for i, c in enumerate(PARITY):
         ref32, ref64 = references(c)
         for rank, res in enumerate(r[i] for r in results):
-            what = f"{c.opt} {c.plan} rank {rank}"
+            what = f"{getattr(c, 'opt', 'cowclip')} {c.plan} rank {rank}"
             assert_rounding_close(res["losses"], ref32["losses"], ref64["losses"], what=f"{what} losses")
             assert_trained_close(res["final_params"], ref32, ref64, what=f"{what} final params")
         # the steps moved every weight (the check above measures against the distance moved)

@@ -178,20 +178,25 @@ def scale_for_batch(cfg: OptimConfig, global_batch: int) -> OptimConfig:
         lr_scaling="none", base_batch=None)
 
 
-def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None = None) -> torch.optim.Optimizer:
+def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None = None,
+                    embeddings: list[Any] | None = None,
+                    count_groups: list[Any] | None = None) -> torch.optim.Optimizer:
     """The optimizer `cfg` names over `source`: a Runtime (what `shoal train` passes: CowClip finds
     the embedding tables in its model parts and sums id counts over its data ranks) or an iterable
     of parameters. Weight decay and trust ratios on matrices, none on vectors (norms, biases)
     unless adapt_vectors. AdamW takes torch's fused kernel when every parameter lives on a GPU
-    (see `adamw_kernel`). `global_batch`: apply the batch scaling rule (`scale_for_batch`)."""
+    (see `adamw_kernel`). `global_batch`: apply the batch scaling rule (`scale_for_batch`).
+    `embeddings`, `count_groups`: CowClip's tables and the groups its id counts are summed over,
+    for a source that is not a Runtime (default: found in the runtime / none)."""
     from shoal.runtime import Runtime
     from shoal.train import optimizers
 
     cfg = scale_for_batch(cfg, global_batch) if global_batch is not None else cfg
     runtime = source if isinstance(source, Runtime) else None
     params = [p for p in (runtime.parameters() if runtime is not None else source) if p.requires_grad]
-    embeddings = _embeddings(runtime) if cfg.optimizer == "cowclip" and runtime is not None else []
-    tables = {id(m.weight) for m in embeddings}
+    if embeddings is None:
+        embeddings = _embeddings(runtime) if cfg.optimizer == "cowclip" and runtime is not None else []
+    tables = {id(e[1] if isinstance(e, tuple) else e.weight) for e in embeddings}
     dense = [p for p in params if id(p) not in tables]
     vectors_adapt = cfg.adapt_vectors and cfg.optimizer in ("lamb", "lars")
     groups: list[dict[str, Any]] = [
@@ -214,21 +219,27 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
         g["adapt"] = False
     embed_lr = cfg.embed_lr if cfg.embed_lr is not None else cfg.lr
     if embeddings:
-        groups.append({"params": [m.weight for m in embeddings], "weight_decay": 0.0, "adapt": False,
+        groups.append({"params": [e[1] if isinstance(e, tuple) else e.weight for e in embeddings],
+                       "weight_decay": 0.0, "adapt": False,
                        "l2": cfg.embed_weight_decay, "lr": embed_lr, "lr_scale": embed_lr / cfg.lr})
-    count_groups = reduction_groups(runtime.mesh, ("dp", "fsdp", "cp")) if runtime and runtime.mesh else []
+    if count_groups is None:
+        count_groups = reduction_groups(runtime.mesh, ("dp", "fsdp", "cp")) if runtime and runtime.mesh else []
     return optimizers.CowClip(groups, embeddings=embeddings, count_groups=count_groups, ratio=cfg.cowclip_ratio,
                               zeta=cfg.cowclip_zeta, **adam)
 
 
-def _embeddings(runtime: Any) -> list[nn.Embedding]:
-    """The embedding tables of a runtime's model parts (each once), whose weights train."""
-    seen: dict[int, nn.Embedding] = {}
+def _embeddings(runtime: Any) -> list[tuple[nn.Embedding, nn.Parameter]]:
+    """The embedding tables of a runtime's model parts, each with the parameter the optimizer holds
+    for its weight (matched by name: a ZeRO-1/2 engine hands the optimizer shards, not the module's
+    own weight)."""
+    params = dict(runtime.named_parameters())
+    found: dict[str, tuple[nn.Embedding, nn.Parameter]] = {}
     for part in runtime.parts:
-        for module in part.modules():
-            if isinstance(module, nn.Embedding) and module.weight.requires_grad:
-                seen.setdefault(id(module), module)
-    return list(seen.values())
+        for name, module in part.named_modules():
+            key = f"{name}.weight" if name else "weight"
+            if isinstance(module, nn.Embedding) and key in params and key not in found:
+                found[key] = (module, params[key])
+    return list(found.values())
 
 
 def adamw_kernel(device_types: set[str]) -> dict[str, bool]:

@@ -303,16 +303,18 @@ class CowClip(LAMB):
     that see other tokens) in one all-reduce per group and starts the next step from zero.
     """
 
-    def __init__(self, params: Any, *, embeddings: Iterable[nn.Embedding], count_groups: Sequence[dist.ProcessGroup]
-                 = (), ratio: float = 1.0, zeta: float = 1e-5, **kwargs: Any) -> None:
+    def __init__(self, params: Any, *, embeddings: Iterable[nn.Embedding | tuple[nn.Embedding, torch.Tensor]],
+                 count_groups: Sequence[dist.ProcessGroup] = (), ratio: float = 1.0, zeta: float = 1e-5,
+                 **kwargs: Any) -> None:
         kwargs.setdefault("adapt", False)
         super().__init__(params, **kwargs)
         self.ratio, self.zeta, self.count_groups = ratio, zeta, tuple(count_groups)
-        self._tables: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hooks = []
-        for module in embeddings:
-            counts = torch.zeros(module.num_embeddings, device=_local(module.weight).device)
-            self._tables.append((module.weight, counts))
+        for entry in embeddings:  # a module, or (module, the parameter the optimizer holds for its weight)
+            module, weight = entry if isinstance(entry, tuple) else (entry, entry.weight)
+            counts = torch.zeros(module.num_embeddings, device=_local(weight).device)
+            self._tables.append((weight, counts))
             self._hooks.append(module.register_forward_pre_hook(self._counter(module, counts)))
 
     @staticmethod
@@ -332,7 +334,7 @@ class CowClip(LAMB):
         for _, counts in self._tables:
             counts.zero_()
 
-    def _clip(self, tables: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    def _clip(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         counts = torch.cat([c for _, c in tables])  # one vector for every table: one all-reduce per group
         for group in self.count_groups:
             dist.all_reduce(counts, group=group)
