@@ -381,3 +381,39 @@ def test_train_with_lamb_then_resume_with_another_optimizer_is_refused(capsys, t
     _user_error(capsys, ["train", "--resume", str(run), "--steps", "3", "--optimizer", "lars"],
                 "--optimizer", "cannot change")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+MOE = dataclasses.replace(OptCase().model, num_experts=4, top_k=2, ffn_dim=64)
+MORE = [OptCase(plan="ep2", opt=o, model=MOE, steps=3, reference_micro=2, lr=0.01 if o == "lamb" else 0.5)
+        for o in ("lamb", "lars")] + [OptCase(plan="pp2,mb=2", opt="lamb", lr=0.01, num_micro=2),
+                                      OptCase(plan="cp2", opt="lamb", lr=0.01)]
+
+
+def test_parity_ep_pp_cp(pools):
+    """ep2 (an MoE model: one trust ratio per expert, the experts split over the ranks), pp2 and cp2."""
+    results = pools(2).run(run_cases, MORE)
+    for i, c in enumerate(MORE):
+        ref32, ref64 = references(c)
+        for rank, res in enumerate(r[i] for r in results):
+            what = f"{c.opt} {c.plan} rank {rank}"
+            assert_rounding_close(res["losses"], ref32["losses"], ref64["losses"], what=f"{what} losses")
+            assert_trained_close(res["final_params"], ref32, ref64, what=f"{what} final params")
+
+
+@pytest.mark.parametrize("opt_name", ["lamb", "lars"])
+def test_state_resumes_and_reshards(pools, tmp_path, opt_name):
+    """Steps 0-1 under fsdp2, 2-3 under dp2, 4 in one process, each resumed from the last one's
+    checkpoint: the losses and final weights of an unbroken single-process run."""
+    from shoal.testing import train_segment
+
+    run = OptCase(opt=opt_name, steps=5, lr=0.01 if opt_name == "lamb" else 0.5)
+    ref32, ref64 = references(run)
+    for plan_text, start, end in (("fsdp2", 0, 2), ("dp2", 2, 4), ("single", 4, 5)):
+        if plan_text == "single":
+            results = [train_segment(run, str(tmp_path), plan_text, start, end)]
+        else:
+            results = pools(2).run(train_segment, run, str(tmp_path), plan_text, start, end)
+        for rank, res in enumerate(results):
+            assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
+                                  what=f"{opt_name} {plan_text} rank {rank} losses of steps {start}..{end - 1}")
+    assert_trained_close(results[0]["params"], ref32, ref64)
