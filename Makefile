@@ -2,6 +2,8 @@
 # and rebuilt when pyproject.toml changes.
 #
 #   make train   install, then train the default model (shoal train)
+#   make lint    install, then check the code: ruff (style, imports, likely bugs) and mypy (types);
+#                both read their settings from pyproject.toml
 #   make test    install, then run the test suite
 #
 # torch is installed first, on its own, so that pip takes the CPU build named here and the
@@ -15,7 +17,7 @@ TORCH_PIP_FLAGS ?=
 STAMP := $(VENV)/.shoal-installed
 RUN_ENV := OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
 
-.PHONY: setup train test clean-venv
+.PHONY: setup train lint test clean-venv
 
 setup: $(STAMP)
 
@@ -27,6 +29,10 @@ $(STAMP): pyproject.toml
 
 train: $(STAMP)
 	$(RUN_ENV) $(VENV)/bin/shoal train
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
 
 test: $(STAMP)
 	$(RUN_ENV) $(VENV)/bin/python -m pytest -q tests

@@ -56,7 +56,8 @@ def kept_per_layer(ac: str, kernel: str, *, seq_len: int, batch: int) -> float:
         x = torch.randint(0, cfg.vocab_size, (batch, seq_len))
         backend = SDPBackend.MATH if kernel == "math" else SDPBackend.FLASH_ATTENTION
         with sdpa_kernel(backend):
-            kept[layers], logits = kept_activation_bytes(lambda: model(x))
+            # The lambda runs within this iteration, on this iteration's model and x.
+            kept[layers], logits = kept_activation_bytes(lambda: model(x))  # noqa: B023
             logits.float().sum().backward()  # recompute must also run (and fit) in backward
     return (kept[4] - kept[2]) / 2
 

@@ -131,7 +131,8 @@ def main() -> None:
     longest = {r["config"]: r[f"longest T within {args.budget_mib:g} MiB"] for r in rows}
     for p in (2, 4):
         if longest.get(f"tp{p}"):
-            print(f"longest sequence within budget, cp{p} ring / tp{p}: {longest[f'cp{p} ring'] / longest[f'tp{p}']:.2f}")
+            ratio = longest[f'cp{p} ring'] / longest[f'tp{p}']
+            print(f"longest sequence within budget, cp{p} ring / tp{p}: {ratio:.2f}")
     for cp in (2, 4):
         for balanced in (True, False):
             b = balance(lengths[-1], cp, balanced, repeats=args.repeats)

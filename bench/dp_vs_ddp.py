@@ -70,7 +70,8 @@ def main() -> None:
         rows.append({"rank": rank, "shoal_ms": 1e3 * s["median"], "shoal_iqr%": 100 * s["iqr_rel"],
                      "ddp_ms": 1e3 * d["median"], "ddp_iqr%": 100 * d["iqr_rel"],
                      "ratio": s["median"] / d["median"],
-                     "shoal_peak_mb": res["shoal"]["peak_mb"]["median"], "ddp_peak_mb": res["ddp"]["peak_mb"]["median"]})
+                     "shoal_peak_mb": res["shoal"]["peak_mb"]["median"],
+                     "ddp_peak_mb": res["ddp"]["peak_mb"]["median"]})
     report("dp_vs_ddp", rows, notes=f"world {args.nproc}, model {args.model}, global batch {args.global_batch}, "
            f"seq {args.seq_len}, {args.repeats} interleaved repeats; goal ratio <= 1.05")
 

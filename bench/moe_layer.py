@@ -37,7 +37,8 @@ D, FFN, K, CAP = 256, 512, 2, 1.25
 class SwiGLU(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.w1, self.w2, self.w3 = nn.Linear(D, FFN, bias=False), nn.Linear(FFN, D, bias=False), nn.Linear(D, FFN, bias=False)
+        self.w1, self.w2 = nn.Linear(D, FFN, bias=False), nn.Linear(FFN, D, bias=False)
+        self.w3 = nn.Linear(D, FFN, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -97,14 +98,14 @@ def _peers(num_experts: int) -> dict[str, nn.Module]:
         peers["deepspeed"] = DeepSpeedMoE(hidden_size=D, expert=SwiGLU(), num_experts=num_experts, ep_size=1, k=K,
                                           capacity_factor=CAP, eval_capacity_factor=CAP, min_capacity=0)
     except Exception as exc:  # not installed, or it failed to build: say so in the table
-        peers["deepspeed"] = exc  # type: ignore[assignment]
+        peers["deepspeed"] = exc  # type: ignore[assignment]  # the table shows the error in its place
     try:
         from fairscale.nn import MOELayer, Top2Gate
 
         peers["fairscale"] = _Grouped(MOELayer(Top2Gate(D, num_experts),
                                                nn.ModuleList(SwiGLU() for _ in range(num_experts))), num_experts)
     except Exception as exc:
-        peers["fairscale"] = exc  # type: ignore[assignment]
+        peers["fairscale"] = exc  # type: ignore[assignment]  # the table shows the error in its place
     return peers
 
 
@@ -152,7 +153,7 @@ def _a2a_bytes(tokens: int, num_experts: int, capacity_factor: float) -> dict[st
         sent.append(float(per_rank[1 - rank]) * D * tokens_MD.element_size())
         return original(self, tokens_MD, splits_E)
 
-    AllToAllDispatcher.communicate = counted  # type: ignore[method-assign]
+    AllToAllDispatcher.communicate = counted  # type: ignore[method-assign]  # counts the bytes sent, for this bench
     torch.manual_seed(1 + dist.get_rank())
     layer(torch.randn(1, tokens, D)).sum().backward()
     cap = capacity(tokens, num_experts, K, capacity_factor)

@@ -5,7 +5,7 @@ them), the cost model predicts the step; the table gives predicted / published p
 the error. Nothing in the model is fitted to these runs: its constants come from data sheets and
 kernel papers (shoal.planner.hardware). Writes docs/planner_at_scale.md with --write.
 
-    python -m bench.planner_at_scale [--write]
+    python -m bench.planner_at_scale [--write] [--before OLD.md]
 """
 
 from __future__ import annotations
@@ -58,15 +58,37 @@ def rows(runs: tuple[PublishedRun, ...]) -> list[Row]:
     return out
 
 
-def table(rows: list[Row]) -> list[str]:
-    lines = ["| run | devices | plan | published tok/s/dev | predicted | predicted / published | memory GB (fits) |",
-             "|---|---|---|---|---|---|---|"]
+def read_ratios(path: Path) -> dict[str, float]:
+    """Run name -> predicted / published from an earlier planner_at_scale.md (its last ratio column before
+    the memory column), so a change to the cost model can show the error before and after, per run."""
+    ratios = {}
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 6 and cells[0] not in ("run", "---"):
+            ratios[cells[0].removesuffix(" (*)")] = float(cells[-2])
+    return ratios
+
+
+def table(rows: list[Row], before: dict[str, float] | None = None) -> list[str]:
+    was = "predicted / published before | " if before else ""
+    lines = [f"| run | devices | plan | published tok/s/dev | predicted | {was}predicted / published "
+             "| memory GB (fits) |",
+             "|---|---|---|---|---|---|---|" + ("---|" if before else "")]
     for r in rows:
         mark = "" if r.run.checked else " (*)"
-        lines.append(f"| {r.run.name}{mark} | {r.run.cluster} | `{r.run.plan}` | {r.run.tokens_per_s_per_device:,.1f} | "
-                     f"{r.predicted:,.1f} | {1 + r.error:.3f} | {r.estimate.mem_per_device_bytes / 1e9:.0f} "
+        old = f"{before[r.run.name]:.3f} | " if before and r.run.name in before else ("- | " if before else "")
+        lines.append(f"| {r.run.name}{mark} | {r.run.cluster} | `{r.run.plan}` "
+                     f"| {r.run.tokens_per_s_per_device:,.1f} | "
+                     f"{r.predicted:,.1f} | {old}{1 + r.error:.3f} | {r.estimate.mem_per_device_bytes / 1e9:.0f} "
                      f"({'yes' if r.estimate.fits else 'no'}) |")
     return lines
+
+
+def before_summary(runs: tuple[PublishedRun, ...], before: dict[str, float]) -> list[str]:
+    """The same summary lines for the ratios of the earlier page."""
+    errors = [before[r.name] - 1 for r in runs if r.name in before]
+    checked = [before[r.name] - 1 for r in runs if r.name in before and r.checked]
+    return [summary("before: all runs", errors), summary("before: runs whose every input was checked", checked)]
 
 
 GOAL_WITHIN, GOAL_MEAN = 0.15, 0.05
@@ -76,20 +98,27 @@ GOAL_WITHIN, GOAL_MEAN = 0.15, 0.05
 def summary(name: str, errors: list[float]) -> str:
     absolute = [abs(e) for e in errors]
     within = sum(a <= GOAL_WITHIN for a in absolute)
+    within20 = sum(a <= 0.20 for a in absolute)
     return (f"{name}: {len(errors)} runs, mean absolute error {100 * statistics.mean(absolute):.1f}%, median "
             f"{100 * statistics.median(absolute):.1f}%, worst {100 * max(absolute):.1f}%, mean signed "
-            f"{100 * statistics.mean(errors):+.1f}%, within {100 * GOAL_WITHIN:.0f}%: {within}/{len(errors)}")
+            f"{100 * statistics.mean(errors):+.1f}%, within {100 * GOAL_WITHIN:.0f}%: {within}/{len(errors)}, "
+            f"within 20%: {within20}/{len(errors)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"write {DOC.relative_to(DOC.parent.parent)}")
+    parser.add_argument("--before", type=Path, help="an earlier planner_at_scale.md: show its ratios beside "
+                        "(e.g. git show REV:docs/planner_at_scale.md > before.md)")
     args = parser.parse_args()
+    before = read_ratios(args.before) if args.before else None
     table_rows = rows(PUBLISHED)
-    lines = table(table_rows)
+    lines = table(table_rows, before)
     checked = [r.error for r in table_rows if r.run.checked]
     figures = [summary("all runs", [r.error for r in table_rows]),
                summary("runs whose every input was checked in a source", checked)]
+    if before:
+        figures += before_summary(PUBLISHED, before)
     print("\n".join(lines + [""] + figures))
     if args.write:
         DOC.write_text(_document(table_rows, lines, figures))
@@ -123,11 +152,12 @@ def _findings(table_rows: list[Row]) -> str:
         + "; ".join(r.run.name for r in unfit) + "."
         + (f" {len(selective)} of them run selective recompute, which the model counts as Korthikanti et al. define "
            "it (attention scores only); torchtitan's per-op selective recompute keeps less." if selective else ""),
-        ("The GPU constants are data-sheet numbers; the planner has no GPU calibration (measuring training-shaped "
-        "GEMMs and collectives on the device, as `--calibrate` does on CPUs), and the published runs would stay "
-        f"held out from one. {_one_gpu()}"),
+        ("The GPU constants come from data sheets and published kernel measurements (each source named in "
+        "shoal/planner/hardware.py); the planner has no measured GPU calibration yet (`python -m bench.gpu_check "
+        f"--parts calibrate` writes one), and the published runs stay held out from it. {_one_gpu()}"),
     ]
-    return "\n".join(textwrap.fill(b, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False) for b in bullets)
+    return "\n".join(textwrap.fill(b, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
+                     for b in bullets)
 
 
 def _one_gpu() -> str:

@@ -21,7 +21,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shoal.plan import Plan
 from shoal.plan_command import price, resolve_cluster, workload
 from shoal.planner.search import search
 

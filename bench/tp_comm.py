@@ -138,7 +138,8 @@ def main() -> None:
         f"world {t}, model {args.model} (dim {res[plans[0]][2]['dim']}), batch {args.batch}, seq {args.seq_len}, fp32; "
         "bus bytes per rank per training step (forward + backward + grad norm + optimizer); per layer = "
         "(4 layers - 2 layers)/2; minimum = 4 all-reduces of b*s*h; goal ratio 1.00; with sp the 2 extra "
-        "all-reduces per layer are the norm weights' gradients (2 x dim floats: Partial sums over the sequence shards)"))
+        "all-reduces per layer are the norm weights' gradients "
+        "(2 x dim floats: Partial sums over the sequence shards)"))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from bench.common import launch, measure_pair, report
 from shoal.mesh import build_mesh, data_rank
 from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
-from shoal.runtime import Runtime
 from shoal.plan import Plan
+from shoal.runtime import Runtime
 from shoal.train.step import split_micro, train_step
 
 

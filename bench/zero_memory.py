@@ -28,6 +28,7 @@ where ZeRO-1 and ZeRO-2 differ; with one micro-batch shoal's ZeRO-1 runs exactly
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ def _rank(model_name: str, stage: int, batch: int, seq_len: int, bucket: int | N
     torch.manual_seed(0)
     plain = Transformer(cfg)
     psi = plain.num_params()
-    act, _ = kept_activation_bytes(lambda: plain(micro[0][0]))
+    act, _ = kept_activation_bytes(functools.partial(plain, micro[0][0]))
     del plain
     plan = Plan.parse(f"fsdp{n},zero={stage}" + (f",bucket={bucket}" if bucket else "")).resolve(n)
     mesh = build_mesh(plan)
@@ -111,7 +112,8 @@ def main() -> None:
                          "measured/formula": peak / formula, "measured/(formula+act)": peak / (formula + act),
                          "measured/(master_formula+act)": peak / (master + act)})
     report("zero_memory" + (f"_bucket{args.bucket}" if args.bucket else ""), rows, notes=(
-        f"shoal bucket={args.bucket or 'default'}; model {args.model}, {args.batch} sequences x {args.seq_len} tokens per rank, fp32 AdamW; formula: "
+        f"shoal bucket={args.bucket or 'default'}; model {args.model}, {args.batch} sequences x {args.seq_len} "
+        "tokens per rank, fp32 AdamW; formula: "
         "fp32 adaptation 4Ψ params + 4Ψ grads + 8Ψ moments (stage 1: 8Ψ+8Ψ/N, 2: 4Ψ+12Ψ/N, 3: 16Ψ/N); "
         "measured = MemTracker peak of live tensor bytes on the busiest rank; act = bytes one micro-batch's "
         "forward keeps for backward; master_formula adds the sharded fp32 parameter copy of stages 1-2 (4Ψ/N); "

@@ -5,7 +5,8 @@ size) in one launch, interleaved repeat by repeat so machine drift hits all alik
 repeats after warm-up (the slowest rank's median), with the inter-quartile range. Memory: each
 system in its own launches, so that its memory is its own: peak resident memory during a step minus
 the resident memory before the model was built (after imports and process-group start-up), max
-over ranks, median over --mem-launches launches (it varies by about 10 MB between launches). Goal: shoal / peer <= 1.05 in time and <= 1.0 in memory.
+over ranks, median over --mem-launches launches (it varies by about 10 MB between launches).
+Goal: shoal / peer <= 1.05 in time and <= 1.0 in memory.
 
 FSDP2 direct: `fully_shard` per block and on the root, reshard_after_forward=True (stage 3) or
 False (stage 2); it has no ZeRO-1 mode. DeepSpeed: default ZeRO settings except
@@ -158,7 +159,8 @@ def main() -> None:
                              "shoal_mb_range": s["mem_range"], "peer_mb_range": p["mem_range"]})
     suffix = f"_bucket{args.bucket}" if args.bucket else ""
     report("zero_vs_peers_N" + "_".join(map(str, args.nprocs)) + suffix, rows, notes=(
-        f"shoal bucket={args.bucket or 'default'}; model {args.model}, {args.batch} x {args.seq_len} tokens per rank, fp32 AdamW; time: {args.repeats} "
+        f"shoal bucket={args.bucket or 'default'}; model {args.model}, {args.batch} x {args.seq_len} tokens per "
+        f"rank, fp32 AdamW; time: {args.repeats} "
         "interleaved repeats after 2 warm-up, slowest rank's median; mem (own launches per system, median of "
         f"{args.mem_launches}, *_range = max - min) = peak RSS during a step minus RSS before the model was built, "
         "max over ranks; 2 shared cores, so N=4 is "

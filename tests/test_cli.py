@@ -242,6 +242,9 @@ def test_gpu_machine_defaults(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    # The memory check prices the plan on the GPU torch names, with the memory it reports.
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 80 * 2**30}))
     out = str(tmp_path / "run")
     job = cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out]))
     assert job.device == "cuda" and cli.world_size(job.config, job.device) == 1

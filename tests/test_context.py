@@ -92,7 +92,8 @@ def test_cp_errors_are_one_line():
     plan = Plan.parse("cp4").resolve(4)
     assert "multiple of 8" in one_line_error(plan.validate, SMALL, global_batch=8, seq_len=12)
     a2a = Plan.parse("cp4,cp_mode=a2a").resolve(4)
-    assert "scatters the" in one_line_error(a2a.validate, SMALL.replace(dim=48, num_heads=6, num_kv_heads=6), global_batch=8,
+    narrow = SMALL.replace(dim=48, num_heads=6, num_kv_heads=6)
+    assert "scatters the" in one_line_error(a2a.validate, narrow, global_batch=8,
                                             seq_len=16)
     Plan.parse("fsdp2,cp2").resolve(4)  # resolving asks every rule: fsdp with cp runs
 

@@ -26,7 +26,7 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.reads: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             stack = traceback.extract_stack()[:-1]  # without this frame
             if not any("/torch/optim/" in frame.filename for frame in stack):
@@ -125,7 +125,7 @@ def test_gpu_bf16_attention_runs_the_flash_kernel():
             super().__init__()
             self.names: set[str] = set()
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.names.add(str(func))
             return func(*args, **(kwargs or {}))
 

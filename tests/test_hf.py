@@ -64,7 +64,8 @@ def test_llama_with_bias_and_mha(tmp_path):
 def test_gpt2_maps_and_counts_like_transformers(tmp_path):
     hf = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32)
     cfg = _map(_write(tmp_path, hf))
-    assert (cfg.norm, cfg.activation, cfg.pos_emb, cfg.bias, cfg.tie_embeddings) == ("layernorm", "gelu", "learned", True, True)
+    assert ((cfg.norm, cfg.activation, cfg.pos_emb, cfg.bias, cfg.tie_embeddings)
+            == ("layernorm", "gelu", "learned", True, True))
     assert (cfg.dim, cfg.num_layers, cfg.num_heads, cfg.ffn_dim, cfg.max_seq_len) == (64, 2, 4, 256, 32)
     expected = _hf_count(hf, transformers.GPT2LMHeadModel)
     assert Transformer(cfg).num_params() == expected == cfg.num_params()
@@ -97,7 +98,8 @@ def test_gpt_neox_keeps_the_shape(tmp_path):
     hf = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                     num_attention_heads=4, vocab_size=100, max_position_embeddings=64)
     cfg = _map(_write(tmp_path, hf), "use_parallel_residual", "rotary on 0.25")
-    assert (cfg.norm, cfg.activation, cfg.pos_emb, cfg.bias, cfg.tie_embeddings) == ("layernorm", "gelu", "rope", True, False)
+    assert ((cfg.norm, cfg.activation, cfg.pos_emb, cfg.bias, cfg.tie_embeddings)
+            == ("layernorm", "gelu", "rope", True, False))
     assert Transformer(cfg).num_params() == _hf_count(hf, transformers.GPTNeoXForCausalLM)
 
 

@@ -155,10 +155,12 @@ def test_sharded_export_and_import(pools, tmp_path):
 
 
 def test_unsupported_models_give_one_line_errors():
-    for cfg, words in ((ModelConfig(norm="layernorm", activation="gelu", pos_emb="learned", bias=True), "pos_emb='learned'"),
+    gpt2_like = ModelConfig(norm="layernorm", activation="gelu", pos_emb="learned", bias=True)
+    for cfg, words in ((gpt2_like, "pos_emb='learned'"),
                        (ModelConfig(bias=True), "bias=True"),
                        (ModelConfig(num_experts=4), "num_experts=4")):
-        for fn in (lambda: hf_llama_config(cfg), lambda: to_hf_llama({}, cfg), lambda: from_hf_llama({}, cfg)):
+        # Each lambda is called right here, within the iteration over cfg.
+        for fn in (lambda: hf_llama_config(cfg), lambda: to_hf_llama({}, cfg), lambda: from_hf_llama({}, cfg)):  # noqa: B023
             with pytest.raises(ValueError) as info:
                 fn()
             message = str(info.value)
@@ -171,8 +173,10 @@ def test_unsupported_models_give_one_line_errors():
 def tiny_run(tmp_path_factory):
     """A 2-step `shoal train` run of a small Llama-style model, in one process."""
     run = tmp_path_factory.mktemp("hfexport") / "run"
-    argv = ["train", "--out", str(run), "--device", "cpu", "--nproc", "1", "--steps", "2", "--global-batch", "4", "--seq-len", "32",
-            "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--eval-every", "0", "--ckpt-every", "1"]
+    argv = ["train", "--out", str(run), "--device", "cpu", "--nproc", "1", "--steps", "2", "--global-batch", "4",
+            "--seq-len", "32",
+            "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--eval-every", "0",
+            "--ckpt-every", "1"]
     assert cli.main(argv) == 0
     return run
 

@@ -153,5 +153,6 @@ def test_with_overrides_rejects_bad_input_in_one_line(pairs, words):
 
 
 def test_unknown_preset():
-    with pytest.raises(ValueError, match=r"unknown model 'tiny2'; valid: tiny, tiny-moe, .* or hf:<dir or config.json>"):
+    with pytest.raises(ValueError,
+                       match=r"unknown model 'tiny2'; valid: tiny, tiny-moe, .* or hf:<dir or config.json>"):
         get_preset("tiny2")

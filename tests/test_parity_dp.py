@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.testing import case, check_parity, run_parallel, run_reference
+from shoal.testing import case, check_parity, run_parallel
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,8 @@ def _layout(model_cfg: ModelConfig) -> bool:
         ("tp8", SMALL, "tp=8 does not divide 4 KV heads; valid: 1, 2, 4"),
         ("tp4", SMALL.replace(ffn_dim=130), "tp=4 does not divide 130 FFN hidden size; valid: 1, 2, 5, 10"),
         ("tp4", SMALL.replace(vocab_size=130), "tp=4 does not divide 130 vocabulary size; valid: 1, 2, 5, 10"),
-        ("tp2", SMALL, "tp=2 with sequence parallelism does not divide the sequence length 15; valid: tp in 1, 3, 5, 15"),
+        ("tp2", SMALL,
+         "tp=2 with sequence parallelism does not divide the sequence length 15; valid: tp in 1, 3, 5, 15"),
     ],
 )
 def test_tp_degree_errors(plan, cfg, message):

@@ -17,8 +17,18 @@ import pytest
 from shoal.parallel.pipeline import split_layers
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
-from shoal.testing import (SMALL, assert_rounding_close, assert_trained_close, cached_mesh, case, check_parity,
-                           one_line_error, references, run_parallel, train_segment)
+from shoal.testing import (
+    SMALL,
+    assert_rounding_close,
+    assert_trained_close,
+    cached_mesh,
+    case,
+    check_parity,
+    one_line_error,
+    references,
+    run_parallel,
+    train_segment,
+)
 
 DEEP = dataclasses.replace(SMALL, num_layers=8)
 """Enough layers for pp4 with two chunks per rank."""

@@ -55,7 +55,8 @@ def test_parse_fields():
 ])
 def test_resolve_fills_dp(text, world, resolved):
     plan = Plan.parse(text).resolve(world)
-    assert str(plan) == resolved + ",precision=fp32,compile=off" and plan.world_size == world  # the CPU's defaults, said
+    # the CPU's defaults, said
+    assert str(plan) == resolved + ",precision=fp32,compile=off" and plan.world_size == world
     names, sizes = plan.mesh_shape()
     assert names == ("pp", "dp", "fsdp", "cp", "tp")
     assert dict(zip(names, sizes)) == {a: getattr(plan, a) for a in names}
@@ -67,7 +68,8 @@ def test_compile_defaults_by_device():
     assert Plan.parse("dp2").resolve(2, "cpu").compile is False
     assert Plan.parse("dp2,compile=off").resolve(2, "cuda").compile is False
     plan = Plan.parse("fsdp2,compile=on").resolve(2, "cpu")
-    assert plan.compile is True and str(plan) == "fsdp2,precision=fp32,compile=on" and Plan.parse(str(plan)).resolve(2) == plan
+    assert plan.compile is True and str(plan) == "fsdp2,precision=fp32,compile=on"
+    assert Plan.parse(str(plan)).resolve(2) == plan
     assert "compile: each transformer block" in plan.describe()
     assert one_line_error(Plan.parse, "dp2,compile=yes") == "plan option compile='yes' is not valid; valid: on, off"
 
@@ -119,7 +121,8 @@ def test_resolve_errors():
     assert "valid: 3, 6, 9, 12" in one_line_error(Plan.parse("tp3").resolve, 8)
     message = one_line_error(Plan.parse("dp2,tp2").resolve, 8)
     assert "4 processes" in message and "world size is 8" in message and "leave dp out" in message
-    assert "ep=4 must divide" in one_line_error(Plan.parse("ep4").resolve, 2) and "valid: 1, 2" in one_line_error(Plan.parse("ep4").resolve, 2)
+    assert "ep=4 must divide" in one_line_error(Plan.parse("ep4").resolve, 2)
+    assert "valid: 1, 2" in one_line_error(Plan.parse("ep4").resolve, 2)
     assert "world size 0 must be >= 1" in one_line_error(Plan.parse("dp1").resolve, 0)
 
 
@@ -130,13 +133,14 @@ def test_validate_against_model_and_batch():
         "tp=3 does not divide 8 attention heads; valid: 1, 2, 4, 8"
     )
     kv = Plan.parse("tp8").resolve(8)
-    assert "tp=8 does not divide 4 KV heads; valid: 1, 2, 4" in one_line_error(kv.validate, TINY, global_batch=8, seq_len=64)
+    assert "tp=8 does not divide 4 KV heads; valid: 1, 2, 4" in one_line_error(kv.validate, TINY, global_batch=8,
+                                                                                seq_len=64)
     assert "pp=8 exceeds the model's 4 layers; valid: 1..4" in one_line_error(
         Plan.parse("pp8").resolve(8).validate, TINY, global_batch=16, seq_len=64)
     assert "30 tokens do not divide; valid: a sequence length that is a multiple of 8, or cp in 1, 3, 5, 15" in (
         one_line_error(Plan.parse("cp4").resolve(4).validate, TINY, global_batch=4, seq_len=30))
-    assert "global batch 6 is not divisible by the 4 data-parallel ranks (dp*fsdp); valid: multiples of 4" in one_line_error(
-        Plan.parse("dp2,fsdp2").resolve(4).validate, TINY, global_batch=6, seq_len=64)
+    assert ("global batch 6 is not divisible by the 4 data-parallel ranks (dp*fsdp); valid: multiples of 4"
+            in one_line_error(Plan.parse("dp2,fsdp2").resolve(4).validate, TINY, global_batch=6, seq_len=64))
     assert "mb=3 does not divide the 8 sequences each pipeline gets per step; valid: 1, 2, 4, 8" in one_line_error(
         Plan.parse("pp2,mb=3").resolve(2).validate, TINY, global_batch=8, seq_len=64)
     assert "ep=2 needs a Mixture-of-Experts model; this one has num_experts=0" in one_line_error(
@@ -178,8 +182,9 @@ def test_plan_built_in_python_is_checked_too():
     assert "precision='fp8' is not valid" in one_line_error(Plan, precision="fp8")
 
 
-OPTION_VALUES = {"zero": ("1", "3"), "bucket": ("2",), "offload": ("on", "off"), "mb": ("4",), "sched": ("gpipe", "1f1b"),
-                 "vpp": ("2",), "cp_mode": ("a2a", "ring"), "sp": ("off", "on"), "ac": ("full",), "precision": ("bf16",),
+OPTION_VALUES = {"zero": ("1", "3"), "bucket": ("2",), "offload": ("on", "off"), "mb": ("4",),
+                 "sched": ("gpipe", "1f1b"), "vpp": ("2",), "cp_mode": ("a2a", "ring"), "sp": ("off", "on"),
+                 "ac": ("full",), "precision": ("bf16",),
                  "reduce": ("bf16",), "compile": ("on",), "split": ("2", "1/3")}
 
 

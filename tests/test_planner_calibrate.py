@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 
 import pytest
 

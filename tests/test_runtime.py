@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from shoal.models import Transformer
-from shoal.rules import EngineChoice, choose_engine
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
+from shoal.rules import EngineChoice, choose_engine
 from shoal.testing import SMALL, cached_mesh, full_tensors
 from shoal.train.step import train_step
 
@@ -149,4 +149,4 @@ def test_device_type_reads_the_group_backend(monkeypatch):
 def test_engine_choice_is_frozen_data():
     choice = EngineChoice(kind="zero", zero=2, bucket=2, units=3)
     with pytest.raises(AttributeError):
-        choice.kind = "ddp"  # type: ignore[misc]
+        choice.kind = "ddp"  # type: ignore[misc]  # the point: a frozen field refuses assignment

@@ -110,7 +110,8 @@ def test_run_folder_contents(runs):
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step_00000003", "step_00000006"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["final_loss"] == records[-1]["loss"] and 0 < summary["mfu"] < 1
-    assert (summary["device"], summary["precision"], summary["plan"]) == ("cpu", "fp32", "dp2,precision=fp32,compile=off")
+    assert ((summary["device"], summary["precision"], summary["plan"])
+            == ("cpu", "fp32", "dp2,precision=fp32,compile=off"))
 
 
 def test_sample_prints_text(runs, capsys):

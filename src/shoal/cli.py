@@ -26,7 +26,7 @@ class UserError(ValueError):
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # No abbreviations: `--step 5` must not quietly mean `--steps 5`.
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> NoReturn:  # argparse would print usage and exit itself
         raise UserError(message)
@@ -157,8 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="DIR", help="continue this run folder from its newest checkpoint that "
                        "verifies [off: a new run]")
     train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys) [none]")
+    train.add_argument("--dry-run", dest="dry_run", action="store_const", const=True, default=argparse.SUPPRESS,
+                       help="set up, run one step on throwaway state, print each rank's memory beside the planner's "
+                       "prediction, save nothing, exit [off]")
     train.add_argument("--no-memory-check", dest="memory_check", action="store_const", const=False,
-                       default=argparse.SUPPRESS, help="run even where the memory check predicts the plan won't fit")
+                       default=argparse.SUPPRESS,
+                       help="run even where the memory check predicts the plan won't fit [off: checked]")
     train.set_defaults(func=_train)
 
     from shoal.plan_command import add_parser as add_plan_parser
@@ -173,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate [200]")
     sample.add_argument("--temperature", type=float, default=0.8, metavar="T",
                         help="divide the logits by T; lower is more predictable [0.8]")
-    sample.add_argument("--top-k", type=int, default=40, metavar="K", help="sample among the K likeliest tokens; 0: all [40]")
+    sample.add_argument("--top-k", type=int, default=40, metavar="K",
+                        help="sample among the K likeliest tokens; 0: all [40]")
     sample.add_argument("--seed", type=int, default=0, help="seed of the sampler [0]")
     sample.set_defaults(func=_sample)
 
@@ -319,9 +324,9 @@ def validate(cfg: Any, device: str) -> None:
     """Model, plan, batch and data against each other, for the world the run will have on `device`."""
     import torch
 
+    from shoal import rules
     from shoal.launch import under_torchrun
     from shoal.models import Transformer
-    from shoal import rules
     from shoal.train.config import parse_plan
     from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
 

@@ -106,7 +106,8 @@ def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int, max_restarts: int 
                   if r != rank and f.exitcode > 0 and last_line(f.message, f.exitcode) != f"exit code {f.exitcode}"]
         then = f"; then {'; '.join(others[:3])}" if others else ""
         was = f"; it {where}" if where else ""
-        raise WorkerFailed(f"rank {rank} of {nproc} failed: {last_line(failure.message, failure.exitcode)}{was}{then}") \
+        last = last_line(failure.message, failure.exitcode)
+        raise WorkerFailed(f"rank {rank} of {nproc} failed: {last}{was}{then}") \
             from None
 
 
@@ -145,7 +146,7 @@ def _forward_stop_signals() -> Iterator[None]:
             first.append(time.monotonic())
             for proc in workers:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signum)
+                    os.kill(proc.pid, signum)  # type: ignore[arg-type]  # a started child has a pid
         elif time.monotonic() - first[0] > 1.0:  # one Ctrl-C may arrive twice (terminal, then forwarded)
             for proc in workers:
                 proc.kill()

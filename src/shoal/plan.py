@@ -41,8 +41,8 @@ _CHOICES = {
     "compile": ("on", "off"),
 }
 _ON_OFF = ("sp", "offload", "compile")
-NEEDS_AXIS = {"zero": "fsdp", "bucket": "fsdp", "offload": "fsdp", "mb": "pp", "sched": "pp", "vpp": "pp", "split": "pp",
-              "cp_mode": "cp", "sp": "tp"}
+NEEDS_AXIS = {"zero": "fsdp", "bucket": "fsdp", "offload": "fsdp", "mb": "pp", "sched": "pp", "vpp": "pp",
+              "split": "pp", "cp_mode": "cp", "sp": "tp"}
 """Options that act on one axis only: given without that axis they would do nothing, so they
 are refused (the other options act on every plan)."""
 
@@ -140,12 +140,14 @@ class Plan:
         """Parse a plan string such as "dp2,tp2", "fsdp4,zero=1" or "auto"."""
         text = text.strip()
         if not text:
-            raise ValueError("empty plan; valid: a comma-separated list such as 'dp2', 'fsdp4,zero=1', 'tp2,pp2' or 'auto'")
+            raise ValueError("empty plan; valid: a comma-separated list such as 'dp2', 'fsdp4,zero=1', "
+                             "'tp2,pp2' or 'auto'")
         fields: dict[str, object] = {}
         for part in (p.strip() for p in text.split(",")):
             if not part:
                 raise ValueError(f"plan {text!r} has an empty item; items are separated by single commas")
-            key = part.partition("=")[0].strip().rstrip("0123456789") if "=" not in part else part.partition("=")[0].strip()
+            name = part.partition("=")[0].strip()
+            key = name.rstrip("0123456789") if "=" not in part else name
             if key in fields:
                 raise ValueError(f"plan {text!r} names {key!r} twice")
             if part == "auto":
@@ -164,7 +166,7 @@ class Plan:
                 if not digits or int(digits) < 1:
                     raise ValueError(f"plan axis {part!r} needs a degree >= 1, as in '{name}2'")
                 fields[name] = int(digits)
-        plan = cls(**fields)  # type: ignore[arg-type]
+        plan = cls(**fields)  # type: ignore[arg-type]  # values parsed per field above
         plan._check_axes([k for k in NEEDS_AXIS if k in fields])  # given, even at its default value
         return plan
 
@@ -239,6 +241,7 @@ class Plan:
         assert self.dp is not None, "call Plan.resolve(world_size) first"
         lines = [f"plan {self} on {self.world_size} process(es):"]
         if self.pp > 1:
+            assert self.vpp is not None, "call Plan.resolve(world_size) first"
             lines.append(
                 f"  pipeline: layers split into {self.pp} stages ({self.sched}, {self.micro_batches} micro-batches"
                 + (f", {self.vpp} virtual stages per rank" if self.vpp > 1 else "") + ")"
@@ -251,6 +254,7 @@ class Plan:
         if self.cp > 1:
             lines.append(f"  context: each sequence split into {self.cp} chunks ({self.cp_mode} attention)")
         if self.fsdp > 1:
+            assert self.zero is not None, "call Plan.resolve(world_size) first"
             what = {1: "optimizer state", 2: "optimizer state and gradients",
                     3: "parameters, gradients and optimizer state"}[self.zero]
             lines.append(f"  sharded data: ZeRO-{self.zero}, {what} sharded {self.fsdp} ways"
@@ -261,11 +265,13 @@ class Plan:
         if self.ep > 1:
             outside = self.data_ranks // self.ep
             lines.append(f"  expert: experts split {self.ep} ways over the data ranks"
-                         + (f", each sharded over the {outside} data ranks outside ep" if self.fsdp > 1 < outside else "")
+                         + (f", each sharded over the {outside} data ranks outside ep"
+                            if self.fsdp > 1 < outside else "")
                          + (f", each expert's FFN split {self.tp} ways like the dense FFN" if self.tp > 1 else ""))
         if self.ac != "none":
             lines.append(f"  recompute: {self.ac} activation checkpointing")
-        lines.append(f"  precision: {self.precision}" + (f", gradients reduced in {self.reduce}" if self.reduce != "fp32" else ""))
+        reduce = f", gradients reduced in {self.reduce}" if self.reduce != "fp32" else ""
+        lines.append(f"  precision: {self.precision}{reduce}")
         if self.compile:
             lines.append("  compile: each transformer block compiled with torch.compile (the first steps pay for it)")
         return "\n".join(lines)

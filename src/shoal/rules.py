@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shoal.plan import DEVICE_DEFAULTS, DEVICES, Plan
 
@@ -192,7 +192,7 @@ def _resolve_degrees(plan: Plan, facts: Facts) -> Plan:
             f"plan {plan} uses dp*fsdp*tp*pp*cp = {plan.dp * others} processes but the world size is "
             f"{world}; leave dp out to let it take what the other axes leave"
         )
-    unset = {k: v for k, v in DEVICE_DEFAULTS[facts.device].items() if getattr(plan, k) is None}
+    unset: dict[str, Any] = {k: v for k, v in DEVICE_DEFAULTS[facts.device].items() if getattr(plan, k) is None}
     return dataclasses.replace(plan, **unset) if unset else plan
 
 
@@ -351,6 +351,7 @@ def _batch_rule(plan: Plan, facts: Facts) -> str | None:
 def _pipeline_rule(plan: Plan, facts: Facts) -> str | None:
     if plan.pp == 1:
         return None
+    assert plan.vpp is not None, "the rules see plans whose options are chosen"
     layers, model = facts.layers, facts.model
     if model is not None and model.tie_embeddings:
         return (f"pp={plan.pp} with tie_embeddings: the first and last stages would share the embedding; "
@@ -380,6 +381,7 @@ def _engine_refusal(plan: Plan, facts: Facts) -> str | None:
     """A pipeline schedule the plan's data engine cannot run (the module docstring says why)."""
     if plan.pp == 1:
         return None
+    assert plan.vpp is not None, "the rules see plans whose options are chosen"
     kind = choose_engine(plan, num_layers=facts.layers or plan.pp * plan.vpp).kind
     if plan.vpp > 1 and kind != "none":
         return (f"sched=interleaved runs with pp, tp and cp only in this version (a data engine per chunk is not "

@@ -40,7 +40,6 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
 from shoal.moe.collect import MoECollector
-from shoal.rules import EngineChoice
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
 from shoal.parallel.expert import ExpertGrads
@@ -50,6 +49,7 @@ from shoal.parallel.schedules import bubble_fraction, save_gantt
 from shoal.parallel.tensor import reduce_partial_grads
 from shoal.parallel.vocab import cross_entropy, local_value, vocab_parallel_loss
 from shoal.plan import Plan
+from shoal.rules import EngineChoice
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -79,7 +79,8 @@ class Runtime:
         self._engine = engine
         # The loss is averaged over every rank that sees other tokens: data ranks and cp ranks.
         self._data_groups = reduction_groups(mesh, ("dp", "fsdp", "cp")) if mesh is not None else []
-        precision = PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce) if plan else PrecisionPolicy()
+        precision = (PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce) if plan
+                     else PrecisionPolicy())
         self.loss_scaler: LossScaler | None = LossScaler() if precision.loss_scaling else None
         """fp16's dynamic loss scale; its state belongs in the trainer's checkpoint state."""
 
@@ -139,9 +140,9 @@ class Runtime:
             n = len(micro_batches)
             # Stages start backward from their outputs, so MoE losses ride on the layers' outputs.
             with self._moe.attached(lambda added: scale(added / n) if scale is not None else added / n):
-                total = self.pipeline.step(self.local_batches(micro_batches), loss_fn, scale=scale)
+                pp_total = self.pipeline.step(self.local_batches(micro_batches), loss_fn, scale=scale)
             self._after_backward()
-            return self._pp_sum(total)
+            return self._pp_sum(pp_total)
         total: torch.Tensor | float = 0.0
         for i, (inputs, targets) in enumerate(self.local_batches(micro_batches)):
             last = i == len(micro_batches) - 1
@@ -174,8 +175,7 @@ class Runtime:
         """This rank's mean loss over the micro-batches, without gradients (on the device)."""
         loss_fn = loss_fn or cross_entropy
         if self.pipeline is not None:
-            total = self.pipeline.step(self.local_batches(micro_batches), loss_fn, train=False)
-            return self._pp_sum(total)
+            return self._pp_sum(self.pipeline.step(self.local_batches(micro_batches), loss_fn, train=False))
         total: torch.Tensor | float = 0.0
         for inputs, targets in self.local_batches(micro_batches):
             output = self._engine.model(inputs)
@@ -261,7 +261,7 @@ class Runtime:
         """Under pp, `value` summed over the stages (the loss lives on the last one), on the device."""
         if self._pp_group is None:
             return value
-        value = value.detach().to(self.mesh.device_type).clone()  # type: ignore[union-attr]
+        value = value.detach().to(self.mesh.device_type).clone()  # type: ignore[union-attr]  # _pp_group implies a mesh
         dist.all_reduce(value, group=self._pp_group)
         return value
 
@@ -281,11 +281,12 @@ class Runtime:
         """Under pp, after a step run with `pipeline.record` on: its measured bubble (idle share of
         the ranks' time) beside the formula (p-1)/(v*m+p-1), and, where `chart` is given, the
         step drawn there (a Gantt chart PNG). Collective over the pp group."""
-        assert self.pipeline is not None and self.plan is not None
+        assert self.pipeline is not None and self.plan is not None and self.plan.vpp is not None
         timeline = self.pipeline_timeline()
         p, m, v = self.plan.pp, self.plan.micro_batches, self.plan.vpp
         if chart is not None:
-            save_gantt(timeline, chart, title=f"{self.plan.sched}, {m} micro-batches on {p} ranks: the last training step")
+            save_gantt(timeline, chart,
+                       title=f"{self.plan.sched}, {m} micro-batches on {p} ranks: the last training step")
         return {"pipeline_bubble": bubble_fraction(timeline), "pipeline_bubble_formula": (p - 1) / (v * m + p - 1)}
 
     def _pipeline_forward(self, inputs: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,8 @@ class WorkerPool:
             except queue.Empty:
                 missing = sorted(set(range(self.world_size)) - set(out))
                 self.close()
-                raise TimeoutError(f"{fn.__name__}: rank(s) {missing} gave no answer in {self.timeout_s:.0f} s") from None
+                raise TimeoutError(f"{fn.__name__}: rank(s) {missing} gave no answer in "
+                                   f"{self.timeout_s:.0f} s") from None
             if not ok:
                 self.close()
                 raise RuntimeError(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{payload}")
@@ -225,10 +226,6 @@ class ParityCase:
     """AdamW's eps."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form knobs for cases that later parallelisms add."""
-    reference_micro: int | None = None
-    """Micro-batches of the single-process reference (None: num_micro). An MoE layer routes each
-    micro-batch on its own (capacity is per micro-batch): to compare dp2 with one micro-batch per
-    rank, the reference runs the same two groups of rows, as 2."""
 
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The global batches of every step: seeded random tokens, the same in every process."""
@@ -257,9 +254,9 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
     batches = case.batches()
     result: dict[str, Any] = {"losses": [], "init_params": full_tensors(model)}
     moe = MoECollector(model)  # an MoE model's auxiliary losses join the training loss
-    micro = case.reference_micro or case.num_micro
-    with torch.no_grad():  # in the data ranks' groups of rows (an MoE layer routes each on its own)
-        result["logits"] = torch.cat([model(x) for x in batches[0][0].chunk(micro // case.num_micro)])
+    micro = case.num_micro  # one process's accumulation over the whole global batch
+    with torch.no_grad():
+        result["logits"] = model(batches[0][0])
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -404,7 +401,8 @@ def assert_trained_close(final: dict[str, torch.Tensor], ref32: dict[str, Any], 
     """Parameters after several AdamW steps against the references' `final_params` (see
     `check_parity`): per tensor, within MOVED of the distance the float64 run moved them from
     `init_params`, plus SLACK times the single-process float32 run's own distance."""
-    assert set(final) <= set(ref64["final_params"]), f"{what}: unknown names {sorted(set(final) - set(ref64['final_params']))}"
+    unknown = sorted(set(final) - set(ref64["final_params"]))
+    assert not unknown, f"{what}: unknown names {unknown}"
     for name in final:  # a pipeline stage's own
         truth = ref64["final_params"][name]
         moved = (truth - ref64["init_params"][name]).norm().item()
@@ -430,14 +428,17 @@ def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, en
         runtime = parallelize(case.build_model(), plan, cached_mesh(plan))
     optimizer = case.optimizer_for(runtime)
     if start > 0:
-        extra = load_checkpoint(latest_checkpoint(run_dir), runtime=runtime, optimizer=optimizer)
+        path = latest_checkpoint(run_dir)
+        assert path is not None, run_dir
+        extra = load_checkpoint(path, runtime=runtime, optimizer=optimizer)
         assert extra["step"] == start, extra
     index, count = runtime.data_rank
     rows = case.global_batch // count
     losses = []
     for x, y in case.batches()[start:end]:
         x, y = x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]
-        losses.append(float(train_step(runtime, optimizer, split_micro(x, y, num_micro), grad_clip=case.grad_clip).loss))
+        micro = split_micro(x, y, num_micro)
+        losses.append(float(train_step(runtime, optimizer, micro, grad_clip=case.grad_clip).loss))
     save_checkpoint(run_dir, end, runtime=runtime, optimizer=optimizer, extra={"step": end, "plan": plan_text})
     return {"losses": losses, "params": full_tensors(runtime)}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,14 @@ class ModelConfig:
     capacity_factor: float = 1.25
     """Tokens an expert takes per step, as a multiple of its even share (N*top_k/E); assignments
     beyond it are dropped (the residual carries the token). 0: dropless."""
+    moe_group_tokens: int = 0
+    """Tokens per routing group (GShard's groups), a model hyper-parameter: capacity
+    (ceil(capacity_factor * G * top_k / num_experts) for a group of G tokens), dropping priority and
+    the load-balancing loss are taken within each group, the loss averaged over groups. Groups are
+    spans of this many consecutive tokens of one sequence, the last taking the remainder; 0: one
+    group per sequence (G = the sequence length). A group never spans two sequences, so the
+    routing, and the loss curve, is the same under any parallel plan and micro-batch count; a
+    sequence shorter than the group (sampling, a short evaluation) is one group."""
     num_shared_experts: int = 0
     """Dense experts every token of an MoE layer passes through besides its routed ones."""
     aux_loss_coef: float = 0.01
@@ -81,7 +90,7 @@ class ModelConfig:
                                                                 or self.top_k != self.num_prototypes)):
             raise ValueError(f"num_prototypes={self.num_prototypes} must divide num_experts={self.num_experts} "
                              f"and equal top_k={self.top_k} (top-1 in each group), or be 0 (plain top-k)")
-        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts"):
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts", "moe_group_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
         if self.num_experts and self.top_k == 1 and self.norm_topk:
@@ -125,7 +134,7 @@ class ModelConfig:
         return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
 
     def replace(self, **overrides: object) -> ModelConfig:
-        return dataclasses.replace(self, **overrides)  # type: ignore[arg-type]
+        return dataclasses.replace(self, **overrides)  # type: ignore[arg-type]  # replace checks the field names
 
     def with_overrides(self, pairs: list[str] | dict[str, str]) -> ModelConfig:
         """Apply `key=value` overrides (strings, as from `--set`), converting to each field's type."""
@@ -168,8 +177,8 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"model field {name}={value!r} is not valid; valid: {', '.join(choices)}")
 
 
-_GPT = dict(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
-_LLAMA3 = dict(vocab_size=128256, max_seq_len=8192, rope_theta=500000.0)
+_GPT: dict[str, Any] = dict(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
+_LLAMA3: dict[str, Any] = dict(vocab_size=128256, max_seq_len=8192, rope_theta=500000.0)
 
 PRESETS: dict[str, ModelConfig] = {
     # Small shapes that train on a laptop CPU (tests and the default demo).
@@ -178,17 +187,23 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-gpt": ModelConfig(num_layers=4, dim=128, num_heads=8, ffn_dim=512, **_GPT),
     "small": ModelConfig(num_layers=8, dim=256, num_heads=8, num_kv_heads=4, ffn_dim=768, max_seq_len=512),
     # Well-known large shapes, for the planner (GPT-3: Brown et al. 2020, table 2.1).
-    "gpt3-1.3b": ModelConfig(num_layers=24, dim=2048, num_heads=16, ffn_dim=8192, vocab_size=50304, max_seq_len=2048, **_GPT),
-    "gpt3-2.7b": ModelConfig(num_layers=32, dim=2560, num_heads=32, ffn_dim=10240, vocab_size=50304, max_seq_len=2048, **_GPT),
-    "gpt3-6.7b": ModelConfig(num_layers=32, dim=4096, num_heads=32, ffn_dim=16384, vocab_size=50304, max_seq_len=2048, **_GPT),
-    "gpt3-13b": ModelConfig(num_layers=40, dim=5120, num_heads=40, ffn_dim=20480, vocab_size=50304, max_seq_len=2048, **_GPT),
-    "gpt3-175b": ModelConfig(num_layers=96, dim=12288, num_heads=96, ffn_dim=49152, vocab_size=50304, max_seq_len=2048, **_GPT),
+    "gpt3-1.3b": ModelConfig(num_layers=24, dim=2048, num_heads=16, ffn_dim=8192,
+                             vocab_size=50304, max_seq_len=2048, **_GPT),
+    "gpt3-2.7b": ModelConfig(num_layers=32, dim=2560, num_heads=32, ffn_dim=10240,
+                             vocab_size=50304, max_seq_len=2048, **_GPT),
+    "gpt3-6.7b": ModelConfig(num_layers=32, dim=4096, num_heads=32, ffn_dim=16384,
+                             vocab_size=50304, max_seq_len=2048, **_GPT),
+    "gpt3-13b": ModelConfig(num_layers=40, dim=5120, num_heads=40, ffn_dim=20480,
+                            vocab_size=50304, max_seq_len=2048, **_GPT),
+    "gpt3-175b": ModelConfig(num_layers=96, dim=12288, num_heads=96, ffn_dim=49152,
+                             vocab_size=50304, max_seq_len=2048, **_GPT),
     # Llama 3 (Meta 2024, "The Llama 3 Herd of Models", table 3).
     "llama3-8b": ModelConfig(num_layers=32, dim=4096, num_heads=32, num_kv_heads=8, ffn_dim=14336, **_LLAMA3),
     "llama3-70b": ModelConfig(num_layers=80, dim=8192, num_heads=64, num_kv_heads=8, ffn_dim=28672, **_LLAMA3),
     "llama3-405b": ModelConfig(num_layers=126, dim=16384, num_heads=128, num_kv_heads=8, ffn_dim=53248, **_LLAMA3),
     # BERT-Large's shape (Devlin et al. 2019) as a decoder, for planning.
-    "bert-large": ModelConfig(num_layers=24, dim=1024, num_heads=16, ffn_dim=4096, vocab_size=30528, max_seq_len=512, **_GPT),
+    "bert-large": ModelConfig(num_layers=24, dim=1024, num_heads=16, ffn_dim=4096,
+                              vocab_size=30528, max_seq_len=512, **_GPT),
     # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2, in every layer.
     "mixtral-8x7b": ModelConfig(num_layers=32, dim=4096, num_heads=32, num_kv_heads=8, ffn_dim=14336, vocab_size=32000,
                                 max_seq_len=32768, rope_theta=1e6, num_experts=8, top_k=2),

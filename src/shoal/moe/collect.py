@@ -76,7 +76,8 @@ class MoECollector:
         out = {}
         for name, stats in calls.items():
             kept = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0)
-            mean = lambda key: torch.stack([s[key] for s in stats]).float().mean()  # noqa: E731
+            # Called only within this iteration, on this layer's stats.
+            mean = lambda key: torch.stack([s[key] for s in stats]).float().mean()  # noqa: E731, B023
             figures = torch.stack([kept.min(), kept.mean(), kept.max(), mean("load_cv"), mean("dropped_fraction"),
                                    mean("aux_loss"), mean("z_loss")])
             out[name] = torch.cat([figures, kept / kept.sum().clamp(min=1)])

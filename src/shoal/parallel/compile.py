@@ -32,7 +32,7 @@ def apply_compile(model: nn.Module, *, plan: Plan) -> nn.Module:
     Parameter names gain `_orig_mod.`, which `clean_name` and DCP's state dicts strip."""
     if not plan.compile:
         return model
-    blocks = wrap_blocks(model, torch.compile)
+    blocks = wrap_blocks(model, torch.compile)  # type: ignore[arg-type]  # overloaded; a Module in, a Module out
     if not blocks:
         raise ValueError("compile=on: found no repeated blocks (ModuleList/ModuleDict) to compile in this model; "
                          "valid: compile=off")

@@ -13,7 +13,8 @@ sequence and nothing else.
   passes K/V around the ring again, with their gradients travelling along. Chunk pairs that the
   causal mask hides entirely are skipped. On CPU each block runs torch's flash kernel (which
   returns the log-sum-exp the merge needs, and whose backward given the merged statistics is
-  exactly the block's share); elsewhere the plain formulas, with C x C scores per block. torch's experimental `context_parallel` does not run
+  exactly the block's share); elsewhere the plain formulas, with C x C scores per block. torch's
+  experimental `context_parallel` does not run
   on CPU (no sharding strategy for the CPU attention kernel), hence this small autograd function
   over point-to-point sends.
 - cp_mode=a2a (DeepSpeed-Ulysses): an all-to-all turns (all heads, T/P tokens) into (H/P heads,
@@ -34,7 +35,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shoal.models.transformer import Attention, causal_attention
-
 
 CPU_FLASH = True
 """Blocks on CPU through torch's flash kernel (False: the plain formulas GPUs use here; tests run both)."""
@@ -136,7 +136,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, split: ContextSplit, causal: bool):  # type: ignore[override]
+    def forward(ctx, q, k, v, split: ContextSplit, causal: bool):
         scale = q.shape[-1] ** -0.5
         mine = chunks_of(split.rank, split.cp, balanced=split.balanced)
         qs = _chunks(q.float(), len(mine))
@@ -157,7 +157,7 @@ class _Ring(torch.autograd.Function):
         return out_t.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         split, causal = ctx.split, ctx.causal
         scale = q.shape[-1] ** -0.5

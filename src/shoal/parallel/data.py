@@ -57,29 +57,37 @@ import inspect
 import logging
 import warnings
 from collections.abc import Callable, Collection, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.mesh import replica_mesh
-from shoal.rules import EngineChoice, choose_engine
 from shoal.parallel.precision import PrecisionPolicy
 from shoal.parallel.zero import ZeroDataParallel
 from shoal.plan import Plan
+from shoal.rules import EngineChoice, choose_engine
 
 
 class DataEngine(Protocol):
     """One model part replicated and/or sharded over the data axes: what the runtime talks to."""
 
-    model: nn.Module
-    """What forward calls (a wrapper such as DDP, or the module itself)."""
+    @property
+    def model(self) -> nn.Module:
+        """What forward calls (a wrapper such as DDP, or the module itself)."""
+        ...
+
     module: nn.Module
     """The user's module, as the parallelisms left it (sharded in place, never wrapped)."""
 
@@ -156,7 +164,8 @@ class _ExpectedNormReduction(logging.Filter):
     It is one small reduction per step, by design: the warning says nothing to a user."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("While redistributing from") or "_NormPartial" not in record.getMessage()
+        message = record.getMessage()
+        return not message.startswith("While redistributing from") or "_NormPartial" not in message
 
 
 logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_ExpectedNormReduction())
@@ -215,11 +224,13 @@ class TorchDataEngine:
                        model_state_dict=model_sd, optim_state_dict=optim_sd or {})
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))  # a model's: tensors
 
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         # strict=False: the runtime checked the names; a partial dict leaves the rest as it is.
-        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, cast(dict[str, Any], weights), options=options)  # dict is invariant
 
 
 def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -234,7 +245,7 @@ def _ddp(model: nn.Module, replicas: DeviceMesh) -> nn.Module:
     """torch DDP over the replica group (dp, or dp x cp). Buffers (the RoPE tables) are the same
     on every rank by construction, so they are not re-broadcast before each forward; gradients
     live in the all-reduce buckets (gradient_as_bucket_view) instead of being copied into them."""
-    no_buffer_sync = (  # torch 2.13 renamed the option; older releases only know the old name
+    no_buffer_sync: dict[str, Any] = (  # torch 2.13 renamed the option; older releases only know the old name
         {"forward_sync_buffers": False}
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         else {"broadcast_buffers": False}
@@ -271,8 +282,8 @@ def _offload_policy(mesh: DeviceMesh) -> CPUOffloadPolicy:
 
 def _fully_shard(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh, choice: EngineChoice,
                  precision: PrecisionPolicy, offload: OffloadPolicy, ignored: set[nn.Parameter]) -> None:
-    kwargs = dict(mesh=_data_mesh(mesh), mp_policy=precision.fsdp_policy(), offload_policy=offload,
-                  ignored_params=ignored or None)
+    kwargs: dict[str, Any] = dict(mesh=_data_mesh(mesh), mp_policy=precision.fsdp_policy(), offload_policy=offload,
+                                  ignored_params=ignored or None)
     keep_full = choice.zero < 3  # ZeRO-1/2 keep a block's gathered parameters from forward to backward
     step = choice.bucket
     for unit in (blocks[i:i + step] for i in range(0, len(blocks), step)):

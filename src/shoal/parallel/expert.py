@@ -23,16 +23,20 @@ parallelism and with tensor parallelism.
   keeps the dense FFN's contract. Every tp rank holds 1/tp of every FFN weight, dense or expert,
   and sees the same tokens (the sequence all-gathered, as for the dense FFN). So routing,
   capacity, dropping and the router's losses come out the same on every tp rank with no
-  cross-tp reduction, and ep stays carved out of the data ranks (with sp=off the tp ranks see
-  the same tokens, so experts over tp would first need the tokens split). The cost: the
-  all-to-all carries each token once per tp rank, and the experts' outputs are all-reduced over
-  tp (the dense FFN's row-parallel reduction). The router gate is a replicated DTensor on the
+  cross-tp reduction (every tp rank routes the same whole routing groups: a group lies within
+  one sequence, and a sequence-parallel shard is gathered back before routing), and ep stays
+  carved out of the data ranks (with sp=off the tp ranks see the same tokens, so experts over
+  tp would first need the tokens split). The cost: the all-to-all carries each token once per
+  tp rank, and the experts' outputs are all-reduced over tp (the dense FFN's row-parallel
+  reduction). The router gate is a replicated DTensor on the
   tp mesh; shared experts are split like the routed ones. `MoETensorParallel` is the style the
-  tensor-parallel plan gives an MoE layer. Expert biases are not split (Plan.validate refuses
+  tensor-parallel plan gives an MoE layer. Expert biases are not split (shoal.rules refuses
   them with tp).
 - The dispatcher's communication steps (shoal/moe/dispatch.py) become two all-to-alls with
   uneven splits (`AllToAllDispatcher`): the kept rows go to the ranks of their experts, are
-  regrouped there by local expert, and come back in their original order.
+  regrouped there by local expert, and come back in their original order. Capacity and dropping
+  are decided before, per routing group on the rank that holds the group's tokens, so ep changes
+  no token's fate; an expert then receives up to ep times a rank's capacity (`rows_bound`).
 - Gradients: an expert's gradient on its rank already sums the contributions of every token
   routed to it from the ep group; the data engine leaves these parameters alone and
   `ExpertGrads.sync` sums them over the replicas (if the backward's reduce-scatter did not) and
@@ -239,7 +243,7 @@ class AllToAllDispatcher(Dispatcher):
     def communicate(self, tokens_MD: torch.Tensor, splits_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         local = self.num_experts // self.ep
         # Counts per (destination rank, its expert) out, per (source rank, my expert) in.
-        counts_in = funcol.all_to_all_single(splits_E.contiguous(), None, None, self.group).wait()
+        counts_in = funcol.all_to_all_single(splits_E.contiguous(), None, None, self.group).wait()  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
         send = splits_E.view(self.ep, local).sum(1).tolist()  # host sync: all-to-all sizes
         receive_RE = counts_in.view(self.ep, local)
         receive = receive_RE.sum(1).tolist()
@@ -260,6 +264,11 @@ class AllToAllDispatcher(Dispatcher):
         back = funcol.all_to_all_single_autograd(unsorted.contiguous(), send, receive, self.group)
         return torch.cat([back, back.new_zeros(rows - back.shape[0], back.shape[1])])  # the dropped rows
 
+    def rows_bound(self, local_bound: int | None) -> int | None:
+        """An expert receives up to `local_bound` rows (its capacity summed over the sender's routing
+        groups) from each of the ep ranks."""
+        return None if local_bound is None else local_bound * self.ep
+
 
 class ExpertGrads:
     """The expert parameters of a model under ep (or tp), and their gradients' reduction."""
@@ -276,6 +285,6 @@ class ExpertGrads:
             if param.grad is None:
                 continue
             local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            if replicas.size() > 1 and isinstance(param.placements[0], Replicate):
+            if replicas.size() > 1 and isinstance(param.placements[0], Replicate):  # type: ignore[attr-defined]  # DTensors
                 dist.all_reduce(local, group=replicas.get_group())
             local.div_(self.data_ranks)

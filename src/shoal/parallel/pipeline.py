@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ def block_costs(model: nn.Module) -> list[float]:
     """Per transformer block, the parameters of its matrices (2-D weights): a block's forward
     FLOPs per token are twice that, plus attention scores, which are equal for every block.
     The head's matrix is added to the last block's cost (it runs on the last stage)."""
-    blocks = list(model.layers.values())
+    blocks = list(cast(nn.ModuleDict, model.layers).values())
     costs = [float(sum(p.numel() for p in b.parameters() if p.dim() == 2)) for b in blocks]
     head = getattr(model, "output", None)
     if head is not None and costs:
@@ -102,9 +103,10 @@ def keep_stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> n
     """`model` (in place) reduced to the blocks in `layers` (keys keep their global numbers, so
     parameter names stay the whole model's), with the embeddings only on the first stage and
     the final norm and head only on the last."""
-    for key in list(model.layers.keys()):
+    blocks = cast(nn.ModuleDict, model.layers)
+    for key in list(blocks.keys()):
         if int(key) not in layers:
-            del model.layers[key]
+            del blocks[key]
     for name in () if first else FIRST_ONLY:
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
@@ -119,7 +121,7 @@ def build_stages(model: nn.Module, *, rank: int, num_ranks: int, vpp: int,
     """This rank's stages {stage index: module}, and every stage's layers. With one stage per
     rank the module is `model` itself, reduced; with `vpp` chunks each is a reduced copy."""
     num_stages = num_ranks * vpp
-    blocks = list(model.layers.keys())
+    blocks = list(cast(nn.ModuleDict, model.layers).keys())
     assert num_stages <= len(blocks), "shoal.rules refuses more stages than blocks"
     ranges = ranges_from_points(split, len(blocks), num_stages) if split else \
         split_layers(block_costs(model), num_stages)
@@ -252,7 +254,8 @@ class Pipeline:
                 if not train:
                     slots.pop((s, m))
                 if s == 0 and self.split and train:
-                    slot.embedded = self.modules[0]._shoal_embedded  # type: ignore[union-attr]
+                    assert self.modules is not None
+                    slot.embedded = self.modules[0]._shoal_embedded  # type: ignore[assignment]  # _split_first_block's
             elif action.op == "B":
                 slot = slots[s, m]
                 grad = None if s == self.num_stages - 1 else self._receive("gradient", s + 1, m, slot.output)
@@ -262,6 +265,7 @@ class Pipeline:
                         self._backward(slot, grad, s)
                 self._done(start, action)
                 if s > 0:
+                    assert slot.inputs is not None and slot.inputs.grad is not None
                     sends += self._send(slot.inputs.grad, s - 1, m, micro_batches)
                     slot.inputs = None
                 if not self.split:
@@ -284,6 +288,7 @@ class Pipeline:
         if not self.split:
             torch.autograd.backward(slot.output, grad)
             return
+        assert self.modules is not None
         params = self.modules[stage].parameters()
         if stage == 0:  # the blocks' input stands in for the stage input (see _split_first_block)
             assert slot.embedded is not None
@@ -295,6 +300,7 @@ class Pipeline:
         slot.output = None
 
     def _weights(self, slot: _Slot, stage: int) -> None:
+        assert self.modules is not None
         stage_backward_weight(self.modules[stage].parameters(), slot.groups or [])
         if slot.embedded is not None:  # then the embedding's own weights, from the blocks' input gradient
             embedded, leaf = slot.embedded
@@ -320,7 +326,7 @@ class Pipeline:
                 works.append(dist.isend(_pad(meta).to(tensor.device), dst=peer, group=self.group,
                                         tag=_tag("header", stage, micro)))
         works.append(dist.isend(tensor, dst=peer, group=self.group, tag=_tag("data", stage, micro, header)))
-        return works
+        return works  # type: ignore[return-value]  # isend gives None only to a rank outside the group
 
     def _receive(self, what: str, source_stage: int, micro: int, context) -> torch.Tensor:
         """The activation of stage `source_stage` (context: the micro-batches) or the gradient
@@ -334,21 +340,23 @@ class Pipeline:
             key = ("activation", stage, tuple(context[micro][0].shape))
             if key not in self._shapes:
                 meta = torch.empty(_HEADER, dtype=torch.int64, device=device)
-                self._wait(dist.irecv(meta, src=peer, group=self.group, tag=_tag("header", stage, micro)), stage, micro, what)
-                dtype, ndim, *shape = meta.tolist()
-                self._shapes[key] = (torch.Size(shape[:ndim]), _DTYPES[dtype])
+                header = dist.irecv(meta, src=peer, group=self.group, tag=_tag("header", stage, micro))
+                self._wait(header, stage, micro, what)
+                dtype, ndim, *dims = meta.tolist()
+                self._shapes[key] = (torch.Size(dims[:ndim]), _DTYPES[dtype])
             shape, dtype = self._shapes[key]
         else:
             shape, dtype = context.shape, context.dtype
         buffer = torch.empty(shape, dtype=dtype, device=device)
         self._wait(dist.irecv(buffer, src=peer, group=self.group, tag=_tag("data", stage, micro, what == "activation")),
                    stage, micro, what)
-        self.where = f"pipeline stage {stage}, {'forward' if what == 'activation' else 'backward'} of micro-batch {micro}"
+        direction = "forward" if what == "activation" else "backward"
+        self.where = f"pipeline stage {stage}, {direction} of micro-batch {micro}"
         return buffer
 
-    def _wait(self, work: dist.Work, stage: int, micro: int, what: str) -> None:
+    def _wait(self, work: dist.Work | None, stage: int, micro: int, what: str) -> None:
         try:
-            work.wait(_timeout(self.group, self.device))
+            work.wait(_timeout(self.group, self.device))  # type: ignore[union-attr]  # None only outside the group
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RuntimeError(f"{self.where} failed: {first}") from exc
@@ -400,13 +408,13 @@ def _split_first_block(stage: nn.Module) -> None:
     """Split backward on the first stage: its input is token ids, so the input-gradient pass
     stops at the first block's input instead. A pre-hook hands the first block a leaf copy of
     the embedding output; the W pass then carries its gradient through the embedding."""
-    first = next(iter(stage.layers.values()))
+    first = next(iter(cast(nn.ModuleDict, stage.layers).values()))
 
     def hook(module: nn.Module, args: tuple) -> tuple | None:
         if not torch.is_grad_enabled() or not args[0].requires_grad:
             return None
         leaf = args[0].detach().requires_grad_(True)
-        stage._shoal_embedded = (args[0], leaf)  # type: ignore[assignment]
+        stage._shoal_embedded = (args[0], leaf)  # type: ignore[assignment]  # nn.Module types attributes as Tensor | Module
         return (leaf, *args[1:])
 
     first.register_forward_pre_hook(hook)
@@ -420,7 +428,7 @@ def merged_view(stages: dict[int, nn.Module]) -> nn.Module:
     for s in sorted(stages):
         for name, child in stages[s].named_children():
             if name == "layers":
-                layers.update(child)
+                layers.update(child)  # type: ignore[arg-type]  # a ModuleDict (`layers`), which update takes
             elif name not in view._modules:
                 view.add_module(name, child)
     view.add_module("layers", layers)

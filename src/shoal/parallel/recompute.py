@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -64,7 +64,7 @@ def apply_recompute(model: nn.Module, *, plan: Plan) -> nn.Module:
         raise ValueError(f"ac={plan.ac!r} is not a recompute mode; valid: {', '.join(MODES)}")
     if plan.ac == "none":
         return model
-    kwargs = {"context_fn": selective_context_fn()} if plan.ac == "selective" else {}
+    kwargs: dict[str, Any] = {"context_fn": selective_context_fn()} if plan.ac == "selective" else {}
     if not wrap_blocks(model, lambda block: checkpoint_wrapper(block, preserve_rng_state=True, **kwargs)):
         raise ValueError(f"ac={plan.ac}: found no repeated blocks (ModuleList/ModuleDict) to recompute in this model")
     return model
@@ -78,7 +78,7 @@ class CreatedStorages(TorchDispatchMode):
         super().__init__()
         self.created: dict[int, tuple[StorageWeakRef, int]] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # A view (of a weight, say) shares its input's storage: only new storages are created.
         inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))

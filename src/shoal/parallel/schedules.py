@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.rules import SCHEDULES, schedule_refusal
+
 OPS = ("F", "B", "W")
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 _GANTT_WIDTH = 12  # inches

@@ -66,7 +66,7 @@ class ReplicateParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, _replicate_params, _inputs_to_replicate, _output_to_local)
+        return distribute_module(module, device_mesh, _replicate_params, _inputs_to_replicate, _output_to_local)  # type: ignore[arg-type]  # input_fn's return: typed None, used
 
 
 class ShardedPositions(ParallelStyle):
@@ -80,7 +80,7 @@ class ShardedPositions(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, _replicate_params, _offset_positions, _output_to_local)
+        return distribute_module(module, device_mesh, _replicate_params, _offset_positions, _output_to_local)  # type: ignore[arg-type]  # input_fn's return: typed None, used
 
 
 class CheckSequenceShardable(ParallelStyle):
@@ -190,7 +190,7 @@ def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
         return model
     assert plan.tp == tp_mesh.size(), f"plan tp={plan.tp} on a mesh whose tp axis has {tp_mesh.size()} ranks"
     shared = _shared_parameters(model)
-    parallelize_module(model, tp_mesh, dict(tp_plan or transformer_tp_plan(model, sp=plan.sp)))
+    parallelize_module(model, tp_mesh, dict(tp_plan or transformer_tp_plan(model, sp=bool(plan.sp))))
     _tie_again(model, shared)
     return model
 
@@ -230,15 +230,15 @@ def reduce_partial_grads(params: Iterable[nn.Parameter]) -> int:
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and any(x.is_partial() for x in g.placements):
-            pending[(g.device_mesh, g.placements, g.dtype, tuple(p.placements))].append(p)  # type: ignore[attr-defined]
+            pending[(g.device_mesh, g.placements, g.dtype, tuple(p.placements))].append(p)  # type: ignore[attr-defined]  # p: a DTensor
     for (mesh, placements, _, target), group in pending.items():
         if mesh.ndim == 1 and placements[0] == Partial("sum") and target == (Replicate(),):
-            pieces = [p.grad.to_local() for p in group]  # type: ignore[union-attr]
+            pieces = [p.grad.to_local() for p in group]  # type: ignore[union-attr]  # grads: Partial DTensors, checked above
             flat = torch.cat([t.reshape(-1) for t in pieces])
             dist.all_reduce(flat, group=mesh.get_group())
             for p, t, piece in zip(group, pieces, flat.split([t.numel() for t in pieces])):
                 p.grad = DTensor.from_local(piece.view_as(t), mesh, [Replicate()], run_check=False)
         else:  # other meshes or reductions: DTensor's own redistribution, once per tensor
             for p in group:
-                p.grad = p.grad.redistribute(placements=target)  # type: ignore[union-attr]
+                p.grad = p.grad.redistribute(placements=target)  # type: ignore[union-attr]  # a Partial DTensor, checked above
     return sum(len(g) for g in pending.values())

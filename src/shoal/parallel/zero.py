@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Set as AbstractSet
+from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +91,8 @@ class _Bucket:
                 raise ValueError(f"parameter {names[0]} is a scalar; ZeRO-1/2 shard parameters by rows")
             chunk_rows = -(-param.shape[0] // shards)
             row_numel = param[0].numel()
-            self.slots.append(_Slot(names=names, param=param, chunk_rows=chunk_rows, row_numel=row_numel, offset=offset))
+            self.slots.append(_Slot(names=names, param=param, chunk_rows=chunk_rows, row_numel=row_numel,
+                                    offset=offset))
             offset += chunk_rows * row_numel
         self.numel = offset  # one rank's shard, padding included
         # A float32 master copy of this rank's rows when the parameters are computed in 16 bits.
@@ -170,7 +172,7 @@ class ZeroDataParallel(nn.Module):
         """This rank's trainable shards (what an optimizer should update), under the parameters' names."""
         for b in self.buckets:
             for slot in b.slots:
-                yield prefix + slot.names[0], slot.shard  # type: ignore[misc]
+                yield prefix + slot.names[0], slot.shard  # type: ignore[misc]  # shards are set in __init__
         for name, p in self._others:
             yield prefix + name, p
 
@@ -218,7 +220,7 @@ class ZeroDataParallel(nn.Module):
                 p.grad.mul_(factor.to(p.device))
 
     def _flat_grads(self) -> list[torch.Tensor]:
-        return [b.grad for b in self.buckets if b.grad is not None and b.slots[0].shard.grad is not None]  # type: ignore[union-attr]
+        return [b.grad for b in self.buckets if b.grad is not None and b.slots[0].shard.grad is not None]  # type: ignore[union-attr]  # shards set in __init__
 
     # ------------------------------------------------------------------ gather (after a step)
 
@@ -298,12 +300,14 @@ class ZeroDataParallel(nn.Module):
         first = b.grad is None
         if first:
             b.grad = torch.empty(b.numel, dtype=torch.float32, device=packed.device)
+        assert b.grad is not None
         group = self._fsdp.get_group()
         if self._all_to_all:  # every rank's copy of my rows, summed in _complete (see _ALL_TO_ALL_ON)
             out = torch.empty_like(packed).view(-1)
             work = dist.all_to_all_single(out, packed.view(-1), group=group, async_op=True)
         else:
-            out = b.grad if first and packed.dtype == torch.float32 else torch.empty(b.numel, dtype=packed.dtype, device=packed.device)
+            out = (b.grad if first and packed.dtype == torch.float32
+                   else torch.empty(b.numel, dtype=packed.dtype, device=packed.device))
             work = _reduce_scatter(out, packed.view(-1), group=group, async_op=True)
         b.pending = (work, out, first)
         b.ready = 0
@@ -314,7 +318,7 @@ class ZeroDataParallel(nn.Module):
         assert b.pending is not None
         work, out, first = b.pending
         b.pending = None
-        work.wait()
+        work.wait()  # type: ignore[union-attr]  # async_op=True always returns a Work
         assert b.grad is not None
         if self._all_to_all:  # sum every rank's copy; the first reduction of a step straight into the shard
             parts = out.view(self._shards, b.numel)
@@ -330,13 +334,13 @@ class ZeroDataParallel(nn.Module):
         for slot in b.slots:
             if slot.grad is None:
                 slot.grad = self._dtensor(b.views(b.grad, slot, self._rank), slot)
-            slot.shard.grad = slot.grad  # type: ignore[union-attr]
+            slot.shard.grad = slot.grad  # type: ignore[union-attr]  # shards are set in __init__
 
     def _release_cleared_grads(self) -> None:
         """Drop gradient shards the optimizer's zero_grad(set_to_none=True) let go of, so that
         they do not sit in memory through the next backward (FSDP2 frees them the same way)."""
         for b in self.buckets:
-            if b.grad is not None and all(slot.shard.grad is None for slot in b.slots):  # type: ignore[union-attr]
+            if b.grad is not None and all(slot.shard.grad is None for slot in b.slots):  # type: ignore[union-attr]  # shards set in __init__
                 b.grad = None
                 for slot in b.slots:
                     slot.grad = None
@@ -392,7 +396,7 @@ class ZeroDataParallel(nn.Module):
         DTensors (FSDP2's format, so DCP reshards them to any layout), frozen parameters and
         persistent buffers as they are. Loading into these tensors writes the master shards."""
         by_param = {id(s.param): s.shard for b in self.buckets for s in b.slots}
-        return {name: by_param.get(id(value), value).detach()  # type: ignore[union-attr]
+        return {name: by_param.get(id(value), value).detach()
                 for name, value in self.module.state_dict(keep_vars=True).items()}
 
     def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -324,7 +324,8 @@ def _measure_matmul(s: _Settings) -> dict[str, dict[str, float]]:
             a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
             c = torch.empty(m, n, dtype=dtype)
             key = f"{m}x{k}x{n}"
-            out[name][key] = _median_over_ranks(_rate(lambda: torch.mm(a, b, out=c), 2.0 * m * k * n, s.seconds))
+            # _rate calls the lambda before the next iteration rebinds a, b, c.
+            out[name][key] = _median_over_ranks(_rate(lambda: torch.mm(a, b, out=c), 2.0 * m * k * n, s.seconds))  # noqa: B023
             if name == "bf16" and out[name][key] < out["fp32"][key] / 4:
                 break  # the same median on every rank, so all stop together
     return out
@@ -384,12 +385,13 @@ def _measure_training_kernels(s: _Settings) -> dict[str, float]:
         x = torch.randn(t, k, requires_grad=True)
         w = torch.randn(n, k, requires_grad=True)
         g = torch.randn(t, n)
-        linear.append(_rate(lambda: F.linear(x, w).backward(g), 6.0 * t * k * n, s.seconds))
+        # _rate calls each lambda before the next iteration rebinds its tensors.
+        linear.append(_rate(lambda: F.linear(x, w).backward(g), 6.0 * t * k * n, s.seconds))  # noqa: B023
     attention = []
     for b, h, t, e in ATTENTION_SHAPES:
-        q, k, v = (torch.randn(b, h, t, e, requires_grad=True) for _ in range(3))
+        query, key, value = (torch.randn(b, h, t, e, requires_grad=True) for _ in range(3))
         g = torch.randn(b, h, t, e)
-        attention.append(_rate(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g),
+        attention.append(_rate(lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True).backward(g),  # noqa: B023
                                3 * 2 * 2 * b * h * t * t * e / 2, s.seconds))
     return {"linear": _median_over_ranks(statistics.median(linear)),
             "attention": _median_over_ranks(statistics.median(attention))}
@@ -631,7 +633,8 @@ def calibrate(world_sizes: Sequence[int] = (1, 2, 4), *, quick: bool = False, pr
     sizes = sorted(set(world_sizes))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     raw: dict[int, dict[str, Any]] = {}
-    steps = sum(5 + (len(COLLECTIVES) + 1 if n > 1 else 0) for n in sizes)  # started, matmul, memory, dispatch, kinds, in-step, exited
+    # started, matmul, memory, dispatch, kinds, in-step, exited
+    steps = sum(5 + (len(COLLECTIVES) + 1 if n > 1 else 0) for n in sizes)
     with tqdm(total=steps, desc="calibrating", unit="step", disable=not progress) as bar:
         for n in sizes:
             raw[n] = _launch(n, _settings(quick, n), bar)

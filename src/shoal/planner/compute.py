@@ -74,7 +74,7 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
     if compiled:
         # Two norms (read x, write y) and two residual adds (read 2, write 1); RoPE reads and writes
         # q and k; attention reads q, k, v and writes its output.
-        elementwise = 2 * 2 * D + 2 * 3 * D + 2 * q_kv + q_kv + D
+        elementwise: float = 2 * 2 * D + 2 * 3 * D + 2 * q_kv + q_kv + D
         # The gated activation reads gate and up and writes their product (GELU: read 1, write 1).
         elementwise += ffns * (3 * F if cfg.activation == "swiglu" else 2 * F)
     else:

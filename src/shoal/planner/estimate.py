@@ -71,6 +71,11 @@ packs and unpacks gradient buckets; DDP marks each gradient ready."""
 OPS_PER_PARAMETER = 3
 """Host ops per parameter tensor per step outside forward and backward: the clipping norm, the
 optimizer's per-tensor update, zeroing the gradient."""
+OVERLAP_SLOWDOWN = 0.189
+"""How much longer a GPU's compute takes while a collective runs beside it (NCCL's kernels hold SMs and
+memory bandwidth): the mean slowdown measured over GPT and Llama layers on A100 and H100 in Tatikonda
+et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning"
+(arXiv 2507.03114, abstract: 18.9% on average, 40.0% at most). Charged on the communication time hidden."""
 RESERVED_BYTES = 2**30
 """Device memory no tensor can use: the CUDA context, cuBLAS workspaces and NCCL buffers (~1 GiB
 on current GPUs; PyTorch "Understanding CUDA memory usage" notes). None on a CPU."""
@@ -118,7 +123,8 @@ class Estimate:
     def plan_text(self) -> str:
         """The plan as `--plan` takes it, leaving out what the device's defaults fill in."""
         defaults = DEVICE_DEFAULTS[self.device_type]
-        shown = dataclasses.replace(self.plan, **{k: None for k, v in defaults.items() if getattr(self.plan, k) == v})
+        unset: dict[str, Any] = {k: None for k, v in defaults.items() if getattr(self.plan, k) == v}
+        shown = dataclasses.replace(self.plan, **unset)
         return str(shown)
 
     def to_json(self) -> dict[str, Any]:
@@ -174,7 +180,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     usable = cluster.device.memory_bytes - (0 if on_cpu else RESERVED_BYTES)
     tokens = work.global_batch * S
     flops = _model_flops(cfg, S) * tokens / step / plan.world_size
-    return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step, tokens_per_s=tokens / step,
+    return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step,
+                    tokens_per_s=tokens / step,
                     tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster)],
                     mem_per_device_bytes=peak, fits=peak <= usable, time=time, memory=mem, traffic=sync)
 
@@ -211,6 +218,7 @@ def _bubble(plan: Plan, fwd: float, bwd: float) -> float:
     if plan.sched == "zb":
         return (p - 1) * fwd
     if plan.sched == "interleaved":
+        assert plan.vpp is not None, "estimates are of resolved plans"
         return (p - 1) * (fwd + bwd) / plan.vpp
     return (p - 1) * (fwd + bwd)
 
@@ -235,6 +243,9 @@ class _Costs:
         self.dtensor_overhead = cluster.device.dtensor_overhead if on_cpu else 0.0
         self.stride = {"tp": 1, "cp": plan.tp, "fsdp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.fsdp,
                        "pp": plan.tp * plan.cp * plan.fsdp * (plan.dp or 1), "ep": plan.tp}
+        # Small products run below the large-GEMM rate (hardware.DeviceSpec.gemm_factor): time multipliers.
+        self.mm_scale = {moe: _gemm_scale(cluster.device, cfg, tokens, plan.tp, moe=moe) for moe in (False, True)}
+        self.head_scale = 1 / cluster.device.gemm_factor(tokens, cfg.vocab_size / plan.tp, cfg.dim)
         self.work = {moe: compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=seq_len,
                                              causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
                      for moe in (False, True)}
@@ -253,16 +264,18 @@ class _Costs:
     def stage(self, lo: int, hi: int, *, head: bool) -> tuple[float, float, dict[str, float]]:
         """(forward, backward, terms per micro-batch) of blocks lo..hi-1 (and the head)."""
         p, T, tp = self.plan, self.tokens, self.plan.tp
+        assert p.vpp is not None, "estimates are of resolved plans"
         moe = self._moe_count(lo, hi)
         blocks = [(self.work[True], moe), (self.work[False], hi - lo - moe)]
-        mm = sum(w.matmul * n for w, n in blocks) * T / tp / self.rate
+        mm = (self.mm_scale[True] * blocks[0][0].matmul * moe
+              + self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe)) * T / tp / self.rate
         attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate
         elem = sum(w.elementwise * n for w, n in blocks) * T * self.bytes / tp / self.mem_bw
         if head:
-            mm += compute.head_flops(self.cfg) * T / tp / self.rate
+            mm += self.head_scale * compute.head_flops(self.cfg) * T / tp / self.rate
             elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
         recompute = (mm + attn + elem) if p.ac == "full" else (attn if p.ac == "selective" else 0.0)
-        ops = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
+        ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
         if p.cp > 1:
             ops += (hi - lo) * RING_OPS_PER_HOP * p.cp if p.cp_mode == "ring" else 0
         host = ops * self.op_overhead
@@ -272,7 +285,8 @@ class _Costs:
         n = hi - lo
         act = T * self.cfg.dim * self.bytes
         if tp > 1 and p.sp:
-            tp_fwd = 2 * (self.net.time("all_gather", tp, act, stride=1) + self.net.time("reduce_scatter", tp, act, stride=1))
+            tp_fwd = 2 * (self.net.time("all_gather", tp, act, stride=1)
+                          + self.net.time("reduce_scatter", tp, act, stride=1))
         else:
             tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
         tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
@@ -280,7 +294,8 @@ class _Costs:
             tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
         cp_comm = n * self._ring(attn / max(n, 1))
         routed = compute.experts_per_token(self.cfg) - self.cfg.num_shared_experts
-        ep_comm = moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"]) if p.ep > 1 else 0.0
+        ep_comm = (moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"])
+                   if p.ep > 1 else 0.0)
         p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if p.sp and tp > 1 else 1),
                                     stride=self.stride["pp"]) if p.pp > 1 else 0.0
         terms = {"compute_matmul": 3 * mm, "compute_attention": 3 * attn, "compute_elementwise": 3 * elem,
@@ -321,12 +336,13 @@ class _Costs:
     def params_per_rank(self, blocks: int, *, head: bool) -> tuple[float, float]:
         """(dense parameters, expert parameters) one rank of the busiest stage holds."""
         cfg, p = self.cfg, self.plan
-        D, F = cfg.dim, cfg.ffn_dim
+        D = cfg.dim
         attn = compute.attention_matmul_flops(cfg) / 2
         mlp = compute.mlp_matmul_flops(cfg) / 2
         moe = round(blocks * self._moe_count(0, cfg.num_layers) / cfg.num_layers)
         moe_sets = 1 if cfg.share_moe and moe else moe
-        dense = blocks * (attn + 2 * D) + (blocks - moe) * mlp + moe * (D * cfg.num_experts + cfg.num_shared_experts * mlp)
+        dense = (blocks * (attn + 2 * D) + (blocks - moe) * mlp
+                 + moe * (D * cfg.num_experts + cfg.num_shared_experts * mlp))
         embed = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
         dense += embed if p.pp == 1 else (embed / 2 if head else 0)
         experts = moe_sets * cfg.num_experts * mlp / p.ep
@@ -370,7 +386,7 @@ class _Costs:
         total = sum(terms.values())
         # Bucketed (DDP) or per-unit (ZeRO) traffic hides behind compute, all but its last piece.
         hidden = min(self.overlap * compute, total * (1 - 1 / (units + 1)))
-        return max(0.0, total - hidden), terms
+        return max(0.0, total - hidden) + OVERLAP_SLOWDOWN * hidden, terms
 
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -382,6 +398,21 @@ def _units(kind: str, units: int, params: float) -> int:
     if kind in ("ddp", "none"):
         return max(1, math.ceil(params * 4 / DDP_BUCKET_BYTES)) - 1
     return units
+
+
+def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: bool) -> float:
+    """Time over time-at-the-large-GEMM-rate of one block's weight products, FLOP-weighted: Q/K/V and
+    output projections and the dense FFN as (tokens x k) @ (k x n) on one tp rank (the backward's two
+    products per weight have the same m n k). Routed experts and the router are left at 1."""
+    D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    gemms = [((cfg.num_heads + 2 * cfg.kv_heads) * hd / tp, D), (D, cfg.num_heads * hd / tp)]  # (n, k)
+    if not moe:
+        gemms += [(F / tp, D)] * (2 if cfg.activation == "swiglu" else 1) + [(D, F / tp)]
+    listed = sum(2.0 * n * k for n, k in gemms) * tp  # per token, all ranks (block_work's convention)
+    slow = sum(2.0 * n * k / device.gemm_factor(tokens, n, k) for n, k in gemms) * tp
+    whole = compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=1, causal_skip=True,
+                               fused_attention=True).matmul
+    return (whole - listed + slow) / whole
 
 
 def _dense_index(cfg: ModelConfig) -> int:
@@ -402,14 +433,14 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     tokens = cost.tokens  # of one micro-batch on this rank
     worst: dict[str, float] = {}
     per_block = {moe: memory.activation_elements(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg),
-                                                 seq_len=cost.seq_len, tp=plan.tp, sp=plan.sp, ac=plan.ac,
+                                                 seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=plan.ac,
                                                  fused_attention=cost.fused) for moe in (False, True)}
     for lo, hi, head in stages:
         moe = cost._moe_count(lo, hi)
         act = per_block[True] * moe + per_block[False] * (hi - lo - moe)
-        held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)
+        held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)  # type: ignore[arg-type]  # resolved
         if plan.ac == "full":  # the block being recomputed holds its full activations
-            held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=plan.sp, ac="none",
+            held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
                                                fused_attention=cost.fused) * tokens * cost.bytes
         logits = memory.logits_bytes(cfg, tokens, tp=plan.tp) if head else 0.0
         if held + logits > worst.get("activations", 0) + worst.get("logits", 0):

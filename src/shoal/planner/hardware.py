@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the standard library has no TOML reader yet
-    tomllib = None
+    tomllib = None  # type: ignore[assignment]  # checked before use (load_cluster)
 
 TERA = 1e12  # FLOP/s per TFLOP/s
 GB = 1e9  # bytes per GB: data sheets quote bandwidth in decimal gigabytes
@@ -70,6 +72,12 @@ class DeviceSpec:
     queues kernels ahead of the device and it is hidden unless it exceeds the device's time."""
     dtensor_overhead: float = 0.0
     """The same for an op on a DTensor (tensor parallelism's ops), which adds sharding propagation."""
+    gemm_square: tuple[tuple[int, float], ...] = ()
+    """Measured rates of square bf16 GEMMs, (size, FLOP/s) by size: a GEMM's rate relative to the
+    largest is `gemm_factor` (empty: every GEMM at `matmul_efficiency`)."""
+    sustained_clock: float = 1.0
+    """Fraction of the clock the peak is quoted at that tensor cores hold through a sustained load
+    within the device's power limit (a short benchmark, as `matmul_efficiency`'s, runs boosted)."""
     attention_efficiency: float | None = None
     """Fraction of peak the fused attention kernel PyTorch's SDPA picks reaches, forward and backward
     together (None: the matmul efficiency). Attention runs well below GEMMs: FlashAttention-2
@@ -83,9 +91,10 @@ class DeviceSpec:
         if not self.peak_flops or bad:
             raise ValueError(f"device {self.name!r}: peak_flops needs positive rates keyed by "
                              f"{', '.join(DTYPES)}; got {self.peak_flops}")
-        if not 0 < self.matmul_efficiency <= 1:
-            raise ValueError(f"device {self.name!r}: matmul_efficiency must be in (0, 1], "
-                             f"got {self.matmul_efficiency}")
+        for field_name in ("matmul_efficiency", "sustained_clock"):
+            if not 0 < getattr(self, field_name) <= 1:
+                raise ValueError(f"device {self.name!r}: {field_name} must be in (0, 1], "
+                                 f"got {getattr(self, field_name)}")
         if not (self.memory_bytes > 0 and self.memory_bw > 0 and self.per_node >= 1):
             raise ValueError(f"device {self.name!r}: memory_bytes, memory_bw and per_node must be positive")
 
@@ -96,7 +105,20 @@ class DeviceSpec:
         if key not in self.peak_flops:
             valid = [d for d in DTYPES if d in self.peak_flops or (d == "bf16" and "fp16" in self.peak_flops)]
             raise ValueError(f"{self.name} has no {dtype!r} matmul rate; valid: {', '.join(valid)}")
-        return self.peak_flops[key] * self.matmul_efficiency
+        return self.peak_flops[key] * self.matmul_efficiency * self.sustained_clock
+
+    def gemm_factor(self, m: float, n: float, k: float) -> float:
+        """The rate of an (m x k) @ (k x n) product relative to a large one: the measured square GEMM of
+        the same work (size (m n k)^(1/3)), interpolated in log2 of the size, over the largest measured."""
+        if not self.gemm_square:
+            return 1.0
+        sizes, rates = zip(*self.gemm_square)
+        x = math.log2(max(sizes[0], min(sizes[-1], (m * n * k) ** (1 / 3))))
+        for (s0, r0), (s1, r1) in zip(self.gemm_square, self.gemm_square[1:]):
+            if x <= math.log2(s1):
+                t = (x - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+                return (r0 + t * (r1 - r0)) / max(rates)
+        return rates[-1] / max(rates)
 
     def attention_flops(self, dtype: str) -> float:
         """Achievable FLOP/s of the attention kernel (QK^T, softmax, AV) in `dtype`."""
@@ -115,16 +137,31 @@ def _infiniband(kind: str, gbit_per_nic: int, nics_per_8_devices: int, efficienc
 
 
 # Efficiencies: NVLink ~0.75-0.8 and InfiniBand ~0.85-0.9 are the bus bandwidth nccl-tests
-# all_reduce_perf reports at large sizes over the nominal per-direction figure on DGX systems;
+# all_reduce_perf reports at large sizes over the nominal per-direction figure on DGX systems
+# (8 x A100 NVLink 3: 230-250 GB/s of 300; docs.alayanew.com "NCCL-tests in practice", reference table);
 # matmul ~0.8 is what cuBLAS reaches on large square GEMMs. Older parts get the lower ends.
 _NCCL = "efficiencies: nccl-tests all_reduce_perf bus bandwidth on DGX systems; matmul: large cuBLAS GEMMs"
+# A100 and H100 matmul efficiency: the Maximum Achievable Matmul FLOPS of a bf16 matmul over a search of
+# shapes (S. Bekman, ml-engineering, compute/accelerator/README.md, table "Maximum Achievable Matmul
+# FLOPS", torch 2.6-2.7): A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of 989 ("H200 is the same").
+_MAMF_A100, _MAMF_H100 = 271.2 / 312, 794.5 / 989
+# A100's sustained clock: a FlashAttention-2 kernel run back to back drops the A100's SM clock from its
+# 1410 MHz boost to ~1200 MHz at the power limit (github.com/liangan1/GPU_travel,
+# performance/flash-attn/README.md, "Frequency"). No such figure was found for the H100 at 700 W: 1.0.
+_A100_SUSTAINED = 1200 / 1410
+# H100 square bf16 GEMMs, TFLOP/s by size (torch 2.7 / CUDA 12.8 on an H100 80GB HBM3; github.com/zzc0721/
+# torch-performance-test-data issue 79): small products leave SMs idle. Beyond 8192 the rate falls again
+# (10240: 720), which a training step's products do not reach; the table stops at 8192.
+_H100_SQUARE = ((1024, 176.62 * TERA), (2048, 676.59 * TERA), (4096, 788.72 * TERA), (8192, 797.51 * TERA))
 _DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
 _DGX_A100_IB = _infiniband("HDR", 200, 8, 0.9)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
 _DGX_H100_IB = _infiniband("NDR", 400, 8, 0.9)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
-_A100 = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
-             matmul_efficiency=0.8, attention_efficiency=0.6, intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
-_H100 = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
-             matmul_efficiency=0.81, attention_efficiency=0.35, intra=_nvlink(4, 900, 0.8), inter=_DGX_H100_IB)
+_A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
+                             matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED, attention_efficiency=0.6,
+                             intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
+_H100: dict[str, Any] = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
+                             matmul_efficiency=_MAMF_H100, gemm_square=_H100_SQUARE, attention_efficiency=0.35,
+                             intra=_nvlink(4, 900, 0.8), inter=_DGX_H100_IB)
 
 
 def _cpu() -> DeviceSpec:
@@ -154,6 +191,11 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
                source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); DGX A100 data sheet; {_NCCL}"),
     DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=3350 * GB, **_H100,
                source=f"NVIDIA H100 SXM5 data sheet (dense); DGX H100 data sheet; {_NCCL}"),
+    # Meta's Grand Teton H100s (torchtitan's runs): HBM2e, 96 GB, the board held to 500 W. Bandwidth: an
+    # HBM2e H100 measured 2.41 TB/s (Ujeniya et al. 2026, arXiv 2604.11391, section 3). The clock the
+    # tensor cores hold at 500 W was not found measured: left at the 700 W part's.
+    DeviceSpec(name="H100-96GB-500W", memory_bytes=96 * GiB, memory_bw=2410 * GB, **_H100,
+               source=f"H100 SXM5 compute (data sheet); HBM2e bandwidth from arXiv 2604.11391; {_NCCL}"),
     DeviceSpec(name="H200", memory_bytes=141 * GiB, memory_bw=4800 * GB, **_H100,
                source=f"NVIDIA H200 SXM data sheet (H100 compute, HBM3e); DGX H200 data sheet; {_NCCL}"),
     _cpu(),
@@ -259,7 +301,8 @@ _LINK_KEYS = {"name": ("name", None), "bandwidth_gbs": ("bandwidth", GB),
               "efficiency": ("efficiency", 1.0), "latency_us": ("latency", US)}
 _DEVICE_KEYS = {"base": (None, None), "name": ("name", None), "source": ("source", None),
                 **{f"peak_tflops_{d}": (d, TERA) for d in DTYPES},
-                "matmul_efficiency": ("matmul_efficiency", 1.0),
+                "matmul_efficiency": ("matmul_efficiency", 1.0), "sustained_clock": ("sustained_clock", 1.0),
+                "gemm_square_tflops": ("gemm_square", "pairs"),
                 "attention_efficiency": ("attention_efficiency", 1.0), "op_overhead_us": ("op_overhead", US),
                 "dtensor_overhead_us": ("dtensor_overhead", US),
                 "memory_gib": ("memory_bytes", GiB),
@@ -278,12 +321,16 @@ def _read_table(table: object, keys: dict, where: str) -> dict:
     """{field: value in base units} from a TOML table, checking key names and value types."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: expected a table, got {table!r}")
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in table.items():
         if key not in keys:
             raise ValueError(f"{where}: unknown key {key!r}; valid: {', '.join(keys)}")
         field, scale = keys[key]
-        if scale is None:
+        if scale == "pairs":  # [[size, TFLOP/s], ...]
+            if not (isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)):
+                raise ValueError(f"{where}: {key} must be a list of [size, TFLOP/s] pairs, got {value!r}")
+            out[field] = tuple((int(size), rate * TERA) for size, rate in value)
+        elif scale is None:
             if not isinstance(value, str):
                 raise ValueError(f"{where}: {key} must be a string, got {value!r}")
             if field is not None:
@@ -291,8 +338,8 @@ def _read_table(table: object, keys: dict, where: str) -> dict:
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: {key} must be a number, got {value!r}")
         else:
-            value = _scale(value, scale)
-            out[field] = round(value) if field in ("memory_bytes", "per_node") else value
+            scaled = _scale(value, scale)
+            out[field] = round(scaled) if field in ("memory_bytes", "per_node") else scaled
     return out
 
 
@@ -347,8 +394,14 @@ def dump_cluster(cluster: Cluster) -> str:
     """TOML text that `load_cluster` reads back into this cluster (the file form of a calibrated
     profile). The cluster's links are written as the device's."""
     def table(values: dict, keys: dict) -> list[str]:
-        as_text = {key: json.dumps(values[field]) if scale in (None, 1) else repr(_scale(values[field], scale, True))
-                   for key, (field, scale) in keys.items() if values.get(field) is not None}
+        def text(value: object, scale: object) -> str:
+            if scale == "pairs":
+                return json.dumps([[size, rate / TERA] for size, rate in value])  # type: ignore[attr-defined]  # pairs
+            # the key tables pair each field with its scale: a number scales a number
+            return json.dumps(value) if scale in (None, 1) else repr(_scale(value, scale, True))  # type: ignore[arg-type]  # see above
+
+        as_text = {key: text(values[field], scale) for key, (field, scale) in keys.items()
+                   if values.get(field) not in (None, ())}
         return [f"{key} = {text}" for key, text in as_text.items()]
 
     device = {**dataclasses.asdict(cluster.device), **cluster.device.peak_flops}

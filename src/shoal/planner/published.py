@@ -10,6 +10,7 @@ note says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from shoal.models.config import PRESETS, ModelConfig
 
@@ -45,7 +46,7 @@ class PublishedRun:
 
 # GPT-3-style blocks as Megatron-LM builds them: LayerNorm, GeLU MLP of 4h, learned absolute
 # positions, biases, input and output embeddings tied.
-_GPT = dict(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
+_GPT: dict[str, Any] = dict(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
 
 
 _UNTIED = ("The model ties input and output embeddings; with pp > 1 Megatron-style pipelines hold a copy "
@@ -260,7 +261,7 @@ _LLAMA3 = (
 
 # --- torchtitan (Liang et al. 2024, arXiv 2410.06511) -------------------------------------------
 _TT_HW = ("Grand Teton: 8 H100 per host with NVLink, 96GB HBM2e H100s at the default 500 W limit (not the "
-          "80GB/700 W SXM part; recorded as H100-80GB, the nearest shoal device), 400 Gb/s RDMA per GPU. ")
+          "80GB/700 W SXM part; recorded as shoal's H100-96GB-500W device), 400 Gb/s RDMA per GPU. ")
 _TT_SEQ = ("Sequence length is not in the table; 8192 is seq_len in torchtitan's llama3 8B/70B/405B "
            "train_configs at the benchmarked commit. ")
 _TT_2412 = ("https://github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (formerly "
@@ -272,7 +273,7 @@ _TT_2506 = ("https://github.com/pytorch/torchtitan benchmarks/asyncTP_llama3_h10
 _TORCHTITAN = (
     PublishedRun(
         name="torchtitan Llama 3.1 8B, FSDP on 8 H100",
-        model=PRESETS["llama3-8b"], cluster="8xH100-80GB",
+        model=PRESETS["llama3-8b"], cluster="8xH100-96GB-500W",
         plan="fsdp8,ac=selective,precision=bf16,compile=off",
         global_batch=16, seq_len=8192, micro_batch_size=2,
         reported=5762, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=5762,
@@ -282,7 +283,7 @@ _TORCHTITAN = (
     ),
     PublishedRun(
         name="torchtitan Llama 3.1 8B, FSDP + compile on 8 H100",
-        model=PRESETS["llama3-8b"], cluster="8xH100-80GB",
+        model=PRESETS["llama3-8b"], cluster="8xH100-96GB-500W",
         plan="fsdp8,ac=selective,precision=bf16,compile=on",
         global_batch=16, seq_len=8192, micro_batch_size=2,
         reported=6667, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=6667,
@@ -291,7 +292,7 @@ _TORCHTITAN = (
     ),
     PublishedRun(
         name="torchtitan Llama 3.1 8B, FSDP + compile on 128 H100",
-        model=PRESETS["llama3-8b"], cluster="128xH100-80GB",
+        model=PRESETS["llama3-8b"], cluster="128xH100-96GB-500W",
         plan="fsdp128,ac=selective,precision=bf16,compile=on",
         global_batch=256, seq_len=8192, micro_batch_size=2,
         reported=6514, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=6514,
@@ -301,7 +302,7 @@ _TORCHTITAN = (
     ),
     PublishedRun(
         name="torchtitan Llama 3.1 8B, FSDP8 x TP8 + compile on 64 H100",
-        model=PRESETS["llama3-8b"], cluster="64xH100-80GB",
+        model=PRESETS["llama3-8b"], cluster="64xH100-96GB-500W",
         plan="fsdp8,tp8,ac=selective,precision=bf16,compile=on",
         global_batch=96, seq_len=8192, micro_batch_size=12,
         reported=4378, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=4378,
@@ -312,7 +313,7 @@ _TORCHTITAN = (
     ),
     PublishedRun(
         name="torchtitan Llama 3.1 70B, FSDP32 x TP8 + compile on 256 H100",
-        model=PRESETS["llama3-70b"], cluster="256xH100-80GB",
+        model=PRESETS["llama3-70b"], cluster="256xH100-96GB-500W",
         plan="fsdp32,tp8,ac=full,precision=bf16,compile=on",
         global_batch=512, seq_len=8192, micro_batch_size=16,
         reported=597.3, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=597.3,
@@ -323,7 +324,7 @@ _TORCHTITAN = (
     ),
     PublishedRun(
         name="torchtitan Llama 3.1 405B, FSDP8 x TP8 x PP8 (1F1B, Float8) on 512 H100", checked=False,
-        model=PRESETS["llama3-405b"], cluster="512xH100-80GB",
+        model=PRESETS["llama3-405b"], cluster="512xH100-96GB-500W",
         plan="fsdp8,tp8,pp8,mb=8,sched=1f1b,ac=full,precision=bf16,compile=on",
         global_batch=256, seq_len=8192, micro_batch_size=None,
         reported=100, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=100,
@@ -336,7 +337,7 @@ _TORCHTITAN = (
     ),
     PublishedRun(
         name="torchtitan Llama 3.1 405B, FSDP8 x TP8 x PP8 (interleaved 1F1B, Float8) on 512 H100", checked=False,
-        model=PRESETS["llama3-405b"], cluster="512xH100-80GB",
+        model=PRESETS["llama3-405b"], cluster="512xH100-96GB-500W",
         plan="fsdp8,tp8,pp8,mb=8,sched=interleaved,vpp=2,ac=full,precision=bf16,compile=on",
         global_batch=256, seq_len=8192, micro_batch_size=None,
         reported=128, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=128,

@@ -79,7 +79,8 @@ def variants(skeleton: Plan, work: Workload) -> Iterator[tuple[Plan, int | None]
                     yield base, b
             continue
         for mb in divisors(local):
-            if mb < skeleton.pp or (mb != local and (mb % skeleton.pp or (mb // skeleton.pp) & (mb // skeleton.pp - 1))):
+            per_stage = mb // skeleton.pp
+            if mb < skeleton.pp or (mb != local and (mb % skeleton.pp or per_stage & (per_stage - 1))):
                 continue
             for sched, vpp in (("1f1b", 1), ("zb", 1), ("interleaved", 2)):
                 yield dataclasses.replace(base, mb=mb, sched=sched, vpp=vpp), None

@@ -149,7 +149,7 @@ def newest_good_checkpoint(run_dir: Path | str) -> tuple[Path | None, list[str]]
                         reverse=True)
     if latest is not None:  # `latest` first; older ones only if it fails
         candidates = [latest] + [p for p in candidates if p.name < latest.name]
-    skipped = []
+    skipped: list[str] = []
     for path in candidates:
         error = _check_files(path, checksums=True)
         if error is None:
@@ -331,7 +331,8 @@ def _check_files(path: Path, *, checksums: bool = False) -> str | None:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return f"is corrupt: {MANIFEST} is not valid JSON"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return f"has an unknown format {manifest.get('format') if isinstance(manifest, dict) else None!r}; valid: {FORMAT}"
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        return f"has an unknown format {found!r}; valid: {FORMAT}"
     for name, size in manifest.get("file_sizes", {}).items():
         file = path / name
         if not file.is_file():

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from shoal.models import ModelConfig, get_preset
 from shoal.plan import Plan
@@ -90,6 +91,9 @@ class RunConfig:
     --max-restarts, with --out."""
     out: str | None = None
     """The run folder; None: runs/<timestamp>."""
+    dry_run: bool = False
+    """Set up, run one step on state that is thrown away, print each rank's memory beside the
+    planner's prediction, and exit (shoal.train.dry_run); nothing is saved."""
     memory_check: bool = True
     """Before any worker starts, price the plan's memory per device on this machine (the
     planner's model: each GPU's memory, or the host's shared by the local processes on CPUs) and
@@ -111,12 +115,13 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"), "set": (None, "set"), "plan": (None, "plan"), "nproc": (None, "nproc"),
     "device": (None, "device"), "tf32": (None, "tf32"), "out": (None, "out"),
     "max_restarts": (None, "max_restarts"), "memory_check": (None, "memory_check"),
+    "dry_run": (None, "dry_run"),
     **{f.name: ("loop", f.name) for f in dataclasses.fields(LoopConfig)},
     **{f.name: ("optim", f.name) for f in dataclasses.fields(OptimConfig)},
     "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),
 }
 RESUMABLE = ("steps", "plan", "nproc", "device", "tf32", "ckpt_every", "keep", "eval_every", "log_every",
-             "micro_batch", "hang_timeout", "max_restarts", "memory_check")
+             "micro_batch", "hang_timeout", "max_restarts", "memory_check", "dry_run")
 """Keys a resumed run may change: none of them changes the loss curve beyond rounding (the plan's
 precision aside, which the user then chose)."""
 DEVICES = ("auto", "cpu", "cuda")

@@ -67,7 +67,7 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+        return self._tok.decode(ids)  # type: ignore[return-value]  # one list of ids decodes to one str
 
 
 def load_tokenizer(name: str) -> Tokenizer:
@@ -91,7 +91,8 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
         return _encode(default_corpus(), tokenizer)
     path = Path(cfg.path)
     if not path.exists():
-        raise ValueError(f"data path {cfg.path!r} does not exist; valid: a folder of .txt files, a .txt, .bin or .npy file")
+        raise ValueError(f"data path {cfg.path!r} does not exist; valid: a folder of .txt files, "
+                         "a .txt, .bin or .npy file")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
@@ -99,12 +100,14 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
         return _encode("\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files), tokenizer)
     if path.suffix in (".bin", ".npy"):
         try:  # numpy's own errors (odd byte count, empty file, not an .npy) do not name the file
-            tokens = np.memmap(path, dtype=np.uint16, mode="r") if path.suffix == ".bin" else np.load(path, mmap_mode="r")
+            tokens = (np.memmap(path, dtype=np.uint16, mode="r") if path.suffix == ".bin"
+                      else np.load(path, mmap_mode="r"))
         except (ValueError, OSError, EOFError) as exc:
             raise ValueError(f"token file {cfg.path!r} cannot be read ({' '.join(str(exc).split())[:120]}); "
                              "valid: a .bin of uint16 tokens or an .npy 1-D integer array") from None
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"token file {cfg.path!r} must hold a 1-D integer array; got {tokens.dtype} {tokens.shape}")
+            raise ValueError(f"token file {cfg.path!r} must hold a 1-D integer array; "
+                             f"got {tokens.dtype} {tokens.shape}")
         return tokens
     if path.suffix in (".txt", ".md", ""):
         return _encode(path.read_text(encoding="utf-8", errors="replace"), tokenizer)
@@ -131,7 +134,8 @@ class TokenBatches:
             raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}; "
                              "use a shorter --seq-len or more data")
 
-    @functools.lru_cache(maxsize=4)
+    # B019: the cache holds at most four (dataset, epoch) keys, so it keeps at most four datasets alive.
+    @functools.lru_cache(maxsize=4)  # noqa: B019
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
 

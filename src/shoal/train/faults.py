@@ -116,7 +116,7 @@ def _arm_collective() -> None:
         f = _FAULT
         if f is not None and _here(f, _STEP):
             kwargs.pop("async_op", None)
-            original(tensor, *args, async_op=True, **kwargs)
+            original(tensor, *args, **{**kwargs, "async_op": True})
             fire(f)
         return original(tensor, *args, **kwargs)
 

@@ -33,12 +33,11 @@ from shoal.moe.collect import records as moe_records
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train import faults, memory
-from shoal.train.checkpoint import (latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune,
-                                    save_checkpoint)
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune, save_checkpoint
 from shoal.train.config import RunConfig, dump_toml, parse_plan, to_flat
 from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
-from shoal.train.metrics import (MetricsWriter, format_summary, peak_flops, summarize,
-                                 write_summary)
+from shoal.train.dry_run import dry_run
+from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.preempt import StopSignals
 from shoal.train.step import StepResult, split_micro, train_step
@@ -84,6 +83,8 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         if error is not None:
             return {"error": error}
         assert trainer is not None
+        if job.config.dry_run:
+            return dry_run(trainer)
         summary = trainer.run(signals)
         if trainer.stopped_by:
             return {**(summary or {}), "stopped": trainer.stopped_by}
@@ -104,15 +105,15 @@ def init_distributed(device: str) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+        where = torch.device("cuda", local_rank)
+        torch.cuda.set_device(where)
         # A gloo backend beside NCCL for CPU tensors: under offload=on the gradient shards live in
         # host memory, and the global gradient norm is all-reduced where they are.
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, **_attempt_store())
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=where, **_attempt_store())
     else:
-        device = torch.device("cpu")
+        where = torch.device("cpu")
         dist.init_process_group("gloo", **_attempt_store())
-    return device
+    return where
 
 
 def _attempt_store() -> dict[str, Any]:
@@ -142,10 +143,11 @@ class Trainer:
             seq_len=self.loop.seq_len, micro_batch=self.loop.micro_batch))
         set_matmul_precision(device, tf32=cfg.tf32)
 
-        torch.manual_seed(self.loop.seed)  # identical initial weights on every rank
-        model = Transformer(self.model_cfg).to(device)
+        torch.manual_seed(self.loop.seed)
+        with torch.device("meta"):  # shapes only: each rank allocates its own shards in parallelize
+            model = Transformer(self.model_cfg)
         faults.arm(model)  # test-only hooks; nothing unless SHOAL_FAULT is set
-        self.runtime = parallelize(model, self.plan, build_mesh(self.plan, device.type))
+        self.runtime = parallelize(model, self.plan, build_mesh(self.plan, device.type), seed=self.loop.seed)
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
         self.num_micro = rules.micro_batches(self.plan, local_batch=self.local_batch, micro_batch=self.loop.micro_batch)
@@ -158,7 +160,8 @@ class Trainer:
         self.held_out = TokenBatches(held_out, seq_len=self.loop.seq_len, seed=self.loop.seed)
         self.num_train_tokens, self.num_held_out = len(train), len(held_out)
 
-        self.start, self.restart, self.stopped_by = 0, restart_count(), None
+        self.start, self.restart = 0, restart_count()
+        self.stopped_by: str | None = None
         path = None
         if self.restart:  # restarted after a failure: the newest checkpoint that verifies, if any
             path = broadcast_from_rank0(newest_good_checkpoint(self.run_dir)[0] if self.rank == 0 else None)
@@ -219,7 +222,8 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             window.append((lr, self.train_one(s)))
             n = s + 1
-            eval_due, ckpt_due = _due(n, self.loop.eval_every, self.loop.steps), _due(n, self.loop.ckpt_every, self.loop.steps)
+            eval_due = _due(n, self.loop.eval_every, self.loop.steps)
+            ckpt_due = _due(n, self.loop.ckpt_every, self.loop.steps)
             self.stopped_by = signals.agreed() if signals is not None else None  # every rank, the same step
             ckpt_due = ckpt_due or self.stopped_by is not None
             if not (eval_due or ckpt_due or _due(n, self.loop.log_every, self.loop.steps)):
@@ -249,7 +253,7 @@ class Trainer:
                     if self.loop.keep:
                         prune(self.run_dir, self.loop.keep)
                     writer.plot()
-                    bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]
+                    bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]  # bar exists where writer does
             t_window = time.perf_counter()  # evaluation and checkpoints are not step time
             memory.reset_peak()
             if self.stopped_by:
@@ -325,7 +329,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i in range(self.loop.eval_batches):
             inputs, targets = self.held_out.batch(i, self.loop.global_batch, self.part)
-            total += self.runtime.eval_loss(split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro))
+            micro = split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro)
+            total += self.runtime.eval_loss(micro)
         self.runtime.train()
         return float(self.runtime.global_mean(total / self.loop.eval_batches))
 

@@ -178,7 +178,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"done: {summary['steps_run']} steps in {summary['wall_s']:.0f} s"
         + (f" (steps {summary['first_step_run']}-{summary['steps']}; the run is at step {summary['steps']} of "
            f"{summary['total_steps']})" if resumed else "")
-        + (f", plan {summary['plan']} on {summary['world_size']} {summary['device']} process(es)" if "plan" in summary else ""),
+        + (f", plan {summary['plan']} on {summary['world_size']} {summary['device']} process(es)"
+           if "plan" in summary else ""),
         *([f"  precision {summary['precision']}"] if "precision" in summary else []),
         f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
         + (f" (held-out {summary['final_eval_loss']:.3f})" if summary["final_eval_loss"] is not None else ""),
@@ -190,7 +191,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "predicted" in summary:
         p = summary["predicted"]
         lines.append(f"  planner: predicted {p['step_time_s']:.4g} s per step and {p['mem_per_device_gb']:.3g} GB per "
-                     f"device; measured {summary['step_time_s']:.4g} s ({summary['measured_over_predicted_step_time']:.2f}"
+                     f"device; measured {summary['step_time_s']:.4g} s "
+                     f"({summary['measured_over_predicted_step_time']:.2f}"
                      "x the prediction)")
     return "\n".join(lines)
 

@@ -144,7 +144,7 @@ class WarmupCosine(LRScheduler):
         self.schedule = schedule
         super().__init__(optimizer)
 
-    def get_lr(self) -> list[float]:  # type: ignore[override]
+    def get_lr(self) -> list[float]:  # type: ignore[override]  # torch types it list[float | Tensor]
         lr = self.schedule.lr_at(self.last_epoch)
         return [lr * g.get("lr_scale", 1.0) for g in self.optimizer.param_groups]
 

@@ -55,4 +55,4 @@ class StopSignals:
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, handler)  # type: ignore[arg-type]  # as signal.signal returned it (kept as object)

@@ -68,7 +68,7 @@ class SafeReader(dcp.FileSystemReader):
             metadata = read_metadata(stream)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]  # set just above when None
         return metadata
 
 

@@ -303,7 +303,8 @@ def _report_words(report: dict[str, Any] | None) -> str:
     if not report:
         return "never reported"
     ago = max(0.0, time.time() - float(report["t"]))
-    return f"(pid {report['pid']} on {report['host']}) last reported {ago:.0f} s ago: step {report['step']}, {report['where']}"
+    return (f"(pid {report['pid']} on {report['host']}) last reported {ago:.0f} s ago: step {report['step']}, "
+            f"{report['where']}")
 
 
 def _stopped(pid: int) -> bool:

@@ -1,0 +1,103 @@
+"""`shoal train --dry-run`: the whole set-up, then one forward, backward and optimizer step on
+state that is thrown away, and what each rank's memory held, beside the planner's prediction.
+
+The step is real (gradients, optimizer state and the backward peak exist), so the figures are
+measured, not modelled: bytes of the parameters, gradients and optimizer state this rank's
+optimizer owns, summed from the live tensors (a DTensor counts its local shard), and the peak
+resident (or, on GPUs, allocated) memory of the set-up and of the step separately. Nothing is
+saved: no checkpoint, no metrics.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from shoal.train import memory
+
+MB = 2**20
+
+
+def live_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Bytes this rank holds of `params` (the optimizer's), their gradients and the optimizer's
+    state, each storage counted once."""
+    seen: set[int] = set()
+
+    def size(t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        local = t.to_local() if isinstance(t, DTensor) else t
+        key = local.untyped_storage().data_ptr()
+        if key in seen or local.device.type == "meta":
+            return 0
+        seen.add(key)
+        return local.untyped_storage().nbytes()
+
+    state = sum(size(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return {"parameters": sum(size(p) for p in params), "gradients": sum(size(p.grad) for p in params),
+            "optimizer": state}
+
+
+def dry_run(trainer: Any) -> dict[str, Any]:
+    """One step of `trainer` on throwaway state; rank 0 prints the table and returns the figures."""
+    setup_peak = memory.peak_mb()  # everything so far: the interpreter, the build, the data
+    memory.reset_peak()
+    result = trainer.train_one(trainer.start)
+    loss = float(result.loss)  # waits for the step
+    step_peak = memory.peak_mb()
+    held = live_bytes(list(trainer.runtime.parameters()), trainer.optimizer)
+    row = torch.tensor([held["parameters"] / MB, held["gradients"] / MB, held["optimizer"] / MB, setup_peak,
+                        step_peak], dtype=torch.float64)
+    rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    if dist.get_rank() != 0:
+        return {}
+    predicted = _prediction(trainer)
+    print(_table(trainer, [r.tolist() for r in rows], predicted, loss))
+    return {"dry_run": True, "loss": loss, "ranks": [dict(zip(_COLUMNS, r.tolist(), strict=True)) for r in rows],
+            "predicted_mb": predicted}
+
+
+_COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "setup_peak_mb", "step_peak_mb")
+
+
+def _prediction(trainer: Any) -> dict[str, float] | None:
+    """The planner's memory terms per device for this run (MB), as the memory check priced them."""
+    from shoal.planner.estimate import Workload, estimate
+    from shoal.planner.fit import cpu_cluster
+
+    if trainer.device.type != "cpu":
+        from shoal.auto_plan import gpu_cluster
+
+        try:
+            cluster = gpu_cluster(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory,
+                                  world_size=trainer.world,
+                                  per_node=int(os.environ.get("LOCAL_WORLD_SIZE", trainer.world)))
+        except ValueError:
+            return None
+    else:
+        cluster = cpu_cluster(trainer.world, local=int(os.environ.get("LOCAL_WORLD_SIZE", trainer.world)))
+    work = Workload(model=trainer.model_cfg, global_batch=trainer.loop.global_batch, seq_len=trainer.loop.seq_len)
+    e = estimate(trainer.plan, work, cluster, micro_batch=trainer.loop.micro_batch)
+    return {**{k: v / MB for k, v in e.memory.items()}, "total": e.mem_per_device_bytes / MB}
+
+
+def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | None, loss: float) -> str:
+    where = "resident" if trainer.device.type == "cpu" else "allocated"
+    lines = [f"dry run: set-up and one step of plan {trainer.plan} on {trainer.world} process(es) "
+             f"(loss {loss:.4f}); nothing saved",
+             f"{'rank':>4}  {'params MB':>10}  {'grads MB':>9}  {'optim MB':>9}  "
+             f"{'set-up peak MB':>14}  {'step peak MB':>12}  ({where} memory, this process)"]
+    for rank, (p, g, o, setup, step) in enumerate(rows):
+        lines.append(f"{rank:>4}  {p:>10.1f}  {g:>9.1f}  {o:>9.1f}  {setup:>14.0f}  {step:>12.0f}")
+    if predicted is None:
+        lines.append("planner: no spec for this device, no prediction")
+    else:
+        terms = ", ".join(f"{k} {v:.1f}" for k, v in predicted.items() if k != "total" and v)
+        lines.append(f"planner, busiest device (MB): {terms}; total with fragmentation margin "
+                     f"{predicted['total']:.1f} (the interpreter and libraries not included)")
+    return "\n".join(lines)
