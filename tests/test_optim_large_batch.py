@@ -86,8 +86,8 @@ def _tiny(seed=0):
 def test_lamb_hand_computed():
     # w = (3, 4): ||w|| = 5. First step: m^ = g, v^ = g^2, so r = g / (|g| + eps) = (1, -1) up to
     # eps = 1e-12; ||r|| = sqrt(2); w -= lr * 5 / sqrt(2) * r, lr = 0.1: a move of 0.5 / sqrt(2).
-    (w,), _ = _run(LAMB, [torch.tensor([3.0, 4.0], dtype=torch.float64)], [[torch.tensor([2.0, -0.5], dtype=torch.float64)]],
-                   lr=0.1, eps=1e-12)
+    w0, g = torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([2.0, -0.5], dtype=torch.float64)
+    (w,), _ = _run(LAMB, [w0], [[g]], lr=0.1, eps=1e-12)
     move = 0.3535533905932738
     assert torch.allclose(w, torch.tensor([3 - move, 4 + move], dtype=torch.float64), rtol=1e-11)
 
@@ -153,8 +153,8 @@ def test_cowclip_adam_on_clipped_rows():
     opt = CowClip([{"params": [dense.weight], "weight_decay": 0.1},
                    {"params": [emb.weight], "lr": 0.05, "l2": 0.01}], embeddings=[emb], lr=0.01, eps=1e-8,
                   ratio=0.5, zeta=1e-3, betas=(0.9, 0.999))
-    ref = torch.optim.AdamW([{"params": [ref_d], "weight_decay": 0.1}, {"params": [ref_e], "lr": 0.05, "weight_decay": 0}],
-                            lr=0.01, eps=1e-8, betas=(0.9, 0.999))
+    ref = torch.optim.AdamW([{"params": [ref_d], "weight_decay": 0.1},
+                             {"params": [ref_e], "lr": 0.05, "weight_decay": 0}], lr=0.01, eps=1e-8, betas=(0.9, 0.999))
     for step in range(2):
         opt.zero_grad()
         dense(emb(ids)).square().sum().backward()
@@ -173,7 +173,8 @@ def test_cowclip_adam_on_clipped_rows():
 def test_vectors_excluded_and_experts_per_row_by_default():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     opt = build_optimizer(model.parameters(), OptimConfig(optimizer="lamb", weight_decay=0.1))
-    assert [(g["adapt"], g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [(True, 0.1, 1), (False, 0.0, 3)]
+    groups = [(g["adapt"], g["weight_decay"], len(g["params"])) for g in opt.param_groups]
+    assert groups == [(True, 0.1, 1), (False, 0.0, 3)]
     opt = build_optimizer(model.parameters(), OptimConfig(optimizer="lars", adapt_vectors=True, weight_decay=0.1))
     assert [(g["adapt"], g["weight_decay"]) for g in opt.param_groups] == [(True, 0.1), (True, 0.1)]
 

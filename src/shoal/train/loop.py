@@ -151,8 +151,9 @@ class Trainer:
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
         self.num_micro = rules.micro_batches(self.plan, local_batch=self.local_batch, micro_batch=self.loop.micro_batch)
-        self.optimizer = build_optimizer(self.runtime, cfg.optim, global_batch=self.loop.global_batch)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps, global_batch=self.loop.global_batch)
+        batch = self.loop.global_batch  # the batch scaling rule of --lr-scaling, if any
+        self.optimizer = build_optimizer(self.runtime, cfg.optim, global_batch=batch)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps, global_batch=batch)
 
         tokens = load_tokens(cfg.data, load_tokenizer(cfg.data.tokenizer))
         train, held_out = split_tokens(tokens, cfg.data.val_fraction, self.loop.seq_len)

@@ -154,9 +154,10 @@ class WarmupCosine(LRScheduler):
     def restore(self, state: dict[str, int]) -> None:
         """Continue from a saved state: the step counters, and every group's lr recomputed."""
         self.last_epoch, self._step_count = int(state["last_epoch"]), int(state["_step_count"])
-        self._last_lr = self.get_lr()
-        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+        lrs = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
+        self._last_lr = list(lrs)
 
 
 def scale_for_batch(cfg: OptimConfig, global_batch: int) -> OptimConfig:
@@ -212,7 +213,7 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
     groups = [g for g in groups if g["params"]]
     if cfg.optimizer == "lars":
         return optimizers.LARS(groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.lars_eta, per_expert=cfg.per_expert)
-    adam = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "per_expert": cfg.per_expert}
+    adam: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "per_expert": cfg.per_expert}
     if cfg.optimizer == "lamb":
         return optimizers.LAMB(groups, **adam)
     for g in groups:  # CowClip: AdamW on the dense part

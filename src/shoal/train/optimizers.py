@@ -176,12 +176,12 @@ class LAMB(_Layerwise):
                 continue
             b1, b2 = group["betas"]
             w, g = [_local(p) for p in params], [_local_grad(p) for p in params]
-            m, v, t = zip(*(self._state(p) for p in params))
-            m, v = [_local(x) for x in m], [_local(x) for x in v]
+            states = [self._state(p) for p in params]
+            m, v = [_local(st[0]) for st in states], [_local(st[1]) for st in states]
             torch._foreach_lerp_(m, g, 1 - b1)
             torch._foreach_mul_(v, b2)
             torch._foreach_addcmul_(v, g, g, 1 - b2)
-            step = t[0]  # every parameter of a group steps together
+            step = states[0][2]  # every parameter of a group steps together
             bc1, bc2 = 1 - b1**step, 1 - b2**step
             denom = torch._foreach_div(v, bc2)
             torch._foreach_sqrt_(denom)
@@ -336,8 +336,8 @@ class CowClip(LAMB):
 
     def _clip(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         counts = torch.cat([c for _, c in tables])  # one vector for every table: one all-reduce per group
-        for group in self.count_groups:
-            dist.all_reduce(counts, group=group)
+        for count_group in self.count_groups:
+            dist.all_reduce(counts, group=count_group)
         norms = ShardedNorms()
         ids = [(norms.add(_local(w).square().sum(1), split_groups(w, rows=True)),
                 norms.add(_local_grad(w).square().sum(1), split_groups(w, rows=True))) for w, _ in tables]
