@@ -385,7 +385,7 @@ def test_train_with_lamb_then_resume_with_another_optimizer_is_refused(capsys, t
 
 
 MOE = dataclasses.replace(OptCase().model, num_experts=4, top_k=2, ffn_dim=64)
-MORE = [OptCase(plan="ep2", opt=o, model=MOE, steps=3, reference_micro=2, lr=0.01 if o == "lamb" else 0.5)
+MORE = [OptCase(plan="ep2", opt=o, model=MOE, steps=3, lr=0.01 if o == "lamb" else 0.5)
         for o in ("lamb", "lars")] + [OptCase(plan="pp2,mb=2", opt="lamb", lr=0.01, num_micro=2),
                                       OptCase(plan="cp2", opt="lamb", lr=0.01)]
 
