@@ -251,16 +251,23 @@ def run_cases(cases):
     return [run_parallel(c) for c in cases]
 
 
-def test_parity_with_one_process(pools):
-    """Losses, step-1 gradients and final parameters of each plan against the single process."""
-    results = pools(2).run(run_cases, PARITY)
-    for i, c in enumerate(PARITY):
+def _check(results, cases):
+    """Every rank's losses and final parameters of each case against its single-process runs."""
+    for i, c in enumerate(cases):
         ref32, ref64 = references(c)
         for rank, res in enumerate(r[i] for r in results):
             what = f"{getattr(c, 'opt', 'cowclip')} {c.plan} rank {rank}"
             assert_rounding_close(res["losses"], ref32["losses"], ref64["losses"], what=f"{what} losses")
             assert_trained_close(res["final_params"], ref32, ref64, what=f"{what} final params")
-        # the steps moved every weight (the check above measures against the distance moved)
+
+
+def test_parity_with_one_process(pools):
+    """LAMB and LARS (and CowClip) under dp2, fsdp2 at zero 1/2/3 and tp2: losses and final parameters
+    against the single process."""
+    _check(pools(2).run(run_cases, PARITY), PARITY)
+    for c in PARITY:
+        ref64 = references(c)[1]
+        # the steps moved every weight (the check measures against the distance moved)
         assert all(not torch.equal(ref64["final_params"][k], ref64["init_params"][k]) for k in ref64["init_params"])
 
 
@@ -392,13 +399,7 @@ MORE = [OptCase(plan="ep2", opt=o, model=MOE, steps=3, lr=0.01 if o == "lamb" el
 
 def test_parity_ep_pp_cp(pools):
     """ep2 (an MoE model: one trust ratio per expert, the experts split over the ranks), pp2 and cp2."""
-    results = pools(2).run(run_cases, MORE)
-    for i, c in enumerate(MORE):
-        ref32, ref64 = references(c)
-        for rank, res in enumerate(r[i] for r in results):
-            what = f"{c.opt} {c.plan} rank {rank}"
-            assert_rounding_close(res["losses"], ref32["losses"], ref64["losses"], what=f"{what} losses")
-            assert_trained_close(res["final_params"], ref32, ref64, what=f"{what} final params")
+    _check(pools(2).run(run_cases, MORE), MORE)
 
 
 @pytest.mark.parametrize("opt_name", ["lamb", "lars"])
@@ -418,3 +419,12 @@ def test_state_resumes_and_reshards(pools, tmp_path, opt_name):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{opt_name} {plan_text} rank {rank} losses of steps {start}..{end - 1}")
     assert_trained_close(results[0]["params"], ref32, ref64)
+
+
+FOUR = [OptCase(plan="fsdp2,tp2", opt=o, lr=0.01 if o == "lamb" else 0.5) for o in ("lamb", "lars")]
+
+
+def test_parity_fsdp_over_tp(pools):
+    """fsdp2,tp2 on 4 processes: weights sharded over both axes (FSDP2's _StridedShard over tp's
+    Shard), their squared norms summed over the fsdp group, then the tp group."""
+    _check(pools(4).run(run_cases, FOUR), FOUR)
