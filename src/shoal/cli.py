@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     from shoal.launch import Stopped, WorkerFailed, launch, under_torchrun
-    from shoal.train.loop import run_worker
     from shoal.train.preempt import STOPPED
+    from shoal.train.worker import run_worker
 
     job = prepare_job(args)
     try:
@@ -239,7 +239,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
     """Validate everything the user gave and return the Job the workers run (ValueError if wrong)."""
     from shoal.launch import resolve_device, under_torchrun
     from shoal.train.config import from_flat, load_toml, resolve_model
-    from shoal.train.loop import Job, default_run_dir, with_model
+    from shoal.train.runs import Job, default_run_dir, with_model
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
     if under_torchrun() and flags.get("max_restarts"):
@@ -303,7 +303,7 @@ def world_size(cfg: Any, device: str) -> int:
 def _resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
     """The run folder's config with the flags a resumed run may change."""
     from shoal.train.config import RESUMABLE, from_flat, to_flat
-    from shoal.train.loop import read_run_config
+    from shoal.train.runs import read_run_config
 
     folder = Path(args.resume)
     if not folder.is_dir():

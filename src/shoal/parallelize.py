@@ -62,13 +62,11 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     for s, stage in stages.items():
         stages[s], context = _within_stage(stage, mesh, plan)
     experts = _experts(list(stages.values()), mesh, plan)
-    modules, reduce = dict(stages), None
+    modules = dict(stages)
     if len(stages) == 1:
         (s, stage), = stages.items()
         engine = _data_parallel(stage, mesh, plan, choice, experts, seed)
         stages[s] = engine.model
-        if choice.kind == "zero":
-            reduce = engine.reduce_grads  # type: ignore[attr-defined]  # the ZeRO engine has it, the protocol not
     else:
         for stage in stages.values():  # interleaved chunks run with no data engine
             if on_meta([stage]):
@@ -76,7 +74,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         view = merged_view(stages)
         engine = TorchDataEngine(view, view)
     pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync,
-                        modules=modules, reduce=reduce)
+                        modules=modules, reduce=engine.reduce_grads)
     return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline, experts=experts)
 
 

@@ -1,25 +1,17 @@
-"""The parity harness: run a function on N gloo processes and compare with a single process.
+"""The parity harness: run a configuration on N gloo processes and compare with a single process.
 
-`WorkerPool(n)` starts n worker processes once (one process group, reused by every test that
-asks for that world size), runs picklable functions on all ranks and returns each rank's
-result. A failure on any rank, or a hang past the timeout, tears the pool down and raises an
-error naming the rank, so one broken test cannot wedge the next.
-
-`ParityCase` describes one configuration; `run_reference(case)` trains it in plain PyTorch in
-this process (in float32, and in float64 as the truth), `run_parallel(case)` (called on every
-rank) trains it through shoal's real `parallelize` and the trainer's own `train_step`, and
-`check_parity(results, case)` checks outputs, every gradient, the first optimizer step, the loss
-curve and the final parameters. How its tolerances follow from the arithmetic: `check_parity`.
+The tests run the functions here on every rank of a `shoal.pool.WorkerPool` (one per world
+size, reused by every test that asks for it). `ParityCase` describes one configuration;
+`run_reference(case)` trains it in plain PyTorch in this process (in float32, and in float64 as
+the truth), `run_parallel(case)` (called on every rank) trains it through shoal's real
+`parallelize` and the trainer's own `train_step`, and `check_parity(results, case)` checks
+outputs, every gradient, the first optimizer step, the loss curve and the final parameters. How
+its tolerances follow from the arithmetic: `check_parity`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import queue
-import shutil
-import tempfile
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,79 +29,6 @@ from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.train.step import split_micro, train_step
-
-# ----------------------------------------------------------------------------- the worker pool
-
-
-def _worker_main(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    while True:
-        task = tasks.get()
-        if task is None:
-            break
-        fn, args, kwargs = task
-        try:
-            results.put((rank, True, fn(*args, **kwargs)))
-        except BaseException:  # report everything, the parent decides
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
-
-
-class WorkerPool:
-    """n long-lived gloo processes that run functions on every rank."""
-
-    def __init__(self, world_size: int, *, timeout_s: float = 300.0) -> None:
-        self.world_size, self.timeout_s = world_size, timeout_s
-        ctx = torch.multiprocessing.get_context("spawn")
-        self._dir = tempfile.mkdtemp(prefix="shoal-pool-")
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._results = ctx.Queue()
-        store = os.path.join(self._dir, "store")
-        self._procs = [
-            ctx.Process(target=_worker_main, args=(r, world_size, store, self._tasks[r], self._results), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in self._procs:
-            p.start()
-
-    @property
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """fn(*args, **kwargs) on every rank; the results in rank order."""
-        if not self.alive:
-            raise RuntimeError(f"the {self.world_size}-process worker pool is not running (an earlier task broke it)")
-        for q in self._tasks:
-            q.put((fn, args, kwargs))
-        out: dict[int, Any] = {}
-        while len(out) < self.world_size:
-            try:
-                rank, ok, payload = self._results.get(timeout=self.timeout_s)
-            except queue.Empty:
-                missing = sorted(set(range(self.world_size)) - set(out))
-                self.close()
-                raise TimeoutError(f"{fn.__name__}: rank(s) {missing} gave no answer in "
-                                   f"{self.timeout_s:.0f} s") from None
-            if not ok:
-                self.close()
-                raise RuntimeError(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{payload}")
-            out[rank] = payload
-        return [out[r] for r in range(self.world_size)]
-
-    def close(self) -> None:
-        for p, q in zip(self._procs, self._tasks):
-            if p.is_alive():
-                q.put(None)
-        for p in self._procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
 
 # ----------------------------------------------------------------------------- comparisons
 
