@@ -159,12 +159,17 @@ class ParityCase:
     def optimizer(self, params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.1, eps=self.adam_eps, foreach=False)
 
+    def optimizer_for(self, source: Runtime | nn.Module) -> torch.optim.Optimizer:
+        """The optimizer over a runtime's or a plain model's parameters (`optimizer` by default; a
+        case whose optimizer needs the model, as CowClip its embedding tables, overrides this)."""
+        return self.optimizer(source.parameters())
+
 
 def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Train `case` in plain PyTorch in this process, in `dtype` (float64: the truth)."""
     torch.set_num_threads(1)
     model = case.build_model(dtype)
-    optimizer = case.optimizer(model.parameters())
+    optimizer = case.optimizer_for(model)
     batches = case.batches()
     result: dict[str, Any] = {"losses": [], "init_params": full_tensors(model)}
     moe = MoECollector(model)  # an MoE model's auxiliary losses join the training loss
@@ -196,7 +201,7 @@ def reference_update(case: ParityCase, grads: dict[str, torch.Tensor]) -> tuple[
     """The first optimizer step of plain PyTorch (clip, AdamW) applied to the given gradients:
     (parameters after it, the clip coefficient used)."""
     model = case.build_model()
-    optimizer = case.optimizer(model.parameters())
+    optimizer = case.optimizer_for(model)
     for name, param in model.named_parameters():
         param.grad = grads[name].to(param.dtype).clone()
     coef = 1.0
@@ -224,7 +229,7 @@ def parallel_setup(case: ParityCase) -> tuple[Runtime, torch.optim.Optimizer, li
     plan = Plan.parse(case.plan).resolve(dist.get_world_size())
     plan.validate(case.model, global_batch=case.global_batch, seq_len=case.seq_len)
     runtime = parallelize(case.build_model(), plan, cached_mesh(plan))
-    optimizer = case.optimizer(runtime.parameters())
+    optimizer = case.optimizer_for(runtime)
     index, count = runtime.data_rank
     rows = case.global_batch // count
     batches = [(x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]) for x, y in case.batches()]
@@ -340,7 +345,7 @@ def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, en
     else:
         plan = Plan.parse(plan_text).resolve(dist.get_world_size())
         runtime = parallelize(case.build_model(), plan, cached_mesh(plan))
-    optimizer = case.optimizer(runtime.parameters())
+    optimizer = case.optimizer_for(runtime)
     if start > 0:
         path = latest_checkpoint(run_dir)
         assert path is not None, run_dir

@@ -65,8 +65,9 @@ class Trainer:
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
         self.num_micro = rules.micro_batches(self.plan, local_batch=self.local_batch, micro_batch=self.loop.micro_batch)
-        self.optimizer = build_optimizer(self.runtime.parameters(), cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps)
+        batch = self.loop.global_batch  # the batch scaling rule of --lr-scaling, if any
+        self.optimizer = build_optimizer(self.runtime, cfg.optim, global_batch=batch)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps, global_batch=batch)
 
         data = load_data(cfg)
         self.batches, self.held_out = data.train, data.held_out
