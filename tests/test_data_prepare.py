@@ -19,7 +19,7 @@ from shoal import cli
 from shoal.data import prepare as prep
 from shoal.data.dataset import MixtureBatches, TokenStream, open_prepared, parse_mixture, permute, read_manifest
 from shoal.data.prepare import PrepareConfig, prepare
-from shoal.testing import one_line_error
+from shoal.testing import assert_user_error, one_line_error
 from shoal.train.data import DataConfig, default_corpus, open_data, resolve_tokenizer
 
 EOS = "<|endoftext|>"
@@ -277,15 +277,6 @@ def test_a_mixture_with_one_weight_matches_the_folder_alone(tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-def _assert_user_error(capsys, argv: list[str], *names: str) -> None:
-    capsys.readouterr()
-    assert cli.main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("shoal: error: "), lines
-    for name in names:
-        assert name in lines[0], (name, lines[0])
-
-
 def test_bad_input_is_one_line_and_leaves_nothing(capsys, tmp_path):
     good = "".join(json.dumps({"text": "x" * 50}) + "\n" for _ in range(30))
     (tmp_path / "bad.jsonl").write_text(good + "{not json\n")
@@ -293,15 +284,15 @@ def test_bad_input_is_one_line_and_leaves_nothing(capsys, tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     out = tmp_path / "out"
     base = ["data", "prepare", "--tokenizer", "byte", "--out", str(out), "--shard-mb", "0.0005"]
-    _assert_user_error(capsys, [*base, str(tmp_path / "bad.jsonl")], "bad.jsonl:31", "not a JSON line")
+    assert_user_error(capsys, [*base, str(tmp_path / "bad.jsonl")], "bad.jsonl:31", "not a JSON line")
     assert not out.exists()
-    _assert_user_error(capsys, [*base, str(tmp_path / "nofield.jsonl")], "nofield.jsonl:31", "'text'", "body")
-    _assert_user_error(capsys, [*base, str(tmp_path / "empty.jsonl")], "empty.jsonl", "no documents")
-    _assert_user_error(capsys, [*base, str(tmp_path / "missing.jsonl")], "missing.jsonl", "does not exist")
+    assert_user_error(capsys, [*base, str(tmp_path / "nofield.jsonl")], "nofield.jsonl:31", "'text'", "body")
+    assert_user_error(capsys, [*base, str(tmp_path / "empty.jsonl")], "empty.jsonl", "no documents")
+    assert_user_error(capsys, [*base, str(tmp_path / "missing.jsonl")], "missing.jsonl", "does not exist")
     assert not out.exists()
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    _assert_user_error(capsys, [*base, str(tmp_path / "bad.jsonl")], "not empty")
+    assert_user_error(capsys, [*base, str(tmp_path / "bad.jsonl")], "not empty")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
@@ -328,8 +319,8 @@ def test_train_reads_a_prepared_dataset_with_its_tokenizer(bpe, corpus, tmp_path
                      "--holdout", "0.1", "--workers", "2"]) == 0
     small = ["--device", "cpu", "--nproc", "1", "--set", "num_layers=1", "--set", "dim=32", "--set", "ffn_dim=64",
              "--global-batch", "4", "--seq-len", "32", "--steps", "2", "--eval-every", "2", "--ckpt-every", "2"]
-    _assert_user_error(capsys, ["train", "--data", str(ds), "--tokenizer", "byte", *small], "'byte'", "prepared with")
-    _assert_user_error(capsys, ["train", "--data", str(ds), *small], "vocab_size=512")
+    assert_user_error(capsys, ["train", "--data", str(ds), "--tokenizer", "byte", *small], "'byte'", "prepared with")
+    assert_user_error(capsys, ["train", "--data", str(ds), *small], "vocab_size=512")
     run = tmp_path / "run"
     assert cli.main(["train", "--data", str(ds), "--set", "vocab_size=512", "--out", str(run), *small]) == 0
     assert f'tokenizer = "{bpe}"' in (run / "config.toml").read_text()  # the manifest's, so shoal sample decodes

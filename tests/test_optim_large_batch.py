@@ -21,6 +21,7 @@ from shoal.testing import (
     ParityCase,
     assert_rounding_close,
     assert_trained_close,
+    assert_user_error,
     one_line_error,
     references,
     run_parallel,
@@ -347,17 +348,6 @@ def test_collectives_per_step_do_not_grow_with_parameters(pools, plan_text, expe
 # ----------------------------------------------------------------------------- the command line
 
 
-def _user_error(capsys, argv, *names):
-    from shoal import cli
-
-    capsys.readouterr()
-    assert cli.main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("shoal: error: "), lines
-    for name in names:
-        assert name in lines[0], (name, lines[0])
-
-
 @pytest.mark.parametrize("argv, names", [
     (["--optimizer", "adam"], ["--optimizer 'adam'", "adamw, lamb, lars, cowclip"]),
     (["--lr", "0"], ["--lr 0.0", "> 0"]),
@@ -366,7 +356,7 @@ def _user_error(capsys, argv, *names):
     (["--adapt-vectors", "yes"], ["'yes'", "on, off"]),
 ])
 def test_bad_optimizer_flags(capsys, tmp_path, argv, names):
-    _user_error(capsys, ["train", "--out", str(tmp_path / "run"), "--device", "cpu", *argv], *names)
+    assert_user_error(capsys, ["train", "--out", str(tmp_path / "run"), "--device", "cpu", *argv], *names)
     assert not (tmp_path / "run").exists()
 
 
@@ -386,7 +376,7 @@ def test_train_with_lamb_then_resume_with_another_optimizer_is_refused(capsys, t
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["lr"] == pytest.approx(3e-3 * 2, rel=1e-6)  # sqrt(4 / 1) x the default lr; no warm-up in 2 steps
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    _user_error(capsys, ["train", "--resume", str(run), "--steps", "3", "--optimizer", "lars"],
+    assert_user_error(capsys, ["train", "--resume", str(run), "--steps", "3", "--optimizer", "lars"],
                 "--optimizer", "cannot change")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 

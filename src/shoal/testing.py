@@ -97,6 +97,21 @@ def assert_rounding_close(actual: Any, ref32: Any, ref64: Any, *, what: str = "v
                              f"single-process float32 error {single:.3g} + {FLOOR_ULPS:g} ulps = {floor:.3g})")
 
 
+def assert_user_error(capsys: Any, argv: list[str], *names: str) -> str:
+    """`shoal` with `argv` exits 2 with exactly one stderr line that names every string in
+    `names` (capsys: pytest's fixture); returns the line."""
+    from shoal import cli
+
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shoal: error: "), err
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
 def one_line_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     """The message of the ValueError that fn(*args, **kwargs) raises, checked to be one line."""
     try:
