@@ -2,7 +2,7 @@
 stage (GPipe against 1F1B), and shoal's executor against torch.distributed.pipelining used directly.
 
 1. Bubble. A real training step of an 8-layer model (dim 128) under ppP with each schedule, every
-   action timed (`Pipeline.record`); the bubble is 1 - busy / (P x makespan) over the step
+   action timed (`Runtime.record_timeline`); the bubble is 1 - busy / (P x makespan) over the step
    (shoal.parallel.schedules.bubble_fraction), the median over repeats, divided by the formula:
    (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved, and ZB-H1 beside 1F1B.
    With fewer cores than ranks the ranks share them: busy times stretch and the ratio says less.
@@ -61,7 +61,7 @@ def _bubbles(plan_text: str, repeats: int) -> list[float]:
     runtime, plan = _runtime(plan_text)
     micro = _micro(plan)
     runtime.forward_backward(micro)  # warm-up (first-step shape exchange)
-    runtime.pipeline.record = True
+    runtime.record_timeline(True)
     out = []
     for _ in range(repeats):
         dist.barrier()
@@ -101,7 +101,7 @@ def _activation_peak(plan_text: str) -> float:
         kept.__exit__(None, None, None)
         peak[0] = max(peak[0], kept.live_bytes())
 
-    for stage in runtime.pipeline.stages.values():
+    for stage in runtime.parts:
         stage.register_forward_pre_hook(enter)
         stage.register_forward_hook(leave)
     runtime.forward_backward(micro)

@@ -74,7 +74,8 @@ def main() -> None:
     parser.add_argument("--calibrate", action="store_true", help="measure the profile first (full mode)")
     args = parser.parse_args()
     if args.calibrate:
-        from shoal.planner.calibrate import calibrate, save_profile
+        from shoal.planner.calibrate import calibrate
+        from shoal.planner.profile import save_profile
 
         print(f"profile: {save_profile(calibrate(world_sizes=sorted({1, 2, args.nproc})))}")
     work = workload("tiny", [], global_batch=16, seq_len=128)

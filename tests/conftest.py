@@ -15,7 +15,7 @@ _POOLS: dict = {}
 @pytest.fixture(scope="session")
 def pools():
     """pools(n) -> a WorkerPool of n gloo processes, started once and restarted if a test broke it."""
-    from shoal.testing import WorkerPool
+    from shoal.pool import WorkerPool
 
     def get(n: int) -> WorkerPool:
         pool = _POOLS.get(n)

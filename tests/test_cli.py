@@ -18,22 +18,11 @@ from pathlib import Path
 import pytest
 
 from shoal import cli
+from shoal.testing import assert_user_error
 
 # These tests mean CPU/gloo with 2 processes, also on a machine with GPUs.
 SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "8",
          "--seq-len", "32"]
-
-
-def assert_user_error(capsys, argv: list[str], *names: str) -> str:
-    """cli.main(argv) exits 2 with exactly one stderr line that names every string in `names`."""
-    capsys.readouterr()
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("shoal: error: "), err
-    for name in names:
-        assert name in lines[0], (name, lines[0])
-    return lines[0]
 
 
 @pytest.mark.parametrize("argv, names", [

@@ -80,7 +80,7 @@ def test_fused_adamw_on_gpus_only():
 
 
 def test_tf32_is_set_for_gpus_only():
-    from shoal.train.loop import set_matmul_precision
+    from shoal.train.setup import set_matmul_precision
 
     before = torch.get_float32_matmul_precision()
     try:

@@ -230,7 +230,7 @@ def test_cli_export_hf_refuses_gpt2_style(tmp_path, capsys):
     """A GPT-2-style run: --hf names the field and what is supported; nothing is written."""
     from shoal.train.checkpoint import save_checkpoint
     from shoal.train.config import from_flat, to_flat
-    from shoal.train.loop import with_model
+    from shoal.train.runs import with_model
 
     cfg = ModelConfig(num_layers=1, dim=32, num_heads=4, ffn_dim=64, vocab_size=64, max_seq_len=16,
                       norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)

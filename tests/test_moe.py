@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from shoal.models import ModelConfig, Transformer
 from shoal.models.transformer import FeedForward
-from shoal.moe.dispatch import Dispatcher, capacity, plan_dispatch
+from shoal.moe.dispatch import Dispatcher, RoutingGroups, capacity, group_spans, plan_dispatch
 from shoal.moe.experts import Experts
 from shoal.moe.layer import MoELayer
 from shoal.moe.router import Router, Routing, load_balancing_loss, router_z_loss
@@ -187,7 +187,7 @@ def test_layer_keeps_losses_with_gradients_and_stats():
     layer = MoELayer(2, 4, num_experts=2, top_k=1, capacity_factor=0.75)
     with torch.no_grad():
         layer.router.gate.weight.copy_(torch.eye(2))
-    x = torch.tensor([[1.0, 0.0]] * 6 + [[0.0, 1.0]] * 2).view(2, 4, 2)
+    x = torch.tensor([[1.0, 0.0]] * 6 + [[0.0, 1.0]] * 2).view(1, 8, 2)  # one sequence: one routing group
     layer(x)
     assert layer.stats["tokens_per_expert"].tolist() == [3.0, 2.0]
     assert layer.stats["dropped_fraction"].item() == 3 / 8
@@ -199,6 +199,150 @@ def test_layer_keeps_losses_with_gradients_and_stats():
     (layer.aux_loss + layer.z_loss).backward()
     assert layer.router.gate.weight.grad.abs().sum() > 0
     assert not any(v.requires_grad for v in layer.stats.values())
+
+
+# ---- routing groups
+
+def test_group_spans_cut_each_sequence():
+    assert group_spans(16, 0) == (16,)           # 0: the whole sequence
+    assert group_spans(16, 4) == (4, 4, 4, 4)
+    assert group_spans(10, 4) == (4, 4, 2)       # the last span takes the remainder
+    assert group_spans(3, 8) == (3,)             # a shorter sequence (sampling) is one group
+    groups = RoutingGroups(num_sequences=2, spans=(4, 4, 2))
+    assert groups.num_groups == 6 and groups.num_tokens == 20
+    assert groups.group_of_tokens().tolist() == [0] * 4 + [1] * 4 + [2] * 2 + [3] * 4 + [4] * 4 + [5] * 2
+    # ceil(1.25 * 4 * 2 / 4) = 3, ceil(1.25 * 2 * 2 / 4) = 2, per sequence
+    assert groups.capacities(4, 2, 1.25).tolist() == [3, 3, 2, 3, 3, 2]
+    assert groups.rows_bound(4, 2, 1.25) == 16
+    assert groups.capacities(4, 2, 0.0) is None and groups.rows_bound(4, 2, 0.0) is None
+    with pytest.raises(ValueError, match="group_tokens=-2 must be >= 0"):
+        group_spans(8, -2)
+
+
+def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int) -> Routing:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen) * 2
+    logits[:, 0] += 1.0  # a popular expert, so that capacity bites
+    probs = logits.softmax(-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    return Routing(experts_NK=experts, weights_NK=weights, probs_NE=probs, logits_NE=logits)
+
+
+def sub_routing(routing: Routing, rows: slice) -> Routing:
+    return Routing(experts_NK=routing.experts_NK[rows], weights_NK=routing.weights_NK[rows],
+                   probs_NE=routing.probs_NE[rows], logits_NE=routing.logits_NE[rows])
+
+
+@pytest.mark.parametrize("spans, top_k, factor", [((4, 4, 2), 2, 1.25), ((8,), 1, 0.5), ((3, 3), 2, 1.0),
+                                                   ((5,), 2, 0.0)])
+def test_per_group_capacity_and_dropping_equal_a_loop_over_groups(spans, top_k, factor):
+    """Every group routed by itself (plan_dispatch on its tokens alone, with its own capacity) keeps
+    exactly the choices the grouped plan keeps, and the layer's output is theirs."""
+    E = 4
+    groups = RoutingGroups(num_sequences=3, spans=spans)
+    N = groups.num_tokens
+    routing = random_routing(N, E, top_k, seed=len(spans) + top_k)
+    plan = plan_dispatch(routing, E, groups.capacities(E, top_k, factor), groups.group_of_tokens())
+    x_ND = torch.randn(N, 6)
+    dispatcher = Dispatcher()
+    tokens_MD, splits = dispatcher.local_pre(x_ND, plan)
+    out_ND = dispatcher.local_post(tokens_MD * 2, plan, routing.weights_NK, N)  # experts: y = 2x
+    kept, per_expert, first = [], torch.zeros(E, dtype=torch.long), 0
+    for _ in range(groups.num_sequences):
+        for size in spans:
+            rows = slice(first, first + size)
+            alone = plan_dispatch(sub_routing(routing, rows), E, capacity(size, E, top_k, factor))
+            kept.append(alone.kept_NK)
+            per_expert += alone.tokens_per_expert
+            first += size
+    assert torch.equal(plan.kept_NK, torch.cat(kept))
+    assert torch.equal(plan.tokens_per_expert, per_expert)
+    assert plan.routed_per_expert.tolist() == torch.bincount(routing.experts_NK.flatten(), minlength=E).tolist()
+    assert int(plan.kept_M.sum()) == int(plan.kept_NK.sum())
+    # The sorted buffer: kept rows grouped by expert, each row the token of the choice it claims to be.
+    expert_M = torch.repeat_interleave(torch.arange(E), splits)
+    kept_rows = plan.position_NK[plan.kept_NK]
+    assert torch.equal(expert_M[kept_rows], routing.experts_NK[plan.kept_NK])
+    assert torch.equal(plan.token_M[plan.position_NK], torch.arange(N)[:, None].expand(N, top_k))
+    assert sorted(plan.position_NK.flatten().tolist()) == list(range(N * top_k))
+    expected = 2 * x_ND * (routing.weights_NK * plan.kept_NK).sum(-1, keepdim=True)
+    torch.testing.assert_close(out_ND, expected, **TOL)
+    if factor:
+        assert not plan.kept_NK.all()  # the case exercises dropping
+
+
+def test_groups_order_priority_within_each_group():
+    # Two groups of 4 tokens, 2 experts, top-1, capacity 2 each: all 8 tokens want expert 0.
+    # Per group the first two tokens are kept: 0, 1 and 4, 5 (one group of 8 would keep 0 1 2 3).
+    routing = Routing(experts_NK=torch.zeros(8, 1, dtype=torch.long), weights_NK=torch.ones(8, 1),
+                      probs_NE=torch.full((8, 2), 0.5), logits_NE=torch.zeros(8, 2))
+    groups = RoutingGroups(num_sequences=2, spans=(4,))
+    plan = plan_dispatch(routing, 2, groups.capacities(2, 1, 1.0), groups.group_of_tokens())
+    assert plan.kept_NK.flatten().tolist() == [True, True, False, False, True, True, False, False]
+    assert plan.token_M.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert plan.tokens_per_expert.tolist() == [4, 0]
+
+
+def test_aux_loss_per_group_is_the_mean_of_the_groups_losses():
+    # Group 0 is test_aux_and_z_loss_by_hand's two tokens (loss 5/4); group 1: probs
+    # [[1/4, 3/4], [1/2, 1/2]], top-1 picks 1 and 0: f = [1/2, 1/2], P = [3/8, 5/8], loss
+    # 2 * (3/16 + 5/16) = 1. Mean 9/8; one group of all four would give f = [3/4, 1/4],
+    # P = [1/2, 1/2], 2 * (3/8 + 1/8) = 1.
+    logits = torch.tensor([[math.log(3), 0.0], [0.0, 0.0], [0.0, math.log(3)], [0.0, 0.0]])
+    routing = identity_router(2, top_k=1)(logits)
+    assert routing.experts_NK.flatten().tolist() == [0, 0, 1, 0]
+    group_N = torch.tensor([0, 0, 1, 1])
+    grouped = load_balancing_loss(routing.probs_NE, routing.experts_NK, group_N=group_N, num_routing_groups=2)
+    torch.testing.assert_close(grouped, torch.tensor(1.125))
+    torch.testing.assert_close(load_balancing_loss(routing.probs_NE, routing.experts_NK), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("prototypes", [0, 2])
+def test_aux_loss_per_group_equals_a_loop_over_groups(prototypes):
+    logits = torch.randn(12, 4, generator=torch.Generator().manual_seed(7))
+    routing = identity_router(4, top_k=2, num_prototypes=prototypes)(logits)
+    group_N = torch.tensor([0] * 5 + [1] * 5 + [2] * 2)
+    loss = load_balancing_loss(routing.probs_NE, routing.experts_NK, num_groups=prototypes or 1,
+                               group_N=group_N, num_routing_groups=3)
+    loop = [load_balancing_loss(routing.probs_NE[group_N == s], routing.experts_NK[group_N == s],
+                                num_groups=prototypes or 1) for s in range(3)]
+    torch.testing.assert_close(loss, torch.stack(loop).mean(), **TOL)
+
+
+
+@pytest.mark.parametrize("router", [{"top_k": 2}, {"top_k": 2, "num_prototypes": 2}, {"top_k": 1, "normalize": False},
+                                    {"top_k": 2, "group_tokens": 3}])
+def test_layer_on_a_batch_equals_the_layer_on_its_halves(router):
+    """What makes the plan not matter: routing a batch at once, or its sequences in two micro-batches
+    (as two data ranks or an accumulation would), keeps the same choices and gives the same output,
+    the same load-balancing and z-losses (the means of the halves') and kept counts (their sums)."""
+    torch.manual_seed(0)
+    layer = MoELayer(8, 12, num_experts=4, capacity_factor=1.0, init_std=0.5, **router)
+    x = torch.randn(4, 7, 8)
+    y = layer(x)
+    whole = (layer.aux_loss, layer.z_loss, layer.stats["tokens_per_expert"], layer.stats["dropped_fraction"])
+    assert 0 < whole[3] < 1  # capacity bites
+    halves, parts = [], []
+    for part in x.chunk(2):
+        halves.append(layer(part))
+        parts.append((layer.aux_loss, layer.z_loss, layer.stats["tokens_per_expert"], layer.stats["dropped_fraction"]))
+    # Float32 tolerance: the same per-token products; only the means' summation order differs.
+    torch.testing.assert_close(y, torch.cat(halves), **TOL)
+    for i in (0, 1, 3):
+        torch.testing.assert_close(whole[i], (parts[0][i] + parts[1][i]) / 2, **TOL)
+    assert torch.equal(whole[2], parts[0][2] + parts[1][2])
+
+
+def test_a_short_sequence_is_one_group():
+    """Sampling's growing prompt: a sequence shorter than group_tokens is routed as one group,
+    with that group's capacity."""
+    layer = MoELayer(2, 4, num_experts=2, top_k=1, capacity_factor=1.0, group_tokens=16)
+    assert layer.routing_groups(torch.zeros(1, 5, 2)).spans == (5,)
+    assert layer.routing_groups(torch.zeros(2, 40, 2)).spans == (16, 16, 8)
+    with torch.no_grad():
+        layer.router.gate.weight.copy_(torch.eye(2))
+    layer(torch.tensor([[[1.0, 0.0]] * 5]))  # all five want expert 0: capacity ceil(5 / 2) = 3
+    assert layer.stats["tokens_per_expert"].tolist() == [3.0, 0.0]
 
 
 # ---- dispatcher round trip
@@ -335,6 +479,7 @@ def test_layer_slots_into_the_transformer_and_counts_like_the_config():
     (dict(num_experts=8, top_k=2, num_prototypes=4), "top_k=2 must equal num_prototypes=4"),
     (dict(num_experts=4, top_k=2, capacity_factor=-0.5), "capacity_factor=-0.5 must be >= 0"),
     (dict(num_experts=4, top_k=2, activation="relu"), "activation='relu'; valid: 'swiglu', 'gelu'"),
+    ({"num_experts": 4, "top_k": 2, "group_tokens": -1}, "group_tokens=-1 must be >= 0"),
 ])
 def test_user_mistakes_are_one_line_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")) as info:

@@ -233,7 +233,7 @@ def test_shoal_plan_bad_input_is_one_line(argv, words, capsys, monkeypatch, tmp_
 # ----------------------------------------------------------------------------- --plan auto
 def _profile_file(tmp_path):
     """A hand-made calibration profile (this machine's real one is measured by `shoal plan --calibrate`)."""
-    from shoal.planner.calibrate import COLLECTIVES, CollectiveFit, Profile, save_profile
+    from shoal.planner.profile import COLLECTIVES, CollectiveFit, Profile, save_profile
 
     def line(alpha: float, beta: float) -> CollectiveFit:
         return CollectiveFit(alpha=alpha, beta=beta, points=tuple((b, alpha + beta * b) for b in (1024, 2**20)))

@@ -1,4 +1,4 @@
-"""Calibration: the alpha-beta fit, the profile file, the cluster built from it, one real run."""
+"""Calibration: the alpha-beta fit, the profile file, the cluster built from it, one real run (on a pool)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,17 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
-from shoal.planner import calibrate as cal
-from shoal.planner.calibrate import (
+from shoal.planner import profile as prof
+from shoal.planner.calibrate import calibrate
+from shoal.planner.profile import (
     COLLECTIVES,
     CollectiveFit,
     Profile,
-    calibrate,
     collective_time,
     default_profile_path,
     fit_alpha_beta,
@@ -41,6 +43,14 @@ def _profile() -> Profile:
         collectives={2: {kind: _line(200e-6, 1e-9) for kind in COLLECTIVES},
                      4: {kind: _line(800e-6, 2e-9) for kind in COLLECTIVES}},
     )
+
+
+def test_profile_and_lookups_import_no_torch():
+    """The planner reads a profile and prices collectives on it without torch: only measuring needs it."""
+    code = ("import sys, shoal.planner.profile, shoal.planner.calibrate; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # ----------------------------------------------------------------------------- the fit
@@ -121,7 +131,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     def fail(fd: int) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(cal.os, "fsync", fail)
+    monkeypatch.setattr(prof.os, "fsync", fail)
     newer = Profile.from_json(_profile().to_json().replace('"box"', '"other"'))
     with pytest.raises(OSError, match="disk full"):
         save_profile(newer, path)
@@ -201,6 +211,6 @@ def test_quick_calibration_on_this_machine():
     assert set(profile.dispatch) == {1, 2} and all(0 < d < 1e-3 for d in profile.dispatch.values())
     # The in-step latency of a 4 KB call after compute: above zero, below the 20x-of-a-second bound of a hang.
     assert set(profile.in_step) == {2} and set(profile.in_step[2]) == {"2"}
-    assert set(profile.in_step[2]["2"]) == set(cal.IN_STEP_KINDS)
+    assert set(profile.in_step[2]["2"]) == set(prof.IN_STEP_KINDS)
     assert all(0 <= t < 1.0 for t in profile.in_step[2]["2"].values()), profile.in_step
     assert Profile.from_json(profile.to_json()) == profile

@@ -112,6 +112,9 @@ def test_run_folder_contents(runs):
     assert summary["steps"] == 6 and summary["final_loss"] == records[-1]["loss"] and 0 < summary["mfu"] < 1
     assert ((summary["device"], summary["precision"], summary["plan"])
             == ("cpu", "fp32", "dp2,precision=fp32,compile=off"))
+    # The memory model's prediction kept beside the measured peak (which adds the interpreter and libraries).
+    assert 0 < summary["mem_predicted_mb"] < summary["mem_peak_mb"]
+    assert {"parameters", "gradients", "optimizer", "activations"} <= set(summary["mem_predicted_terms_mb"])
 
 
 def test_sample_prints_text(runs, capsys):

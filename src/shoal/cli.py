@@ -1,4 +1,4 @@
-"""The `shoal` command line: `shoal train`, `shoal plan`, `shoal sample` and `shoal export`.
+"""The `shoal` command line: `shoal train`, `shoal plan`, `shoal sample`, `shoal export` and `shoal data`.
 
 Every check of the user's input runs here, in the parent process, before any worker starts:
 a mistake prints one line `shoal: error: <message>` on stderr and exits with status 2, and
@@ -108,6 +108,19 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--decay-steps", int, "step where the cosine reaches min-lr [--steps]"),
     ("--weight-decay", float, "AdamW weight decay on matrices [0.1]"),
     ("--grad-clip", float, "clip the gradient norm to this; 0: off [1.0]"),
+    ("--optimizer", str, "adamw, lamb, lars (over momentum SGD) or cowclip (embedding-row clipping over AdamW); "
+     "each takes whole-parameter norms under every sharding [adamw]"),
+    ("--momentum", float, "LARS: SGD momentum [0.9]"),
+    ("--lars-eta", float, "LARS: trust coefficient eta [1e-3]"),
+    ("--adapt-vectors", _on_off, "LAMB/LARS: trust ratios and weight decay on biases and norm weights too [off]"),
+    ("--per-expert", _on_off, "LAMB/LARS: one trust ratio per expert of a stacked MoE weight [on]"),
+    ("--cowclip-ratio", float, "CowClip: r in clip = r * count * max(||w_id||, r * sqrt(d) * zeta) [1.0]"),
+    ("--cowclip-zeta", float, "CowClip: zeta, the lower bound of a row's clip [1e-5]"),
+    ("--embed-lr", float, "CowClip: the embedding tables' peak lr, not batch-scaled [lr]"),
+    ("--embed-weight-decay", float, "CowClip: the embedding tables' L2 decay, scaled linearly with the batch [0]"),
+    ("--lr-scaling", str, "none, linear or sqrt: scale lr (and min-lr) from --base-batch to --global-batch; "
+     "explicit warm-up steps keep their number of sequences [none]"),
+    ("--base-batch", int, "the global batch the lr and warm-up were set for (with --lr-scaling) [none]"),
     ("--seed", int, "seed of weights, data order and dropout [0]"),
     ("--out", str, "run folder [runs/<timestamp>]"),
     ("--ckpt-every", int, "checkpoint every K steps, and at the end [100]"),
@@ -122,8 +135,9 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--tf32", _on_off, "fp32 matmuls on TF32 tensor cores on GPUs that have them [on]"),
     ("--memory-check", _on_off, "refuse before start a plan predicted not to fit this machine's memory, naming "
      "plans that fit; --no-memory-check: off [on]"),
-    ("--data", str, "a folder of .txt files, a .txt, .bin (uint16) or .npy token file [built-in corpus]"),
-    ("--tokenizer", str, "byte, or a local Hugging Face tokenizer folder [byte]"),
+    ("--data", str, "a folder made by shoal data prepare, a mixture DIR_A:0.7,DIR_B:0.3 of them, a folder of .txt "
+     "files, a .txt, .bin (uint16) or .npy token file [built-in corpus]"),
+    ("--tokenizer", str, "byte, or a local Hugging Face tokenizer folder [byte; a prepared --data: its own]"),
 ]
 
 
@@ -155,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shoal.plan_command import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from shoal.data.command import add_parser as add_data_parser
+
+    add_data_parser(sub)
 
     sample = sub.add_parser("sample", help="generate text from a trained run",
                             description="Load a run's latest checkpoint in one process (any plan it was trained "
@@ -189,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     from shoal.launch import Stopped, WorkerFailed, launch, under_torchrun
-    from shoal.train.loop import run_worker
     from shoal.train.preempt import STOPPED
+    from shoal.train.worker import run_worker
 
     job = prepare_job(args)
     try:
@@ -224,9 +241,12 @@ def _stopped(signal_name: str, run_dir: str | None) -> int:
 
 def prepare_job(args: argparse.Namespace) -> Any:
     """Validate everything the user gave and return the Job the workers run (ValueError if wrong)."""
+    import dataclasses
+
     from shoal.launch import resolve_device, under_torchrun
     from shoal.train.config import from_flat, load_toml, resolve_model
-    from shoal.train.loop import Job, default_run_dir, with_model
+    from shoal.train.data import resolve_tokenizer
+    from shoal.train.runs import Job, default_run_dir, with_model
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
     if under_torchrun() and flags.get("max_restarts"):
@@ -242,6 +262,8 @@ def prepare_job(args: argparse.Namespace) -> Any:
         base = from_flat(load_toml(args.config)) if args.config else None
         cfg = from_flat(flags, base)
         run_dir = cfg.out if cfg.out is not None else (None if under_torchrun() else default_run_dir())
+    if args.resume is None:  # prepared data: the tokenizer is the manifest's
+        cfg = dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, given="tokenizer" in flags))
     model = resolve_model(cfg)
     cfg = with_model(cfg, model)
     device = resolve_device(cfg.device)
@@ -290,7 +312,7 @@ def world_size(cfg: Any, device: str) -> int:
 def _resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
     """The run folder's config with the flags a resumed run may change."""
     from shoal.train.config import RESUMABLE, from_flat, to_flat
-    from shoal.train.loop import read_run_config
+    from shoal.train.runs import read_run_config
 
     folder = Path(args.resume)
     if not folder.is_dir():
@@ -315,7 +337,7 @@ def validate(cfg: Any, device: str) -> None:
     from shoal.launch import under_torchrun
     from shoal.models import Transformer
     from shoal.train.config import parse_plan
-    from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
+    from shoal.train.data import load_tokenizer, open_data
 
     model, loop = cfg.model_config, cfg.loop
     world = world_size(cfg, device)
@@ -330,14 +352,11 @@ def validate(cfg: Any, device: str) -> None:
     plan = rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
                          global_batch=loop.global_batch, seq_len=loop.seq_len, micro_batch=loop.micro_batch)
     _check_memory(cfg, plan, device)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    tokens = load_tokens(cfg.data, tokenizer)
-    train, held_out = split_tokens(tokens, cfg.data.val_fraction, loop.seq_len)
-    TokenBatches(train, seq_len=loop.seq_len, seed=loop.seed)
-    top = int(tokens.max()) if len(tokens) else 0
+    top = open_data(cfg.data, seq_len=loop.seq_len, seed=loop.seed, max_id=True).max_id
     if top >= model.vocab_size:
+        vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
         raise UserError(f"the data holds token id {top} but the model's vocab_size is {model.vocab_size}; "
-                        f"use --set vocab_size={max(top + 1, tokenizer.vocab_size)}")
+                        f"use --set vocab_size={max(top + 1, vocab)}")
 
 
 def _check_memory(cfg: Any, plan: Any, device: str) -> None:

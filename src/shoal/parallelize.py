@@ -9,6 +9,7 @@ shoal.rules first, the same question `shoal plan` and `shoal train` ask.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -18,23 +19,29 @@ from shoal.models.config import ModelConfig
 from shoal.moe.layer import MoELayer
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
-from shoal.parallel.data import TorchDataEngine, apply_data_parallel, transformer_blocks
+from shoal.parallel.data import DataEngine, TorchDataEngine, apply_data_parallel, transformer_blocks
 from shoal.parallel.expert import ExpertGrads, MoETensorParallel, apply_expert_parallel, ep_mesh
+from shoal.parallel.materialize import materialize, on_meta
 from shoal.parallel.pipeline import Pipeline, build_stages, merged_view
 from shoal.parallel.recompute import apply_recompute
 from shoal.parallel.tensor import apply_tensor_parallel, transformer_tp_plan
 from shoal.plan import Plan
-from shoal.rules import choose_engine
+from shoal.rules import EngineChoice, choose_engine
 from shoal.runtime import Runtime
 
 
-def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | None = None) -> Runtime:
+def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | None = None, *,
+                seed: int = 0) -> Runtime:
     """Apply `plan` to `model` on `mesh` (in place) and return the runtime that trains it.
 
     Without a plan and mesh: the model alone in this process (no process group needed), the same
-    runtime interface at degree 1 everywhere.
+    runtime interface at degree 1 everywhere. A model built on the meta device is materialized
+    after the plan is applied, each rank allocating only its shards, with initial weights that
+    are a function of `seed` and the parameter names alone (shoal/parallel/materialize.py).
     """
     if plan is None and mesh is None:
+        if on_meta([model]):
+            materialize(model, seed=seed, device=torch.device("cpu"))
         return Runtime(TorchDataEngine(model, model), plan=None, mesh=None, choice=None)
     if plan is None or mesh is None:
         raise ValueError("parallelize needs both a plan and a mesh, or neither (one process)")
@@ -46,8 +53,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
         model, context = _within_stage(model, mesh, plan)
         experts = _experts([model], mesh, plan)
-        engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice,
-                                     ignore=experts.params if experts is not None else ())
+        engine = _data_parallel(model, mesh, plan, choice, experts, seed)
         return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, experts=experts)
     assert plan.vpp is not None, "rules.resolve chose it"
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
@@ -56,20 +62,42 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     for s, stage in stages.items():
         stages[s], context = _within_stage(stage, mesh, plan)
     experts = _experts(list(stages.values()), mesh, plan)
-    modules, reduce = dict(stages), None
+    modules = dict(stages)
     if len(stages) == 1:
         (s, stage), = stages.items()
-        engine = apply_data_parallel(stage, mesh=mesh, plan=plan, choice=choice,
-                                     ignore=experts.params if experts is not None else ())
+        engine = _data_parallel(stage, mesh, plan, choice, experts, seed)
         stages[s] = engine.model
-        if choice.kind == "zero":
-            reduce = engine.reduce_grads  # type: ignore[attr-defined]  # the ZeRO engine has it, the protocol not
     else:
+        for stage in stages.values():  # interleaved chunks run with no data engine
+            if on_meta([stage]):
+                materialize(stage, seed=seed, device=_device(mesh))
         view = merged_view(stages)
         engine = TorchDataEngine(view, view)
     pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync,
-                        modules=modules, reduce=reduce)
+                        modules=modules, reduce=engine.reduce_grads)
     return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline, experts=experts)
+
+
+def _data_parallel(model: nn.Module, mesh: DeviceMesh, plan: Plan, choice: EngineChoice,
+                   experts: ExpertGrads | None, seed: int) -> DataEngine:
+    """The data engine over `model`; a meta-built model materialized where each engine needs it:
+    after FSDP2 has sharded it (each rank then allocates its shards only), before the engines
+    that keep full parameters (DDP, shoal's ZeRO-1/2, none)."""
+    ignore = experts.params if experts is not None else ()
+    meta = on_meta([model])
+    if meta and choice.kind != "fsdp2":
+        materialize(model, seed=seed, device=_device(mesh))
+    engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice, ignore=ignore)
+    if meta and choice.kind == "fsdp2":
+        materialize(engine.model, seed=seed, device=_device(mesh))
+    return engine
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device on `mesh`."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def _experts(parts: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> ExpertGrads | None:

@@ -48,7 +48,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shoal.planner.calibrate import calibrate, save_profile
+    from shoal.planner.calibrate import calibrate
+    from shoal.planner.profile import save_profile
 
     if args.calibrate:
         path = save_profile(calibrate(quick=args.quick))
@@ -96,7 +97,7 @@ def workload(model: str, sets: list[str], *, global_batch: int, seq_len: int) ->
 
 def resolve_cluster(spec: str, nproc: int | None) -> tuple[Cluster, Network | None]:
     """The cluster a spec names, and the network to price it on (the calibrated one for `local`)."""
-    from shoal.planner.calibrate import load_profile, local_cluster
+    from shoal.planner.profile import load_profile, local_cluster
 
     if spec != "local":
         if nproc is not None:

@@ -1,25 +1,34 @@
 """The parallel runtime: the one object between the trainer and the parallel layer.
 
-`shoal.parallelize.parallelize(model, plan, mesh)` applies a plan to an unmodified model and
-returns a `Runtime`. The trainer, checkpoints, export, sampling and the parity harness see the
-parallel layer only through it; nothing is attached to the user's module, and nothing outside
-shoal/parallel/ asks which engine runs a plan.
+`shoal.parallelize.parallelize(model, plan, mesh)` applies a plan to an unmodified model (in
+place: sharded, never wrapped) and returns a `Runtime` holding what the parallelisms built: the
+data engine (shoal.parallel.data: none, DDP, shoal's ZeRO-1/2 or FSDP2, as the pure
+`shoal.rules.choose_engine` picks it), and where the plan has them the pipeline executor, the
+context-parallel sequence split and the expert gradients' reduction. The trainer, checkpoints,
+export, sampling, benchmarks and the parity harness use the parallel layer only through the
+methods below and its read-only `plan`, `mesh` and `choice` (the engine); it keeps its parts
+private, and attaches nothing to the user's modules.
 
-- `parts`: the model parts as the parallelisms left them (one; one per stage a rank runs under pp).
-- `runtime(inputs)`: forward, for evaluation and sampling.
-- `parameters()`: what an optimizer updates (DTensor shards where the plan shards).
-- `forward_backward(micro_batches, loss_fn)`: the training forward and backward over a rank's
-  micro-batches: gradient sync on the last one only (`no_sync()` for loops of one's own), loss
-  scaling, the vocabulary-parallel loss.
-  Under pp the pipeline's schedule runs them (shoal/parallel/pipeline.py); the context-parallel
-  sequence split, and the MoE layers' auxiliary losses (added to each micro-batch's loss, or
-  under pp carried on each layer's output into its stage's backward; their load figures in
-  `moe_stats`, this rank's layers) go here too.
-- `grad_norm()` (fp16: unscales first, reports overflow) and `clip_grads_(max_norm, norm)`.
-- `global_mean(value)` over the data ranks; `data_rank`: which slice of each global batch is ours.
-- `state_dict(optimizer)` / `load_state_dict(...)`: DCP's format, so checkpoints reshard;
-  `full_weights()` / `load_full_weights(...)` for export and import.
-- `loss_scaler`: fp16's dynamic loss scale (None otherwise), which the trainer saves.
+- The model: `parts` (the user's modules as the parallelisms left them: one, or under pp each
+  stage this rank runs), `named_parameters()` / `parameters()` (what an optimizer updates, under
+  the user's names; DTensor shards where the plan shards), `runtime(inputs)` (forward for
+  evaluation and sampling: under cp the slices' outputs gathered, under pp the last stage's
+  output on every stage), `train()` / `eval()`.
+- One step: `forward_backward(micro_batches, loss_fn)` runs a rank's micro-batches (under pp on
+  the schedule): gradients reduced over the data ranks on the last one only (`no_sync()` for
+  loops of one's own), fp16 loss scaling, the vocabulary-parallel loss, the cp split
+  (`local_batches`), the MoE layers' auxiliary losses (their load figures in `moe_stats`), then
+  tensor parallelism's partial gradients and the expert gradients reduced once. `eval_loss` is
+  its forward-only twin. `grad_norm()` (fp16: unscales first, reports an overflow) and
+  `clip_grads_(max_norm, norm)` work on the engine's shards; `global_mean(value)` averages over
+  the data ranks; `data_rank` says which slice of each global batch is this rank's.
+- State: `state_dict(optimizer)` / `load_state_dict(...)` in DCP's format, so checkpoints
+  reshard; `full_weights()` / `load_full_weights(...)` for export and import; `loss_scaler`,
+  fp16's dynamic loss scale (None otherwise), which the trainer saves.
+- Watching and measuring: `where()` (under pp the stage and micro-batch this rank is at),
+  `on_progress(callback)` (told each time that changes: the watchdog's sign of life),
+  `record_timeline(on)` then `pipeline_timeline()` / `pipeline_summary(chart)` (the measured
+  bubble and the Gantt chart), `describe()` (the plan, engine, stages and schedule in words).
 
 After Megatron-Core's `get_forward_backward_func()` and torchtitan's model parts + ParallelDims,
 without global state: a runtime holds its own plan and mesh.
@@ -63,9 +72,8 @@ class Runtime:
                  choice: EngineChoice | None, context: ContextSplit | None = None,
                  pipeline: Pipeline | None = None, experts: ExpertGrads | None = None) -> None:
         self.plan, self.mesh = plan, mesh
-        self._context = context
-        self.pipeline = pipeline
-        """pp > 1: this rank's stages and schedule (None otherwise)."""
+        self._context = context  # cp > 1: this rank's slice of every sequence, taken from each micro-batch here
+        self._pipeline = pipeline  # pp > 1: this rank's stages and schedule
         self._pp_group = mesh["pp"].get_group() if pipeline is not None and mesh is not None else None
         self._moe = MoECollector(engine.module)
         self._experts = experts
@@ -73,7 +81,6 @@ class Runtime:
         self.moe_stats: dict[str, torch.Tensor] = {}
         """Per MoE layer, the last step's load figures (shoal.moe.collect.FIGURES, then each expert's
         share of the kept tokens), on the device; {} for a dense model."""
-        """cp > 1: this rank's slice of every sequence, taken from each micro-batch here."""
         self.choice = choice
         """The data-parallel engine that runs the plan (shoal.rules.choose_engine); None in one process."""
         self._engine = engine
@@ -89,14 +96,14 @@ class Runtime:
     def parts(self) -> list[nn.Module]:
         """The user's model parts, as the parallelisms left them (sharded in place, not wrapped):
         one, or under pp each stage this rank runs."""
-        if self.pipeline is not None and len(self.pipeline.stages) > 1:
-            return list(self.pipeline.stages.values())
+        if self._pipeline is not None and len(self._pipeline.stages) > 1:
+            return list(self._pipeline.stages.values())
         return [self._engine.module]
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         """Forward (evaluation, sampling): the model's output for this rank's inputs (under cp,
         for the whole sequences: the slices' outputs are gathered; under pp on every stage)."""
-        if self.pipeline is not None:
+        if self._pipeline is not None:
             return self._pipeline_forward(inputs)
         if self._context is not None:
             return self._context.gather(self._engine.model(self._context.split(inputs)))
@@ -135,12 +142,12 @@ class Runtime:
         number, so the gradient is that of the rank's mean loss (the engines average over ranks).
         Returns the rank's mean loss, detached, on the device (no host synchronisation)."""
         loss_fn = loss_fn or cross_entropy
-        if self.pipeline is not None:
+        if self._pipeline is not None:
             scale = self.loss_scaler.scale if self.loss_scaler is not None else None
             n = len(micro_batches)
             # Stages start backward from their outputs, so MoE losses ride on the layers' outputs.
             with self._moe.attached(lambda added: scale(added / n) if scale is not None else added / n):
-                pp_total = self.pipeline.step(self.local_batches(micro_batches), loss_fn, scale=scale)
+                pp_total = self._pipeline.step(self.local_batches(micro_batches), loss_fn, scale=scale)
             self._after_backward()
             return self._pp_sum(pp_total)
         total: torch.Tensor | float = 0.0
@@ -174,8 +181,8 @@ class Runtime:
     def eval_loss(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> torch.Tensor:
         """This rank's mean loss over the micro-batches, without gradients (on the device)."""
         loss_fn = loss_fn or cross_entropy
-        if self.pipeline is not None:
-            return self._pp_sum(self.pipeline.step(self.local_batches(micro_batches), loss_fn, train=False))
+        if self._pipeline is not None:
+            return self._pp_sum(self._pipeline.step(self.local_batches(micro_batches), loss_fn, train=False))
         total: torch.Tensor | float = 0.0
         for inputs, targets in self.local_batches(micro_batches):
             output = self._engine.model(inputs)
@@ -267,21 +274,35 @@ class Runtime:
 
     def where(self) -> str | None:
         """Under pp, the stage and micro-batch this rank is at (what it waits for), in words."""
-        return self.pipeline.where or None if self.pipeline is not None else None
+        return self._pipeline.where or None if self._pipeline is not None else None
+
+    def on_progress(self, callback: Callable[[], None]) -> None:
+        """Call `callback` whenever this rank moves on within a step (under pp: each action and
+        wait of the schedule; `where` says where), so that a watchdog sees life between the
+        step's collectives. Without pp a step has no such points: never called."""
+        if self._pipeline is not None:
+            self._pipeline.watch(callback)
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Under pp, while `on`: time every action of each training step, for `pipeline_timeline`
+        and `pipeline_summary` (on a GPU this synchronises per action: turn it on for the steps
+        to measure only). Without pp: nothing to record."""
+        if self._pipeline is not None:
+            self._pipeline.record_timeline(on)
 
     def pipeline_timeline(self) -> list[list[Any]]:
         """Every pp rank's timed actions of the last step it recorded ((start, end, action), wall
         clock seconds), to every rank of this pipeline. Collective over the pp group."""
-        assert self.pipeline is not None and self._pp_group is not None
+        assert self._pipeline is not None and self._pp_group is not None
         timelines: list[Any] = [None] * dist.get_world_size(self._pp_group)
-        dist.all_gather_object(timelines, self.pipeline.timeline, group=self._pp_group)
+        dist.all_gather_object(timelines, self._pipeline.timeline, group=self._pp_group)
         return timelines
 
     def pipeline_summary(self, chart: Path | None = None) -> dict[str, float]:
-        """Under pp, after a step run with `pipeline.record` on: its measured bubble (idle share of
+        """Under pp, after a step run with `record_timeline` on: its measured bubble (idle share of
         the ranks' time) beside the formula (p-1)/(v*m+p-1), and, where `chart` is given, the
         step drawn there (a Gantt chart PNG). Collective over the pp group."""
-        assert self.pipeline is not None and self.plan is not None and self.plan.vpp is not None
+        assert self._pipeline is not None and self.plan is not None and self.plan.vpp is not None
         timeline = self.pipeline_timeline()
         p, m, v = self.plan.pp, self.plan.micro_batches, self.plan.vpp
         if chart is not None:
@@ -291,7 +312,7 @@ class Runtime:
 
     def _pipeline_forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The last stage's output for `inputs` (full, not vocab-sharded), sent to every stage."""
-        assert self.pipeline is not None and self._pp_group is not None and self.mesh is not None
+        assert self._pipeline is not None and self._pp_group is not None and self.mesh is not None
         kept: list[torch.Tensor] = []
 
         def keep(output: torch.Tensor, _targets: Any) -> torch.Tensor:
@@ -299,7 +320,7 @@ class Runtime:
             return torch.zeros((), device=kept[-1].device)
 
         split = self._context.split(inputs) if self._context is not None else inputs
-        self.pipeline.step([(split, split)], keep, train=False)
+        self._pipeline.step([(split, split)], keep, train=False)
         last = dist.get_global_rank(self._pp_group, dist.get_world_size(self._pp_group) - 1)
         device = self.mesh.device_type
         meta = torch.tensor(list(kept[0].shape) if kept else [0, 0, 0], dtype=torch.int64, device=device)
@@ -314,6 +335,6 @@ class Runtime:
         if self.plan is None or self.choice is None:
             return "one process, no parallelism"
         words = self.plan.describe() + f"\n  data-parallel engine: {self.choice.describe()}"
-        if self.pipeline is not None:
-            words += "\n" + self.pipeline.describe()
+        if self._pipeline is not None:
+            words += "\n" + self._pipeline.describe()
         return words

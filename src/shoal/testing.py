@@ -1,25 +1,17 @@
-"""The parity harness: run a function on N gloo processes and compare with a single process.
+"""The parity harness: run a configuration on N gloo processes and compare with a single process.
 
-`WorkerPool(n)` starts n worker processes once (one process group, reused by every test that
-asks for that world size), runs picklable functions on all ranks and returns each rank's
-result. A failure on any rank, or a hang past the timeout, tears the pool down and raises an
-error naming the rank, so one broken test cannot wedge the next.
-
-`ParityCase` describes one configuration; `run_reference(case)` trains it in plain PyTorch in
-this process (in float32, and in float64 as the truth), `run_parallel(case)` (called on every
-rank) trains it through shoal's real `parallelize` and the trainer's own `train_step`, and
-`check_parity(results, case)` checks outputs, every gradient, the first optimizer step, the loss
-curve and the final parameters. How its tolerances follow from the arithmetic: `check_parity`.
+The tests run the functions here on every rank of a `shoal.pool.WorkerPool` (one per world
+size, reused by every test that asks for it). `ParityCase` describes one configuration;
+`run_reference(case)` trains it in plain PyTorch in this process (in float32, and in float64 as
+the truth), `run_parallel(case)` (called on every rank) trains it through shoal's real
+`parallelize` and the trainer's own `train_step`, and `check_parity(results, case)` checks
+outputs, every gradient, the first optimizer step, the loss curve and the final parameters. How
+its tolerances follow from the arithmetic: `check_parity`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import queue
-import shutil
-import tempfile
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,79 +29,6 @@ from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.train.step import split_micro, train_step
-
-# ----------------------------------------------------------------------------- the worker pool
-
-
-def _worker_main(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    while True:
-        task = tasks.get()
-        if task is None:
-            break
-        fn, args, kwargs = task
-        try:
-            results.put((rank, True, fn(*args, **kwargs)))
-        except BaseException:  # report everything, the parent decides
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
-
-
-class WorkerPool:
-    """n long-lived gloo processes that run functions on every rank."""
-
-    def __init__(self, world_size: int, *, timeout_s: float = 300.0) -> None:
-        self.world_size, self.timeout_s = world_size, timeout_s
-        ctx = torch.multiprocessing.get_context("spawn")
-        self._dir = tempfile.mkdtemp(prefix="shoal-pool-")
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._results = ctx.Queue()
-        store = os.path.join(self._dir, "store")
-        self._procs = [
-            ctx.Process(target=_worker_main, args=(r, world_size, store, self._tasks[r], self._results), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in self._procs:
-            p.start()
-
-    @property
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """fn(*args, **kwargs) on every rank; the results in rank order."""
-        if not self.alive:
-            raise RuntimeError(f"the {self.world_size}-process worker pool is not running (an earlier task broke it)")
-        for q in self._tasks:
-            q.put((fn, args, kwargs))
-        out: dict[int, Any] = {}
-        while len(out) < self.world_size:
-            try:
-                rank, ok, payload = self._results.get(timeout=self.timeout_s)
-            except queue.Empty:
-                missing = sorted(set(range(self.world_size)) - set(out))
-                self.close()
-                raise TimeoutError(f"{fn.__name__}: rank(s) {missing} gave no answer in "
-                                   f"{self.timeout_s:.0f} s") from None
-            if not ok:
-                self.close()
-                raise RuntimeError(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{payload}")
-            out[rank] = payload
-        return [out[r] for r in range(self.world_size)]
-
-    def close(self) -> None:
-        for p, q in zip(self._procs, self._tasks):
-            if p.is_alive():
-                q.put(None)
-        for p in self._procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
 
 # ----------------------------------------------------------------------------- comparisons
 
@@ -178,6 +97,21 @@ def assert_rounding_close(actual: Any, ref32: Any, ref64: Any, *, what: str = "v
                              f"single-process float32 error {single:.3g} + {FLOOR_ULPS:g} ulps = {floor:.3g})")
 
 
+def assert_user_error(capsys: Any, argv: list[str], *names: str) -> str:
+    """`shoal` with `argv` exits 2 with exactly one stderr line that names every string in
+    `names` (capsys: pytest's fixture); returns the line."""
+    from shoal import cli
+
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shoal: error: "), err
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
 def one_line_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     """The message of the ValueError that fn(*args, **kwargs) raises, checked to be one line."""
     try:
@@ -226,10 +160,6 @@ class ParityCase:
     """AdamW's eps."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form knobs for cases that later parallelisms add."""
-    reference_micro: int | None = None
-    """Micro-batches of the single-process reference (None: num_micro). An MoE layer routes each
-    micro-batch on its own (capacity is per micro-batch): to compare dp2 with one micro-batch per
-    rank, the reference runs the same two groups of rows, as 2."""
 
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The global batches of every step: seeded random tokens, the same in every process."""
@@ -244,18 +174,23 @@ class ParityCase:
     def optimizer(self, params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.1, eps=self.adam_eps, foreach=False)
 
+    def optimizer_for(self, source: Runtime | nn.Module) -> torch.optim.Optimizer:
+        """The optimizer over a runtime's or a plain model's parameters (`optimizer` by default; a
+        case whose optimizer needs the model, as CowClip its embedding tables, overrides this)."""
+        return self.optimizer(source.parameters())
+
 
 def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Train `case` in plain PyTorch in this process, in `dtype` (float64: the truth)."""
     torch.set_num_threads(1)
     model = case.build_model(dtype)
-    optimizer = case.optimizer(model.parameters())
+    optimizer = case.optimizer_for(model)
     batches = case.batches()
     result: dict[str, Any] = {"losses": [], "init_params": full_tensors(model)}
     moe = MoECollector(model)  # an MoE model's auxiliary losses join the training loss
-    micro = case.reference_micro or case.num_micro
-    with torch.no_grad():  # in the data ranks' groups of rows (an MoE layer routes each on its own)
-        result["logits"] = torch.cat([model(x) for x in batches[0][0].chunk(micro // case.num_micro)])
+    micro = case.num_micro  # one process's accumulation over the whole global batch
+    with torch.no_grad():
+        result["logits"] = model(batches[0][0])
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -281,7 +216,7 @@ def reference_update(case: ParityCase, grads: dict[str, torch.Tensor]) -> tuple[
     """The first optimizer step of plain PyTorch (clip, AdamW) applied to the given gradients:
     (parameters after it, the clip coefficient used)."""
     model = case.build_model()
-    optimizer = case.optimizer(model.parameters())
+    optimizer = case.optimizer_for(model)
     for name, param in model.named_parameters():
         param.grad = grads[name].to(param.dtype).clone()
     coef = 1.0
@@ -309,7 +244,7 @@ def parallel_setup(case: ParityCase) -> tuple[Runtime, torch.optim.Optimizer, li
     plan = Plan.parse(case.plan).resolve(dist.get_world_size())
     plan.validate(case.model, global_batch=case.global_batch, seq_len=case.seq_len)
     runtime = parallelize(case.build_model(), plan, cached_mesh(plan))
-    optimizer = case.optimizer(runtime.parameters())
+    optimizer = case.optimizer_for(runtime)
     index, count = runtime.data_rank
     rows = case.global_batch // count
     batches = [(x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]) for x, y in case.batches()]
@@ -425,7 +360,7 @@ def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, en
     else:
         plan = Plan.parse(plan_text).resolve(dist.get_world_size())
         runtime = parallelize(case.build_model(), plan, cached_mesh(plan))
-    optimizer = case.optimizer(runtime.parameters())
+    optimizer = case.optimizer_for(runtime)
     if start > 0:
         path = latest_checkpoint(run_dir)
         assert path is not None, run_dir

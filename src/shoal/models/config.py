@@ -52,6 +52,14 @@ class ModelConfig:
     capacity_factor: float = 1.25
     """Tokens an expert takes per step, as a multiple of its even share (N*top_k/E); assignments
     beyond it are dropped (the residual carries the token). 0: dropless."""
+    moe_group_tokens: int = 0
+    """Tokens per routing group (GShard's groups), a model hyper-parameter: capacity
+    (ceil(capacity_factor * G * top_k / num_experts) for a group of G tokens), dropping priority and
+    the load-balancing loss are taken within each group, the loss averaged over groups. Groups are
+    spans of this many consecutive tokens of one sequence, the last taking the remainder; 0: one
+    group per sequence (G = the sequence length). A group never spans two sequences, so the
+    routing, and the loss curve, is the same under any parallel plan and micro-batch count; a
+    sequence shorter than the group (sampling, a short evaluation) is one group."""
     num_shared_experts: int = 0
     """Dense experts every token of an MoE layer passes through besides its routed ones."""
     aux_loss_coef: float = 0.01
@@ -82,7 +90,7 @@ class ModelConfig:
                                                                 or self.top_k != self.num_prototypes)):
             raise ValueError(f"num_prototypes={self.num_prototypes} must divide num_experts={self.num_experts} "
                              f"and equal top_k={self.top_k} (top-1 in each group), or be 0 (plain top-k)")
-        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts"):
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts", "moe_group_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
         if self.num_experts and self.top_k == 1 and self.norm_topk:

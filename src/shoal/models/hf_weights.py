@@ -69,6 +69,18 @@ def from_hf_llama(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
     return out
 
 
+def hf_llama_names(cfg: ModelConfig) -> dict[str, str]:
+    """shoal name -> LlamaForCausalLM name of every tensor a Hugging Face folder holds (lm_head
+    only when untied), in the file's order."""
+    check_llama(cfg)
+    return dict(_name_pairs(cfg))
+
+
+def to_hf_llama_tensor(shoal_name: str, w: Tensor, cfg: ModelConfig) -> Tensor:
+    """One tensor in transformers' layout (q/k rows reordered for rotate_half; others as they are)."""
+    return _to_halves(w, _heads(shoal_name, cfg), cfg.head_dim)
+
+
 def hf_llama_config(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json of LlamaForCausalLM for `cfg` (read by transformers 4.x and 5.x alike)."""
     check_llama(cfg)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.models.config import ModelConfig
+from shoal.models.init import InitSpec
 from shoal.moe.layer import MoELayer
 
 
@@ -101,6 +102,7 @@ def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
     if cfg.is_moe_layer(index):
         return MoELayer(cfg.dim, cfg.ffn_dim, num_experts=cfg.num_experts, top_k=cfg.top_k, normalize=cfg.norm_topk,
                         num_prototypes=cfg.num_prototypes, capacity_factor=cfg.capacity_factor,
+                        group_tokens=cfg.moe_group_tokens,
                         num_shared_experts=cfg.num_shared_experts, activation=cfg.activation, bias=cfg.bias,
                         init_std=cfg.init_std, num_layers=cfg.num_layers, aux_loss_coef=cfg.aux_loss_coef,
                         z_loss_coef=cfg.z_loss_coef)
@@ -168,6 +170,29 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, MoELayer):  # stacked expert weights: their own rule, same scales
                 module.init_weights(std, self.config.num_layers)
+
+    def init_spec(self, name: str, ndim: int) -> InitSpec:
+        """How parameter `name` (of `ndim` dims) starts, by the rules of `init_weights`, for
+        building on the meta device and materializing each rank's slice (shoal.models.init)."""
+        std = self.config.init_std
+        leaf = name.rsplit(".", 1)[-1]
+        stacked = ".experts." in name or ".shared." in name  # MoE experts' stacked (E, ...) weights
+        if ndim == 1:
+            return InitSpec("ones") if name.endswith("norm.weight") else InitSpec("zeros")
+        if stacked and leaf.startswith("b"):
+            return InitSpec("zeros")
+        if name.endswith(("wo.weight", "w2.weight")) or (stacked and leaf == "w2"):
+            return InitSpec("normal", std / math.sqrt(2 * self.config.num_layers))
+        return InitSpec("normal", std)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the buffers that are not parameters (the rotary tables), on their device:
+        after building on the meta device they hold no values."""
+        if hasattr(self, "rope_cos"):
+            cos, sin = rope_tables(self.config)
+            self.get_buffer("rope_cos").copy_(cos)
+            self.get_buffer("rope_sin").copy_(sin)
 
     def num_params(self) -> int:
         """Parameters this module holds (a pipeline stage counts its own; shared ones once)."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.moe.dispatch import Dispatcher, capacity, plan_dispatch
+from shoal.moe.dispatch import Dispatcher, RoutingGroups, group_spans, plan_dispatch
 from shoal.moe.experts import Experts
 from shoal.moe.router import Router, load_balancing_loss, router_z_loss
 
@@ -23,18 +23,28 @@ class MoELayer(nn.Module):
     """x_BTD -> y_BTD: each token through its top_k routed experts, weighted by the router, plus
     every shared expert (DeepSeekMoE, Dai et al. 2024).
 
-    A routed choice beyond its expert's capacity (ceil(capacity_factor * N * K / E); 0 means
-    dropless) contributes nothing: the block's residual connection carries the token on.
+    Routing groups (GShard): each sequence of the input is cut into spans of `group_tokens` tokens
+    (0: the whole sequence; the last span takes the remainder; see dispatch.group_spans). A
+    routed choice beyond its expert's capacity within its group (ceil(capacity_factor * G * K / E)
+    for a group of G tokens; capacity_factor 0 means dropless) contributes nothing: the block's
+    residual connection carries the token on. A group depends only on its own tokens, so how the
+    batch is split (data ranks, micro-batches, pipeline micro-batches) changes nothing. Evaluation
+    routes as training does. A forward over a sequence shorter than `group_tokens` (or with 0, any
+    sequence), as sampling runs over a growing prompt, routes the whole given sequence as one
+    group, with that group's smaller capacity.
     After each forward the layer keeps, for the trainer:
-      aux_loss  load-balancing loss (see router.load_balancing_loss), float32, with gradient;
-      z_loss    router z-loss (router.router_z_loss), float32, with gradient;
+      aux_loss  load-balancing loss (see router.load_balancing_loss), float32, with gradient:
+                the mean over the routing groups of each group's loss;
+      z_loss    router z-loss (router.router_z_loss), float32, with gradient: a mean over tokens;
       stats     detached float tensors: tokens_per_expert (E,) kept, dropped_fraction,
-                load_cv (std / mean of the routed counts before dropping), aux_loss, z_loss.
+                load_cv (std / mean of the routed counts before dropping, over this call's tokens:
+                unlike the losses, a figure of the micro-batch), aux_loss, z_loss.
     The training loss adds coefficient * aux_loss and coefficient * z_loss; the layer does not.
     """
 
     def __init__(self, dim: int, ffn_dim: int, *, num_experts: int, top_k: int, num_prototypes: int = 0,
-                 capacity_factor: float = 1.25, num_shared_experts: int = 0, activation: str = "swiglu",
+                 capacity_factor: float = 1.25, group_tokens: int = 0, num_shared_experts: int = 0,
+                 activation: str = "swiglu",
                  bias: bool = False, normalize: bool = True, init_std: float = 0.02, num_layers: int = 1,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
         super().__init__()
@@ -42,11 +52,15 @@ class MoELayer(nn.Module):
         """The weights of aux_loss and z_loss in the training loss (`added_loss`)."""
         if capacity_factor < 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be >= 0 (0: dropless, no capacity limit)")
+        if group_tokens < 0:
+            raise ValueError(f"group_tokens={group_tokens} must be >= 0 (0: one routing group per sequence)")
         if num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
         self.num_experts = num_experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor
+        self.group_tokens = group_tokens
+        """Tokens per routing group within a sequence (0: the whole sequence)."""
         self.router = Router(dim, num_experts, top_k=top_k, num_prototypes=num_prototypes, normalize=normalize)
         expert_args: dict[str, Any] = dict(activation=activation, bias=bias, init_std=init_std, num_layers=num_layers)
         self.experts = Experts(num_experts, dim, ffn_dim, **expert_args)
@@ -65,18 +79,27 @@ class MoELayer(nn.Module):
             if experts is not None:
                 experts.init_weights(std, num_layers)
 
+    def routing_groups(self, x_BTD: torch.Tensor) -> RoutingGroups:
+        """The routing groups of an input: its last-but-one dim is the sequence (a 2-D input is one
+        sequence), cut into spans of `group_tokens`."""
+        T = x_BTD.shape[-2] if x_BTD.dim() >= 2 else 1
+        return RoutingGroups(num_sequences=x_BTD.numel() // (T * x_BTD.shape[-1]),
+                             spans=group_spans(T, self.group_tokens))
+
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         N = x_ND.shape[0]
         routing = self.router(x_ND)
-        cap = capacity(N, self.num_experts, self.top_k, self.capacity_factor)
-        plan = plan_dispatch(routing, self.num_experts, cap)
+        groups = self.routing_groups(x_BTD)
+        group_N = groups.group_of_tokens(x_ND.device)
+        E, K, cf = self.num_experts, self.top_k, self.capacity_factor
+        plan = plan_dispatch(routing, E, groups.capacities(E, K, cf, x_ND.device), group_N)
         # Nothing up to the experts reads a device value on the host. On CUDA the experts sync
         # only in dropless mode without the grouped kernel (the padded buffer's size).
 
         tokens_MD, splits_E = self.dispatcher.local_pre(x_ND, plan)
         tokens_MD, splits_E = self.dispatcher.communicate(tokens_MD, splits_E)
-        y_MD = self.experts(tokens_MD, splits_E, capacity=cap)
+        y_MD = self.experts(tokens_MD, splits_E, capacity=self.dispatcher.rows_bound(groups.rows_bound(E, K, cf)))
         y_MD = self.dispatcher.communicate_back(y_MD, splits_E)
         y_ND = self.dispatcher.local_post(y_MD, plan, routing.weights_NK, N)
 
@@ -85,8 +108,8 @@ class MoELayer(nn.Module):
             counts_S = torch.full((S,), N, dtype=torch.long, device=x_ND.device)
             y_ND = y_ND + self.shared(x_ND.repeat(S, 1), counts_S, capacity=N).view(S, N, -1).sum(dim=0)
 
-        self.aux_loss = load_balancing_loss(routing.probs_NE, routing.experts_NK,
-                                            num_groups=self.router.num_groups)
+        self.aux_loss = load_balancing_loss(routing.probs_NE, routing.experts_NK, num_groups=self.router.num_groups,
+                                            group_N=group_N, num_routing_groups=groups.num_groups)
         self.z_loss = router_z_loss(routing.logits_NE)
         self.stats = self._stats(plan.tokens_per_expert, plan.routed_per_expert, N)
         return y_ND.view_as(x_BTD)

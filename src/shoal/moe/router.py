@@ -2,7 +2,8 @@
 router losses (load balancing, z-loss) computed from the same probabilities.
 
 Shape legend: N tokens (batch x sequence, flattened), D model dim, E experts, K choices per
-token (top_k), G experts per prototype group (E / K under expert prototyping).
+token (top_k), G experts per prototype group (E / K under expert prototyping), S routing groups
+(spans of tokens the capacity and the load-balancing loss are taken within).
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def expert_counts(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, flat, torch.ones_like(flat))
 
 
-def load_balancing_loss(probs_NE: torch.Tensor, experts_NK: torch.Tensor, *, num_groups: int = 1) -> torch.Tensor:
+def load_balancing_loss(probs_NE: torch.Tensor, experts_NK: torch.Tensor, *, num_groups: int = 1,
+                        group_N: torch.Tensor | None = None, num_routing_groups: int = 1) -> torch.Tensor:
     """Switch/GShard auxiliary loss E * sum_e f_e * P_e (Fedus et al. 2021, eq. 4), float32.
 
     f_e: fraction of the choices (before any are dropped) that went to expert e; P_e: mean
@@ -116,14 +118,25 @@ def load_balancing_loss(probs_NE: torch.Tensor, experts_NK: torch.Tensor, *, num
     Under prototyping (num_groups = K) the loss is taken within each group of G = E/K experts,
     G * sum_{e in g} f_e P_e with f and P from the group's own top-1 and softmax, and averaged
     over the groups, so that a perfectly balanced layer scores 1 in both modes.
+    With routing groups (`group_N`, each token's group in 0..num_routing_groups-1; see
+    shoal.moe.dispatch.RoutingGroups) f and P are taken within each routing group and the loss is
+    the mean of the groups' losses (GShard): a mean over groups, so equal shares of a batch's
+    groups average to the whole batch's loss however the batch is split.
     """
     N, K = experts_NK.shape
     E = probs_NE.shape[-1]
     assert E % num_groups == 0 and K % num_groups == 0, (E, K, num_groups)
     G, choices_per_group = E // num_groups, K // num_groups
-    f_E = expert_counts(experts_NK, E).float() / (N * choices_per_group)
-    P_E = probs_NE.float().mean(dim=0)
-    return G * (f_E * P_E).sum() / num_groups
+    S = num_routing_groups
+    if group_N is None:
+        assert S == 1, S
+        group_N = torch.zeros(N, dtype=torch.long, device=experts_NK.device)
+    tokens_S = torch.zeros(S, device=probs_NE.device).index_add_(0, group_N, torch.ones(N, device=probs_NE.device))
+    pair_NK = group_N[:, None] * E + experts_NK
+    counts_SE = expert_counts(pair_NK, S * E).view(S, E).float()
+    f_SE = counts_SE / (tokens_S[:, None] * choices_per_group)
+    P_SE = torch.zeros(S, E, device=probs_NE.device).index_add_(0, group_N, probs_NE.float()) / tokens_S[:, None]
+    return G * (f_SE * P_SE).sum(dim=1).mean() / num_groups
 
 
 def router_z_loss(logits_NE: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,15 @@
 """Data parallelism over the mesh's dp axis and sharded data parallelism (ZeRO) over its fsdp axis.
 
-Three engines, chosen by the plan (`shoal.rules.choose_engine`, a pure function the
-planner shares):
-- dp alone, fp32, no tensor parallel: torch's DistributedDataParallel on the dp sub-mesh's process
-  group (bucketed gradient all-reduce overlapped with backward, the well-kept replicated path).
-- zero=1/2 with an fsdp axis (and dp x fsdp hybrid), on a model without DTensor parameters and
-  without offload: shoal's own small ZeRO-1/2 engine, `shoal.parallel.zero.ZeroDataParallel`
-  (full parameters kept as plain tensors, float32 row shards for the optimizer, one
-  reduce-scatter per bucket in backward, one all-gather per bucket after the step). Its module
-  docstring says why FSDP2 was not good enough there.
-- everything else (zero=3, offload, fsdp or dp over a tensor-parallel model, replicated mixed
-  precision): FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive
-  transformer blocks (one by default at zero=3) plus the root.
+The engines this module builds (which one runs a plan, and why, is `shoal.rules.choose_engine`'s
+docstring, the one place that says it):
+- ddp: torch's DistributedDataParallel on the dp sub-mesh's process group (bucketed gradient
+  all-reduce overlapped with backward, the well-kept replicated path).
+- zero: shoal's own small ZeRO-1/2 engine, `shoal.parallel.zero.ZeroDataParallel` (full
+  parameters kept as plain tensors, float32 row shards for the optimizer, one reduce-scatter per
+  bucket in backward, one all-gather per bucket after the step). Its module docstring says why
+  FSDP2 was not good enough there.
+- fsdp2: FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive transformer
+  blocks (one by default at zero=3) plus the root.
 Both sharded engines hand the optimizer DTensor shards (`Shard(0)` of every parameter), so a stock
 optimizer built from `model.parameters()` keeps sharded state, the global gradient norm is right,
 and DCP checkpoints have one format that reshards between every layout.
@@ -105,6 +103,12 @@ class DataEngine(Protocol):
 
     def scale_grads_(self, factor: torch.Tensor) -> None:
         """Multiply every gradient by `factor` (a scalar tensor) in place."""
+        ...
+
+    def reduce_grads(self) -> None:
+        """Reduce, now, gradients that reached the parameters without autograd accumulating them,
+        so that no gradient hook of the engine saw them (a zero-bubble pipeline's weight passes
+        assign them); the pipeline calls it after such a schedule. A no-op where nothing can be left."""
         ...
 
     def model_state_dict(self) -> dict[str, Any]:
@@ -211,6 +215,11 @@ class TorchDataEngine:
         grads = self._grads()
         for group in _by_mesh(grads):  # what clip_grads_with_norm_ does, plain and each mesh's DTensors apart
             torch._foreach_mul_(group, factor.to(grads[0].device))
+
+    def reduce_grads(self) -> None:
+        # Nothing is left: "none" reduces nothing, DDP never runs under pp, and a zero-bubble
+        # schedule on FSDP2 is refused (shoal.rules).
+        pass
 
     def model_state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.model)

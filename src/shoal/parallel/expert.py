@@ -23,16 +23,20 @@ parallelism and with tensor parallelism.
   keeps the dense FFN's contract. Every tp rank holds 1/tp of every FFN weight, dense or expert,
   and sees the same tokens (the sequence all-gathered, as for the dense FFN). So routing,
   capacity, dropping and the router's losses come out the same on every tp rank with no
-  cross-tp reduction, and ep stays carved out of the data ranks (with sp=off the tp ranks see
-  the same tokens, so experts over tp would first need the tokens split). The cost: the
-  all-to-all carries each token once per tp rank, and the experts' outputs are all-reduced over
-  tp (the dense FFN's row-parallel reduction). The router gate is a replicated DTensor on the
+  cross-tp reduction (every tp rank routes the same whole routing groups: a group lies within
+  one sequence, and a sequence-parallel shard is gathered back before routing), and ep stays
+  carved out of the data ranks (with sp=off the tp ranks see the same tokens, so experts over
+  tp would first need the tokens split). The cost: the all-to-all carries each token once per
+  tp rank, and the experts' outputs are all-reduced over tp (the dense FFN's row-parallel
+  reduction). The router gate is a replicated DTensor on the
   tp mesh; shared experts are split like the routed ones. `MoETensorParallel` is the style the
-  tensor-parallel plan gives an MoE layer. Expert biases are not split (Plan.validate refuses
+  tensor-parallel plan gives an MoE layer. Expert biases are not split (shoal.rules refuses
   them with tp).
 - The dispatcher's communication steps (shoal/moe/dispatch.py) become two all-to-alls with
   uneven splits (`AllToAllDispatcher`): the kept rows go to the ranks of their experts, are
-  regrouped there by local expert, and come back in their original order.
+  regrouped there by local expert, and come back in their original order. Capacity and dropping
+  are decided before, per routing group on the rank that holds the group's tokens, so ep changes
+  no token's fate; an expert then receives up to ep times a rank's capacity (`rows_bound`).
 - Gradients: an expert's gradient on its rank already sums the contributions of every token
   routed to it from the ep group; the data engine leaves these parameters alone and
   `ExpertGrads.sync` sums them over the replicas (if the backward's reduce-scatter did not) and
@@ -259,6 +263,11 @@ class AllToAllDispatcher(Dispatcher):
         unsorted = torch.empty_like(y_MD).index_copy(0, order, y_MD)  # undo the regrouping
         back = funcol.all_to_all_single_autograd(unsorted.contiguous(), send, receive, self.group)
         return torch.cat([back, back.new_zeros(rows - back.shape[0], back.shape[1])])  # the dropped rows
+
+    def rows_bound(self, local_bound: int | None) -> int | None:
+        """An expert receives up to `local_bound` rows (its capacity summed over the sender's routing
+        groups) from each of the ep ranks."""
+        return None if local_bound is None else local_bound * self.ep
 
 
 class ExpertGrads:

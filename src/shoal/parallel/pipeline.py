@@ -171,14 +171,11 @@ class Pipeline:
     differentiates. None: `stages` themselves."""
     reduce: Callable[[], None] | None = None
     """Split backward: the data engine's reduction of gradients that its hooks did not see (the
-    weight passes assign them), run after the schedule."""
-    record: bool = False
-    """Time every action (the measured bubble and the Gantt chart); synchronises a GPU per action."""
-    timeline: list[tuple[float, float, Action]] = field(default_factory=list)
-    where: str = ""
+    weight passes assign them), run after the schedule (`DataEngine.reduce_grads`)."""
+    timeline: list[tuple[float, float, Action]] = field(default_factory=list, init=False)
+    """The last training step run while recording (`record_timeline`): (start, end, action), wall clock."""
+    where: str = field(default="", init=False)
     """What this rank is doing or waiting for in a step, in words (the watchdog reports it)."""
-    moved: Callable[[], None] = lambda: None
-    """Called when `where` changes (the trainer's watchdog reports it then)."""
 
     def __post_init__(self) -> None:
         self.modules = self.modules or dict(self.stages)
@@ -190,14 +187,27 @@ class Pipeline:
         self.actions: list[Action] = build_schedule(self.schedule, num_ranks=self.num_ranks,
                                                     num_micro=self.num_micro, vpp=self.vpp)[self.rank]
         self._shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
-        self._recording = False
+        self._record = False  # time the training steps' actions (record_timeline)
+        self._recording = False  # ... in the step under way
+        self._progress: Callable[[], None] = lambda: None  # told when `where` changes (watch)
+        self._embedded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # see _split_first_block
         last = {}
         for i, a in enumerate(self.actions):
             if a.op in ("B", "W"):
                 last[a.stage] = i  # the action after which a stage's gradients are complete
         self._final = set(last.values())
         if self.split and 0 in self.stages:
-            _split_first_block(self.modules[0])
+            _split_first_block(self.modules[0], self._embedded)
+
+    def watch(self, progress: Callable[[], None]) -> None:
+        """Call `progress` whenever this rank moves on to another action or wait (`where` changes):
+        a watchdog takes it as a sign of life between a step's collectives."""
+        self._progress = progress
+
+    def record_timeline(self, on: bool) -> None:
+        """While `on`, time every action of each training step (the measured bubble and the Gantt
+        chart): `timeline` then holds the last such step's. Synchronises a GPU per action."""
+        self._record = on
 
     def describe(self) -> str:
         """The split and this schedule's table, for the plan's words at start-up."""
@@ -225,13 +235,13 @@ class Pipeline:
         sends: list[dist.Work] = []
         total: torch.Tensor | float = 0.0
         actions = self.actions if train else _forward_only(self.stages, len(micro_batches))
-        self._recording = self.record and train  # evaluation leaves the last training step's timeline
+        self._recording = self._record and train  # evaluation leaves the last training step's timeline
         if self._recording:
             self.timeline = []
         for index, action in enumerate(actions):
             s, m = action.stage, action.micro
             self.where = f"pipeline stage {s}, {_WORDS[action.op]} of micro-batch {m}"
-            self.moved()
+            self._progress()
             if action.op == "F":
                 inputs = micro_batches[m][0] if s == 0 else self._receive("activation", s - 1, m, micro_batches)
                 start = self._clock()
@@ -254,8 +264,7 @@ class Pipeline:
                 if not train:
                     slots.pop((s, m))
                 if s == 0 and self.split and train:
-                    assert self.modules is not None
-                    slot.embedded = self.modules[0]._shoal_embedded  # type: ignore[assignment]  # _split_first_block's
+                    slot.embedded = self._embedded.pop(0)
             elif action.op == "B":
                 slot = slots[s, m]
                 grad = None if s == self.num_stages - 1 else self._receive("gradient", s + 1, m, slot.output)
@@ -404,17 +413,18 @@ def _forward_only(stages: dict[int, nn.Module], num_micro: int) -> list[Action]:
     return [Action("F", s, m) for s in sorted(stages) for m in range(num_micro)]
 
 
-def _split_first_block(stage: nn.Module) -> None:
+def _split_first_block(stage: nn.Module, embedded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Split backward on the first stage: its input is token ids, so the input-gradient pass
     stops at the first block's input instead. A pre-hook hands the first block a leaf copy of
-    the embedding output; the W pass then carries its gradient through the embedding."""
+    the embedding output, and leaves (embedding output, leaf) in `embedded[0]` for the step to
+    take; the W pass then carries the leaf's gradient through the embedding."""
     first = next(iter(cast(nn.ModuleDict, stage.layers).values()))
 
     def hook(module: nn.Module, args: tuple) -> tuple | None:
         if not torch.is_grad_enabled() or not args[0].requires_grad:
             return None
         leaf = args[0].detach().requires_grad_(True)
-        stage._shoal_embedded = (args[0], leaf)  # type: ignore[assignment]  # nn.Module types attributes as Tensor | Module
+        embedded[0] = (args[0], leaf)
         return (leaf, *args[1:])
 
     first.register_forward_pre_hook(hook)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from shoal.planner.calibrate import Profile, collective_time
 from shoal.planner.hardware import Cluster
+from shoal.planner.profile import Profile, collective_time
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "ring")
 """"ring" is one hop of context parallelism's ring: every rank sends a message to the next and receives

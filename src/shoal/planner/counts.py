@@ -1,7 +1,7 @@
 """Recount, from the code as it is, the op counts the cost model's host-overhead terms multiply.
 
 `shoal.planner.estimate` prices a CPU step's host time as counts of ops times the seconds one op
-costs, which calibration measures (`calibrate._measure_dispatch`, `_measure_dtensor_dispatch`).
+costs, which calibration measures (`measure._measure_dispatch`, `_measure_dtensor_dispatch`).
 The counts (OPS_PER_BLOCK, RING_OPS_PER_HOP, DTENSOR_DISPATCHES, DTENSOR_DISPATCHES_PER_OP) come
 from the model and the parallel code: these functions count them again, so that a test fails when
 the code they were counted from changes (tests/test_planner_counts.py; the compiled block's kernel
@@ -130,7 +130,7 @@ def ring_ops_per_hop(cp_mesh: Any, *, heads: int = 2, seq_len: int = 16, head_di
 def dtensor_dispatches_per_chain_op() -> float:
     """DTensor dispatches per op of calibration's DTensor chain (DTENSOR_DISPATCHES_PER_OP). Call on
     every rank of the default process group."""
-    from shoal.planner.calibrate import DTENSOR_CHAIN, dtensor_chain_step
+    from shoal.planner.measure import DTENSOR_CHAIN, dtensor_chain_step
 
     step = dtensor_chain_step()
     step()

@@ -55,7 +55,7 @@ preset at tp2, the block's from 2 and 4 layers; tests/test_planner_counts.py rec
 sequence parallelism a block runs as many (its norms' DTensor ops replace the all-reduces'
 wrapping) and the head slightly fewer; these serve both."""
 DTENSOR_DISPATCHES_PER_OP = 25 / 17
-"""What the calibration's DTensor chain (calibrate._measure_dtensor_dispatch, whose figure is per op of
+"""What the calibration's DTensor chain (measure._measure_dtensor_dispatch, whose figure is per op of
 the chain, its backward included) runs per op: 25 dispatches for its 16 ops and the final sum
 (shoal.planner.counts.dtensor_dispatches_per_chain_op; tests/test_planner_counts.py recounts it)."""
 RING_OPS_PER_HOP = 61.5

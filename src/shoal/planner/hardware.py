@@ -396,8 +396,9 @@ def dump_cluster(cluster: Cluster) -> str:
     def table(values: dict, keys: dict) -> list[str]:
         def text(value: object, scale: object) -> str:
             if scale == "pairs":
-                return json.dumps([[size, rate / TERA] for size, rate in value])  # type: ignore[attr-defined]
-            return json.dumps(value) if scale in (None, 1) else repr(_scale(value, scale, True))  # type: ignore[arg-type]
+                return json.dumps([[size, rate / TERA] for size, rate in value])  # type: ignore[attr-defined]  # pairs
+            # the key tables pair each field with its scale: a number scales a number
+            return json.dumps(value) if scale in (None, 1) else repr(_scale(value, scale, True))  # type: ignore[arg-type]  # see above
 
         as_text = {key: text(values[field], scale) for key, (field, scale) in keys.items()
                    if values.get(field) not in (None, ())}

@@ -8,10 +8,11 @@ each data-parallel rank takes its contiguous slice of the same global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -23,11 +24,15 @@ class DataConfig:
 
     path: str | None = None
     """None: the built-in corpus (Python's pydoc topics, offline). Else a folder of .txt files,
-    a .txt file, or a pre-tokenized .bin (uint16, nanoGPT layout) or .npy token file."""
+    a .txt file, a pre-tokenized .bin (uint16, nanoGPT layout) or .npy token file, a folder made
+    by `shoal data prepare` (recognised by its manifest), or a mixture of such folders
+    "DIR_A:0.7,DIR_B:0.3" (shoal.data.dataset)."""
     tokenizer: str = "byte"
-    """byte (UTF-8 bytes, 256 ids) or the path of a local Hugging Face tokenizer folder."""
+    """byte (UTF-8 bytes, 256 ids) or the path of a local Hugging Face tokenizer folder; for a
+    prepared dataset, the one it was prepared with (any other is refused)."""
     val_fraction: float = 0.05
-    """Share of the tokens (at the end) held out for evaluation."""
+    """Share of the tokens (at the end) held out for evaluation; a prepared dataset holds out
+    its own (shoal data prepare --holdout)."""
 
 
 class Tokenizer(Protocol):
@@ -36,6 +41,13 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+class Batches(Protocol):
+    """A sampler whose batch `step` is a pure function of (seed, step, size): TokenBatches here,
+    shoal.data.dataset.MixtureBatches for prepared datasets."""
+
+    def batch(self, step: int, size: int, part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class ByteTokenizer:
@@ -164,3 +176,46 @@ def split_tokens(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple
         raise ValueError(f"the data holds {len(tokens)} tokens: too few for a training and a held-out split "
                          f"at --seq-len {seq_len}")
     return tokens[:-num_val], tokens[-num_val:]
+
+
+def open_data(cfg: DataConfig, *, seq_len: int, seed: int, max_id: bool = False) -> Any:
+    """The training and held-out samplers (shoal.data.dataset.OpenedData): prepared datasets and
+    mixtures through memory maps, every other input through load_tokens. `max_id`: also find the
+    largest token id (a scan of the tokens for inputs without a manifest)."""
+    from shoal.data.dataset import OpenedData, is_prepared_spec, open_prepared
+
+    if is_prepared_spec(cfg.path):
+        assert cfg.path is not None
+        opened = open_prepared(cfg.path, seq_len=seq_len, seed=seed)
+        _check_tokenizer(cfg.tokenizer, opened.tokenizer, cfg.path)
+        return opened
+    tokens = load_tokens(cfg, load_tokenizer(cfg.tokenizer))
+    train, held_out = split_tokens(tokens, cfg.val_fraction, seq_len)
+    top = (int(tokens.max()) if len(tokens) else 0) if max_id else -1
+    return OpenedData(train=TokenBatches(train, seq_len=seq_len, seed=seed),
+                      held_out=TokenBatches(held_out, seq_len=seq_len, seed=seed),
+                      num_train=len(train), num_held_out=len(held_out), max_id=top)
+
+
+def resolve_tokenizer(cfg: DataConfig, *, given: bool) -> DataConfig:
+    """For prepared data the tokenizer is the manifest's: taken when --tokenizer was not given,
+    checked when it was (ValueError in one line if it differs)."""
+    from shoal.data.dataset import is_prepared_spec, parse_mixture, read_manifest
+
+    if not is_prepared_spec(cfg.path):
+        return cfg
+    assert cfg.path is not None
+    folder = parse_mixture(cfg.path)[0][0]
+    stored = read_manifest(folder)["tokenizer"]
+    if given:
+        _check_tokenizer(cfg.tokenizer, stored, cfg.path)
+        return cfg
+    return dataclasses.replace(cfg, tokenizer=stored["name"])
+
+
+def _check_tokenizer(name: str, stored: dict[str, Any] | None, data: str) -> None:
+    from shoal.data.prepare import tokenizer_identity
+
+    if stored is not None and tokenizer_identity(name)["sha256"] != stored["sha256"]:
+        raise ValueError(f"--tokenizer {name!r} is not the tokenizer --data {data!r} was prepared with "
+                         f"({stored['name']!r}); leave --tokenizer out to use that one")

@@ -56,7 +56,7 @@ def dry_run(trainer: Any) -> dict[str, Any]:
     dist.all_gather(rows, row)
     if dist.get_rank() != 0:
         return {}
-    predicted = _prediction(trainer)
+    predicted = memory_prediction(trainer)
     print(_table(trainer, [r.tolist() for r in rows], predicted, loss))
     return {"dry_run": True, "loss": loss, "ranks": [dict(zip(_COLUMNS, r.tolist(), strict=True)) for r in rows],
             "predicted_mb": predicted}
@@ -65,8 +65,9 @@ def dry_run(trainer: Any) -> dict[str, Any]:
 _COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "setup_peak_mb", "step_peak_mb")
 
 
-def _prediction(trainer: Any) -> dict[str, float] | None:
-    """The planner's memory terms per device for this run (MB), as the memory check priced them."""
+def memory_prediction(trainer: Any) -> dict[str, float] | None:
+    """The planner's memory terms per device for this run (MB), as the memory check priced them
+    (the interpreter and libraries not included); None where the planner has no spec for the GPU."""
     from shoal.planner.estimate import Workload, estimate
     from shoal.planner.fit import cpu_cluster
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,9 +30,18 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shoal.models.config import ModelConfig
-from shoal.models.hf_weights import EMBED_KEY, check_llama, from_hf_llama, hf_llama_config, to_hf_llama
+from shoal.models.hf_weights import (
+    EMBED_KEY,
+    check_llama,
+    from_hf_llama,
+    hf_llama_config,
+    hf_llama_names,
+    to_hf_llama,
+    to_hf_llama_tensor,
+)
 from shoal.runtime import Runtime
 from shoal.train.safe_load import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
+from shoal.train.safetensors_stream import write_streaming
 from shoal.world import rank
 
 MODEL_KEY = "model"  # the top-level key shoal.train.checkpoint saves the model state under
@@ -55,20 +65,40 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
         raise ValueError(f"checkpoint {checkpoint} cannot be exported: its DCP metadata is unreadable "
                          f"({exc})") from None
     prefix = MODEL_KEY + "."
-    weights = {
-        key[len(prefix):]: torch.empty(item.size, dtype=item.properties.dtype)
-        for key, item in meta.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
-    }
-    if not weights:
+    stored = {key[len(prefix):]: item for key, item in meta.state_dict_metadata.items()
+              if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+    if not stored:
         raise ValueError(f"checkpoint {checkpoint} holds no '{MODEL_KEY}.*' tensors; is it a shoal checkpoint?")
-    with warnings.catch_warnings():  # no process group is intended here; DCP warns about it anyway
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({MODEL_KEY: weights}, checkpoint_id=str(checkpoint), storage_reader=SafeReader(str(checkpoint)),
-                 planner=SafeLoadPlanner(), no_dist=True)
-    if cfg is not None:
-        return _write_hf(weights, out, cfg, {"source": str(checkpoint), **(metadata or {})})
-    return _write(weights, out, {"source": str(checkpoint), **(metadata or {})})
+    names = hf_llama_names(cfg) if cfg is not None else {k: k for k in stored}
+    missing = [k for k in names if k not in stored]
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint} lacks {missing[0]!r}, which the model config needs")
+
+    def fetch(name: str) -> torch.Tensor:  # one tensor at a time: the export's peak is the largest tensor
+        item = stored[name]
+        tensor = torch.empty(item.size, dtype=item.properties.dtype)
+        with warnings.catch_warnings():  # no process group is intended here; DCP warns about it anyway
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({MODEL_KEY: {name: tensor}}, checkpoint_id=str(checkpoint),
+                     storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(), no_dist=True)
+        return to_hf_llama_tensor(name, tensor, cfg) if cfg is not None else tensor
+
+    by_hf = {hf: shoal for shoal, hf in names.items()}
+    entries = [(hf, stored[shoal].properties.dtype, tuple(stored[shoal].size)) for shoal, hf in names.items()]
+    info = {"format": "pt", "source": str(checkpoint), **{k: str(v) for k, v in (metadata or {}).items()}}
+    if cfg is None:
+        return _stream(out, entries, fetch, info)
+    folder = _hf_folder(out)
+    _stream(folder / "model.safetensors", entries, lambda hf: fetch(by_hf[hf]), info)
+    _write_hf_config(folder, cfg)
+    return folder
+
+
+def _stream(out: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], fetch: Callable[[str], torch.Tensor],
+            info: dict[str, str]) -> Path:
+    write_streaming(out, entries, fetch, info)
+    _usual_permissions(out)
+    return out
 
 
 def export_model(runtime: Runtime, out: Path | str, *, metadata: dict[str, str] | None = None,
@@ -112,14 +142,22 @@ def import_weights(path: Path | str, *, runtime: Runtime, strict: bool = True) -
 
 def _write_hf(weights: dict[str, torch.Tensor], out: Path, cfg: ModelConfig, metadata: dict[str, str]) -> Path:
     """Folder `out` with model.safetensors (transformers' names) and config.json; returns the folder."""
+    _write(to_hf_llama(weights, cfg), _hf_folder(out) / "model.safetensors", metadata)
+    _write_hf_config(out, cfg)
+    return out
+
+
+def _hf_folder(out: Path) -> Path:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--hf export goes to a folder, but {str(out)!r} is a file")
-    _write(to_hf_llama(weights, cfg), out / "model.safetensors", metadata)
+    return out
+
+
+def _write_hf_config(out: Path, cfg: ModelConfig) -> None:
     tmp = out / f".config.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(hf_llama_config(cfg), indent=2) + "\n", encoding="utf-8")
     _usual_permissions(tmp)
     os.replace(tmp, out / "config.json")
-    return out
 
 
 def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:

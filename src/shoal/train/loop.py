@@ -1,9 +1,8 @@
-"""The training loop every rank runs: set up, train, evaluate, checkpoint, report.
+"""The training loop of one rank: train, evaluate, checkpoint, report.
 
-`run_worker(job)` is the entry point of each worker process, whether `shoal train --nproc N`
-started it through torch's elastic launcher or `torchrun` did. It always joins a process
-group (gloo on CPU, NCCL on GPUs), even alone, so that one code path serves every world size.
-The model is trained through its parallel runtime (shoal/runtime.py) and nothing else.
+`Trainer(job, device)` is one rank's model (through its parallel runtime, shoal/runtime.py, and
+nothing else), optimizer, data and run folder, set up by shoal.train.setup; `run()` trains it.
+shoal.train.worker starts a worker process and runs it.
 
 Rank 0 alone prints and writes the run folder's files (config, metrics, plot, summary);
 checkpoints are collective. Batch `s` is a pure function of (seed, s), so resuming at step s
@@ -12,13 +11,8 @@ continues the exact sequence of batches an unbroken run would have seen.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import sys
 import time
-import warnings
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,105 +21,31 @@ import torch
 import torch.distributed as dist
 
 from shoal import rules
-from shoal.mesh import build_mesh
-from shoal.models import ModelConfig, Transformer
 from shoal.moe.collect import records as moe_records
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train import faults, memory
-from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint, prune, save_checkpoint
-from shoal.train.config import RunConfig, dump_toml, parse_plan, to_flat
-from shoal.train.data import TokenBatches, load_tokenizer, load_tokens, split_tokens
-from shoal.train.dry_run import dry_run
+from shoal.train.checkpoint import prune, save_checkpoint
+from shoal.train.config import to_flat
+from shoal.train.dry_run import memory_prediction
 from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
 from shoal.train.optim import build_optimizer, build_scheduler
 from shoal.train.preempt import StopSignals
+from shoal.train.runs import Job, default_run_dir, write_run_config
+from shoal.train.setup import (
+    build_runtime,
+    checkpoint_to_continue,
+    load_data,
+    resolve_plan,
+    restart_count,
+    restore,
+    set_matmul_precision,
+)
 from shoal.train.step import StepResult, split_micro, train_step
 from shoal.train.watchdog import Watchdog
-from shoal.world import broadcast_from_rank0, first_error, threads_per_rank
+from shoal.world import broadcast_from_rank0
 
-CONFIG_FILE = "config.toml"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Job:
-    """What every worker is given: a validated config with its model shape resolved."""
-
-    config: RunConfig
-    """The run config; `config.model_config` is set."""
-    run_dir: str | None
-    """The run folder; None: rank 0 names one runs/<timestamp> and tells the others."""
-    resume: bool = False
-    """Continue the run folder from its latest checkpoint."""
-    resume_from: str | None = None
-    """The checkpoint to continue from, when the launcher chose it (it skips corrupt ones)."""
-    device: str = "cpu"
-    """"cpu" (gloo) or "cuda" (one GPU per process, NCCL), as the CLI resolved `config.device`."""
-    prediction: dict[str, Any] | None = None
-    """The planner's prediction for the plan `--plan auto` chose; summary.json keeps it beside the
-    measurement."""
-
-
-def run_worker(job: Job) -> dict[str, Any] | None:
-    """Train `job` on this rank. Returns rank 0's summary (None on other ranks), or
-    {"error": message} on every rank when the job fails for a reason the user can fix."""
-    signals = StopSignals()  # before anything slow: a signal during start-up stops after the first step
-    device = init_distributed(job.device)
-    if dist.get_rank() != 0:  # the ranks' warnings repeat rank 0's: print them once, from rank 0
-        warnings.simplefilter("ignore")
-    try:
-        trainer, error = None, None
-        try:
-            trainer = Trainer(job, device)
-        except ValueError as exc:  # a user's mistake found only here (a corrupt checkpoint, ...)
-            error = str(exc)
-        error = first_error(error)
-        if error is not None:
-            return {"error": error}
-        assert trainer is not None
-        if job.config.dry_run:
-            return dry_run(trainer)
-        summary = trainer.run(signals)
-        if trainer.stopped_by:
-            return {**(summary or {}), "stopped": trainer.stopped_by}
-        return summary
-    finally:
-        signals.restore()
-        dist.destroy_process_group()
-
-
-def restart_count() -> int:
-    """How many times the launcher (`--max-restarts`, torchrun's too) has restarted this run's workers."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def init_distributed(device: str) -> torch.device:
-    """Join the process group the launcher described in the environment, on "cpu" (gloo) or
-    "cuda" (this local rank's GPU, NCCL); share the machine's cores among its ranks."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    if device == "cuda":
-        where = torch.device("cuda", local_rank)
-        torch.cuda.set_device(where)
-        # A gloo backend beside NCCL for CPU tensors: under offload=on the gradient shards live in
-        # host memory, and the global gradient norm is all-reduced where they are.
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=where, **_attempt_store())
-    else:
-        where = torch.device("cpu")
-        dist.init_process_group("gloo", **_attempt_store())
-    return where
-
-
-def _attempt_store() -> dict[str, Any]:
-    """Under torch's elastic agent, a store of this attempt's own. The workers of every restart
-    connect to the same agent store, and torch's env:// rendezvous adds no per-attempt prefix
-    there: a restarted rank could read an address the previous attempt's dead peer published and
-    fail with "Connection refused". Elsewhere: torch's default."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    return {"store": dist.PrefixStore(f"shoal/attempt_{restart_count()}/", store),
-            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+Window = list[tuple[float, StepResult]]
+"""Steps run since the numbers were last read from the device: (learning rate, result) each."""
 
 
 class Trainer:
@@ -138,43 +58,27 @@ class Trainer:
         self.cfg, self.loop, self.model_cfg, self.device = cfg, cfg.loop, cfg.model_config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = Path(broadcast_from_rank0(job.run_dir or default_run_dir()))
-        self.plan, self.plan_notes = rules.resolve_noting(parse_plan(cfg.plan), rules.Facts(
-            world_size=self.world, device=device.type, model=self.model_cfg, global_batch=self.loop.global_batch,
-            seq_len=self.loop.seq_len, micro_batch=self.loop.micro_batch))
+        self.plan, self.plan_notes = resolve_plan(cfg, self.model_cfg, self.world, device)
         set_matmul_precision(device, tf32=cfg.tf32)
 
-        torch.manual_seed(self.loop.seed)  # identical initial weights on every rank
-        model = Transformer(self.model_cfg).to(device)
-        faults.arm(model)  # test-only hooks; nothing unless SHOAL_FAULT is set
-        self.runtime = parallelize(model, self.plan, build_mesh(self.plan, device.type))
+        self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed)
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
         self.num_micro = rules.micro_batches(self.plan, local_batch=self.local_batch, micro_batch=self.loop.micro_batch)
-        self.optimizer = build_optimizer(self.runtime.parameters(), cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps)
+        batch = self.loop.global_batch  # the batch scaling rule of --lr-scaling, if any
+        self.optimizer = build_optimizer(self.runtime, cfg.optim, global_batch=batch)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps, global_batch=batch)
 
-        tokens = load_tokens(cfg.data, load_tokenizer(cfg.data.tokenizer))
-        train, held_out = split_tokens(tokens, cfg.data.val_fraction, self.loop.seq_len)
-        self.batches = TokenBatches(train, seq_len=self.loop.seq_len, seed=self.loop.seed)
-        self.held_out = TokenBatches(held_out, seq_len=self.loop.seq_len, seed=self.loop.seed)
-        self.num_train_tokens, self.num_held_out = len(train), len(held_out)
+        data = load_data(cfg)
+        self.batches, self.held_out = data.train, data.held_out
+        self.num_train_tokens, self.num_held_out = data.num_train, data.num_held_out
 
         self.start, self.restart = 0, restart_count()
         self.stopped_by: str | None = None
-        path = None
-        if self.restart:  # restarted after a failure: the newest checkpoint that verifies, if any
-            path = broadcast_from_rank0(newest_good_checkpoint(self.run_dir)[0] if self.rank == 0 else None)
-        elif job.resume:
-            path = Path(job.resume_from) if job.resume_from else latest_checkpoint(self.run_dir)
-            if path is None:
-                raise ValueError(f"run folder {str(self.run_dir)!r} holds no checkpoint to resume from")
+        path = checkpoint_to_continue(self.run_dir, restart=self.restart, resume=job.resume,
+                                      resume_from=job.resume_from, rank=self.rank)
         if path is not None:
-            state = load_checkpoint(path, runtime=self.runtime, optimizer=self.optimizer)
-            self.start = int(state["step"])
-            self.scheduler.restore(state["scheduler"])
-            scaler = self.runtime.loss_scaler  # fp16: the scale it had reached
-            if scaler is not None and "loss_scaler" in state:
-                scaler.load_state_dict(state["loss_scaler"])
+            self.start = restore(path, self.runtime, self.optimizer, self.scheduler)
 
     # ------------------------------------------------------------------ the run
     def run(self, signals: StopSignals | None = None) -> dict[str, Any] | None:
@@ -196,28 +100,20 @@ class Trainer:
         lead = self.rank == 0
         writer = self._open_run_folder() if lead else None
         peak = peak_flops(self.device, self.world) if lead else (1.0, "")
-        bar = None
-        if lead:
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.loop.steps, initial=self.start, desc="train", unit="step", file=sys.stderr,
-                       dynamic_ncols=True,
-                       mininterval=0.5 if sys.stderr.isatty() else 15.0)  # a log file: a line every 15 s
-        window: list[tuple[float, StepResult]] = []  # steps run since the numbers were last read
+        bar = self._progress_bar() if lead else None
+        window: Window = []
         t_window = time.perf_counter()
         memory.reset_peak()
         mark = watchdog.at if watchdog is not None else (lambda phase, step: None)
         if watchdog is not None:
             watchdog.started(self.start)
             watchdog.detail = self.runtime.where
-        pipeline = self.runtime.pipeline
-        if pipeline is not None and watchdog is not None:
-            pipeline.moved = watchdog.poke
+            self.runtime.on_progress(watchdog.poke)
+        n = self.start
         for s in range(self.start, self.loop.steps):
             faults.at_step(s)
             mark("step", s)
-            if pipeline is not None:  # the last step's actions are timed: the bubble and the chart
-                pipeline.record = s == self.loop.steps - 1
+            self.runtime.record_timeline(s == self.loop.steps - 1)  # pp: the last step's bubble and chart
             lr = self.optimizer.param_groups[0]["lr"]
             window.append((lr, self.train_one(s)))
             n = s + 1
@@ -237,39 +133,55 @@ class Trainer:
                 mark("evaluation", n)
                 records[-1]["eval_loss"] = self.evaluate()
             if writer is not None and bar is not None:
-                for record in records:
-                    writer.log(record)
-                bar.set_postfix(loss=f"{records[-1]['loss']:.3f}", tok_s=f"{records[-1]['tokens_per_s']:,.0f}",
-                                refresh=False)
-                bar.update(len(records))
-                if eval_due:
-                    bar.write(f"step {n}: held-out loss {records[-1]['eval_loss']:.4f}")
+                _log(writer, bar, records, eval_due)
             if ckpt_due:
                 mark("checkpoint write", n)
-                extra = self._trainer_state(n) | ({"stopped_by": self.stopped_by} if self.stopped_by else {})
-                path = save_checkpoint(self.run_dir, n, runtime=self.runtime, optimizer=self.optimizer, extra=extra)
-                if writer is not None:
-                    if self.loop.keep:
-                        prune(self.run_dir, self.loop.keep)
-                    writer.plot()
-                    bar.write(f"step {n}: checkpoint {path}")  # type: ignore[union-attr]  # bar exists where writer does
+                self._checkpoint(n, writer, bar)
             t_window = time.perf_counter()  # evaluation and checkpoints are not step time
             memory.reset_peak()
             if self.stopped_by:
                 break
-        last_timed = pipeline is not None and self.stopped_by is None and self.start < self.loop.steps
-        chart = self.run_dir / "pipeline.png" if lead else None
-        figures = self.runtime.pipeline_summary(chart) if last_timed else None  # collective over the stages
+        return self._finish(writer, bar, peak=peak, seconds=time.perf_counter() - t0, last=n)
+
+    def _progress_bar(self) -> Any:
+        """Rank 0's progress bar on stderr (tqdm)."""
+        from tqdm import tqdm
+
+        return tqdm(total=self.loop.steps, initial=self.start, desc="train", unit="step", file=sys.stderr,
+                    dynamic_ncols=True,
+                    mininterval=0.5 if sys.stderr.isatty() else 15.0)  # a log file: a line every 15 s
+
+    def _checkpoint(self, n: int, writer: MetricsWriter | None, bar: Any) -> None:
+        """Save the checkpoint after step `n` (collective); rank 0 prunes old ones and redraws the plot."""
+        extra = self._trainer_state(n) | ({"stopped_by": self.stopped_by} if self.stopped_by else {})
+        path = save_checkpoint(self.run_dir, n, runtime=self.runtime, optimizer=self.optimizer, extra=extra)
+        if writer is not None and bar is not None:
+            if self.loop.keep:
+                prune(self.run_dir, self.loop.keep)
+            writer.plot()
+            bar.write(f"step {n}: checkpoint {path}")
+
+    def _finish(self, writer: MetricsWriter | None, bar: Any, *, peak: tuple[float, str], seconds: float,
+                last: int) -> dict[str, Any] | None:
+        """After the last step: the pipeline's measured bubble (collective over the stages), then on
+        rank 0 the summary, printed and written to the run folder."""
+        last_timed = self.plan.pp > 1 and self.stopped_by is None and self.start < self.loop.steps
+        chart = self.run_dir / "pipeline.png" if self.rank == 0 else None
+        figures = self.runtime.pipeline_summary(chart) if last_timed else None
         if writer is None or bar is None:
             return None
         bar.close()
         writer.plot()
         writer.close()
         summary = summarize(writer.records, flops_per_token=self.model_cfg.flops_per_token(self.loop.seq_len),
-                            peak=peak, wall_s=time.perf_counter() - t0, warmup=self.loop.log_every,
+                            peak=peak, wall_s=seconds, warmup=self.loop.log_every,
                             start=self.start, total=self.loop.steps)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
+        predicted = memory_prediction(self)  # beside mem_peak_mb: every run is a data point on the model's error
+        if predicted is not None:
+            summary.update(mem_predicted_mb=round(predicted["total"], 1),
+                           mem_predicted_terms_mb={k: round(v, 1) for k, v in predicted.items() if k != "total"})
         if self.prediction is not None and summary.get("tokens_per_s"):
             measured = self.loop.global_batch * self.loop.seq_len / summary["tokens_per_s"]
             summary.update(predicted=self.prediction, step_time_s=measured,
@@ -282,7 +194,7 @@ class Trainer:
         write_summary(self.run_dir, summary)
         print(format_summary(summary) + f"\n  run folder {self.run_dir}", flush=True)
         if self.stopped_by:
-            print(f"shoal: stopped by {self.stopped_by} after step {n}, with its checkpoint; "
+            print(f"shoal: stopped by {self.stopped_by} after step {last}, with its checkpoint; "
                   f"continue with: shoal train --resume {self.run_dir}", flush=True)
         return summary
 
@@ -294,7 +206,7 @@ class Trainer:
         return train_step(self.runtime, self.optimizer, micro, grad_clip=self.cfg.optim.grad_clip or None,
                           scheduler=self.scheduler)
 
-    def _read(self, window: list[tuple[float, StepResult]], *, first_step: int, seconds: float) -> list[dict[str, Any]]:
+    def _read(self, window: Window, *, first_step: int, seconds: float) -> list[dict[str, Any]]:
         """The metrics records of a window of steps, read from the device in one synchronisation;
         the window's time is shared equally among its steps, its peak memory is the highest rank's."""
         values = torch.stack([torch.stack((r.loss.to(self.device).float(), r.grad_norm.to(self.device).float()))
@@ -337,8 +249,7 @@ class Trainer:
     def _open_run_folder(self) -> MetricsWriter:
         """Rank 0: create the folder, write the resolved config, say what will happen."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        flat = {k: v for k, v in to_flat(self.cfg).items() if k != "out"}  # reusable with --config elsewhere
-        (self.run_dir / CONFIG_FILE).write_text(dump_toml(flat))
+        write_run_config(self.run_dir, self.cfg)
         print(self._describe(), flush=True)
         return MetricsWriter(self.run_dir, start_step=self.start)
 
@@ -370,25 +281,6 @@ class Trainer:
         return state
 
 
-def default_run_dir() -> str:
-    """runs/<UTC timestamp>, with a suffix if that folder exists."""
-    base = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    path, k = base, 1
-    while path.exists():
-        path, k = base.with_name(f"{base.name}-{k}"), k + 1
-    return str(path)
-
-
-def read_run_config(run_dir: str | Path) -> RunConfig:
-    """The config a run folder was trained with (its config.toml)."""
-    from shoal.train.config import from_flat, load_toml
-
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise ValueError(f"{str(run_dir)!r} is not a shoal run folder: it has no {CONFIG_FILE}")
-    return from_flat(load_toml(path))
-
-
 def _collective_failure(exc: RuntimeError) -> bool:
     """A collective that timed out or lost a peer (gloo's and NCCL's errors), not shoal's own."""
     text = str(exc)
@@ -404,18 +296,17 @@ def _seed_step(seed: int, step: int, index: int) -> None:
     torch.manual_seed(int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0]))
 
 
-def set_matmul_precision(device: torch.device, *, tf32: bool) -> None:
-    """On GPUs: float32 matmuls on TF32 tensor cores ("high") or in full float32 ("highest").
-    CPUs keep torch's default, so that CPU runs stay exact against their references."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high" if tf32 else "highest")
-
-
 def _precision_words(plan: Plan) -> str:
     if plan.precision == "fp32":
         return "fp32"
     return f"{plan.precision} compute, fp32 master weights, gradients reduced in {plan.reduce}"
 
 
-def with_model(cfg: RunConfig, model: ModelConfig) -> RunConfig:
-    return dataclasses.replace(cfg, model_config=model)
+def _log(writer: MetricsWriter, bar: Any, records: list[dict[str, Any]], eval_due: bool) -> None:
+    """Rank 0: the records into metrics.jsonl, the latest on the progress bar."""
+    for record in records:
+        writer.log(record)
+    bar.set_postfix(loss=f"{records[-1]['loss']:.3f}", tok_s=f"{records[-1]['tokens_per_s']:,.0f}", refresh=False)
+    bar.update(len(records))
+    if eval_due:
+        bar.write(f"step {records[-1]['step']}: held-out loss {records[-1]['eval_loss']:.4f}")

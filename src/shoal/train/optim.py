@@ -1,24 +1,34 @@
-"""AdamW with a linear warm-up then cosine decay to a floor: the optimizer of `shoal train`.
+"""The optimizer of `shoal train` (AdamW, LAMB, LARS or CowClip) and its learning-rate schedule:
+a linear warm-up then cosine decay to a floor, optionally scaled with the global batch.
 
 The learning rate is a pure function of the step (`lr_at`), so a resumed run recomputes it
 instead of trusting a stored value, and the unit tests check it against hand-computed numbers.
+The large-batch optimizers live in shoal/train/optimizers.py; `build_optimizer` picks one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from shoal.mesh import reduction_groups
+
+OPTIMIZERS = ("adamw", "lamb", "lars", "cowclip")
+LR_SCALING = ("none", "linear", "sqrt")
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """AdamW and its learning-rate schedule."""
+    """The optimizer, its hyper-parameters and its learning-rate schedule."""
 
+    optimizer: str = "adamw"
+    """adamw, lamb (You et al. 2020), lars (You et al. 2017, over SGD with momentum) or cowclip
+    (clipping of embedding-row gradients, arXiv 2204.06240, over AdamW); see shoal/train/optimizers.py."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of the warm-up."""
     min_lr: float | None = None
@@ -35,8 +45,47 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this; 0: no clipping."""
+    momentum: float = 0.9
+    """LARS: SGD momentum."""
+    lars_eta: float = 1e-3
+    """LARS: trust coefficient eta of the local lr eta ||w|| / (||g|| + wd ||w||)."""
+    adapt_vectors: bool = False
+    """LAMB/LARS: give vectors (biases, norm weights) trust ratios and weight decay too; off as in
+    the papers (they take the plain Adam / SGD step)."""
+    per_expert: bool = True
+    """LAMB/LARS: one trust ratio per leading index of a 3-D or larger tensor (each expert of a
+    stacked MoE weight) rather than one for the whole tensor."""
+    cowclip_ratio: float = 1.0
+    """CowClip: r in clip_t = r * cnt * max(||w_id||, r * sqrt(d) * zeta)."""
+    cowclip_zeta: float = 1e-5
+    """CowClip: zeta, the lower bound of a row's clip threshold (per unit of r * sqrt(d))."""
+    embed_lr: float | None = None
+    """CowClip: peak lr of the embedding tables, kept fixed by the batch scaling rules; None: lr."""
+    embed_weight_decay: float = 0.0
+    """CowClip: L2 (coupled) weight decay of the embedding tables; scaled linearly with the batch."""
+    lr_scaling: str = "none"
+    """How lr (and min_lr) follow the global batch: none, linear (Goyal et al. 2017) or sqrt
+    (Krizhevsky 2014; CowClip's dense rule), from base_batch; explicit warm-up steps keep their
+    number of sequences (scaled by base_batch / global_batch)."""
+    base_batch: int | None = None
+    """The global batch the lr (and warm-up) were set for; needed by lr_scaling linear/sqrt."""
 
     def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer {self.optimizer!r} is not valid; valid: {', '.join(OPTIMIZERS)}")
+        if self.lr_scaling not in LR_SCALING:
+            raise ValueError(f"--lr-scaling {self.lr_scaling!r} is not valid; valid: {', '.join(LR_SCALING)}")
+        if self.lr_scaling != "none" and (self.base_batch is None or self.base_batch < 1):
+            raise ValueError(f"--lr-scaling {self.lr_scaling} needs --base-batch >= 1 (got {self.base_batch}); "
+                             "valid: the global batch the lr was set for")
+        for name in ("lars_eta", "cowclip_ratio", "cowclip_zeta", "embed_lr"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} {value} is not valid; it must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum {self.momentum} is not valid; it must lie in [0, 1)")
+        if self.embed_weight_decay < 0:
+            raise ValueError(f"--embed-weight-decay {self.embed_weight_decay} is not valid; it must be >= 0")
         if not self.lr > 0:
             raise ValueError(f"--lr {self.lr} is not valid; it must be > 0")
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
@@ -96,7 +145,8 @@ class WarmupCosine(LRScheduler):
         super().__init__(optimizer)
 
     def get_lr(self) -> list[float]:  # type: ignore[override]  # torch types it list[float | Tensor]
-        return [self.schedule.lr_at(self.last_epoch) for _ in self.optimizer.param_groups]
+        lr = self.schedule.lr_at(self.last_epoch)
+        return [lr * g.get("lr_scale", 1.0) for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, int]:
         return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
@@ -104,22 +154,93 @@ class WarmupCosine(LRScheduler):
     def restore(self, state: dict[str, int]) -> None:
         """Continue from a saved state: the step counters, and every group's lr recomputed."""
         self.last_epoch, self._step_count = int(state["last_epoch"]), int(state["_step_count"])
-        lr = self.schedule.lr_at(self.last_epoch)
-        for group in self.optimizer.param_groups:
+        lrs = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
-        self._last_lr = [lr for _ in self.optimizer.param_groups]
+        self._last_lr = list(lrs)
 
 
-def build_optimizer(parameters: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over `parameters` (a runtime's): weight decay on matrices, none on vectors (norms, biases);
-    torch's fused kernel when every parameter lives on a GPU (see `adamw_kernel`)."""
-    params = [p for p in parameters if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+def scale_for_batch(cfg: OptimConfig, global_batch: int) -> OptimConfig:
+    """`cfg` with its batch scaling rule applied for `global_batch` (itself when lr_scaling is none).
+
+    With k = global_batch / base_batch: lr and min_lr times k (linear) or sqrt(k) (sqrt); explicit
+    warm-up steps times 1 / k, at least 1, so the warm-up spans as many sequences as at base_batch
+    (Goyal et al. 2017: warm-up over a fixed number of epochs); CowClip's embedding lr unchanged
+    and its embedding L2 times k (the CowClip paper's rules)."""
+    if cfg.lr_scaling == "none":
+        return cfg
+    assert cfg.base_batch is not None  # OptimConfig checks it
+    k = global_batch / cfg.base_batch
+    factor = k if cfg.lr_scaling == "linear" else math.sqrt(k)
+    return replace(
+        cfg, lr=cfg.lr * factor, min_lr=None if cfg.min_lr is None else cfg.min_lr * factor,
+        warmup_steps=None if cfg.warmup_steps is None else max(1, round(cfg.warmup_steps / k)),
+        embed_lr=cfg.embed_lr if cfg.embed_lr is not None else cfg.lr, embed_weight_decay=cfg.embed_weight_decay * k,
+        lr_scaling="none", base_batch=None)
+
+
+def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None = None,
+                    embeddings: list[Any] | None = None,
+                    count_groups: list[Any] | None = None) -> torch.optim.Optimizer:
+    """The optimizer `cfg` names over `source`: a Runtime (what `shoal train` passes: CowClip finds
+    the embedding tables in its model parts and sums id counts over its data ranks) or an iterable
+    of parameters. Weight decay and trust ratios on matrices, none on vectors (norms, biases)
+    unless adapt_vectors. AdamW takes torch's fused kernel when every parameter lives on a GPU
+    (see `adamw_kernel`). `global_batch`: apply the batch scaling rule (`scale_for_batch`).
+    `embeddings`, `count_groups`: CowClip's tables and the groups its id counts are summed over,
+    for a source that is not a Runtime (default: found in the runtime / none)."""
+    from shoal.runtime import Runtime
+    from shoal.train import optimizers
+
+    cfg = scale_for_batch(cfg, global_batch) if global_batch is not None else cfg
+    runtime = source if isinstance(source, Runtime) else None
+    params = [p for p in (runtime.parameters() if runtime is not None else source) if p.requires_grad]
+    if embeddings is None:
+        embeddings = _embeddings(runtime) if cfg.optimizer == "cowclip" and runtime is not None else []
+    tables = {id(e[1] if isinstance(e, tuple) else e.weight) for e in embeddings}
+    dense = [p for p in params if id(p) not in tables]
+    vectors_adapt = cfg.adapt_vectors and cfg.optimizer in ("lamb", "lars")
+    groups: list[dict[str, Any]] = [
+        {"params": [p for p in dense if p.dim() >= 2], "weight_decay": cfg.weight_decay, "adapt": True},
+        {"params": [p for p in dense if p.dim() < 2], "weight_decay": cfg.weight_decay if vectors_adapt else 0.0,
+         "adapt": vectors_adapt},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, **adamw_kernel({p.device.type for p in params}))
+    if cfg.optimizer == "adamw":
+        for g in groups:
+            del g["adapt"]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                 eps=cfg.eps, **adamw_kernel({p.device.type for p in params}))
+    groups = [g for g in groups if g["params"]]
+    if cfg.optimizer == "lars":
+        return optimizers.LARS(groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.lars_eta, per_expert=cfg.per_expert)
+    adam: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "per_expert": cfg.per_expert}
+    if cfg.optimizer == "lamb":
+        return optimizers.LAMB(groups, **adam)
+    for g in groups:  # CowClip: AdamW on the dense part
+        g["adapt"] = False
+    embed_lr = cfg.embed_lr if cfg.embed_lr is not None else cfg.lr
+    if embeddings:
+        groups.append({"params": [e[1] if isinstance(e, tuple) else e.weight for e in embeddings],
+                       "weight_decay": 0.0, "adapt": False,
+                       "l2": cfg.embed_weight_decay, "lr": embed_lr, "lr_scale": embed_lr / cfg.lr})
+    if count_groups is None:
+        count_groups = reduction_groups(runtime.mesh, ("dp", "fsdp", "cp")) if runtime and runtime.mesh else []
+    return optimizers.CowClip(groups, embeddings=embeddings, count_groups=count_groups, ratio=cfg.cowclip_ratio,
+                              zeta=cfg.cowclip_zeta, **adam)
+
+
+def _embeddings(runtime: Any) -> list[tuple[nn.Embedding, nn.Parameter]]:
+    """The embedding tables of a runtime's model parts, each with the parameter the optimizer holds
+    for its weight (matched by name: a ZeRO-1/2 engine hands the optimizer shards, not the module's
+    own weight)."""
+    params = dict(runtime.named_parameters())
+    found: dict[str, tuple[nn.Embedding, nn.Parameter]] = {}
+    for part in runtime.parts:
+        for name, module in part.named_modules():
+            key = f"{name}.weight" if name else "weight"
+            if isinstance(module, nn.Embedding) and key in params and key not in found:
+                found[key] = (module, params[key])
+    return list(found.values())
 
 
 def adamw_kernel(device_types: set[str]) -> dict[str, bool]:
@@ -129,5 +250,9 @@ def adamw_kernel(device_types: set[str]) -> dict[str, bool]:
     return {"fused": True} if device_types == {"cuda"} else {}
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> WarmupCosine:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *,
+                    global_batch: int | None = None) -> WarmupCosine:
+    """The warm-up + cosine schedule of `cfg` (batch-scaled for `global_batch` when given); a
+    group's `lr_scale` (CowClip's embeddings) multiplies the schedule's lr for that group."""
+    cfg = scale_for_batch(cfg, global_batch) if global_batch is not None else cfg
     return WarmupCosine(optimizer, Schedule.from_config(cfg, total_steps))

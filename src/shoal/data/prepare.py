@@ -1,0 +1,279 @@
+"""`shoal data prepare`: inputs -> memory-mapped token shards, a document index and a manifest.
+
+Layout of a prepared folder, for source k (one INPUT) and shard s (about --shard-mb of input):
+  kkk-ssssss.train.bin / .eval.bin   token ids (uint16, or uint32 when the vocabulary needs it),
+                                     each document followed by the tokenizer's EOS
+  kkk-ssssss.train.idx / .eval.idx   int64 offsets of the documents' starts, and the end
+  kkk-ssssss.json                    the shard's counts; written last: the shard is finished
+  progress.json                      the settings of the preparation under way (for resuming)
+  manifest.json                      written last, by rename: a folder without it is never read
+A fraction --holdout of each source's documents (spread evenly through every shard) goes to
+the eval split. Workers tokenize whole shards; a re-run skips the finished ones, so an
+interrupted preparation resumes where it stopped. Bad input leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import shutil
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shoal.data.sources import Chunk, check_readable, chunks, documents
+
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+FORMAT = "shoal-tokens"
+BYTE_EOS = 0
+"""The byte tokenizer has no spare id: documents end with a NUL byte, which text does not hold."""
+_GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareConfig:
+    """What `shoal data prepare` reads, how it tokenizes, and where it writes."""
+
+    inputs: list[str] = field(default_factory=list)
+    tokenizer: str = "byte"
+    out: str = ""
+    field: str = "text"
+    """The text field of jsonl records, or column of parquet / datasets tables."""
+    workers: int = 2
+    holdout: float = 0.01
+    """Share of each source's documents held out for evaluation (0 <= holdout < 1)."""
+    shard_mb: float = 32.0
+    """Input per shard, in MB: the unit of parallel work and of resumption."""
+
+
+# ----------------------------------------------------------------------------- the tokenizer
+
+def tokenizer_identity(name: str) -> dict[str, Any]:
+    """What identifies a tokenizer: its files' SHA-256, vocabulary size and EOS id."""
+    if name == "byte":
+        return {"name": "byte", "sha256": hashlib.sha256(b"shoal byte tokenizer").hexdigest(), "vocab_size": 256,
+                "eos_id": BYTE_EOS}
+    folder = Path(name)
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer {name!r}: no tokenizer.json there; valid: 'byte' or a local Hugging Face "
+                         "(fast) tokenizer folder")
+    from tokenizers import Tokenizer
+
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and any(k in path.name for k in ("token", "vocab", "merges", "special")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = _eos_token(folder)
+    eos_id = tok.token_to_id(eos) if eos is not None else None
+    if eos_id is None:
+        raise ValueError(f"tokenizer {name!r} has no EOS token (eos_token in tokenizer_config.json) to end "
+                         "documents with; valid: a tokenizer with one, or 'byte'")
+    return {"name": str(folder.resolve()), "sha256": digest.hexdigest(),
+            "vocab_size": tok.get_vocab_size(with_added_tokens=True), "eos_id": eos_id}
+
+
+def _eos_token(folder: Path) -> str | None:
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            value = json.loads((folder / file).read_text()).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _encoder(name: str) -> Callable[[list[str]], list[list[int]]]:
+    if name == "byte":
+        return lambda texts: [list(t.encode("utf-8")) for t in texts]
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(name) / "tokenizer.json"))
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # the same ids, without character offsets
+    return lambda texts: [e.ids for e in encode(texts, add_special_tokens=False)]
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+# ----------------------------------------------------------------------------- one shard (in a worker)
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: str, eos_id: int, dtype: str, field_name: str, holdout: float, out: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
+    _WORKER.update(encode=_encoder(tokenizer), eos=eos_id, dtype=dtype, field=field_name, holdout=holdout,
+                   out=Path(out))
+
+
+def is_held_out(shard: int, index: int, holdout: float) -> bool:
+    """Document `index` of a shard goes to eval: a golden-ratio sequence spreads the held-out
+    documents evenly (within one of holdout x documents per shard); document 0 of shard 0 is
+    always held out when holdout > 0, so every source has an eval split."""
+    return (index * _GOLDEN + shard * math.sqrt(2)) % 1.0 < holdout if shard else (index * _GOLDEN) % 1.0 < holdout
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _work(chunk: Chunk) -> dict[str, Any]:
+    w = _WORKER
+    texts = documents(chunk, w["field"])
+    ids = w["encode"](texts)
+    name = f"{chunk.source:03d}-{chunk.shard:06d}"
+    record: dict[str, Any] = {"name": name, "max_id": int(w["eos"])}
+    for split in ("train", "eval"):
+        docs = [d for j, d in enumerate(ids) if is_held_out(chunk.shard, j, w["holdout"]) == (split == "eval")]
+        offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+        np.cumsum([len(d) + 1 for d in docs], out=offsets[1:])
+        tokens = np.full(int(offsets[-1]), w["eos"], dtype=w["dtype"])
+        for d, start in zip(docs, offsets[:-1]):
+            tokens[start: start + len(d)] = d
+        if len(tokens):
+            record["max_id"] = max(record["max_id"], int(tokens.max()))
+        _write_atomic(w["out"] / f"{name}.{split}.bin", tokens.tobytes())
+        _write_atomic(w["out"] / f"{name}.{split}.idx", offsets.tobytes())
+        record[split] = {"name": f"{name}.{split}", "documents": len(docs), "tokens": int(offsets[-1])}
+    _write_atomic(w["out"] / f"{name}.json", json.dumps(record).encode())
+    return record
+
+
+# ----------------------------------------------------------------------------- the whole preparation
+
+def prepare(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Prepare (or finish preparing) `cfg.out`; returns the manifest. ValueError in one line for bad
+    input, leaving nothing behind that this run wrote."""
+    if not cfg.inputs:
+        raise ValueError("no INPUT given; valid: jsonl, parquet, .txt files or folders, saved datasets folders")
+    if not 0 <= cfg.holdout < 1:
+        raise ValueError(f"--holdout {cfg.holdout} is not valid; valid: 0 <= holdout < 1")
+    if cfg.workers < 1 or not cfg.shard_mb > 0:
+        raise ValueError(f"--workers {cfg.workers} / --shard-mb {cfg.shard_mb}: valid: workers >= 1, shard-mb > 0")
+    tok = tokenizer_identity(cfg.tokenizer)
+    paths = [Path(p) for p in cfg.inputs]
+    kinds = [check_readable(p) for p in paths]
+    out = Path(cfg.out)
+    settings = {"inputs": [_input_identity(p) for p in paths], "kinds": kinds, "tokenizer": tok,
+                "field": cfg.field, "holdout": cfg.holdout, "shard_mb": cfg.shard_mb}
+    done = _existing(out, settings)
+    if done is not None:
+        return done
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    before = set(os.listdir(out))
+    try:
+        _write_atomic(out / PROGRESS, json.dumps(settings, indent=1).encode())
+        records = _run(cfg, tok, paths, progress)
+        manifest = _manifest(cfg, tok, paths, kinds, records)
+        _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+        (out / PROGRESS).unlink()
+        return manifest
+    except ValueError:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for name in set(os.listdir(out)) - before:
+                (out / name).unlink(missing_ok=True)
+        raise
+
+
+def _input_identity(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _existing(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest when `out` already holds this very preparation; None to (re)start it; ValueError
+    when `out` holds something else."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file, not a folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    for name in (MANIFEST, PROGRESS):
+        path = out / name
+        if path.is_file():
+            stored = json.loads(path.read_text())
+            if stored.get("settings", stored) == settings:
+                return stored if name == MANIFEST else None
+            raise ValueError(f"--out {str(out)!r} holds a {'prepared' if name == MANIFEST else 'half-prepared'} "
+                             "dataset of other inputs or settings; valid: a new or empty folder, or the same command")
+    raise ValueError(f"--out {str(out)!r} is not empty and holds no shoal dataset; valid: a new or empty folder")
+
+
+def _bounded(cfg: PrepareConfig, tok: dict[str, Any], tasks: Iterator[Chunk]) -> Iterator[dict[str, Any]]:
+    """Each task's record, in order; at most 2 x workers shards in flight (inputs are never held whole)."""
+    init = (tok["name"], tok["eos_id"], token_dtype(tok["vocab_size"]), cfg.field, cfg.holdout, cfg.out)
+    if cfg.workers == 1:
+        _init_worker(*init)
+        yield from map(_work, tasks)
+        return
+    with multiprocessing.get_context("fork").Pool(cfg.workers, _init_worker, init) as pool:
+        pending: deque[Any] = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(_work, (task,)))
+            if len(pending) >= 2 * cfg.workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _run(cfg: PrepareConfig, tok: dict[str, Any], paths: list[Path], progress: bool) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    out = Path(cfg.out)
+    shard_bytes = int(cfg.shard_mb * 1e6)
+    finished: list[dict[str, Any]] = []
+
+    def todo() -> Iterator[Chunk]:
+        for source, path in enumerate(paths):
+            for chunk in chunks(source, path, cfg.field, shard_bytes):
+                marker = out / f"{chunk.source:03d}-{chunk.shard:06d}.json"
+                if marker.is_file():
+                    finished.append(json.loads(marker.read_text()) | {"source": chunk.source})
+                else:
+                    yield chunk
+
+    records: list[dict[str, Any]] = []
+    with tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=None if progress else True) as bar:
+        for record in _bounded(cfg, tok, todo()):
+            record["source"] = int(record["name"][:3])
+            records.append(record)
+            bar.update(record["train"]["tokens"] + record["eval"]["tokens"])
+    return sorted(finished + records, key=lambda r: r["name"])
+
+
+def _manifest(cfg: PrepareConfig, tok: dict[str, Any], paths: list[Path], kinds: list[str],
+              records: list[dict[str, Any]]) -> dict[str, Any]:
+    sources = []
+    for k, (path, kind) in enumerate(zip(paths, kinds)):
+        mine = [r for r in records if r["source"] == k]
+        entry: dict[str, Any] = {"input": str(path), "kind": kind}
+        for split in ("train", "eval"):
+            entry[split] = {"documents": sum(r[split]["documents"] for r in mine),
+                            "tokens": sum(r[split]["tokens"] for r in mine),
+                            "shards": [r[split] for r in mine]}
+        if entry["train"]["documents"] + entry["eval"]["documents"] == 0:
+            raise ValueError(f"input {str(path)!r} holds no documents")
+        sources.append(entry)
+    splits = {s: {"documents": sum(e[s]["documents"] for e in sources), "tokens": sum(e[s]["tokens"] for e in sources)}
+              for s in ("train", "eval")}
+    settings = json.loads(Path(cfg.out, PROGRESS).read_text())
+    return {"format": FORMAT, "version": 1, "tokenizer": tok, "dtype": token_dtype(tok["vocab_size"]),
+            "max_id": max([r["max_id"] for r in records], default=0), "splits": splits, "sources": sources,
+            "config": asdict(cfg), "settings": settings}

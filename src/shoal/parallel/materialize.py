@@ -1,0 +1,70 @@
+"""Materialize a model built on the meta device: each rank allocates and fills only what it holds.
+
+`parallelize` applies the plan to a model whose parameters are meta tensors (shapes, no memory),
+then calls `materialize` on this rank's part: the parameters become this rank's shards on the
+device (`to_empty`), each filled with its slice of the full initial weights, which are a
+function of the seed and the parameter's name alone (shoal/models/init.py). So every plan starts
+from the same weights as one process, and no rank holds a full copy it does not keep.
+
+The initial values come from the model family's `init_spec(name, ndim)` (shoal's Transformer
+has one); a user's module without it is initialised by each submodule's `reset_parameters()`
+(the values then depend on the plan, as they would in torch), and refused when a submodule with
+parameters has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+# The one piece of DTensor's layout arithmetic shoal needs here (which global rows and columns a
+# rank's shard holds, for every placement and uneven split): torch keeps it in a private module.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from shoal.models.init import fill_slice_
+from shoal.parallel.data import clean_name
+
+
+def on_meta(modules: Iterable[nn.Module]) -> bool:
+    """Whether any parameter of `modules` is a meta tensor (built on the meta device)."""
+    return any(p.is_meta for m in modules for p in m.parameters())
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, *, seed: int, device: torch.device) -> None:
+    """Allocate `module`'s parameters and buffers on `device` (this rank's shards only) and fill
+    them with their initial values."""
+    spec = getattr(module, "init_spec", None)
+    if spec is None:
+        _reset_each(module, device)
+        return
+    module.to_empty(device=device)
+    for name, param in module.named_parameters():
+        key = clean_name(name)
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        else:
+            local, offset = param, (0,) * param.dim()
+        values = torch.empty(local.shape, dtype=torch.float32)
+        fill_slice_(values, spec(key, param.dim()), seed=seed, name=key, shape=tuple(param.shape), offset=offset)
+        local.copy_(values)
+    for sub in module.modules():
+        init_buffers = getattr(sub, "init_buffers", None)
+        if init_buffers is not None:
+            init_buffers()
+
+
+def _reset_each(module: nn.Module, device: torch.device) -> None:
+    owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+    missing = [type(m).__name__ for m in owners if not hasattr(m, "reset_parameters")]
+    if missing:
+        raise ValueError(f"a model built on the meta device needs each of its modules to initialise itself; "
+                         f"{missing[0]} has no reset_parameters() (and the model no init_spec); valid: build it "
+                         "on a real device, or give those modules reset_parameters()")
+    module.to_empty(device=device)
+    for m in owners:
+        getattr(m, "reset_parameters")()  # noqa: B009 (typed as a Tensor-or-Module attribute otherwise)

@@ -1,0 +1,97 @@
+"""One rank's set-up for training: the plan resolved and checked, the model built and
+parallelized, the token data, and where a resumed or restarted run
+continues from. `shoal.train.loop.Trainer` is made of these pieces."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shoal import rules
+from shoal.mesh import build_mesh
+from shoal.models import ModelConfig, Transformer
+from shoal.parallelize import parallelize
+from shoal.plan import Plan
+from shoal.runtime import Runtime
+from shoal.train import faults
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint
+from shoal.train.config import RunConfig, parse_plan
+from shoal.train.data import Batches, open_data
+from shoal.train.optim import WarmupCosine
+from shoal.world import broadcast_from_rank0
+
+
+def restart_count() -> int:
+    """How many times the launcher (`--max-restarts`, torchrun's too) has restarted this run's workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def set_matmul_precision(device: torch.device, *, tf32: bool) -> None:
+    """On GPUs: float32 matmuls on TF32 tensor cores ("high") or in full float32 ("highest").
+    CPUs keep torch's default, so that CPU runs stay exact against their references."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+
+
+def resolve_plan(cfg: RunConfig, model: ModelConfig, world: int, device: torch.device) -> tuple[Plan, list[str]]:
+    """The config's plan for this world size and device, checked against the model and the batch
+    (shoal.rules), and the notes on the options it chose where the plan left them out."""
+    return rules.resolve_noting(parse_plan(cfg.plan), rules.Facts(
+        world_size=world, device=device.type, model=model, global_batch=cfg.loop.global_batch,
+        seq_len=cfg.loop.seq_len, micro_batch=cfg.loop.micro_batch))
+
+
+def build_runtime(model_cfg: ModelConfig, plan: Plan, device: torch.device, *, seed: int) -> Runtime:
+    """The model parallelized by `plan`: built on the meta device (shapes only), each rank then
+    allocating and initialising its own shards, the same full weights under every plan."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    faults.arm(model)  # test-only hooks; nothing unless SHOAL_FAULT is set
+    return parallelize(model, plan, build_mesh(plan, device.type), seed=seed)
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """The run's tokens, split into training and held-out batches (each batch a pure function of (seed, step))."""
+
+    train: Batches
+    held_out: Batches
+    num_train: int
+    """Training tokens."""
+    num_held_out: int
+    """Held-out tokens."""
+
+
+def load_data(cfg: RunConfig) -> TokenData:
+    """Prepared datasets and mixtures through memory maps, other inputs whole (train.data.open_data)."""
+    data = open_data(cfg.data, seq_len=cfg.loop.seq_len, seed=cfg.loop.seed)
+    return TokenData(data.train, data.held_out, data.num_train, data.num_held_out)
+
+
+def checkpoint_to_continue(run_dir: Path, *, restart: int, resume: bool, resume_from: str | None,
+                           rank: int) -> Path | None:
+    """Where this run continues from: after a restart, the newest checkpoint that verifies (if
+    any); on --resume, the one the launcher chose or the latest; otherwise None (a fresh start)."""
+    if restart:
+        return broadcast_from_rank0(newest_good_checkpoint(run_dir)[0] if rank == 0 else None)
+    if not resume:
+        return None
+    path = Path(resume_from) if resume_from else latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"run folder {str(run_dir)!r} holds no checkpoint to resume from")
+    return path
+
+
+def restore(path: Path, runtime: Runtime, optimizer: torch.optim.Optimizer, scheduler: WarmupCosine) -> int:
+    """Load the checkpoint at `path` into the runtime, optimizer, scheduler and fp16's loss scale
+    (the scale it had reached); returns the step it was saved after."""
+    state = load_checkpoint(path, runtime=runtime, optimizer=optimizer)
+    scheduler.restore(state["scheduler"])
+    scaler = runtime.loss_scaler
+    if scaler is not None and "loss_scaler" in state:
+        scaler.load_state_dict(state["loss_scaler"])
+    return int(state["step"])

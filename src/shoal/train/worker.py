@@ -1,0 +1,80 @@
+"""The entry point of every worker process: join the process group, train, leave it.
+
+`run_worker(job)` runs in each worker, whether `shoal train --nproc N` started it through
+torch's elastic launcher or `torchrun` did. It always joins a process group (gloo on CPU, NCCL
+on GPUs), even alone, so that one code path serves every world size; the training itself is
+`shoal.train.loop.Trainer`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shoal.train.dry_run import dry_run
+from shoal.train.loop import Trainer
+from shoal.train.preempt import StopSignals
+from shoal.train.runs import Job
+from shoal.train.setup import restart_count
+from shoal.world import first_error, threads_per_rank
+
+
+def run_worker(job: Job) -> dict[str, Any] | None:
+    """Train `job` on this rank. Returns rank 0's summary (None on other ranks), or
+    {"error": message} on every rank when the job fails for a reason the user can fix."""
+    signals = StopSignals()  # before anything slow: a signal during start-up stops after the first step
+    device = init_distributed(job.device)
+    if dist.get_rank() != 0:  # the ranks' warnings repeat rank 0's: print them once, from rank 0
+        warnings.simplefilter("ignore")
+    try:
+        trainer, error = None, None
+        try:
+            trainer = Trainer(job, device)
+        except ValueError as exc:  # a user's mistake found only here (a corrupt checkpoint, ...)
+            error = str(exc)
+        error = first_error(error)
+        if error is not None:
+            return {"error": error}
+        assert trainer is not None
+        if job.config.dry_run:
+            return dry_run(trainer)
+        summary = trainer.run(signals)
+        if trainer.stopped_by:
+            return {**(summary or {}), "stopped": trainer.stopped_by}
+        return summary
+    finally:
+        signals.restore()
+        dist.destroy_process_group()
+
+
+def init_distributed(device: str) -> torch.device:
+    """Join the process group the launcher described in the environment, on "cpu" (gloo) or
+    "cuda" (this local rank's GPU, NCCL); share the machine's cores among its ranks."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if device == "cuda":
+        where = torch.device("cuda", local_rank)
+        torch.cuda.set_device(where)
+        # A gloo backend beside NCCL for CPU tensors: under offload=on the gradient shards live in
+        # host memory, and the global gradient norm is all-reduced where they are.
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=where, **_attempt_store())
+    else:
+        where = torch.device("cpu")
+        dist.init_process_group("gloo", **_attempt_store())
+    return where
+
+
+def _attempt_store() -> dict[str, Any]:
+    """Under torch's elastic agent, a store of this attempt's own. The workers of every restart
+    connect to the same agent store, and torch's env:// rendezvous adds no per-attempt prefix
+    there: a restarted rank could read an address the previous attempt's dead peer published and
+    fail with "Connection refused". Elsewhere: torch's default."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return {"store": dist.PrefixStore(f"shoal/attempt_{restart_count()}/", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}

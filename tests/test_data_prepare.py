@@ -1,0 +1,357 @@
+"""Prepared datasets: `shoal data prepare` round-trips every input kind to the tokenizer's own ids
+(EOS after each document), holds out documents per source, works in parallel and resumes; the
+reader's batches are a pure function of (seed, step), mixtures draw the sources in their weights,
+and bad input is one line, exit 2, nothing left behind. The tokenizer is trained here, offline."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shoal import cli
+from shoal.data import prepare as prep
+from shoal.data.dataset import MixtureBatches, TokenStream, open_prepared, parse_mixture, permute, read_manifest
+from shoal.data.prepare import PrepareConfig, prepare
+from shoal.testing import assert_user_error, one_line_error
+from shoal.train.data import DataConfig, default_corpus, open_data, resolve_tokenizer
+
+EOS = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    """A 512-id byte-level BPE trained on the built-in corpus, saved as a Hugging Face folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([default_corpus()], trainer)
+    folder = tmp_path_factory.mktemp("tok") / "bpe"
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(folder)
+    return folder
+
+
+DOCS = [p for p in default_corpus().split("\n\n") if p.strip()][:600]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The documents as jsonl (plain and gzip) and as a folder of .txt files."""
+    folder = tmp_path_factory.mktemp("in")
+    lines = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS))
+    (folder / "a.jsonl").write_text(lines)
+    (folder / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (folder / "txt").mkdir()
+    for i, d in enumerate(DOCS[:50]):
+        (folder / "txt" / f"{i:03d}.txt").write_text(d)
+    return folder
+
+
+def _documents(out: Path, source: int, split: str) -> list[list[int]]:
+    """Every document of a split of a source, read back through the shards' document index."""
+    manifest = read_manifest(out)
+    docs = []
+    for shard in manifest["sources"][source][split]["shards"]:
+        tokens = np.fromfile(out / f"{shard['name']}.bin", dtype=manifest["dtype"])
+        offsets = np.fromfile(out / f"{shard['name']}.idx", dtype=np.int64)
+        docs += [tokens[a:b].tolist() for a, b in itertools.pairwise(offsets)]
+    return docs
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != prep.MANIFEST}
+
+
+def test_jsonl_round_trips_to_the_tokenizers_ids_with_eos_and_holdout(bpe, corpus, tmp_path):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "ds"
+    manifest = prepare(PrepareConfig(inputs=[str(corpus / "a.jsonl")], tokenizer=str(bpe), out=str(out),
+                                     holdout=0.1, shard_mb=0.02, workers=1), progress=False)
+    ref = AutoTokenizer.from_pretrained(str(bpe), local_files_only=True)
+    eos = ref.convert_tokens_to_ids(EOS)
+    train, held = _documents(out, 0, "train"), _documents(out, 0, "eval")
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["eos_id"] == eos
+    assert len(train) + len(held) == len(DOCS) == manifest["splits"]["train"]["documents"] + len(held)
+    assert sum(map(len, train)) == manifest["splits"]["train"]["tokens"]
+    shards = manifest["sources"][0]["train"]["shards"]
+    assert len(shards) > 3  # several shards, so the hold-out rule is exercised across shard boundaries
+    # Each shard holds out within one document of 10% (golden-ratio spacing): over n shards, within n.
+    assert abs(len(held) - 0.1 * len(DOCS)) <= len(shards)
+    expected = [ref.encode(d, add_special_tokens=False) + [eos] for d in DOCS]
+    assert sorted(map(tuple, train + held)) == sorted(map(tuple, expected))
+    for split in (train, held):  # documents keep their order within a split
+        rest = iter(expected)
+        assert all(any(doc == e for e in rest) for doc in split)
+
+
+def test_gzip_folder_and_workers_give_the_same_shards(bpe, corpus, tmp_path):
+    kw = {"tokenizer": str(bpe), "holdout": 0.05, "shard_mb": 0.02}
+    prepare(PrepareConfig(inputs=[str(corpus / "a.jsonl")], out=str(tmp_path / "one"), workers=1, **kw), progress=False)
+    prepare(PrepareConfig(inputs=[str(corpus / "a.jsonl.gz")], out=str(tmp_path / "two"), workers=2, **kw),
+            progress=False)
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+    m = prepare(PrepareConfig(inputs=[str(corpus / "txt"), str(corpus / "a.jsonl")], out=str(tmp_path / "mix"),
+                              **kw), progress=False)
+    assert [s["kind"] for s in m["sources"]] == ["folder", "jsonl"]
+    assert m["sources"][0]["train"]["documents"] + m["sources"][0]["eval"]["documents"] == 50
+    assert m["sources"][0]["eval"]["documents"] >= 1  # every source holds out at least one document
+
+
+def test_a_large_vocabulary_is_stored_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(70_000)} | {EOS: 70_000, "[UNK]": 70_001}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(tmp_path / "tok")
+    (tmp_path / "in.jsonl").write_text('{"text": "w69999 w3 w65536"}\n{"text": "w1"}\n')
+    m = prepare(PrepareConfig(inputs=[str(tmp_path / "in.jsonl")], tokenizer=str(tmp_path / "tok"),
+                              out=str(tmp_path / "ds"), holdout=0.0, workers=1), progress=False)
+    assert m["dtype"] == "uint32" and m["max_id"] == 70_000
+    assert _documents(tmp_path / "ds", 0, "train") == [[69_999, 3, 65_536, 70_000], [1, 70_000]]
+
+
+def test_an_interrupted_preparation_resumes_and_a_finished_one_is_skipped(bpe, corpus, tmp_path, monkeypatch):
+    kw = {"inputs": [str(corpus / "a.jsonl")], "tokenizer": str(bpe), "holdout": 0.05, "shard_mb": 0.02, "workers": 1}
+    prepare(PrepareConfig(out=str(tmp_path / "whole"), **kw), progress=False)
+    real, calls = prep._work, []
+
+    def interrupted(chunk):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(chunk.shard)
+        return real(chunk)
+
+    monkeypatch.setattr(prep, "_work", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(PrepareConfig(out=str(tmp_path / "cut"), **kw), progress=False)
+    assert "no manifest.json" in one_line_error(read_manifest, tmp_path / "cut")  # a half-written set is never read
+    assert "no manifest.json" in one_line_error(open_data, DataConfig(path=str(tmp_path / "cut")), seq_len=8, seed=0)
+    calls.clear()
+    monkeypatch.setattr(prep, "_work", lambda chunk: calls.append(chunk.shard) or real(chunk))
+    prepare(PrepareConfig(out=str(tmp_path / "cut"), **kw), progress=False)
+    assert calls[0] == 3 and _files(tmp_path / "cut") == _files(tmp_path / "whole")  # shards 0-2 were kept
+    calls.clear()
+    prepare(PrepareConfig(out=str(tmp_path / "cut"), **kw), progress=False)
+    assert calls == []
+    other = PrepareConfig(out=str(tmp_path / "cut"), **(kw | {"holdout": 0.2}))
+    assert "other inputs or settings" in one_line_error(prepare, other, progress=False)
+
+
+def _installed(package: str) -> bool:
+    try:
+        __import__(package)
+    except ImportError:
+        return False
+    return True
+
+
+def test_tables_read_with_their_package_or_are_refused_naming_it(corpus, tmp_path):
+    """parquet and saved datasets give the jsonl's shards where pyarrow / datasets are installed (the
+    `data` extra); where they are not, the input is refused in one line naming the package."""
+    texts = DOCS[:100]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in texts))
+    parquet, saved = tmp_path / "t.parquet", tmp_path / "saved"
+    if _installed("pyarrow"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"id": list(range(len(texts))), "body": texts}), parquet, row_group_size=17)
+    else:
+        parquet.write_bytes(b"PAR1 not really")
+    if _installed("datasets"):
+        import datasets
+
+        datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(saved))
+    else:
+        saved.mkdir()
+        (saved / "dataset_info.json").write_text("{}")
+    # One shard per input, so the hold-out rule picks the same documents whatever the input kind.
+    kw = {"tokenizer": "byte", "field": "body", "holdout": 0.1, "workers": 1, "shard_mb": 1.0}
+    reference = prepare(PrepareConfig(inputs=[str(tmp_path / "in.jsonl")], out=str(tmp_path / "ref"), **kw),
+                        progress=False)
+    for path, package in ((parquet, "pyarrow"), (saved, "datasets")):
+        out = tmp_path / f"out-{package}"
+        cfg = PrepareConfig(inputs=[str(path)], out=str(out), **kw)
+        if _installed(package):
+            assert prepare(cfg, progress=False)["splits"] == reference["splits"]
+            assert _files(out) == _files(tmp_path / "ref")
+            bad = PrepareConfig(inputs=[str(path)], out=str(tmp_path / "bad"), **(kw | {"field": "nope"}))
+            assert "no column 'nope'" in one_line_error(prepare, bad, progress=False)
+        else:
+            message = one_line_error(prepare, cfg, progress=False)
+            assert repr(package) in message and "shoal[data]" in message
+        assert not (tmp_path / "bad").exists()
+    zst = tmp_path / "in.jsonl.zst"
+    cfg = PrepareConfig(inputs=[str(zst)], out=str(tmp_path / "out-zst"), **kw)
+    if _installed("zstandard"):
+        import zstandard
+
+        zst.write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "in.jsonl").read_bytes()))
+        prepare(cfg, progress=False)
+        assert _files(tmp_path / "out-zst") == _files(tmp_path / "ref")
+    else:
+        zst.write_bytes(b"")
+        assert "'zstandard'" in one_line_error(prepare, cfg, progress=False)
+    if _installed("pyarrow"):
+        (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+        cfg = PrepareConfig(inputs=[str(tmp_path / "broken.parquet")], out=str(tmp_path / "bad"), **kw)
+        assert "not a readable parquet" in one_line_error(prepare, cfg, progress=False)
+        assert not (tmp_path / "bad").exists()
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def test_permute_is_a_bijection_that_depends_on_its_key():
+    for n in (1, 2, 7, 100, 1000):
+        assert sorted(permute(np.arange(n), n, key=5).tolist()) == list(range(n))
+    assert permute(np.arange(1000), 1000, 1).tolist() != permute(np.arange(1000), 1000, 2).tolist()
+
+
+def _letters(tmp_path: Path, spec: dict[str, int]) -> dict[str, Path]:
+    """One byte-tokenized dataset per letter, each document that letter repeated, so a row names its source."""
+    out = {}
+    for letter, docs in spec.items():
+        (tmp_path / f"{letter}.jsonl").write_text("".join(json.dumps({"text": letter * (20 + i % 7)}) + "\n"
+                                                          for i in range(docs)))
+        out[letter] = tmp_path / letter
+        prepare(PrepareConfig(inputs=[str(tmp_path / f"{letter}.jsonl")], tokenizer="byte", out=str(out[letter]),
+                              holdout=0.1, workers=1), progress=False)
+    return out
+
+
+def test_the_mixture_draws_sources_in_their_weights_as_a_pure_function_of_seed_and_step(tmp_path):
+    sets = _letters(tmp_path, {"a": 300, "b": 60})
+    spec = f"{sets['a']}:0.7,{sets['b']}:0.3"
+    one, two = (open_prepared(spec, seq_len=16, seed=3).train for _ in range(2))
+    steps, size = 512, 16  # 8192 samples: two blocks of 4096, where the shares are exact to one sample
+    counts = {"a": 0, "b": 0}
+    for step in range(steps):
+        x, y = one.batch(step, size)
+        assert torch.equal(y[:, :-1], x[:, 1:])
+        for row in x:
+            letters = {chr(int(t)) for t in row if t != prep.BYTE_EOS}
+            assert len(letters) == 1  # a sequence never mixes sources
+            counts[letters.pop()] += 1
+    assert abs(counts["a"] - 0.7 * steps * size) <= 1 and counts["a"] + counts["b"] == steps * size
+    for step in (0, 77, 511):  # another instance (a resumed run), and rank slices of the same batch
+        assert torch.equal(one.batch(step, size)[0], two.batch(step, size)[0])
+        parts = [two.batch(step, size, (i, 4))[0] for i in range(4)]
+        assert torch.equal(torch.cat(parts), one.batch(step, size)[0])
+    assert not torch.equal(open_prepared(spec, seq_len=16, seed=4).train.batch(0, size)[0], one.batch(0, size)[0])
+
+
+def test_a_source_visits_every_window_once_per_epoch_in_a_new_order(tmp_path):
+    stream_set = _letters(tmp_path, {"c": 40})["c"]
+    data = open_prepared(str(stream_set), seq_len=8, seed=0).train
+    stream = data.streams[0]
+    n = stream.num_windows
+    epochs = [[data.window_of(0, e * n + i) for i in range(n)] for e in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(n)) and epochs[0] != epochs[1]
+    tokens = np.concatenate([np.asarray(a) for a in stream.arrays])
+    for w in (0, n // 2, n - 1):  # windows across shard boundaries read the concatenation
+        assert stream.window(w).tolist() == tokens[w * 8: w * 8 + 9].tolist()
+
+
+def test_a_mixture_with_one_weight_matches_the_folder_alone(tmp_path):
+    folder = _letters(tmp_path, {"d": 50})["d"]
+    alone, weighted = open_prepared(str(folder), seq_len=8, seed=1), open_prepared(f"{folder}:2", seq_len=8, seed=1)
+    assert torch.equal(alone.train.batch(5, 8)[0], weighted.train.batch(5, 8)[0])
+    assert isinstance(alone.train, MixtureBatches) and isinstance(alone.train.streams[0], TokenStream)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_one_line_and_leaves_nothing(capsys, tmp_path):
+    good = "".join(json.dumps({"text": "x" * 50}) + "\n" for _ in range(30))
+    (tmp_path / "bad.jsonl").write_text(good + "{not json\n")
+    (tmp_path / "nofield.jsonl").write_text(good + json.dumps({"body": "y"}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    out = tmp_path / "out"
+    base = ["data", "prepare", "--tokenizer", "byte", "--out", str(out), "--shard-mb", "0.0005"]
+    assert_user_error(capsys, [*base, str(tmp_path / "bad.jsonl")], "bad.jsonl:31", "not a JSON line")
+    assert not out.exists()
+    assert_user_error(capsys, [*base, str(tmp_path / "nofield.jsonl")], "nofield.jsonl:31", "'text'", "body")
+    assert_user_error(capsys, [*base, str(tmp_path / "empty.jsonl")], "empty.jsonl", "no documents")
+    assert_user_error(capsys, [*base, str(tmp_path / "missing.jsonl")], "missing.jsonl", "does not exist")
+    assert not out.exists()
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_user_error(capsys, [*base, str(tmp_path / "bad.jsonl")], "not empty")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_training_data_errors(bpe, tmp_path):
+    folder = _letters(tmp_path, {"e": 30})["e"]
+    for weight in ("0", "-1", "x", "nan"):
+        assert repr(weight) in one_line_error(parse_mixture, f"{folder}:0.5,{folder}:{weight}")
+    assert "fewer than one sequence" in one_line_error(open_prepared, str(folder), seq_len=4096, seed=0)
+    cfg = DataConfig(path=str(folder), tokenizer=str(bpe))
+    assert "was prepared with" in one_line_error(resolve_tokenizer, cfg, given=True)
+    assert "was prepared with" in one_line_error(open_data, cfg, seq_len=8, seed=0)
+    assert resolve_tokenizer(DataConfig(path=str(folder)), given=False).tokenizer == "byte"
+    other = tmp_path / "bpe-set"
+    (tmp_path / "f.jsonl").write_text(json.dumps({"text": "hello world " * 20}) + "\n")
+    prepare(PrepareConfig(inputs=[str(tmp_path / "f.jsonl")], tokenizer=str(bpe), out=str(other), holdout=0.0,
+                          workers=1), progress=False)
+    assert "one tokenizer" in one_line_error(open_prepared, f"{folder}:1,{other}:1", seq_len=4, seed=0)
+    assert "held-out" in one_line_error(open_prepared, str(other), seq_len=4, seed=0)  # holdout 0: nothing held out
+
+
+def test_train_reads_a_prepared_dataset_with_its_tokenizer(bpe, corpus, tmp_path, capsys):
+    ds = tmp_path / "ds"
+    assert cli.main(["data", "prepare", str(corpus / "a.jsonl"), "--tokenizer", str(bpe), "--out", str(ds),
+                     "--holdout", "0.1", "--workers", "2"]) == 0
+    small = ["--device", "cpu", "--nproc", "1", "--set", "num_layers=1", "--set", "dim=32", "--set", "ffn_dim=64",
+             "--global-batch", "4", "--seq-len", "32", "--steps", "2", "--eval-every", "2", "--ckpt-every", "2"]
+    assert_user_error(capsys, ["train", "--data", str(ds), "--tokenizer", "byte", *small], "'byte'", "prepared with")
+    assert_user_error(capsys, ["train", "--data", str(ds), *small], "vocab_size=512")
+    run = tmp_path / "run"
+    assert cli.main(["train", "--data", str(ds), "--set", "vocab_size=512", "--out", str(run), *small]) == 0
+    assert f'tokenizer = "{bpe}"' in (run / "config.toml").read_text()  # the manifest's, so shoal sample decodes
+    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 2
+    assert os.path.isfile(ds / prep.MANIFEST)
+
+
+def test_a_run_on_a_mixture_resumes_with_the_unbroken_losses(bpe, corpus, tmp_path):
+    """Batch s is a function of (seed, s) for a mixture too: stopping at step 2 and resuming gives
+    the unbroken run's losses exactly (same world size: the same arithmetic)."""
+    kw = {"tokenizer": str(bpe), "holdout": 0.1, "workers": 1}
+    prepare(PrepareConfig(inputs=[str(corpus / "a.jsonl")], out=str(tmp_path / "a"), **kw), progress=False)
+    prepare(PrepareConfig(inputs=[str(corpus / "txt")], out=str(tmp_path / "b"), **kw), progress=False)
+    small = ["--data", f"{tmp_path / 'a'}:0.6,{tmp_path / 'b'}:0.4", "--set", "vocab_size=512", "--device", "cpu",
+             "--nproc", "1", "--set", "num_layers=1", "--set", "dim=32", "--set", "ffn_dim=64", "--global-batch", "4",
+             "--seq-len", "32", "--eval-every", "2", "--ckpt-every", "2", "--log-every", "1",
+             "--decay-steps", "4", "--warmup-steps", "1"]  # the same schedule for the part run
+    assert cli.main(["train", "--out", str(tmp_path / "whole"), "--steps", "4", *small]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "part"), "--steps", "2", *small]) == 0
+    assert cli.main(["train", "--resume", str(tmp_path / "part"), "--steps", "4"]) == 0
+
+    def losses(run: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses(tmp_path / "whole")) == 4 and losses(tmp_path / "part") == losses(tmp_path / "whole")
+
+
+def test_prepare_help_names_every_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["data", "prepare", "--help"])
+    text = capsys.readouterr().out
+    entries = [e for e in text.split("options:")[1].split("\n  -") if e.strip().startswith("-")]
+    assert len(entries) == 6
+    assert all("[" in e or "(required" in e for e in entries), entries

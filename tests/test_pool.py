@@ -1,0 +1,51 @@
+"""The worker pool (shoal/pool.py) that the parity tests and the calibration share: results in rank
+order, reports while a function runs, and a rank that fails or dies named in one error."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from shoal.pool import WorkerPool, report
+
+
+def _rank_and_reports() -> int:
+    import torch.distributed as dist
+
+    report(f"half way on {dist.get_rank()}")
+    report("done")
+    return dist.get_rank()
+
+
+def _fail_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise KeyError("broken")
+
+
+def _die_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+
+
+def test_results_reports_and_failures():
+    heard: list[tuple[int, str]] = []
+    pool = WorkerPool(2, on_report=lambda rank, message: heard.append((rank, message)))
+    try:
+        assert pool.run(_rank_and_reports) == [0, 1]
+        assert sorted(heard) == [(0, "done"), (0, "half way on 0"), (1, "done"), (1, "half way on 1")]
+        with pytest.raises(RuntimeError, match=r"(?s)_fail_on_rank_1 failed on rank 1 of 2:\n.*KeyError: 'broken'"):
+            pool.run(_fail_on_rank_1)
+        assert not pool.alive  # torn down: the next task gets a fresh pool
+    finally:
+        pool.close()
+    pool = WorkerPool(2)
+    try:
+        with pytest.raises(RuntimeError, match="_die_on_rank_1: rank 1 of 2 exited with code 3"):
+            pool.run(_die_on_rank_1)
+    finally:
+        pool.close()
