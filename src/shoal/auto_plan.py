@@ -83,6 +83,24 @@ def local_world(world_size: int, device: str) -> tuple[Cluster, Network | None]:
                        world_size=world_size, per_node=per_node), None
 
 
+def memory_cluster(world_size: int, device: str) -> Cluster | None:
+    """The machine a run of `world_size` processes on `device` will have, as far as its memory goes
+    (no calibration needed): each GPU's own memory, or the host's shared by the local processes on
+    CPUs. None for a GPU the planner has no spec for."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if device == "cpu":
+        from shoal.planner.fit import cpu_cluster
+
+        return cpu_cluster(world_size, local=local)
+    import torch
+
+    try:
+        return gpu_cluster(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory,
+                           world_size=world_size, per_node=local)
+    except ValueError:
+        return None
+
+
 def gpu_cluster(name: str, memory_bytes: int, *, world_size: int, per_node: int) -> Cluster:
     """The cluster of `world_size` GPUs named `name` (torch's device name), `per_node` to a node,
     with the memory the device reports (a V100 may have 16 or 32 GB)."""

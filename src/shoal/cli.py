@@ -361,25 +361,17 @@ def validate(cfg: Any, device: str) -> None:
 
 def _check_memory(cfg: Any, plan: Any, device: str) -> None:
     """Refuse (one line) a plan the planner predicts won't fit this machine (shoal.planner.fit)."""
+    from shoal.auto_plan import memory_cluster
     from shoal.planner.estimate import Workload
-    from shoal.planner.fit import cpu_cluster, memory_refusal
+    from shoal.planner.fit import memory_refusal
 
     if not cfg.memory_check:
         warn("--no-memory-check: the plan is not priced against this machine's memory before it starts")
         return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
-    if device == "cpu":
-        cluster = cpu_cluster(plan.world_size, local=local)
-    else:
-        import torch
-
-        from shoal.auto_plan import gpu_cluster
-        try:
-            cluster = gpu_cluster(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory,
-                                  world_size=plan.world_size, per_node=local)
-        except ValueError:  # a GPU the planner has no spec for: nothing to price it with
-            warn(f"no planner spec for GPU {torch.cuda.get_device_name()!r}: memory not checked before start")
-            return
+    cluster = memory_cluster(plan.world_size, device)
+    if cluster is None:  # a GPU the planner has no spec for: nothing to price it with
+        warn("this GPU has no planner spec: the plan's memory is not checked before start")
+        return
     work = Workload(model=cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len)
     reason = memory_refusal(plan, work, cluster, micro_batch=cfg.loop.micro_batch)
     if reason is not None:

@@ -10,23 +10,14 @@ search `shoal plan` runs. Pure: no torch.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from shoal import rules
 from shoal.plan import Plan
 from shoal.planner.estimate import Estimate, Workload, estimate
-from shoal.planner.hardware import DEVICES, Cluster
+from shoal.planner.hardware import DEVICES, Cluster, host_memory_bytes
 from shoal.planner.search import search, structures, variants
 
 GB = 1e9
-
-
-def host_memory_bytes() -> int:
-    """This machine's physical memory (the CPU device spec's figure where the OS does not say)."""
-    names = ("SC_PAGE_SIZE", "SC_PHYS_PAGES")
-    if all(n in os.sysconf_names for n in names):
-        return os.sysconf(names[0]) * os.sysconf(names[1])
-    return DEVICES["cpu"].memory_bytes
 
 
 def cpu_cluster(world_size: int, *, local: int, memory_bytes: int | None = None) -> Cluster:

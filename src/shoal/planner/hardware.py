@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,14 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
 ALIASES: dict[str, str] = {"V100": "V100-32GB", "P100": "P100-16GB", "A100": "A100-80GB",
                            "H100": "H100-80GB", "H200-141GB": "H200"}
 _LOOKUP = {k.lower(): v for k, v in {**{n: n for n in DEVICES}, **ALIASES}.items()}
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (the CPU device spec's figure where the OS does not say)."""
+    names = ("SC_PAGE_SIZE", "SC_PHYS_PAGES")
+    if all(n in os.sysconf_names for n in names):
+        return os.sysconf(names[0]) * os.sysconf(names[1])
+    return DEVICES["cpu"].memory_bytes
 
 
 def get_device(name: str) -> DeviceSpec:

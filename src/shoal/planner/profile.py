@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.planner.hardware import DEVICES, Cluster, Link
+from shoal.planner.hardware import DEVICES, Cluster, Link, host_memory_bytes
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 """The collective kinds measured; `nbytes` is always the full tensor one rank holds: all_reduce's
@@ -195,7 +195,7 @@ def local_cluster(profile: Profile, world_size: int) -> Cluster:
         attention_efficiency = min(1.0, train["attention"] / train["linear"])
     device = dataclasses.replace(
         base, peak_flops=peak, matmul_efficiency=1.0, attention_efficiency=attention_efficiency,
-        memory_bytes=_ram_bytes(base.memory_bytes) // world_size,
+        memory_bytes=host_memory_bytes() // world_size,
         memory_bw=profile.memory_bw[nearest(profile.memory_bw, world_size)], intra=intra, per_node=world_size,
         op_overhead=profile.dispatch[nearest(profile.dispatch, world_size)] if profile.dispatch else base.op_overhead,
         dtensor_overhead=(profile.dtensor_dispatch[nearest(profile.dtensor_dispatch, world_size)]
@@ -203,11 +203,6 @@ def local_cluster(profile: Profile, world_size: int) -> Cluster:
         source=f"calibrated on {profile.hostname} at {profile.date}, {n} processes at once",
     )
     return Cluster(device=device, num_nodes=1, per_node=world_size, intra=intra, inter=base.inter)
-
-
-def _ram_bytes(default: int) -> int:
-    names = ("SC_PAGE_SIZE", "SC_PHYS_PAGES")
-    return os.sysconf(names[0]) * os.sysconf(names[1]) if all(n in os.sysconf_names for n in names) else default
 
 
 # ----------------------------------------------------------------------------- files

@@ -10,7 +10,6 @@ saved: no checkpoint, no metrics.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -68,20 +67,12 @@ _COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "setup_peak_mb", "s
 def memory_prediction(trainer: Any) -> dict[str, float] | None:
     """The planner's memory terms per device for this run (MB), as the memory check priced them
     (the interpreter and libraries not included); None where the planner has no spec for the GPU."""
+    from shoal.auto_plan import memory_cluster
     from shoal.planner.estimate import Workload, estimate
-    from shoal.planner.fit import cpu_cluster
 
-    if trainer.device.type != "cpu":
-        from shoal.auto_plan import gpu_cluster
-
-        try:
-            cluster = gpu_cluster(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory,
-                                  world_size=trainer.world,
-                                  per_node=int(os.environ.get("LOCAL_WORLD_SIZE", trainer.world)))
-        except ValueError:
-            return None
-    else:
-        cluster = cpu_cluster(trainer.world, local=int(os.environ.get("LOCAL_WORLD_SIZE", trainer.world)))
+    cluster = memory_cluster(trainer.world, trainer.device.type)
+    if cluster is None:
+        return None
     work = Workload(model=trainer.model_cfg, global_batch=trainer.loop.global_batch, seq_len=trainer.loop.seq_len)
     e = estimate(trainer.plan, work, cluster, micro_batch=trainer.loop.micro_batch)
     return {**{k: v / MB for k, v in e.memory.items()}, "total": e.mem_per_device_bytes / MB}
