@@ -220,6 +220,21 @@ def test_launcher_names_the_failed_rank():
         launch(_fail_on_rank_1, None, nproc=2)
 
 
+def test_the_cause_is_named_not_the_rank_that_lost_it():
+    """Failure times are whole seconds: rank 0's lost connection can tie with, or precede, rank 1's
+    own error. The launcher names rank 1 either way; a run of only lost connections names the first."""
+    from types import SimpleNamespace
+
+    from shoal.launch import _cause
+
+    lost = SimpleNamespace(message="shoal.train.watchdog.PeerGone: rank 0 waited 0 s: Connection closed by peer",
+                           exitcode=1, timestamp=100)
+    own = SimpleNamespace(message="RuntimeError: injected fault", exitcode=1, timestamp=100)
+    assert _cause({0: lost, 1: own})[0] == 1
+    assert _cause({0: lost, 1: SimpleNamespace(**{**vars(own), "timestamp": 101})})[0] == 1
+    assert _cause({0: lost, 1: SimpleNamespace(**{**vars(lost), "timestamp": 99})})[0] == 1
+
+
 def test_gpu_machine_defaults(monkeypatch, tmp_path, capsys):
     """On a machine with one GPU (simulated: torch reports one), `shoal train` with no flags runs
     one process on it, in bf16 with fp32 master weights and reduction (main refused it: "--nproc 2

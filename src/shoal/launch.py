@@ -97,7 +97,7 @@ def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int, max_restarts: int 
     except ChildFailedError as exc:
         from shoal.train.watchdog import last_words
 
-        rank, failure = exc.get_first_failure()
+        rank, failure = _cause(exc.failures)
         # A worker killed by a signal left no words of its own: its watchdog's last report says where it was.
         where = last_words(reports, config.run_id, rank, max_restarts) if failure.exitcode < 0 else None
         # The others' own errors say what they were doing when the first one failed (a pipeline
@@ -109,6 +109,16 @@ def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int, max_restarts: int 
         last = last_line(failure.message, failure.exitcode)
         raise WorkerFailed(f"rank {rank} of {nproc} failed: {last}{was}{then}") \
             from None
+
+
+def _cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure that caused the others: the first recorded, passing over ranks whose collective
+    lost a peer (watchdog.PeerGone), which can be recorded a moment before the peer's own error."""
+    def order(item: tuple[int, Any]) -> tuple[bool, float]:
+        _, failure = item
+        return "PeerGone" in last_line(failure.message, failure.exitcode), failure.timestamp
+
+    return min(failures.items(), key=order)
 
 
 @contextlib.contextmanager

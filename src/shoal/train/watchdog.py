@@ -61,6 +61,11 @@ class HangError(RuntimeError):
     """A collective timed out or lost its peer; the message names the ranks and where they were."""
 
 
+class PeerGone(HangError):
+    """A collective failed because a peer's connection closed: that peer's own failure is the cause,
+    and the launcher names it first whichever of the two was recorded first."""
+
+
 class Watchdog:
     """One rank's reports, its process groups' timeouts, and the diagnosis when a collective fails."""
 
@@ -126,7 +131,7 @@ class Watchdog:
         if self._store is None or not _timed_out(error):
             # A peer's connection closed: it died, and the launcher names it (its report comes
             # first); waiting here to tell who would only delay the exit.
-            return HangError(f"{mine} {limit}: {_first_line(error)}")
+            return PeerGone(f"{mine} {limit}: {_first_line(error)}")
         before = self._counters()
         time.sleep(STALE_BEATS * self.beat_s)
         after = self._counters()
