@@ -375,6 +375,8 @@ def test_train_with_lamb_then_resume_with_another_optimizer_is_refused(capsys, t
     assert 'optimizer = "lamb"' in (run / "config.toml").read_text()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["lr"] == pytest.approx(3e-3 * 2, rel=1e-6)  # sqrt(4 / 1) x the default lr; no warm-up in 2 steps
+    last = records[-1]  # a logging step: the trust ratios' spread (every tensor of the model has one)
+    assert 0 < last["trust_min"] <= last["trust_median"] <= last["trust_max"], last
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert_user_error(capsys, ["train", "--resume", str(run), "--steps", "3", "--optimizer", "lars"],
                 "--optimizer", "cannot change")
