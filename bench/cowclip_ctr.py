@@ -129,7 +129,7 @@ def train(recipe: str, batch: int, data: tuple[torch.Tensor, ...], args: argpars
         # occurrences', with its weight: the loss is a sum over the batch (Adam's steps do not
         # depend on the loss's scale, so the recipes without clipping are unchanged by it)
         return bce(logits, labels, reduction="sum")
-    start = time.perf_counter()
+    start, clipped = time.perf_counter(), torch.zeros(())
     orders = [torch.randperm(args.samples, generator=torch.Generator().manual_seed(args.seed + 1 + e))
               for e in range(args.epochs)]  # the same shuffles for every recipe and batch
     for s in range(steps):
@@ -137,13 +137,15 @@ def train(recipe: str, batch: int, data: tuple[torch.Tensor, ...], args: argpars
         mine = orders[epoch][k * batch:(k + 1) * batch][index * rows:(index + 1) * rows]
         train_step(runtime, optimizer, [(train_ids[mine], train_labels[mine])], grad_clip=None,
                    scheduler=scheduler, loss_fn=summed)
+        clipped = clipped + getattr(optimizer, "clipped_fraction", 0.0)
     seconds = time.perf_counter() - start
     runtime.eval()
     with torch.no_grad():
         scores = torch.cat([runtime(chunk) for chunk in test_ids.split(65536)])
     return {"recipe": recipe, "global_batch": batch, "steps": steps,
             "peak_lr_dense": round(scheduler.schedule.lr, 6), "test_auc": auc(scores, test_labels),
-            "test_logloss": float(bce(scores, test_labels)), "train_s": round(seconds, 1)}
+            "test_logloss": float(bce(scores, test_labels)),
+            "rows_clipped": float(clipped) / steps if recipe != "adam-sqrt" else "-", "train_s": round(seconds, 1)}
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -205,10 +207,11 @@ def main() -> None:
     parser.add_argument("--cowclip-zeta", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=DOCS / "cowclip_ctr.png")
+    parser.add_argument("--name", default="cowclip_ctr", help="of the results file")
     args = parser.parse_args()
     rows = launch(run_all, args.nproc, args)[0]
     rows.sort(key=lambda r: (RECIPES.index(r["recipe"]), r["global_batch"]))
-    report("cowclip_ctr", rows, notes=f"{args.samples} train samples, {args.epochs} epoch(s), dp{args.nproc}")
+    report(args.name, rows, notes=f"{args.samples} train samples, {args.epochs} epoch(s), dp{args.nproc}")
     if not math.isnan(rows[0]["test_auc"]):
         print(f"plot: {plot(rows, args.plot)}")
 

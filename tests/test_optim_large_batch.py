@@ -136,6 +136,7 @@ def test_cowclip_clips_rows_hand_computed():
     opt.step()
     want = torch.tensor([[1.2, 1.6, 0, 0], [1, 1, 1, 1], [0, 0, 0.12, 0.16]], dtype=torch.float64)
     assert torch.allclose(emb.weight.grad, want, rtol=1e-12)
+    assert float(opt.clipped_fraction) == 1.0  # rows 0 and 2 were in the batch, both clipped
     emb.eval()  # evaluation forwards do not count
     emb(torch.tensor([[1]]))
     emb.train()

@@ -356,6 +356,8 @@ class CowClip(LAMB):
         kwargs.setdefault("adapt", False)
         super().__init__(params, **kwargs)
         self.ratio, self.zeta, self.count_groups = ratio, zeta, tuple(count_groups)
+        self.clipped_fraction = torch.zeros(())
+        """Of the table rows in the last step's batch (this rank's shards), the fraction clipped; on the device."""
         self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hooks = []
         for entry in embeddings:  # a module, or (module, the parameter the optimizer holds for its weight)
@@ -390,14 +392,17 @@ class CowClip(LAMB):
                 norms.add(_local_grad(w).square().sum(1), split_groups(w, rows=True))) for w, _ in tables]
         reduced = norms.reduce()
         self.embed_collectives = norms.collectives + len(self.count_groups)
-        start = 0
+        start, seen, cut = 0, counts.new_zeros(()), counts.new_zeros(())
         for (w, c), (wi, gi) in zip(tables, ids):
             cnt = counts[start:start + c.numel()][_local_rows(w)]
             start += c.numel()
             w_norm, g_norm = reduced[wi].sqrt(), reduced[gi].sqrt()
             clip_t = self.ratio * cnt * torch.clamp(w_norm, min=self.ratio * math.sqrt(w.shape[1]) * self.zeta)
-            factor = torch.where((cnt > 0) & (g_norm > clip_t), clip_t / g_norm.clamp(min=1e-30), 1.0)
+            clipped = (cnt > 0) & (g_norm > clip_t)
+            factor = torch.where(clipped, clip_t / g_norm.clamp(min=1e-30), 1.0)
+            seen, cut = seen + (cnt > 0).sum(), cut + clipped.sum()
             _local_grad(w).mul_(factor.unsqueeze(1))
+        self.clipped_fraction = cut / seen.clamp(min=1)
         for group in self.param_groups:  # L2 (coupled) weight decay on the tables
             if group.get("l2"):
                 for p in self._params(group):
