@@ -182,6 +182,9 @@ def test_bad_input_refused_before_any_worker(hf_folder, tmp_path, capsys):
     assert_user_error(capsys, [*base, "--init", str(bad["missing_shard"])], "model-00002-of-00002.safetensors",
                       "missing")
     assert_user_error(capsys, [*base, "--init", str(bad["empty"])], "holds no weights")
+    config = tmp_path / "run.toml"  # the config-file key is the same check
+    config.write_text(f'init = "{bad["empty"]}"\ninit_ignore = ["lm_head.*"]\n')
+    assert_user_error(capsys, [*base, "--config", str(config)], "holds no weights")
     assert_user_error(capsys, [*base, "--init", str(bad["ints"])], "model.norm.weight", "I32")
     assert_user_error(capsys, ["train", "--resume", str(tmp_path), "--init", str(folder)], "--init", "--resume")
     assert not (tmp_path / "run").exists()

@@ -280,6 +280,10 @@ def prepare_job(args: argparse.Namespace) -> Any:
     if args.resume is None and cfg.plan is not None and cfg.plan.strip() == "auto":
         cfg, prediction = _auto_plan(cfg, device)
     validate(cfg, device)
+    if args.resume is None and cfg.init is not None:  # the files' headers only: before any worker starts
+        from shoal.train.pretrained import open_pretrained
+
+        open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
     resume_from = None
     if args.resume is not None:
         resume_from = str(_check_resumable(Path(args.resume), cfg.loop.steps))
@@ -361,10 +365,6 @@ def validate(cfg: Any, device: str) -> None:
     plan = rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
                          global_batch=loop.global_batch, seq_len=loop.seq_len, micro_batch=loop.micro_batch)
     _check_memory(cfg, plan, device)
-    if cfg.init is not None and not under_torchrun():  # headers only: before any worker starts
-        from shoal.train.pretrained import open_pretrained
-
-        open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
     top = open_data(cfg.data, seq_len=loop.seq_len, seed=loop.seed, max_id=True).max_id
     if top >= model.vocab_size:
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
