@@ -77,7 +77,7 @@ def _load_under(plan_text: str, path: str, cfg: ModelConfig, tokens: torch.Tenso
     return {"params": full_tensors(runtime), "logits": logits, "read": weights.bytes_read, "held": held}
 
 
-@pytest.mark.parametrize(("plan", "world"), [("tp2", 2), ("fsdp2", 2), ("pp2", 2), ("fsdp2,tp2", 4)])
+@pytest.mark.parametrize(("plan", "world"), [("tp2", 2), ("fsdp2", 2), ("pp2", 2), ("cp2", 2), ("fsdp2,tp2", 4)])
 def test_hf_folder_gives_transformers_logits(pools, hf_folder, plan, world):
     cfg = load_model_config(f"hf:{hf_folder['folder']}")
     total = sum(v.numel() * 4 for v in load_file(str(next(hf_folder["folder"].glob("*-00001-*")))).values()) + \
