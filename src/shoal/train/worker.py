@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shoal.train import memory
 from shoal.train.dry_run import dry_run
 from shoal.train.loop import Trainer
 from shoal.train.preempt import StopSignals
@@ -28,11 +29,12 @@ def run_worker(job: Job) -> dict[str, Any] | None:
     {"error": message} on every rank when the job fails for a reason the user can fix."""
     signals = StopSignals()  # before anything slow: a signal during start-up stops after the first step
     device = init_distributed(job.device)
+    baseline_mb = memory.current_mb()  # the interpreter, torch and the process group: no model yet
     if dist.get_rank() != 0:  # the ranks' warnings repeat rank 0's: print them once, from rank 0
         warnings.simplefilter("ignore")
     done = False
     try:
-        result = _train(job, device, signals)
+        result = _train(job, device, signals, baseline_mb)
         done = True
         return result
     finally:
@@ -44,7 +46,7 @@ def run_worker(job: Job) -> dict[str, Any] | None:
             dist.destroy_process_group()
 
 
-def _train(job: Job, device: torch.device, signals: StopSignals) -> dict[str, Any] | None:
+def _train(job: Job, device: torch.device, signals: StopSignals, baseline_mb: float) -> dict[str, Any] | None:
     trainer, error = None, None
     try:
         trainer = Trainer(job, device)
@@ -55,7 +57,7 @@ def _train(job: Job, device: torch.device, signals: StopSignals) -> dict[str, An
         return {"error": error}
     assert trainer is not None
     if job.config.dry_run:
-        return dry_run(trainer)
+        return dry_run(trainer, baseline_mb=baseline_mb)
     summary = trainer.run(signals)
     if trainer.stopped_by:
         return {**(summary or {}), "stopped": trainer.stopped_by}
