@@ -9,7 +9,8 @@ docstring, the one place that says it):
   bucket in backward, one all-gather per bucket after the step). Its module docstring says why
   FSDP2 was not good enough there.
 - fsdp2: FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive transformer
-  blocks (one by default at zero=3) plus the root.
+  blocks (one by default at zero=3), the embeddings, the head (final norm and classifier) and the
+  root.
 Both sharded engines hand the optimizer DTensor shards (`Shard(0)` of every parameter), so a stock
 optimizer built from `model.parameters()` keeps sharded state, the global gradient norm is right,
 and DCP checkpoints have one format that reshards between every layout.
@@ -298,7 +299,25 @@ def _fully_shard(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh,
     for unit in (blocks[i:i + step] for i in range(0, len(blocks), step)):
         # A list is one FSDP2 parameter group: gathered before the first block runs, reduced once.
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=not keep_full, **kwargs)
+    for unit, needed_first in _end_units(model):
+        fully_shard(unit, reshard_after_forward=not (keep_full or needed_first), **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed first in backward
+
+
+def _end_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
+    """The embeddings and the head (final norm and classifier) as units of their own, each with
+    whether backward needs it first. In the root they would stay gathered, with both tables' full
+    gradients, for the whole step: for a large vocabulary they are most of the model. Tied
+    tables are one parameter and stay in the root (a parameter belongs to one unit)."""
+    def present(*names: str) -> list[nn.Module]:
+        return [m for m in (getattr(model, n, None) for n in names) if isinstance(m, nn.Module)]
+
+    embeddings, head = present("tok_embeddings", "pos_embeddings"), present("norm", "output")
+    tied = {id(p) for m in embeddings for p in m.parameters()} & {id(p) for m in head for p in m.parameters()}
+    if tied:
+        return []
+    units = [(embeddings, False), (head, True)]
+    return [(unit, first) for unit, first in units if any(True for m in unit for _ in m.parameters())]
 
 
 @contextlib.contextmanager
