@@ -287,6 +287,9 @@ def _context_rule(plan: Plan, facts: Facts) -> str | None:
     if model.pos_emb != "rope":
         return (f"cp={plan.cp} with pos_emb={model.pos_emb!r}: positions follow the sequence split for RoPE only "
                 "in this version; valid: a RoPE model, or no cp")
+    if model.sliding_window:
+        return (f"cp={plan.cp} with sliding_window={model.sliding_window}: ring and a2a attention attend over the "
+                "whole causal prefix, not a band; valid: no cp, or --set sliding_window=0 (another model)")
     if model.dropout:
         return (f"cp={plan.cp} with dropout={model.dropout}: attention dropout under context parallelism is not "
                 "available; valid: --set dropout=0, or no cp")
