@@ -96,6 +96,16 @@ def test_qwen2_keeps_the_qkv_biases(tmp_path):
     assert Transformer(cfg).num_params() == expected == cfg.num_params()
 
 
+def test_qwen2_moe_maps_the_gated_shared_expert_and_counts(tmp_path):
+    hf = transformers.Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                     shared_expert_intermediate_size=48)
+    cfg = _map(_write(tmp_path, hf))
+    assert (cfg.num_experts, cfg.top_k, cfg.ffn_dim, cfg.num_shared_experts, cfg.shared_ffn_dim) == (4, 2, 32, 1, 48)
+    assert cfg.shared_gate and cfg.qkv_bias and not cfg.norm_topk and cfg.capacity_factor == 0.0
+    expected = _hf_count(hf, transformers.Qwen2MoeForCausalLM)
+    assert Transformer(cfg).num_params() == expected == cfg.num_params()
+
+
 def test_qwen3_keeps_qk_norms_and_its_head_dim(tmp_path):
     hf = transformers.Qwen3Config(**TINY, head_dim=32)
     cfg = _map(_write(tmp_path, hf))
@@ -151,7 +161,8 @@ def test_bad_configs_give_one_line_errors(tmp_path):
         (tmp_path / "empty", "holds no config.json"),
         (tmp_path / "bad.json", "is not valid JSON"),
         (tmp_path / "list.json", "not an object"),
-        (tmp_path / "bert.json", "model_type 'bert'; supported: gpt2, llama, mistral, mixtral, qwen2, qwen3"),
+        (tmp_path / "bert.json", "model_type 'bert'; supported: gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, "
+                                 "qwen3"),
         (tmp_path / "neox.json", "model_type 'gpt_neox'; supported: gpt2, llama"),
         (tmp_path / "gelu.json", "hidden_act='gelu', which shoal does not compute exactly; valid: silu"),
         (tmp_path / "bias.json", "attention_bias=True with mlp_bias=False"),

@@ -54,6 +54,13 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(_LLAMA, tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(_LLAMA, head_dim=32)),  # 4 heads of 32 on a 64-wide model
     "mixtral": (transformers.MixtralConfig, dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(_LLAMA, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                    norm_topk_prob=False)),
+    "qwen2_moe-norm": (transformers.Qwen2MoeConfig, dict(_LLAMA, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                         norm_topk_prob=True, decoder_sparse_step=2,
+                                                         intermediate_size=32)),
     "gpt2": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
 }
@@ -70,19 +77,24 @@ def _hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-def _file_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' in-memory names -> its files' (Mixtral: the experts fused in memory, one per file tensor)."""
+def _file_layout(name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' in-memory names -> its files' (the MoE families fuse their experts in memory only)."""
+    if name not in ("mixtral", "qwen2_moe"):
+        return state
+    prefix, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if name == "mixtral"
+                                else ("mlp", ("gate_proj", "up_proj", "down_proj")))
     out = {}
     for k, v in state.items():
+        layer = k.rsplit(".mlp.", 1)[0]
         if k.endswith("mlp.gate.weight"):
-            out[k.replace("mlp.gate", "block_sparse_moe.gate")] = v
+            out[f"{layer}.{prefix}.gate.weight"] = v
         elif k.endswith("mlp.experts.gate_up_proj"):
-            for e, (w1, w3) in enumerate(zip(*v.chunk(2, dim=1), strict=True)):
-                out[k.replace("mlp.experts.gate_up_proj", f"block_sparse_moe.experts.{e}.w1.weight")] = w1
-                out[k.replace("mlp.experts.gate_up_proj", f"block_sparse_moe.experts.{e}.w3.weight")] = w3
+            for e, (w_gate, w_up) in enumerate(zip(*v.chunk(2, dim=1), strict=True)):
+                out[f"{layer}.{prefix}.experts.{e}.{gate}.weight"] = w_gate
+                out[f"{layer}.{prefix}.experts.{e}.{up}.weight"] = w_up
         elif k.endswith("mlp.experts.down_proj"):
-            for e, w2 in enumerate(v):
-                out[k.replace("mlp.experts.down_proj", f"block_sparse_moe.experts.{e}.w2.weight")] = w2
+            for e, w_down in enumerate(v):
+                out[f"{layer}.{prefix}.experts.{e}.{down}.weight"] = w_down
         else:
             out[k] = v
     return out
@@ -116,7 +128,7 @@ def test_logits_loss_and_gradients_equal_transformers(family):
     hf_out.loss.backward()
     loss.backward()
     grads = shoal_to_hf({k: p.grad for k, p in model.named_parameters(remove_duplicate=False)}, model.config)
-    hf_grads = _file_layout({k: p.grad for k, p in hf_model.named_parameters()})
+    hf_grads = _file_layout(name.split("-")[0], {k: p.grad for k, p in hf_model.named_parameters()})
     assert set(grads) <= set(hf_grads) and set(hf_grads) - set(grads) <= {"lm_head.weight"}
     worst = max((grads[k] - hf_grads[k]).abs().max().item() for k in grads)
     print(f"{name}: max |grad diff| {worst:.3g}")
@@ -126,7 +138,8 @@ def test_logits_loss_and_gradients_equal_transformers(family):
 
 @pytest.mark.parametrize("name, off", [("llama3", dict(rope_type="default")), ("linear", dict(rope_type="default")),
                                        ("yarn", dict(rope_type="default")), ("mistral", dict(sliding_window=0)),
-                                       ("qwen2", dict(qkv_bias=False)), ("qwen3", dict(qk_norm=False))])
+                                       ("qwen2", dict(qkv_bias=False)), ("qwen3", dict(qk_norm=False)),
+                                       ("qwen2_moe", dict(shared_gate=False))])
 def test_each_feature_changes_the_logits(name, off, tmp_path):
     """The checks above are not vacuous: the same weights without the family's feature differ from
     transformers by far more than the tolerance."""

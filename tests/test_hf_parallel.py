@@ -25,6 +25,9 @@ FAMILIES = {
     "qwen2": BASE.replace(qkv_bias=True, tie_embeddings=True),
     "qwen3": BASE.replace(qk_norm=True, head_size=32),
     "mixtral": BASE.replace(num_experts=4, top_k=2, capacity_factor=0.0, aux_loss_coef=0.0, z_loss_coef=0.0),
+    "qwen2_moe": BASE.replace(num_experts=4, top_k=2, capacity_factor=0.0, aux_loss_coef=0.0, z_loss_coef=0.0,
+                              ffn_dim=32, qkv_bias=True, norm_topk=False, num_shared_experts=1, shared_ffn_dim=48,
+                              shared_gate=True),
 }
 
 
@@ -32,6 +35,7 @@ FAMILIES = {
     ("qwen3", "tp2"), ("qwen2", "tp2"), ("mistral", "tp2,sp=off"), ("mixtral", "tp2"),
     ("qwen3", "fsdp2"), ("mistral", "fsdp2"), ("llama3", "fsdp2"),
     ("yarn", "cp2"), ("llama3", "cp2,cp_mode=a2a"), ("mixtral", "ep2"),
+    ("qwen2_moe", "tp2"), ("qwen2_moe", "ep2"), ("qwen2_moe", "fsdp2"),
 ])
 def test_family_under_plan_matches_single_process(pools, family, plan):
     c = case(plan=plan, model=FAMILIES[family], steps=2)

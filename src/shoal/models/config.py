@@ -94,6 +94,10 @@ class ModelConfig:
     sequence shorter than the group (sampling, a short evaluation) is one group."""
     num_shared_experts: int = 0
     """Dense experts every token of an MoE layer passes through besides its routed ones."""
+    shared_ffn_dim: int = 0
+    """Hidden width of each shared expert; 0: ffn_dim (Qwen2-MoE's shared_expert_intermediate_size)."""
+    shared_gate: bool = False
+    """Scale the shared experts' output by sigmoid(a learned D -> 1 gate) per token (Qwen2-MoE)."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
     z_loss_coef: float = 0.001
@@ -125,7 +129,8 @@ class ModelConfig:
             raise ValueError(f"num_prototypes={self.num_prototypes} must divide num_experts={self.num_experts} "
                              f"and equal top_k={self.top_k} (top-1 in each group), or be 0 (plain top-k)")
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts", "moe_group_tokens",
-                     "head_size", "sliding_window", "rope_original_max_len", "rope_attention_factor"):
+                     "head_size", "sliding_window", "rope_original_max_len", "rope_attention_factor",
+                     "shared_ffn_dim"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
         if self.rope_type != "default" and self.rope_factor <= 0:
@@ -149,19 +154,25 @@ class ModelConfig:
         """Parameter count from the shape. `active`: count only the top_k experts a token uses."""
         D, F, L = self.dim, self.ffn_dim, self.num_layers
         attn = D * self.num_heads * self.head_dim * 2 + D * self.kv_heads * self.head_dim * 2
-        mlp = (3 if self.activation == "swiglu" else 2) * D * F
+
+        def mlp_of(width: int) -> int:
+            gated = self.activation == "swiglu"
+            return (3 if gated else 2) * D * width + (width * (2 if gated else 1) + D if self.bias else 0)
+
+        mlp = mlp_of(F)
         norms = 2 * D * (2 if self.norm == "layernorm" and self.bias else 1)
         if self.bias or self.qkv_bias:
             attn += (self.num_heads + 2 * self.kv_heads) * self.head_dim
         if self.bias:
             attn += D
-            mlp += F * (2 if self.activation == "swiglu" else 1) + D
         if self.qk_norm:
             norms += 2 * self.head_dim
         num_moe = sum(self.is_moe_layer(i) for i in range(L))
-        experts = (self.top_k if active else self.num_experts) + self.num_shared_experts
+        experts = self.top_k if active else self.num_experts
+        shared = self.num_shared_experts * mlp_of(self.shared_ffn_dim or F) + (D if self.shared_gate else 0)
         moe_layers = 1 if self.share_moe and num_moe and not active else num_moe  # WideNet: one set of weights
-        total = L * (attn + norms) + (L - num_moe) * mlp + moe_layers * (experts * mlp + D * self.num_experts)
+        total = (L * (attn + norms) + (L - num_moe) * mlp
+                 + moe_layers * (experts * mlp + shared + D * self.num_experts))
         total += D * (2 if self.norm == "layernorm" and self.bias else 1)  # final norm
         if embedding:
             total += self.vocab_size * D * (1 if self.tie_embeddings else 2)

@@ -3,7 +3,8 @@
 Reads config.json with plain `json` (no download, transformers not needed) and maps each
 supported family onto the fields of shoal's Transformer that compute it exactly as transformers
 does: Llama (with RoPE scaling), Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (q/k
-norms, decoupled head_dim), Mixtral (dropless top-k experts) and GPT-2. Field names and defaults
+norms, decoupled head_dim), Mixtral (dropless top-k experts), Qwen2-MoE (a gated shared expert
+beside them) and GPT-2. Field names and defaults
 follow transformers' configuration classes (5.x, which also reads the 4.x layout: `rope_theta`
 and `rope_scaling` at the top level instead of `rope_parameters`).
 
@@ -30,6 +31,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
                 "output_router_logits": False, "sliding_window": None},
     "qwen2": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False},
+    "qwen2_moe": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False,
+                  "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                  "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False,
+                  "mlp_only_layers": [], "qkv_bias": True},
     "qwen3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False},
     "gpt2": dict(n_inner=None, n_positions=1024, layer_norm_epsilon=1e-5, activation_function="gelu_new",
                  tie_word_embeddings=True, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
@@ -91,18 +96,37 @@ def _llama(hf: _Fields) -> dict[str, Any]:
         norm="rmsnorm", activation="swiglu", pos_emb="rope",
         bias=bool(hf.get("attention_bias")) and model_type == "llama",
         head_size=head_dim if isinstance(head_dim, int) and head_dim != dim // heads else 0,
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=model_type in ("qwen2", "qwen2_moe"),
         qk_norm=model_type == "qwen3",
         sliding_window=_window(hf),
         norm_eps=float(hf.get("rms_norm_eps")),
         **_rope(hf),
     )
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "qwen2_moe"):
         if hf.get("output_router_logits"):
-            hf.refuse("output_router_logits=true (Mixtral's router loss over all layers)", "false")
-        fields.update(num_experts=hf.required("num_local_experts"), top_k=hf.required("num_experts_per_tok"),
-                      moe_every=1, capacity_factor=0.0, norm_topk=True, aux_loss_coef=0.0, z_loss_coef=0.0)
+            hf.refuse("output_router_logits=true (the router loss over all layers at once)", "false")
+        fields.update(capacity_factor=0.0, aux_loss_coef=0.0, z_loss_coef=0.0, top_k=hf.required("num_experts_per_tok"))
+    if model_type == "mixtral":
+        fields.update(num_experts=hf.required("num_local_experts"), moe_every=1, norm_topk=True)
+    if model_type == "qwen2_moe":
+        fields.update(_qwen2_moe(hf))
     return fields
+
+
+def _qwen2_moe(hf: _Fields) -> dict[str, Any]:
+    """Qwen2-MoE's experts: routed ones every decoder_sparse_step-th layer, and one shared expert
+    behind a sigmoid gate."""
+    if hf.get("mlp_only_layers"):
+        hf.refuse(f"mlp_only_layers={hf.get('mlp_only_layers')}", "[] (MoE layers every decoder_sparse_step-th)")
+    if not hf.get("qkv_bias"):
+        hf.refuse("qkv_bias=false", "true")
+    step, width = hf.required("decoder_sparse_step"), hf.required("moe_intermediate_size")
+    if step > 1 and hf.required("intermediate_size") != width:
+        hf.refuse(f"intermediate_size={hf.get('intermediate_size')} (dense layers) beside moe_intermediate_size="
+                  f"{width}", "equal widths, or decoder_sparse_step=1")
+    return dict(num_experts=hf.required("num_experts"), moe_every=step, ffn_dim=width,
+                norm_topk=bool(hf.get("norm_topk_prob")), num_shared_experts=1, shared_gate=True,
+                shared_ffn_dim=hf.required("shared_expert_intermediate_size"))
 
 
 def _gpt2(hf: _Fields) -> dict[str, Any]:
@@ -220,7 +244,7 @@ def _yarn_attention_factor(hf: _Fields, params: dict[str, Any]) -> float:
 def _window(hf: _Fields) -> int:
     """The sliding window every layer uses (0: none); a window on some layers only is refused."""
     window = hf.get("sliding_window")
-    if hf.get("model_type") in ("qwen2", "qwen3"):
+    if hf.get("model_type") in ("qwen2", "qwen3", "qwen2_moe"):
         if not hf.get("use_sliding_window"):
             return 0
         layer_types = hf.get("layer_types")

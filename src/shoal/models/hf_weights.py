@@ -1,6 +1,6 @@
 """shoal weights <-> Hugging Face `transformers` weights, by name and layout, for every family
-shoal computes exactly: Llama, Mistral, Qwen2, Qwen3, Mixtral (transformers' Llama layout) and
-GPT-2.
+shoal computes exactly: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE (transformers' Llama
+layout) and GPT-2.
 
 A shoal model and transformers' model of its family compute the same function with the same
 matrices, with these differences this module bridges:
@@ -36,9 +36,10 @@ EMBED_KEY = "model.embed_tokens.weight"
 GPT2_EMBED_KEY = "transformer.wte.weight"
 """The key that marks a state dict as transformers' GPT-2 layout."""
 
-FAMILIES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3")
+FAMILIES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3")
 _ARCHITECTURES = dict(llama="LlamaForCausalLM", mistral="MistralForCausalLM", qwen2="Qwen2ForCausalLM",
-                      qwen3="Qwen3ForCausalLM", mixtral="MixtralForCausalLM", gpt2="GPT2LMHeadModel")
+                      qwen3="Qwen3ForCausalLM", mixtral="MixtralForCausalLM", qwen2_moe="Qwen2MoeForCausalLM",
+                      gpt2="GPT2LMHeadModel")
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,14 @@ def hf_family(cfg: ModelConfig) -> str:
         _require(cfg, gpt2, "gpt2")
         return "gpt2"
     _require(cfg, dict(norm="rmsnorm", activation="swiglu"), "Llama-style")
+    if cfg.num_experts and cfg.num_shared_experts:
+        qwen2_moe = dict(bias=False, qkv_bias=True, qk_norm=False, num_prototypes=0, num_shared_experts=1,
+                         shared_gate=True, capacity_factor=0.0, share_moe=False, head_size=0)
+        _require(cfg, qwen2_moe, "qwen2_moe")
+        return "qwen2_moe"
     if cfg.num_experts:
-        mixtral = dict(bias=False, qkv_bias=False, qk_norm=False, moe_every=1, num_prototypes=0, num_shared_experts=0,
-                       capacity_factor=0.0, norm_topk=True, share_moe=False)
+        mixtral = dict(bias=False, qkv_bias=False, qk_norm=False, moe_every=1, num_prototypes=0, capacity_factor=0.0,
+                       norm_topk=True, share_moe=False)
         _require(cfg, mixtral, "mixtral")
         return "mixtral"
     if cfg.qk_norm:
@@ -172,11 +178,15 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
     if family in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window or None
-    if family in ("qwen2", "qwen3"):  # a window on every layer: from layer 0 on
+    if family in ("qwen2", "qwen3", "qwen2_moe"):  # a window on every layer: from layer 0 on
         out.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None,
                    max_window_layers=0, attention_bias=False)
     if family == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, output_router_logits=False)
+    if family == "qwen2_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.ffn_dim,
+                   shared_expert_intermediate_size=cfg.shared_ffn_dim or cfg.ffn_dim, norm_topk_prob=cfg.norm_topk,
+                   decoder_sparse_step=cfg.moe_every, mlp_only_layers=[], qkv_bias=True, output_router_logits=False)
     return out
 
 
@@ -224,6 +234,9 @@ def _llama_layout(cfg: ModelConfig) -> list[HFTensor]:
             pairs += [("attention.q_norm.weight", "self_attn.q_norm.weight"),
                       ("attention.k_norm.weight", "self_attn.k_norm.weight")]
         pairs.append(("ffn_norm.weight", "post_attention_layernorm.weight"))
+        if cfg.is_moe_layer(i) and cfg.num_shared_experts:  # Qwen2-MoE
+            out += [HFTensor(h + b, (s + a,)) for a, b in pairs] + _qwen2_moe_experts(cfg, s, h)
+            continue
         if cfg.is_moe_layer(i):
             out += [HFTensor(h + b, (s + a,)) for a, b in pairs]
             # The files' layout (transformers fuses the experts only in memory): one tensor per expert.
@@ -238,6 +251,17 @@ def _llama_layout(cfg: ModelConfig) -> list[HFTensor]:
     if not cfg.tie_embeddings:
         out.append(HFTensor("lm_head.weight", ("output.weight",)))
     return out
+
+
+def _qwen2_moe_experts(cfg: ModelConfig, s: str, h: str) -> list[HFTensor]:
+    """One Qwen2-MoE layer's router, routed experts (one tensor per expert in the files), shared
+    expert and its gate."""
+    mlp = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    out = [HFTensor(h + "mlp.gate.weight", (s + "feed_forward.router.gate.weight",))]
+    out += [HFTensor(h + f"mlp.experts.{e}.{b}.weight", (s + f"feed_forward.experts.{a}",), expert=e)
+            for e in range(cfg.num_experts) for a, b in mlp]
+    out += [HFTensor(h + f"mlp.shared_expert.{b}.weight", (s + f"feed_forward.shared.{a}",), expert=0) for a, b in mlp]
+    return out + [HFTensor(h + "mlp.shared_expert_gate.weight", (s + "feed_forward.shared_gate.weight",))]
 
 
 def _gpt2_layout(cfg: ModelConfig) -> list[HFTensor]:

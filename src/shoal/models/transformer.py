@@ -117,7 +117,8 @@ def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
         return MoELayer(cfg.dim, cfg.ffn_dim, num_experts=cfg.num_experts, top_k=cfg.top_k, normalize=cfg.norm_topk,
                         num_prototypes=cfg.num_prototypes, capacity_factor=cfg.capacity_factor,
                         group_tokens=cfg.moe_group_tokens,
-                        num_shared_experts=cfg.num_shared_experts, activation=cfg.activation, bias=cfg.bias,
+                        num_shared_experts=cfg.num_shared_experts, shared_ffn_dim=cfg.shared_ffn_dim,
+                        shared_gate=cfg.shared_gate, activation=cfg.activation, bias=cfg.bias,
                         init_std=cfg.init_std, num_layers=cfg.num_layers, aux_loss_coef=cfg.aux_loss_coef,
                         z_loss_coef=cfg.z_loss_coef)
     return FeedForward(cfg)
