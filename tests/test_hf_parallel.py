@@ -47,3 +47,45 @@ def test_sliding_window_refuses_context_parallelism():
         rules.resolve(Plan.parse("cp2"), world_size=2, model=FAMILIES["mistral"], seq_len=16)
     message = str(info.value)
     assert "sliding_window=4" in message and "valid: no cp" in message and "\n" not in message, message
+
+
+def _init_under(plan_text: str, folder: str, tokens) -> dict:
+    """Worker: shoal's model of a Hugging Face folder built on meta under plan_text and filled by
+    `--init`'s sliced reader (each rank reads its boxes); its logits on `tokens`."""
+    import torch
+    import torch.distributed as dist
+
+    from shoal.models import Transformer
+    from shoal.models.hf import config_from_hf
+    from shoal.parallelize import parallelize
+    from shoal.testing import cached_mesh
+    from shoal.train.pretrained import open_pretrained
+
+    cfg = config_from_hf(folder)
+    weights = open_pretrained(folder, cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+    runtime = parallelize(model, plan, cached_mesh(plan), weights=weights)
+    with torch.no_grad():
+        logits = runtime.eval()(tokens)
+    return {"logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits}
+
+
+@pytest.mark.parametrize("family, plan", [("gpt2", "tp2"), ("qwen3", "tp2"), ("mixtral", "ep2"),
+                                          ("qwen2_moe", "tp2"), ("qwen2", "fsdp2")])
+def test_init_from_transformers_folder_under_plan(pools, tmp_path, family, plan):
+    """`--init` of a folder transformers wrote (two shards) under a plan gives transformers' logits
+    (tolerance as tests/test_hf_families.py: rtol = atol = 1e-5)."""
+    import torch
+
+    from test_hf_families import _hf_model, _tokens  # the families' tiny configs
+
+    hf_model = _hf_model(family)
+    hf_model.save_pretrained(str(tmp_path), max_shard_size="150KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    tokens = _tokens(128)
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+    for out in pools(2).run(_init_under, plan, str(tmp_path), tokens):
+        torch.testing.assert_close(out["logits"], expected, rtol=1e-5, atol=1e-5)

@@ -383,35 +383,65 @@ def read_box(open_key: OpenKey, key: str, box: Box) -> Tensor:
     return view[tuple(slice(a, b) for a, b in box)] if box else view[...]
 
 
-def _hf_llama_key(cfg: ModelConfig, shoal_name: str) -> str:
+def _entries_of(cfg: ModelConfig, shoal_name: str) -> list[tuple[HFTensor, int]]:
+    """The file tensors holding shoal tensor `shoal_name`, each with the part index it is in them
+    (several only for a stacked tensor split per expert in the file, in expert order)."""
     if shoal_name == "output.weight" and cfg.tie_embeddings:
-        return EMBED_KEY  # tied: the head is the embedding (a pipeline's last stage asks for it by this name)
-    key = hf_llama_names(cfg).get(shoal_name)
-    if key is None:
-        raise ValueError(f"the model's tensor {shoal_name} has no counterpart in a Hugging Face Llama file")
-    return key
+        shoal_name = "tok_embeddings.weight"  # tied: the head is the embedding (a last stage asks by this name)
+    found = [(t, t.parts.index(shoal_name)) for t in hf_layout(cfg) if shoal_name in t.parts]
+    if not found:
+        raise ValueError(f"the model's tensor {shoal_name} has no counterpart in a Hugging Face "
+                         f"{hf_family(cfg)} file")
+    return found
 
 
-def _hf_llama_sources(cfg: ModelConfig, shoal_name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    return {_hf_llama_key(cfg, shoal_name): shape}
+def _hf_sources(cfg: ModelConfig, shoal_name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    entries = _entries_of(cfg, shoal_name)
+    if entries[0][0].expert is not None:
+        return {t.name: shape[1:] for t, _ in entries}
+    t, _ = entries[0]
+    full = list(shape[::-1] if t.transpose else shape)
+    full[t.cat_dim] *= len(t.parts)
+    return {t.name: tuple(full)}
 
 
-def _hf_llama_read(cfg: ModelConfig, shoal_name: str, shape: tuple[int, ...], box: Box, open_key: OpenKey) -> Tensor:
-    """q/k rows are permuted within each head: read the whole heads the box's rows lie in, put
-    their rows in shoal's order, keep the box's rows."""
-    key, heads, hd = _hf_llama_key(cfg, shoal_name), _heads(shoal_name, cfg), cfg.head_dim
-    if not heads:
-        return read_box(open_key, key, box)
-    (r0, r1), *rest = box
-    h0, h1 = r0 // hd, -(-r1 // hd)
-    rows = read_box(open_key, key, ((h0 * hd, h1 * hd), *rest))
-    return _to_pairs(rows, h1 - h0, hd)[r0 - h0 * hd:r1 - h0 * hd]
+def _hf_read(cfg: ModelConfig, shoal_name: str, shape: tuple[int, ...], box: Box, open_key: OpenKey) -> Tensor:
+    """The box of a shoal tensor, reading only what it needs: the experts the box covers (a stacked
+    tensor split per expert in the file), this part's columns of a fused tensor (GPT-2's c_attn,
+    transposed), or for q/k rows permuted within each head the whole heads the box's rows lie in."""
+    entries = _entries_of(cfg, shoal_name)
+    t, part = entries[0]
+    if t.expert is not None:
+        (e0, e1), *rest = box
+        by_expert = {entry.expert: entry for entry, _ in entries}
+        return torch.stack([read_box(open_key, by_expert[e].name, tuple(rest)) for e in range(e0, e1)])
+    heads, hd = _heads(shoal_name, cfg), cfg.head_dim
+    if heads:
+        (r0, r1), *rest = box
+        h0, h1 = r0 // hd, -(-r1 // hd)
+        rows = read_box(open_key, t.name, ((h0 * hd, h1 * hd), *rest))
+        return _to_pairs(rows, h1 - h0, hd)[r0 - h0 * hd:r1 - h0 * hd]
+    if len(t.parts) == 1 and not t.transpose:
+        return read_box(open_key, t.name, box)
+    file_box = list(box[::-1] if t.transpose else box)
+    extent = (shape[::-1] if t.transpose else shape)[t.cat_dim]
+    start, stop = file_box[t.cat_dim]
+    file_box[t.cat_dim] = (part * extent + start, part * extent + stop)
+    piece = read_box(open_key, t.name, tuple(file_box))
+    return piece.t() if t.transpose else piece
 
 
-HF_LLAMA = SliceLayout(
-    name="Hugging Face Llama", marker=EMBED_KEY, sources=_hf_llama_sources, read_slice=_hf_llama_read,
-    optional=lambda cfg, key: key.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and key == "lm_head.weight"),
-    check=check_llama)
+def _hf_optional(cfg: ModelConfig, key: str) -> bool:
+    """Keys a file may hold that no shoal tensor reads: older files' buffers, a tied head."""
+    return key.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")) or (
+        cfg.tie_embeddings and key == "lm_head.weight")
 
-SLICE_LAYOUTS: list[SliceLayout] = [HF_LLAMA]
+
+HF_LLAMA = SliceLayout(name="Hugging Face Llama-layout (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe)",
+                       marker=EMBED_KEY, sources=_hf_sources, read_slice=_hf_read, optional=_hf_optional,
+                       check=check_llama)
+HF_GPT2 = SliceLayout(name="Hugging Face GPT-2", marker=GPT2_EMBED_KEY, sources=_hf_sources, read_slice=_hf_read,
+                      optional=_hf_optional, check=check_llama)
+
+SLICE_LAYOUTS: list[SliceLayout] = [HF_LLAMA, HF_GPT2]
 """The file families `--init` reads besides shoal's own names, first match wins."""
