@@ -252,8 +252,11 @@ def _expert_degree_rule(plan: Plan, facts: Facts) -> str | None:
 def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
     model = facts.model
     if model is not None and plan.tp > 1:
-        for what, size in (("attention heads", model.num_heads), ("KV heads", model.kv_heads),
-                           ("FFN hidden size", model.ffn_dim), ("vocabulary size", model.vocab_size)):
+        sizes = [("attention heads", model.num_heads), ("KV heads", model.kv_heads),
+                 ("FFN hidden size", model.ffn_dim), ("vocabulary size", model.vocab_size)]
+        if model.num_shared_experts and model.shared_ffn_dim:
+            sizes.append(("shared-expert hidden size", model.shared_ffn_dim))
+        for what, size in sizes:
             if size % plan.tp:
                 return f"tp={plan.tp} does not divide {size} {what}; valid: {_divisor_list(size)}"
     seq = facts.seq_len
