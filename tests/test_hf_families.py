@@ -163,3 +163,17 @@ def test_export_loads_in_transformers_with_equal_logits(family, tmp_path):
         expected, got = model(tokens), reloaded(tokens).logits
     print(f"{name}: export max |logit diff| {(got - expected).abs().max():.3g}")
     torch.testing.assert_close(got, expected, **LOGIT_TOL)
+
+
+def test_gpt2_files_of_the_original_release_read_alike(tmp_path):
+    """GPT-2's first files name tensors without the `transformer.` prefix and hold the causal-mask
+    buffers (`attn.bias`): both read as the current layout does."""
+    from shoal.models.hf_weights import hf_to_shoal
+
+    hf_model = _hf_model("gpt2")
+    hf_model.save_pretrained(str(tmp_path))
+    model = shoal.from_hf(tmp_path)
+    state = {k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items()}
+    state["h.0.attn.bias"] = torch.ones(1, 1, SEQ, SEQ)
+    got = hf_to_shoal(state, model.config)
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from shoal.models.config import ModelConfig, get_preset
 
@@ -161,7 +161,7 @@ def _common(hf: _Fields, *, dim: int, heads: int, layers_key: str = "num_hidden_
 
 
 class _Fields:
-    """The config's fields with the family defaults; one-line errors and warnings name the file."""
+    """The config's fields with the family defaults; one-line errors and refusals name the file."""
 
     def __init__(self, path: str, values: dict[str, Any]) -> None:
         self.path, self.values = path, values
@@ -176,7 +176,7 @@ class _Fields:
             raise ValueError(f"hf config {self.path!r} needs {key!r} as a whole number >= 1; got {value!r}")
         return value
 
-    def refuse(self, what: str, valid: str) -> None:
+    def refuse(self, what: str, valid: str) -> NoReturn:
         raise ValueError(f"hf config {self.path!r} ({self.get('model_type')}) has {what}, which shoal does not "
                          f"compute exactly; valid: {valid}")
 
