@@ -41,16 +41,20 @@ def live_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
             "optimizer": state}
 
 
-def dry_run(trainer: Any) -> dict[str, Any]:
-    """One step of `trainer` on throwaway state; rank 0 prints the table and returns the figures."""
+def dry_run(trainer: Any, *, baseline_mb: float = 0.0) -> dict[str, Any]:
+    """One step of `trainer` on throwaway state; rank 0 prints the table and returns the figures.
+
+    baseline_mb: this process's memory before the model was built (the interpreter, torch, the
+    process group), which the planner leaves out: its prediction is compared with the step's
+    peak above it."""
     setup_peak = memory.peak_mb()  # everything so far: the interpreter, the build, the data
     memory.reset_peak()
     result = trainer.train_one(trainer.start)
     loss = float(result.loss)  # waits for the step
     step_peak = memory.peak_mb()
     held = live_bytes(list(trainer.runtime.parameters()), trainer.optimizer)
-    row = torch.tensor([held["parameters"] / MB, held["gradients"] / MB, held["optimizer"] / MB, setup_peak,
-                        step_peak], dtype=torch.float64)
+    row = torch.tensor([held["parameters"] / MB, held["gradients"] / MB, held["optimizer"] / MB, baseline_mb,
+                        setup_peak, step_peak], dtype=torch.float64)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row)
     if dist.get_rank() != 0:
@@ -61,7 +65,7 @@ def dry_run(trainer: Any) -> dict[str, Any]:
             "predicted_mb": predicted}
 
 
-_COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "setup_peak_mb", "step_peak_mb")
+_COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "baseline_mb", "setup_peak_mb", "step_peak_mb")
 
 
 def memory_prediction(trainer: Any) -> dict[str, float] | None:
@@ -82,14 +86,17 @@ def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | 
     where = "resident" if trainer.device.type == "cpu" else "allocated"
     lines = [f"dry run: set-up and one step of plan {trainer.plan} on {trainer.world} process(es) "
              f"(loss {loss:.4f}); nothing saved",
-             f"{'rank':>4}  {'params MB':>10}  {'grads MB':>9}  {'optim MB':>9}  "
+             f"{'rank':>4}  {'params MB':>10}  {'grads MB':>9}  {'optim MB':>9}  {'baseline MB':>11}  "
              f"{'set-up peak MB':>14}  {'step peak MB':>12}  ({where} memory, this process)"]
-    for rank, (p, g, o, setup, step) in enumerate(rows):
-        lines.append(f"{rank:>4}  {p:>10.1f}  {g:>9.1f}  {o:>9.1f}  {setup:>14.0f}  {step:>12.0f}")
+    for rank, (p, g, o, base, setup, step) in enumerate(rows):
+        lines.append(f"{rank:>4}  {p:>10.1f}  {g:>9.1f}  {o:>9.1f}  {base:>11.0f}  {setup:>14.0f}  {step:>12.0f}")
     if predicted is None:
         lines.append("planner: no spec for this device, no prediction")
     else:
         terms = ", ".join(f"{k} {v:.1f}" for k, v in predicted.items() if k != "total" and v)
         lines.append(f"planner, busiest device (MB): {terms}; total with fragmentation margin "
                      f"{predicted['total']:.1f} (the interpreter and libraries not included)")
+        above = max(step - base for *_, base, _, step in rows)
+        lines.append(f"step peak above the baseline, busiest rank: {above:.0f} MB; the planner's "
+                     f"{predicted['total']:.0f} MB is {100 * (predicted['total'] - above) / above:+.0f}% off")
     return "\n".join(lines)
