@@ -136,6 +136,7 @@ def test_cowclip_clips_rows_hand_computed():
     opt.step()
     want = torch.tensor([[1.2, 1.6, 0, 0], [1, 1, 1, 1], [0, 0, 0.12, 0.16]], dtype=torch.float64)
     assert torch.allclose(emb.weight.grad, want, rtol=1e-12)
+    assert float(opt.clipped_fraction) == 1.0  # rows 0 and 2 were in the batch, both clipped
     emb.eval()  # evaluation forwards do not count
     emb(torch.tensor([[1]]))
     emb.train()
@@ -375,6 +376,8 @@ def test_train_with_lamb_then_resume_with_another_optimizer_is_refused(capsys, t
     assert 'optimizer = "lamb"' in (run / "config.toml").read_text()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["lr"] == pytest.approx(3e-3 * 2, rel=1e-6)  # sqrt(4 / 1) x the default lr; no warm-up in 2 steps
+    last = records[-1]  # a logging step: the trust ratios' spread (every tensor of the model has one)
+    assert 0 < last["trust_min"] <= last["trust_median"] <= last["trust_max"], last
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert_user_error(capsys, ["train", "--resume", str(run), "--steps", "3", "--optimizer", "lars"],
                 "--optimizer", "cannot change")
@@ -384,11 +387,16 @@ def test_train_with_lamb_then_resume_with_another_optimizer_is_refused(capsys, t
 MOE = dataclasses.replace(OptCase().model, num_experts=4, top_k=2, ffn_dim=64)
 MORE = [OptCase(plan="ep2", opt=o, model=MOE, steps=3, lr=0.01 if o == "lamb" else 0.5)
         for o in ("lamb", "lars")] + [OptCase(plan="pp2,mb=2", opt="lamb", lr=0.01, num_micro=2),
-                                      OptCase(plan="cp2", opt="lamb", lr=0.01)]
+                                      OptCase(plan="cp2", opt="lamb", lr=0.01)] + [
+    CowClipCase(plan="pp2,mb=2", lr=0.01, num_micro=2), CowClipCase(plan="cp2", lr=0.01),
+    CowClipCase(plan="ep2", model=MOE, steps=3, lr=0.01)]
 
 
 def test_parity_ep_pp_cp(pools):
-    """ep2 (an MoE model: one trust ratio per expert, the experts split over the ranks), pp2 and cp2."""
+    """ep2 (an MoE model: one trust ratio per expert, the experts split over the ranks), pp2 and cp2;
+    CowClip under the same three (pp2: the table on the first stage only; cp2: each rank counts the
+    ids of its part of the sequence, summed over cp; ep2: the ids counted over the dense part's data
+    ranks)."""
     _check(pools(2).run(run_cases, MORE), MORE)
 
 
@@ -418,3 +426,66 @@ def test_parity_fsdp_over_tp(pools):
     """fsdp2,tp2 on 4 processes: weights sharded over both axes (FSDP2's _StridedShard over tp's
     Shard), their squared norms summed over the fsdp group, then the tp group."""
     _check(pools(4).run(run_cases, FOUR), FOUR)
+
+
+# ----------------------------------------------------------------------------- trust ratios in the metrics
+
+
+def _trust_after_steps(case):
+    """The case trained through parallelize and train_step on this rank (one process when no
+    process group is up: the reference), then every trust ratio of its last step, gathered."""
+    from shoal.parallelize import parallelize
+    from shoal.testing import parallel_setup
+    from shoal.train.optimizers import gather_trust
+    from shoal.train.step import split_micro, train_step
+
+    if case.plan == "single":
+        runtime = parallelize(case.build_model(torch.float64 if case.extra.get("f64") else torch.float32))
+        optimizer, batches = case.optimizer_for(runtime), case.batches()
+    else:
+        runtime, optimizer, batches = parallel_setup(case)
+    for inputs, targets in batches:
+        train_step(runtime, optimizer, split_micro(inputs, targets, case.num_micro), grad_clip=case.grad_clip)
+    return gather_trust(optimizer, runtime.named_parameters())
+
+
+def _trust_cases(cases):
+    return [_trust_after_steps(c) for c in cases]
+
+
+TRUST = [OptCase(plan="dp2", opt="lamb", lr=0.01, steps=2), OptCase(plan="fsdp2", opt="lars", lr=0.5, steps=2),
+         OptCase(plan="tp2", opt="lamb", lr=0.01, steps=2), OptCase(plan="pp2,mb=2", opt="lamb", lr=0.01, steps=2,
+                                                                    num_micro=2),
+         OptCase(plan="ep2", opt="lars", model=MOE, lr=0.5, steps=2)]
+
+
+def test_trust_ratios_gathered_over_every_plan(pools):
+    """Every trust ratio of the last step, gathered over the ranks (each tensor, each expert once),
+    equals the single-process run's, tensor by tensor: under dp2 and fsdp2 (one copy each, global
+    norms), tp2, pp2 (each stage's own tensors) and ep2 (each rank's own experts). Tolerance: the
+    float32 single-process run's own distance from float64 (assert_rounding_close)."""
+    from shoal.train.optimizers import trust_summary
+
+    results = pools(2).run(_trust_cases, TRUST)
+    for c in TRUST:
+        single = dataclasses.replace(c, plan="single")
+        ref32 = _trust_after_steps(single)
+        ref64 = _trust_after_steps(dataclasses.replace(single, extra={"f64": True}))
+        assert len(ref64) > 5 and len({v for v in ref64.values()}) > 1, ref64  # several distinct ratios
+        if c.plan == "ep2":
+            assert any(row >= 0 for _, row in ref64), "per-expert ratios expected"
+        for rank, res in enumerate(r[TRUST.index(c)] for r in results):
+            assert sorted(res) == sorted(ref64), (c.plan, rank, sorted(set(res) ^ set(ref64)))
+            keys = sorted(ref64)
+            assert_rounding_close(torch.tensor([res[k] for k in keys], dtype=torch.float64),
+                                  torch.tensor([ref32[k] for k in keys], dtype=torch.float64),
+                                  torch.tensor([ref64[k] for k in keys]), what=f"{c.opt} {c.plan} rank {rank} trust")
+            assert trust_summary(res).keys() == {"trust_min", "trust_median", "trust_max"}
+
+
+def test_trust_summary_hand_computed():
+    from shoal.train.optimizers import trust_summary
+
+    assert trust_summary({}) == {}
+    stats = trust_summary({("a", -1): 0.5, ("b", 0): 2.0, ("b", 1): 1.0, ("c", -1): 4.0})
+    assert stats == {"trust_min": 0.5, "trust_median": 1.0, "trust_max": 4.0}  # the lower median of 4

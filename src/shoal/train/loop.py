@@ -29,6 +29,7 @@ from shoal.train.config import to_flat
 from shoal.train.dry_run import memory_prediction
 from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
 from shoal.train.optim import build_optimizer, build_scheduler
+from shoal.train.optimizers import gather_trust, trust_summary
 from shoal.train.preempt import StopSignals
 from shoal.train.runs import Job, default_run_dir, write_run_config
 from shoal.train.setup import (
@@ -222,6 +223,8 @@ class Trainer:
         records = [{"step": first_step + i, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
                     "step_time_s": step_time, "mem_peak_mb": float(mem.item()), "grad_norm": norm}
                    for i, ((lr, _), (loss, norm)) in enumerate(zip(window, values))]
+        # the last step's trust ratios (LAMB, LARS), over every rank's tensors: collective, every rank reads
+        records[-1].update(trust_summary(gather_trust(self.optimizer, self.runtime.named_parameters())))
         if window[0][1].moe:  # MoE load figures (this rank's), read in one synchronisation
             flat = torch.cat([v for _, r in window for v in r.moe.values()]).tolist()
             for record, (_, r) in zip(records, window):

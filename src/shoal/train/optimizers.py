@@ -14,7 +14,9 @@ counts over the data ranks).
 Trust ratios: one per parameter tensor; a tensor of three or more dimensions (the MoE experts,
 stacked as (E, ...)) gets one per leading index, i.e. per expert. Vectors (biases, norm weights)
 are excluded from adaptation and weight decay by default (`adapt_vectors` in the builder), as in
-both papers. Each optimizer's `last_trust` holds the step's trust ratios on the device.
+both papers. Each optimizer's `last_trust` holds the step's trust ratios on the device; the
+trainer reads them only at its logging steps (`gather_trust`, `trust_summary`: min, median and max
+over every tensor of every rank, each counted once, into metrics.jsonl).
 
 Updates run on the shards' local tensors with torch's foreach ops; the state tensors are DTensors
 shaped like their parameters, so checkpoints reshard them as they do AdamW's.
@@ -106,6 +108,34 @@ class ShardedNorms:
         return out
 
 
+def gather_trust(optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[str, torch.Tensor]],
+                 group: dist.ProcessGroup | None = None) -> dict[tuple[str, int], float]:
+    """Every trust ratio of the optimizer's last step across the ranks of `group` (None: all), by
+    (parameter name, expert row or -1), each counted once: a tensor replicated or sharded over
+    several ranks has the same (global) ratio on each, while pipeline stages and expert-parallel
+    ranks hold different tensors. Reads the ratios on the host and gathers them (a collective
+    every rank of `group` must call): for the logging point, not the step. {} for an optimizer
+    without trust ratios (AdamW, CowClip)."""
+    if not isinstance(optimizer, _Layerwise):
+        return {}
+    names = {id(p): n for n, p in named_params}
+    pairs = list(zip(optimizer.trust_keys(names), optimizer.last_trust.tolist()))
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, pairs, group=group)
+        pairs = [pair for rank_pairs in gathered for pair in rank_pairs]
+    return dict(pairs)
+
+
+def trust_summary(trust: dict[tuple[str, int], float]) -> dict[str, float]:
+    """min / median (the lower one, as torch's) / max of trust ratios ({} for none): what
+    metrics.jsonl records at each logging step."""
+    if not trust:
+        return {}
+    t = torch.tensor(sorted(trust.values()), dtype=torch.float64)
+    return {"trust_min": float(t[0]), "trust_median": float(t[(len(t) - 1) // 2]), "trust_max": float(t[-1])}
+
+
 def _sq_norms(tensors: Sequence[torch.Tensor], rows: Sequence[bool]) -> list[torch.Tensor]:
     """Local squared norms: of whole tensors (torch's foreach norm) or of each leading row."""
     whole = [t for t, r in zip(tensors, rows) if not r]
@@ -134,6 +164,7 @@ class _Layerwise(torch.optim.Optimizer):
         """The last step's trust ratios (every adapted tensor's, or expert's), on the device."""
         self.collectives = 0
         """All-reduces the last step issued (fixed by the mesh layout, whatever the parameter count)."""
+        self._trust_owners: list[tuple[torch.Tensor, bool]] = []  # (parameter, per row) of each piece of last_trust
 
     def _rows(self, p: torch.Tensor) -> bool:
         return self.per_expert and p.dim() >= 3
@@ -145,6 +176,16 @@ class _Layerwise(torch.optim.Optimizer):
         """min / median / max of the last step's trust ratios, on the device ({} before a step)."""
         t = self.last_trust
         return {} if t.numel() == 0 else {"trust_min": t.min(), "trust_median": t.median(), "trust_max": t.max()}
+
+    def trust_keys(self, names: dict[int, str]) -> list[tuple[str, int]]:
+        """What each entry of `last_trust` is the trust ratio of: (parameter name, global row) for a
+        per-expert ratio, (name, -1) for a whole tensor's. `names` maps id(parameter) to its name."""
+        keys: list[tuple[str, int]] = []
+        for param, rows in self._trust_owners:
+            name = names[id(param)]
+            span = _local_rows(param)
+            keys += [(name, r) for r in range(span.start, span.stop)] if rows else [(name, -1)]
+        return keys
 
 
 # ----------------------------------------------------------------------------- LAMB
@@ -170,6 +211,7 @@ class LAMB(_Layerwise):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         norms, jobs = ShardedNorms(), []
+        owners: list[tuple[torch.Tensor, bool]] = []
         for group in self.param_groups:
             params = self._params(group)
             if not params:
@@ -195,7 +237,9 @@ class LAMB(_Layerwise):
                 rows = [self._rows(p) for p in params]
                 ids = [(norms.add(a, split_groups(p, rows=r)), norms.add(b, split_groups(p, rows=r)))
                        for p, r, a, b in zip(params, rows, _sq_norms(w, rows), _sq_norms(u, rows))]
+                owners += zip(params, rows)
             jobs.append((group, w, u, ids))
+        self._trust_owners = owners
         reduced = norms.reduce()
         self.collectives, trusts = norms.collectives, []
         for group, w, u, ids in jobs:
@@ -241,6 +285,7 @@ class LARS(_Layerwise):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         norms, jobs = ShardedNorms(), []
+        owners: list[tuple[torch.Tensor, bool]] = []
         for group in self.param_groups:
             params = self._params(group)
             if not params:
@@ -251,7 +296,9 @@ class LARS(_Layerwise):
                 rows = [self._rows(p) for p in params]
                 ids = [(norms.add(a, split_groups(p, rows=r)), norms.add(b, split_groups(p, rows=r)))
                        for p, r, a, b in zip(params, rows, _sq_norms(w, rows), _sq_norms(g, rows))]
+                owners += zip(params, rows)
             jobs.append((group, params, w, g, ids))
+        self._trust_owners = owners
         reduced = norms.reduce()
         self.collectives, trusts = norms.collectives, []
         for group, params, w, g, ids in jobs:
@@ -309,6 +356,8 @@ class CowClip(LAMB):
         kwargs.setdefault("adapt", False)
         super().__init__(params, **kwargs)
         self.ratio, self.zeta, self.count_groups = ratio, zeta, tuple(count_groups)
+        self.clipped_fraction = torch.zeros(())
+        """Of the table rows in the last step's batch (this rank's shards), the fraction clipped; on the device."""
         self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._hooks = []
         for entry in embeddings:  # a module, or (module, the parameter the optimizer holds for its weight)
@@ -343,14 +392,17 @@ class CowClip(LAMB):
                 norms.add(_local_grad(w).square().sum(1), split_groups(w, rows=True))) for w, _ in tables]
         reduced = norms.reduce()
         self.embed_collectives = norms.collectives + len(self.count_groups)
-        start = 0
+        start, seen, cut = 0, counts.new_zeros(()), counts.new_zeros(())
         for (w, c), (wi, gi) in zip(tables, ids):
             cnt = counts[start:start + c.numel()][_local_rows(w)]
             start += c.numel()
             w_norm, g_norm = reduced[wi].sqrt(), reduced[gi].sqrt()
             clip_t = self.ratio * cnt * torch.clamp(w_norm, min=self.ratio * math.sqrt(w.shape[1]) * self.zeta)
-            factor = torch.where((cnt > 0) & (g_norm > clip_t), clip_t / g_norm.clamp(min=1e-30), 1.0)
+            clipped = (cnt > 0) & (g_norm > clip_t)
+            factor = torch.where(clipped, clip_t / g_norm.clamp(min=1e-30), 1.0)
+            seen, cut = seen + (cnt > 0).sum(), cut + clipped.sum()
             _local_grad(w).mul_(factor.unsqueeze(1))
+        self.clipped_fraction = cut / seen.clamp(min=1)
         for group in self.param_groups:  # L2 (coupled) weight decay on the tables
             if group.get("l2"):
                 for p in self._params(group):

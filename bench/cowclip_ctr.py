@@ -1,0 +1,220 @@
+"""CowClip at small scale: a CTR-style model trained at batch 1K to 64K, with and without CowClip
+(Zheng et al. 2022, arXiv 2204.06240).
+
+The model is what a user would write: one embedding table per categorical field, the fields'
+vectors concatenated into a small MLP, one logit; it is handed to `shoal.parallelize` with a `dpN`
+plan and trained through `shoal.train.step.train_step` with a binary cross-entropy loss, like any
+user's model. The data is synthetic with a planted signal: every (field, id) has a true weight, two
+fields interact through true latent vectors, ids are Zipf-distributed (a few ids are frequent, most
+are rare, as in click logs), and the label is drawn from sigmoid(true logit). The AUC of the true
+logit on the test set is the ceiling any model can reach.
+
+Three recipes at each batch, all trained for the same number of epochs from the same start, with
+the learning rates set at `--base-batch`:
+- adam-sqrt: Adam on everything, every lr scaled by sqrt(batch / base) (the usual rule for Adam);
+- cowclip-rules: CowClip's scaling rules without its clipping (embedding lr fixed, dense lr
+  sqrt-scaled, embedding L2 scaled linearly; clipping ratio so large that no row is clipped);
+- cowclip: the same rules with CowClip's adaptive column-wise clipping (ratio r, zeta).
+
+Prints one table (also written to bench/results/cowclip_ctr.json) and writes docs/cowclip_ctr.png.
+
+    python -m bench.cowclip_ctr [--nproc 2] [--batches 1024 4096 16384 65536] [--samples 524288]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench.common import launch, report
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+RECIPES = ("adam-sqrt", "cowclip-rules", "cowclip")
+
+
+class CTRModel(nn.Module):
+    """An embedding table per categorical field, concatenated into an MLP with one logit."""
+
+    def __init__(self, num_fields: int, vocab: int, dim: int, hidden: tuple[int, ...]) -> None:
+        super().__init__()
+        self.embeddings = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_fields))
+        for table in self.embeddings:
+            nn.init.normal_(table.weight, std=0.01)
+        layers: list[nn.Module] = []
+        width = num_fields * dim
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        self.mlp = nn.Sequential(*layers, nn.Linear(width, 1))
+
+    def forward(self, ids_BF: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([table(ids_BF[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
+        return self.mlp(x).squeeze(1)
+
+
+def make_data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(train ids, train labels, test ids, test labels, the true logit's test AUC): Zipf ids, a
+    planted additive signal per (field, id) plus one pairwise interaction of fields 0 and 1."""
+    gen = torch.Generator().manual_seed(args.seed)
+    n = args.samples + args.test_samples
+    zipf = 1.0 / torch.arange(1, args.vocab + 1, dtype=torch.float64) ** args.zipf
+    ids = torch.stack([torch.multinomial(zipf, n, replacement=True, generator=gen)
+                       for _ in range(args.fields)], dim=1)
+    perm = torch.stack([torch.randperm(args.vocab, generator=gen) for _ in range(args.fields)])
+    ids = torch.gather(perm.T, 0, ids)  # frequent ids are not the low ones
+    weights = torch.randn(args.fields, args.vocab, generator=gen) * 0.6
+    latent = torch.randn(2, args.vocab, 4, generator=gen) * 0.6
+    logit = weights[torch.arange(args.fields), ids].sum(1) + (latent[0, ids[:, 0]] * latent[1, ids[:, 1]]).sum(1) - 1.0
+    labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
+    s = args.samples
+    return ids[:s], labels[:s], ids[s:], labels[s:], auc(logit[s:], labels[s:])
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve: the Mann-Whitney statistic, ties counted half."""
+    order = torch.argsort(scores.double())
+    ranks = torch.empty_like(order, dtype=torch.float64)
+    sorted_scores = scores.double()[order]
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    ranks[order] = (ends - (counts.double() - 1) / 2)[inverse]  # average rank of each tie group, 1-based
+    pos = labels.bool()
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def optim_config(recipe: str, args: argparse.Namespace) -> Any:
+    from shoal.train.optim import OptimConfig
+
+    common = dict(lr=args.lr, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8, grad_clip=0.0,
+                  base_batch=args.base_batch, min_lr=args.lr / 10, warmup_steps=args.warmup_steps)
+    if recipe == "adam-sqrt":
+        return OptimConfig(optimizer="adamw", lr_scaling="sqrt", **common)
+    ratio = args.cowclip_ratio if recipe == "cowclip" else 1e9  # 1e9: no row is ever clipped
+    return OptimConfig(optimizer="cowclip", lr_scaling="sqrt", embed_lr=args.lr, embed_weight_decay=args.l2,
+                       cowclip_ratio=ratio, cowclip_zeta=args.cowclip_zeta, **common)
+
+
+def train(recipe: str, batch: int, data: tuple[torch.Tensor, ...], args: argparse.Namespace) -> dict[str, Any]:
+    """One recipe at one global batch on this rank (every rank calls it); the test AUC and loss."""
+    from shoal.mesh import build_mesh
+    from shoal.parallelize import parallelize
+    from shoal.plan import Plan
+    from shoal.train.optim import build_optimizer, build_scheduler
+    from shoal.train.step import train_step
+
+    train_ids, train_labels, test_ids, test_labels = data
+    torch.manual_seed(args.seed)
+    model = CTRModel(args.fields, args.vocab, args.dim, tuple(args.hidden))
+    plan = Plan.parse(f"dp{dist.get_world_size()}")
+    runtime = parallelize(model, plan, build_mesh(plan, "cpu"))
+    steps_per_epoch = args.samples // batch
+    steps = steps_per_epoch * args.epochs
+    cfg = optim_config(recipe, args)
+    optimizer = build_optimizer(runtime, cfg, global_batch=batch)
+    scheduler = build_scheduler(optimizer, cfg, steps, global_batch=batch)
+    index, count = runtime.data_rank
+    rows = batch // count
+    bce = nn.functional.binary_cross_entropy_with_logits
+
+    def summed(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # CowClip's threshold r * cnt * ||w_id|| compares an id's gradient, the sum of its cnt
+        # occurrences', with its weight: the loss is a sum over the batch (Adam's steps do not
+        # depend on the loss's scale, so the recipes without clipping are unchanged by it)
+        return bce(logits, labels, reduction="sum")
+    start, clipped = time.perf_counter(), torch.zeros(())
+    orders = [torch.randperm(args.samples, generator=torch.Generator().manual_seed(args.seed + 1 + e))
+              for e in range(args.epochs)]  # the same shuffles for every recipe and batch
+    for s in range(steps):
+        epoch, k = divmod(s, steps_per_epoch)
+        mine = orders[epoch][k * batch:(k + 1) * batch][index * rows:(index + 1) * rows]
+        train_step(runtime, optimizer, [(train_ids[mine], train_labels[mine])], grad_clip=None,
+                   scheduler=scheduler, loss_fn=summed)
+        clipped = clipped + getattr(optimizer, "clipped_fraction", 0.0)
+    seconds = time.perf_counter() - start
+    runtime.eval()
+    with torch.no_grad():
+        scores = torch.cat([runtime(chunk) for chunk in test_ids.split(65536)])
+    return {"recipe": recipe, "global_batch": batch, "steps": steps,
+            "peak_lr_dense": round(scheduler.schedule.lr, 6), "test_auc": auc(scores, test_labels),
+            "test_logloss": float(bce(scores, test_labels)),
+            "rows_clipped": float(clipped) / steps if recipe != "adam-sqrt" else "-", "train_s": round(seconds, 1)}
+
+
+def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (batch, recipe) on this rank, data made once per process (the same on every rank)."""
+    *data, best = make_data(args)
+    out = []
+    for batch in args.batches:
+        for recipe in args.recipes:
+            result = train(recipe, batch, tuple(data), args) | {"true_logit_auc": best}
+            if dist.get_rank() == 0:
+                print(f"batch {batch} {recipe}: AUC {result['test_auc']:.4f} (ceiling {best:.4f}) "
+                      f"in {result['train_s']} s", flush=True)
+            out.append(result)
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for recipe in RECIPES:
+        mine = [r for r in rows if r["recipe"] == recipe]
+        if mine:
+            ax.plot([r["global_batch"] for r in mine], [r["test_auc"] for r in mine], "o-", label=recipe)
+    ax.axhline(rows[0]["true_logit_auc"], color="grey", ls="--", lw=1, label="true logit (ceiling)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch (samples)")
+    ax.set_ylabel("test AUC")
+    ax.set_title("CTR model, same epochs, growing batch")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
+    parser.add_argument("--samples", type=int, default=2**19)
+    parser.add_argument("--test-samples", type=int, default=2**16)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--fields", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=10000, help="ids per field")
+    parser.add_argument("--zipf", type=float, default=1.1, help="exponent of the ids' Zipf law")
+    parser.add_argument("--dim", type=int, default=8)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[64, 32])
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak lr at the base batch (and CowClip's embedding lr)")
+    parser.add_argument("--l2", type=float, default=1e-5, help="CowClip's embedding L2 at the base batch")
+    parser.add_argument("--warmup-steps", type=int, default=32, help="at the base batch; scaled by the rule")
+    parser.add_argument("--base-batch", type=int, default=1024)
+    parser.add_argument("--cowclip-ratio", type=float, default=1.0)
+    parser.add_argument("--cowclip-zeta", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, default=DOCS / "cowclip_ctr.png")
+    parser.add_argument("--name", default="cowclip_ctr", help="of the results file")
+    args = parser.parse_args()
+    rows = launch(run_all, args.nproc, args)[0]
+    rows.sort(key=lambda r: (RECIPES.index(r["recipe"]), r["global_batch"]))
+    report(args.name, rows, notes=f"{args.samples} train samples, {args.epochs} epoch(s), dp{args.nproc}")
+    if not math.isnan(rows[0]["test_auc"]):
+        print(f"plot: {plot(rows, args.plot)}")
+
+
+if __name__ == "__main__":
+    main()
