@@ -4,6 +4,7 @@ equal transformers' own models built from the same tiny config (exact integers).
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 
@@ -71,36 +72,63 @@ def test_gpt2_maps_and_counts_like_transformers(tmp_path):
     assert Transformer(cfg).num_params() == expected == cfg.num_params()
 
 
-def test_mistral_maps_and_warns_about_the_window(tmp_path):
+def test_mistral_maps_the_window(tmp_path):
     hf = transformers.MistralConfig(**TINY, sliding_window=16)
-    cfg = _map(_write(tmp_path, hf), "sliding_window=16")
-    assert (cfg.num_kv_heads, cfg.ffn_dim, cfg.norm_eps) == (2, 96, 1e-6)
+    cfg = _map(_write(tmp_path, hf))
+    assert (cfg.num_kv_heads, cfg.ffn_dim, cfg.norm_eps, cfg.sliding_window) == (2, 96, 1e-6, 16)
     assert Transformer(cfg).num_params() == _hf_count(hf, transformers.MistralForCausalLM)
 
 
-def test_mixtral_maps_experts_and_counts(tmp_path):
+def test_mixtral_maps_experts_dropless_and_counts(tmp_path):
     hf = transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
     cfg = _map(_write(tmp_path, hf))
     assert (cfg.num_experts, cfg.top_k, cfg.moe_every, cfg.rope_theta) == (4, 2, 1, 1e6)
-    # shoal's MoE layer is a later piece: the count formula (router + experts) is checked here.
-    assert cfg.num_params() == _hf_count(hf, transformers.MixtralForCausalLM)
+    assert (cfg.capacity_factor, cfg.norm_topk, cfg.aux_loss_coef, cfg.z_loss_coef) == (0.0, True, 0.0, 0.0)
+    expected = _hf_count(hf, transformers.MixtralForCausalLM)
+    assert Transformer(cfg).num_params() == expected == cfg.num_params()
 
 
-def test_qwen2_drops_only_the_qkv_biases(tmp_path):
+def test_qwen2_keeps_the_qkv_biases(tmp_path):
     hf = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
-    cfg = _map(_write(tmp_path, hf), "query/key/value biases")
-    qkv_biases = TINY["num_hidden_layers"] * (4 + 2 * 2) * (64 // 4)  # L * (H + 2K) * E
-    assert cfg.tie_embeddings and not cfg.bias
-    assert Transformer(cfg).num_params() == _hf_count(hf, transformers.Qwen2ForCausalLM) - qkv_biases
+    cfg = _map(_write(tmp_path, hf))
+    assert cfg.tie_embeddings and cfg.qkv_bias and not cfg.bias and cfg.sliding_window == 0
+    expected = _hf_count(hf, transformers.Qwen2ForCausalLM)
+    assert Transformer(cfg).num_params() == expected == cfg.num_params()
 
 
-def test_gpt_neox_keeps_the_shape(tmp_path):
-    hf = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                    num_attention_heads=4, vocab_size=100, max_position_embeddings=64)
-    cfg = _map(_write(tmp_path, hf), "use_parallel_residual", "rotary on 0.25")
-    assert ((cfg.norm, cfg.activation, cfg.pos_emb, cfg.bias, cfg.tie_embeddings)
-            == ("layernorm", "gelu", "rope", True, False))
-    assert Transformer(cfg).num_params() == _hf_count(hf, transformers.GPTNeoXForCausalLM)
+def test_qwen2_moe_maps_the_gated_shared_expert_and_counts(tmp_path):
+    hf = transformers.Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                     shared_expert_intermediate_size=48)
+    cfg = _map(_write(tmp_path, hf))
+    assert (cfg.num_experts, cfg.top_k, cfg.ffn_dim, cfg.num_shared_experts, cfg.shared_ffn_dim) == (4, 2, 32, 1, 48)
+    assert cfg.shared_gate and cfg.qkv_bias and not cfg.norm_topk and cfg.capacity_factor == 0.0
+    expected = _hf_count(hf, transformers.Qwen2MoeForCausalLM)
+    assert Transformer(cfg).num_params() == expected == cfg.num_params()
+
+
+def test_qwen3_keeps_qk_norms_and_its_head_dim(tmp_path):
+    hf = transformers.Qwen3Config(**TINY, head_dim=32)
+    cfg = _map(_write(tmp_path, hf))
+    assert cfg.qk_norm and cfg.head_size == 32 and cfg.head_dim == 32 and not cfg.qkv_bias
+    expected = _hf_count(hf, transformers.Qwen3ForCausalLM)
+    assert Transformer(cfg).num_params() == expected == cfg.num_params()
+
+
+@pytest.mark.parametrize("rope, fields", [
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16},
+     dict(rope_type="llama3", rope_factor=8.0, rope_original_max_len=16)),
+    ({"rope_type": "linear", "factor": 2.0}, dict(rope_type="linear", rope_factor=2.0)),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 2.0, "mscale_all_dim": 1.0},
+     dict(rope_type="yarn", rope_factor=4.0, rope_attention_factor=(0.2 * math.log(4) + 1) / (0.1 * math.log(4) + 1))),
+], ids=["llama3", "linear", "yarn-4.x-layout"])
+def test_rope_scaling_maps(tmp_path, rope, fields):
+    raw = {**TINY, "model_type": "llama", "rope_theta": 500.0, "rope_scaling": rope}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = config_from_hf(tmp_path)
+    assert cfg.rope_theta == 500.0
+    for key, value in fields.items():
+        assert getattr(cfg, key) == pytest.approx(value), key
 
 
 def test_transformers_4_layout_and_file_path(tmp_path):
@@ -119,7 +147,13 @@ def test_bad_configs_give_one_line_errors(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
     (tmp_path / "nodim.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
-    (tmp_path / "hd.json").write_text(json.dumps({**TINY, "model_type": "llama", "head_dim": 32}))
+    (tmp_path / "neox.json").write_text(json.dumps({**TINY, "model_type": "gpt_neox"}))
+    (tmp_path / "gelu.json").write_text(json.dumps({**TINY, "model_type": "llama", "hidden_act": "gelu"}))
+    (tmp_path / "bias.json").write_text(json.dumps({**TINY, "model_type": "llama", "attention_bias": True}))
+    (tmp_path / "rope.json").write_text(json.dumps({**TINY, "model_type": "llama",
+                                                    "rope_parameters": {"rope_type": "longrope"}}))
+    (tmp_path / "part.json").write_text(json.dumps({**TINY, "model_type": "qwen2", "use_sliding_window": True,
+                                                    "max_window_layers": 1}))
     (tmp_path / "odd.json").write_text(json.dumps({**TINY, "model_type": "llama", "num_key_value_heads": 3}))
     (tmp_path / "empty").mkdir()
     cases = [
@@ -127,9 +161,14 @@ def test_bad_configs_give_one_line_errors(tmp_path):
         (tmp_path / "empty", "holds no config.json"),
         (tmp_path / "bad.json", "is not valid JSON"),
         (tmp_path / "list.json", "not an object"),
-        (tmp_path / "bert.json", "model_type 'bert'; supported: gpt2, gpt_neox, llama, mistral, mixtral, qwen2"),
+        (tmp_path / "bert.json", "model_type 'bert'; supported: gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, "
+                                 "qwen3"),
+        (tmp_path / "neox.json", "model_type 'gpt_neox'; supported: gpt2, llama"),
+        (tmp_path / "gelu.json", "hidden_act='gelu', which shoal does not compute exactly; valid: silu"),
+        (tmp_path / "bias.json", "attention_bias=True with mlp_bias=False"),
+        (tmp_path / "rope.json", "rope_type='longrope'"),
+        (tmp_path / "part.json", "sliding window on some layers only"),
         (tmp_path / "nodim.json", "needs 'hidden_size'"),
-        (tmp_path / "hd.json", "head_dim=32"),
         (tmp_path / "odd.json", "num_kv_heads=3 does not divide"),
     ]
     for path, words in cases:

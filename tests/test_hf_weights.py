@@ -155,16 +155,16 @@ def test_sharded_export_and_import(pools, tmp_path):
 
 
 def test_unsupported_models_give_one_line_errors():
-    gpt2_like = ModelConfig(norm="layernorm", activation="gelu", pos_emb="learned", bias=True)
-    for cfg, words in ((gpt2_like, "pos_emb='learned'"),
-                       (ModelConfig(bias=True), "bias=True"),
-                       (ModelConfig(num_experts=4), "num_experts=4")):
+    for cfg, words in ((ModelConfig(pos_emb="learned"), "norm='rmsnorm'"),
+                       (ModelConfig(norm="layernorm"), "norm='layernorm'"),
+                       (ModelConfig(num_experts=4), "capacity_factor=1.25"),
+                       (ModelConfig(qkv_bias=True, bias=True), "bias=True")):
         # Each lambda is called right here, within the iteration over cfg.
         for fn in (lambda: hf_llama_config(cfg), lambda: to_hf_llama({}, cfg), lambda: from_hf_llama({}, cfg)):  # noqa: B023
             with pytest.raises(ValueError) as info:
                 fn()
             message = str(info.value)
-            assert words in message and "Llama-style" in message and "\n" not in message, message
+            assert words in message and "supported families" in message and "\n" not in message, message
     with pytest.raises(ValueError, match="do not fit the model config: missing"):
         from_hf_llama({"model.embed_tokens.weight": torch.zeros(128, 64)}, TINY)
 
@@ -226,20 +226,37 @@ def test_cli_export_errors(tiny_run, tmp_path, capsys):
     assert not os.path.exists("x")
 
 
-def test_cli_export_hf_refuses_gpt2_style(tmp_path, capsys):
-    """A GPT-2-style run: --hf names the field and what is supported; nothing is written."""
+@pytest.mark.parametrize("family", ["gpt2", "mixtral"])
+def test_cli_export_hf_of_fused_layouts(tmp_path, capsys, family):
+    """Checkpoints whose Hugging Face tensors are not one shoal tensor each (GPT-2's fused, transposed
+    c_attn; Mixtral's per-expert tensors of shoal's stacked experts) stream out as folders that
+    transformers loads with equal logits."""
     from shoal.train.checkpoint import save_checkpoint
     from shoal.train.config import from_flat, to_flat
     from shoal.train.runs import with_model
 
-    cfg = ModelConfig(num_layers=1, dim=32, num_heads=4, ffn_dim=64, vocab_size=64, max_seq_len=16,
-                      norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
-    run_cfg = with_model(from_flat({"model": "tiny-gpt"}), cfg)
-    save_checkpoint(tmp_path / "gpt", 1, runtime=parallelize(Transformer(cfg)), optimizer=None,
+    shape = dict(num_layers=1, dim=32, num_heads=4, ffn_dim=64, vocab_size=64, max_seq_len=32)
+    if family == "gpt2":
+        cfg = ModelConfig(**shape, norm="layernorm", activation="gelu", pos_emb="learned", bias=True,
+                          tie_embeddings=True)
+    else:
+        cfg = ModelConfig(**shape, num_kv_heads=2, num_experts=4, top_k=2, capacity_factor=0.0)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():  # non-trivial norms and biases
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.rand_like(p) - 0.5)
+    run_cfg = with_model(from_flat({"model": "tiny"}), cfg)
+    save_checkpoint(tmp_path / "run", 1, runtime=parallelize(model), optimizer=None,
                     extra={"step": 1, "config": to_flat(run_cfg)})
-    _one_error_line(capsys, ["export", "--run", str(tmp_path / "gpt"), "--out", str(tmp_path / "o"), "--hf"],
-                    "pos_emb='learned'", "Llama-style")
-    assert not (tmp_path / "o").exists()
+    out = tmp_path / "hf"
+    assert cli.main(["export", "--run", str(tmp_path / "run"), "--out", str(out), "--hf"]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokens = _tokens(cfg.vocab_size, seed=3)
+    got, expected = reloaded(tokens).logits.detach(), _shoal_logits(model, tokens)
+    print(f"max |logit diff| shoal export --hf ({family}): {(got - expected).abs().max():.3g}")
+    torch.testing.assert_close(got, expected, **TOL)
 
 
 def test_export_checkpoint_without_stored_config(tmp_path):

@@ -252,8 +252,11 @@ def _expert_degree_rule(plan: Plan, facts: Facts) -> str | None:
 def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
     model = facts.model
     if model is not None and plan.tp > 1:
-        for what, size in (("attention heads", model.num_heads), ("KV heads", model.kv_heads),
-                           ("FFN hidden size", model.ffn_dim), ("vocabulary size", model.vocab_size)):
+        sizes = [("attention heads", model.num_heads), ("KV heads", model.kv_heads),
+                 ("FFN hidden size", model.ffn_dim), ("vocabulary size", model.vocab_size)]
+        if model.num_shared_experts and model.shared_ffn_dim:
+            sizes.append(("shared-expert hidden size", model.shared_ffn_dim))
+        for what, size in sizes:
             if size % plan.tp:
                 return f"tp={plan.tp} does not divide {size} {what}; valid: {_divisor_list(size)}"
     seq = facts.seq_len
@@ -287,6 +290,9 @@ def _context_rule(plan: Plan, facts: Facts) -> str | None:
     if model.pos_emb != "rope":
         return (f"cp={plan.cp} with pos_emb={model.pos_emb!r}: positions follow the sequence split for RoPE only "
                 "in this version; valid: a RoPE model, or no cp")
+    if model.sliding_window:
+        return (f"cp={plan.cp} with sliding_window={model.sliding_window}: ring and a2a attention attend over the "
+                "whole causal prefix, not a band; valid: no cp, or --set sliding_window=0 (another model)")
     if model.dropout:
         return (f"cp={plan.cp} with dropout={model.dropout}: attention dropout under context parallelism is not "
                 "available; valid: --set dropout=0, or no cp")

@@ -30,6 +30,38 @@ class ModelConfig:
     bias: bool = False
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    rope_type: str = "default"
+    """How the rotary frequencies are scaled for long contexts, as Hugging Face's `rope_type`:
+    default (none), linear (position interpolation), dynamic (NTK-aware; within max_seq_len it is
+    the default, as transformers computes it), llama3 (Llama 3.1's banded rescale), yarn (YaRN:
+    a ramp between interpolated and original frequencies, and cos/sin scaled by an attention factor).
+    The rope_* fields below are its parameters (see shoal.models.rope)."""
+    rope_factor: float = 1.0
+    """Context extension factor (linear, dynamic, llama3, yarn)."""
+    rope_original_max_len: int = 0
+    """The pretraining context length the scaling is relative to (llama3, yarn); 0: max_seq_len."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_len / low_freq_factor are divided by the factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_len / high_freq_factor are kept."""
+    rope_beta_fast: float = 32.0
+    """yarn: rotations at which the ramp ends (dimensions kept as they are)."""
+    rope_beta_slow: float = 1.0
+    """yarn: rotations at which the ramp starts (dimensions fully interpolated)."""
+    rope_attention_factor: float = 0.0
+    """yarn: the factor cos and sin are multiplied by; 0: 0.1 ln(rope_factor) + 1 (YaRN's default)."""
+    rope_truncate: bool = True
+    """yarn: round the ramp's ends to whole dimensions."""
+    head_size: int = 0
+    """Width of each attention head; 0: dim / num_heads (Hugging Face's head_dim, which Qwen3 and
+    some Mistral shapes set apart from hidden_size / num_attention_heads)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2), beside the global `bias`."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE, one weight of head_size per projection (Qwen3)."""
+    sliding_window: int = 0
+    """Each token attends to itself and the sliding_window - 1 tokens before it (Mistral); 0: the
+    whole causal prefix."""
     norm_eps: float = 1e-5
     dropout: float = 0.0
     init_std: float = 0.02
@@ -62,6 +94,10 @@ class ModelConfig:
     sequence shorter than the group (sampling, a short evaluation) is one group."""
     num_shared_experts: int = 0
     """Dense experts every token of an MoE layer passes through besides its routed ones."""
+    shared_ffn_dim: int = 0
+    """Hidden width of each shared expert; 0: ffn_dim (Qwen2-MoE's shared_expert_intermediate_size)."""
+    shared_gate: bool = False
+    """Scale the shared experts' output by sigmoid(a learned D -> 1 gate) per token (Qwen2-MoE)."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
     z_loss_coef: float = 0.001
@@ -73,15 +109,17 @@ class ModelConfig:
         _check_choice("norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice("activation", self.activation, ("swiglu", "gelu"))
         _check_choice("pos_emb", self.pos_emb, ("rope", "learned"))
+        _check_choice("rope_type", self.rope_type, ROPE_TYPES)
         for name in ("num_layers", "dim", "num_heads", "ffn_dim", "vocab_size", "max_seq_len", "moe_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 1")
-        if self.dim % self.num_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if not self.head_size and self.dim % self.num_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}; valid: a multiple "
+                             "of num_heads, or head_size set")
         if self.kv_heads < 1 or self.num_heads % self.kv_heads:
             raise ValueError(f"num_kv_heads={self.kv_heads} does not divide num_heads={self.num_heads}")
         if self.pos_emb == "rope" and self.head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head dim; dim/num_heads = {self.head_dim}")
+            raise ValueError(f"rotary embeddings need an even head dim; got {self.head_dim}")
         if self.num_experts < 0:
             raise ValueError(f"model field num_experts={self.num_experts} must be >= 0 (0 makes every layer dense)")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
@@ -90,16 +128,20 @@ class ModelConfig:
                                                                 or self.top_k != self.num_prototypes)):
             raise ValueError(f"num_prototypes={self.num_prototypes} must divide num_experts={self.num_experts} "
                              f"and equal top_k={self.top_k} (top-1 in each group), or be 0 (plain top-k)")
-        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts", "moe_group_tokens"):
+        for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts", "moe_group_tokens",
+                     "head_size", "sliding_window", "rope_original_max_len", "rope_attention_factor",
+                     "shared_ffn_dim"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
+        if self.rope_type != "default" and self.rope_factor <= 0:
+            raise ValueError(f"rope_factor={self.rope_factor} must be > 0 with rope_type={self.rope_type!r}")
         if self.num_experts and self.top_k == 1 and self.norm_topk:
             warnings.warn("top_k=1 with norm_topk=true: every routing weight is 1, so the gate learns from the "
                           "auxiliary losses only; set norm_topk=false for Switch-style top-1 routing", stacklevel=3)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.num_heads
+        return self.head_size or self.dim // self.num_heads
 
     @property
     def kv_heads(self) -> int:
@@ -112,15 +154,25 @@ class ModelConfig:
         """Parameter count from the shape. `active`: count only the top_k experts a token uses."""
         D, F, L = self.dim, self.ffn_dim, self.num_layers
         attn = D * self.num_heads * self.head_dim * 2 + D * self.kv_heads * self.head_dim * 2
-        mlp = (3 if self.activation == "swiglu" else 2) * D * F
+
+        def mlp_of(width: int) -> int:
+            gated = self.activation == "swiglu"
+            return (3 if gated else 2) * D * width + (width * (2 if gated else 1) + D if self.bias else 0)
+
+        mlp = mlp_of(F)
         norms = 2 * D * (2 if self.norm == "layernorm" and self.bias else 1)
+        if self.bias or self.qkv_bias:
+            attn += (self.num_heads + 2 * self.kv_heads) * self.head_dim
         if self.bias:
-            attn += (self.num_heads + 2 * self.kv_heads) * self.head_dim + D
-            mlp += F * (2 if self.activation == "swiglu" else 1) + D
+            attn += D
+        if self.qk_norm:
+            norms += 2 * self.head_dim
         num_moe = sum(self.is_moe_layer(i) for i in range(L))
-        experts = (self.top_k if active else self.num_experts) + self.num_shared_experts
+        experts = self.top_k if active else self.num_experts
+        shared = self.num_shared_experts * mlp_of(self.shared_ffn_dim or F) + (D if self.shared_gate else 0)
         moe_layers = 1 if self.share_moe and num_moe and not active else num_moe  # WideNet: one set of weights
-        total = L * (attn + norms) + (L - num_moe) * mlp + moe_layers * (experts * mlp + D * self.num_experts)
+        total = (L * (attn + norms) + (L - num_moe) * mlp
+                 + moe_layers * (experts * mlp + shared + D * self.num_experts))
         total += D * (2 if self.norm == "layernorm" and self.bias else 1)  # final norm
         if embedding:
             total += self.vocab_size * D * (1 if self.tie_embeddings else 2)
@@ -146,6 +198,9 @@ class ModelConfig:
                 raise ValueError(f"unknown model field {key!r} in --set; valid: {', '.join(sorted(types))}")
             values[key] = _convert(key, str(raw), str(types[key]))
         return self.replace(**values)
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def _split_pair(pair: str) -> tuple[str, str]:

@@ -1,22 +1,23 @@
 """Hugging Face model configs -> shoal's ModelConfig, for `--model hf:<dir or config.json>`.
 
-Reads config.json with plain `json` (no download, transformers not needed) and maps the fields
-of the Llama family (Llama, Mistral, Mixtral, Qwen2), GPT-2 and GPT-NeoX onto shoal's fields.
-Field names and defaults follow transformers' configuration classes (5.x, which also reads the
-4.x layout: `rope_theta` at the top level instead of inside `rope_parameters`).
+Reads config.json with plain `json` (no download, transformers not needed) and maps each
+supported family onto the fields of shoal's Transformer that compute it exactly as transformers
+does: Llama (with RoPE scaling), Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (q/k
+norms, decoupled head_dim), Mixtral (dropless top-k experts), Qwen2-MoE (a gated shared expert
+beside them) and GPT-2. Field names and defaults
+follow transformers' configuration classes (5.x, which also reads the 4.x layout: `rope_theta`
+and `rope_scaling` at the top level instead of `rope_parameters`).
 
-Where shoal's transformer cannot express a feature exactly, the shape is kept (so parameter
-count, FLOPs and memory plans stay right) and a warning names what differs: sliding-window
-attention, RoPE scaling, Qwen2's query/key/value-only biases, GPT-NeoX's parallel residual and
-partial rotary embeddings.
+A config whose features shoal's model cannot compute exactly is refused in one line naming the
+feature: nothing is approximated.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from shoal.models.config import ModelConfig, get_preset
 
@@ -27,16 +28,24 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _LLAMA_DEFAULTS,
     "mistral": {**_LLAMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096},
     "mixtral": {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072,
-                "num_local_experts": 8, "num_experts_per_tok": 2},
-    "qwen2": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768},
+                "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
+                "output_router_logits": False, "sliding_window": None},
+    "qwen2": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False},
+    "qwen2_moe": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False,
+                  "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                  "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False,
+                  "mlp_only_layers": [], "qkv_bias": True},
+    "qwen3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False},
     "gpt2": dict(n_inner=None, n_positions=1024, layer_norm_epsilon=1e-5, activation_function="gelu_new",
-                 tie_word_embeddings=True),
-    "gpt_neox": dict(max_position_embeddings=2048, layer_norm_eps=1e-5, rope_theta=10000.0, hidden_act="gelu",
-                     tie_word_embeddings=False, use_parallel_residual=True, attention_bias=True,
-                     partial_rotary_factor=0.25),
+                 tie_word_embeddings=True, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                 reorder_and_upcast_attn=False),
 }
 SUPPORTED = tuple(sorted(_DEFAULTS))
-_GELUS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "gelu_accurate")
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # tanh-approximated GELU, as shoal's
+_ROPE_KEYS = dict(factor="rope_factor", original_max_position_embeddings="rope_original_max_len",
+                  low_freq_factor="rope_low_freq_factor", high_freq_factor="rope_high_freq_factor",
+                  beta_fast="rope_beta_fast", beta_slow="rope_beta_slow", attention_factor="rope_attention_factor",
+                  truncate="rope_truncate")
 
 
 def load_model_config(name: str) -> ModelConfig:
@@ -56,8 +65,8 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in _DEFAULTS:
         raise ValueError(f"hf config {str(path)!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
-    hf = _Fields(str(path), {**_DEFAULTS[model_type], **_rope_fields(raw), **raw})
-    fields = _gpt2(hf) if model_type == "gpt2" else _gpt_neox(hf) if model_type == "gpt_neox" else _llama(hf)
+    hf = _Fields(str(path), {**_DEFAULTS[model_type], **raw})
+    fields = _gpt2(hf) if model_type == "gpt2" else _llama(hf)
     try:
         return ModelConfig(**fields)
     except ValueError as exc:
@@ -68,63 +77,72 @@ def config_from_hf(path: str | Path) -> ModelConfig:
 
 
 def _llama(hf: _Fields) -> dict[str, Any]:
-    """Llama, Mistral, Mixtral, Qwen2: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
+    """Llama, Mistral, Mixtral, Qwen2, Qwen3: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
+    model_type = hf.get("model_type")
     dim, heads = hf.required("hidden_size"), hf.required("num_attention_heads")
-    _check_head_dim(hf, dim, heads)
     if hf.get("hidden_act") not in ("silu", "swish"):
-        hf.warn(f"hidden_act={hf.get('hidden_act')!r} is used as SiLU (shoal's gated MLP is SwiGLU)")
-    if hf.get("attention_bias") != hf.get("mlp_bias"):
-        hf.warn("attention_bias and mlp_bias differ; shoal uses one `bias` switch (attention_bias)")
-    bias = bool(hf.get("attention_bias"))
-    if hf.get("model_type") == "qwen2":
-        hf.warn("Qwen2's query/key/value biases are left out (shoal's bias switch covers every linear layer)")
-        bias = False
-    _warn_window(hf)
-    if isinstance(hf.get("rope_scaling"), dict) or hf.get("rope_type", "default") != "default":
-        hf.warn(f"RoPE scaling {hf.get('rope_type') or hf.get('rope_scaling')!r} is not applied (plain RoPE)")
+        hf.refuse(f"hidden_act={hf.get('hidden_act')!r}", "silu (SwiGLU)")
+    if model_type == "llama" and hf.get("attention_bias") != hf.get("mlp_bias"):
+        hf.refuse(f"attention_bias={hf.get('attention_bias')} with mlp_bias={hf.get('mlp_bias')}", "equal values")
+    if model_type == "qwen3" and hf.get("attention_bias"):
+        hf.refuse("attention_bias=true (biases on q, k, v and o but not the MLP)", "false")
+    head_dim = hf.get("head_dim")
     fields = _common(hf, dim=dim, heads=heads)
     kv = hf.get("num_key_value_heads") or heads
     fields.update(
         num_kv_heads=None if kv == heads else kv,
         ffn_dim=hf.required("intermediate_size"),
         max_seq_len=hf.required("max_position_embeddings"),
-        norm="rmsnorm", activation="swiglu", pos_emb="rope", bias=bias,
-        rope_theta=float(hf.get("rope_theta")), norm_eps=float(hf.get("rms_norm_eps")),
+        norm="rmsnorm", activation="swiglu", pos_emb="rope",
+        bias=bool(hf.get("attention_bias")) and model_type == "llama",
+        head_size=head_dim if isinstance(head_dim, int) and head_dim != dim // heads else 0,
+        qkv_bias=model_type in ("qwen2", "qwen2_moe"),
+        qk_norm=model_type == "qwen3",
+        sliding_window=_window(hf),
+        norm_eps=float(hf.get("rms_norm_eps")),
+        **_rope(hf),
     )
-    if hf.get("model_type") == "mixtral":
-        fields.update(num_experts=hf.required("num_local_experts"), top_k=hf.required("num_experts_per_tok"),
-                      moe_every=1)
+    if model_type in ("mixtral", "qwen2_moe"):
+        if hf.get("output_router_logits"):
+            hf.refuse("output_router_logits=true (the router loss over all layers at once)", "false")
+        fields.update(capacity_factor=0.0, aux_loss_coef=0.0, z_loss_coef=0.0, top_k=hf.required("num_experts_per_tok"))
+    if model_type == "mixtral":
+        fields.update(num_experts=hf.required("num_local_experts"), moe_every=1, norm_topk=True)
+    if model_type == "qwen2_moe":
+        fields.update(_qwen2_moe(hf))
     return fields
+
+
+def _qwen2_moe(hf: _Fields) -> dict[str, Any]:
+    """Qwen2-MoE's experts: routed ones every decoder_sparse_step-th layer, and one shared expert
+    behind a sigmoid gate."""
+    if hf.get("mlp_only_layers"):
+        hf.refuse(f"mlp_only_layers={hf.get('mlp_only_layers')}", "[] (MoE layers every decoder_sparse_step-th)")
+    if not hf.get("qkv_bias"):
+        hf.refuse("qkv_bias=false", "true")
+    step, width = hf.required("decoder_sparse_step"), hf.required("moe_intermediate_size")
+    if step > 1 and hf.required("intermediate_size") != width:
+        hf.refuse(f"intermediate_size={hf.get('intermediate_size')} (dense layers) beside moe_intermediate_size="
+                  f"{width}", "equal widths, or decoder_sparse_step=1")
+    return dict(num_experts=hf.required("num_experts"), moe_every=step, ffn_dim=width,
+                norm_topk=bool(hf.get("norm_topk_prob")), num_shared_experts=1, shared_gate=True,
+                shared_ffn_dim=hf.required("shared_expert_intermediate_size"))
 
 
 def _gpt2(hf: _Fields) -> dict[str, Any]:
     """GPT-2: LayerNorm with bias, GELU MLP of 4 x dim (unless n_inner), learned positions."""
     dim, heads = hf.required("n_embd"), hf.required("n_head")
-    _check_activation(hf, "activation_function")
+    if hf.get("activation_function") not in _GELU_TANH:
+        hf.refuse(f"activation_function={hf.get('activation_function')!r}", ", ".join(_GELU_TANH))
+    for key, wanted in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("reorder_and_upcast_attn", False)):
+        if bool(hf.get(key)) != wanted:
+            hf.refuse(f"{key}={hf.get(key)}", str(wanted).lower())
     fields = _common(hf, dim=dim, heads=heads, layers_key="n_layer")
     fields.update(
         ffn_dim=hf.get("n_inner") or 4 * dim, max_seq_len=hf.required("n_positions"),
         norm="layernorm", activation="gelu", pos_emb="learned", bias=True,
         norm_eps=float(hf.get("layer_norm_epsilon")),
-    )
-    return fields
-
-
-def _gpt_neox(hf: _Fields) -> dict[str, Any]:
-    """GPT-NeoX (Pythia): LayerNorm, GELU MLP, RoPE; parallel residual and partial rotary warned."""
-    dim, heads = hf.required("hidden_size"), hf.required("num_attention_heads")
-    _check_activation(hf, "hidden_act")
-    if hf.get("use_parallel_residual"):
-        hf.warn("use_parallel_residual is not modelled: shoal's blocks apply attention then MLP in sequence")
-    if float(hf.get("partial_rotary_factor")) != 1.0:
-        hf.warn(f"rotary on {hf.get('partial_rotary_factor')} of each head is not modelled: shoal rotates whole heads")
-    if not hf.get("attention_bias"):
-        hf.warn("attention_bias=false is not modelled: GPT-NeoX's MLP and norms keep biases, so shoal uses bias=True")
-    fields = _common(hf, dim=dim, heads=heads)
-    fields.update(
-        ffn_dim=hf.required("intermediate_size"), max_seq_len=hf.required("max_position_embeddings"),
-        norm="layernorm", activation="gelu", pos_emb="rope", bias=True,
-        rope_theta=float(hf.get("rope_theta")), norm_eps=float(hf.get("layer_norm_eps")),
     )
     return fields
 
@@ -143,7 +161,7 @@ def _common(hf: _Fields, *, dim: int, heads: int, layers_key: str = "num_hidden_
 
 
 class _Fields:
-    """The config's fields with the family defaults; one-line errors and warnings name the file."""
+    """The config's fields with the family defaults; one-line errors and refusals name the file."""
 
     def __init__(self, path: str, values: dict[str, Any]) -> None:
         self.path, self.values = path, values
@@ -158,8 +176,9 @@ class _Fields:
             raise ValueError(f"hf config {self.path!r} needs {key!r} as a whole number >= 1; got {value!r}")
         return value
 
-    def warn(self, what: str) -> None:
-        warnings.warn(f"hf config {self.path!r}: {what}", stacklevel=4)
+    def refuse(self, what: str, valid: str) -> NoReturn:
+        raise ValueError(f"hf config {self.path!r} ({self.get('model_type')}) has {what}, which shoal does not "
+                         f"compute exactly; valid: {valid}")
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -176,31 +195,71 @@ def _read(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _rope_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 nests rope_theta (and the scaling type) in `rope_parameters`."""
-    params = raw.get("rope_parameters")
-    if not isinstance(params, dict):
-        return {}
-    keys = ("rope_theta", "rope_type", "partial_rotary_factor")
-    return {k: params[k] for k in keys if params.get(k) is not None}
+def _rope(hf: _Fields) -> dict[str, Any]:
+    """rope_theta and the scaling fields, from transformers 5's `rope_parameters` or 4.x's top-level
+    `rope_theta` and `rope_scaling`."""
+    params = hf.get("rope_parameters")
+    params = dict(params) if isinstance(params, dict) else {}
+    scaling = hf.get("rope_scaling")
+    if isinstance(scaling, dict):
+        params = {**scaling, **params}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    fields: dict[str, Any] = dict(rope_theta=float(params.get("rope_theta") or hf.get("rope_theta")))
+    if float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0) != 1.0:
+        hf.refuse(f"partial_rotary_factor={params.get('partial_rotary_factor') or hf.get('partial_rotary_factor')}",
+                  "1.0 (rotary over whole heads)")
+    if rope_type == "default":
+        return fields
+    if rope_type not in ("linear", "dynamic", "llama3", "yarn"):
+        hf.refuse(f"rope_type={rope_type!r}", "default, linear, dynamic, llama3, yarn")
+    fields["rope_type"] = rope_type
+    fields.update({_ROPE_KEYS[k]: v for k, v in params.items() if k in _ROPE_KEYS and v is not None})
+    if rope_type == "yarn":
+        fields["rope_attention_factor"] = _yarn_attention_factor(hf, params)
+        if params.get("factor") is None:  # the factor is the context extension itself
+            fields["rope_factor"] = hf.required("max_position_embeddings") / params["original_max_position_embeddings"]
+    for key in ("beta_fast", "beta_slow"):  # transformers reads a falsy value as the default
+        if not params.get(key):
+            fields.pop(_ROPE_KEYS[key], None)
+    for key, value in list(fields.items()):
+        if key in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
+                   "rope_beta_slow", "rope_attention_factor"):
+            fields[key] = float(value)
+    return fields
 
 
-def _check_head_dim(hf: _Fields, dim: int, heads: int) -> None:
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and dim % heads == 0 and head_dim != dim // heads:
-        raise ValueError(
-            f"hf config {hf.path!r} has head_dim={head_dim} but hidden_size/num_attention_heads = {dim // heads}; "
-            "shoal's attention uses hidden_size/num_attention_heads"
-        )
+def _yarn_attention_factor(hf: _Fields, params: dict[str, Any]) -> float:
+    """YaRN's cos/sin factor as transformers derives it when the config does not give it."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params.get("factor") or hf.required("max_position_embeddings") / params["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
-def _check_activation(hf: _Fields, key: str) -> None:
-    if hf.get(key) not in _GELUS:
-        hf.warn(f"{key}={hf.get(key)!r} is used as GELU (tanh approximation)")
-
-
-def _warn_window(hf: _Fields) -> None:
+def _window(hf: _Fields) -> int:
+    """The sliding window every layer uses (0: none); a window on some layers only is refused."""
     window = hf.get("sliding_window")
-    uses = hf.get("use_sliding_window", hf.get("model_type") != "qwen2")
-    if uses and isinstance(window, int) and window < hf.get("max_position_embeddings", 0):
-        hf.warn(f"sliding_window={window} is not modelled: shoal attends over the whole sequence")
+    if hf.get("model_type") in ("qwen2", "qwen3", "qwen2_moe"):
+        if not hf.get("use_sliding_window"):
+            return 0
+        layer_types = hf.get("layer_types")
+        first_windowed = hf.get("max_window_layers", 28)
+        if layer_types is not None:
+            windowed = [t == "sliding_attention" for t in layer_types]
+        else:
+            windowed = [i >= first_windowed for i in range(hf.required("num_hidden_layers"))]
+        if not all(windowed) and any(windowed):
+            hf.refuse("a sliding window on some layers only (max_window_layers / layer_types)",
+                      "use_sliding_window=false, or a window on every layer")
+        if not any(windowed):
+            return 0
+    if window is None or window >= hf.required("max_position_embeddings"):
+        return 0  # a window as long as the context masks nothing
+    if not isinstance(window, int) or window < 1:
+        hf.refuse(f"sliding_window={window!r}", "a whole number >= 1, or null")
+    return window

@@ -11,6 +11,7 @@ F feed-forward dim, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from shoal.models.config import ModelConfig
 from shoal.models.init import InitSpec
+from shoal.models.rope import rope_tables
 from shoal.moe.layer import MoELayer
 
 
@@ -26,13 +28,6 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
-
-
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each (max_seq_len, E/2) (Su et al. 2021, RoFormer)."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
 
 
 def apply_rope(x_BTHE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
@@ -50,6 +45,18 @@ def causal_attention(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.T
     return F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True, dropout_p=dropout_p)
 
 
+def sliding_window_attention(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor,
+                             dropout_p: float = 0.0, *, window: int) -> torch.Tensor:
+    """Causal attention where query i sees keys i - window + 1 .. i (Mistral; Beltagy et al. 2020,
+    Longformer): a banded mask, so sequences longer than the window are exact."""
+    T = q_BHTE.shape[-2]
+    if T <= window:
+        return causal_attention(q_BHTE, k_BHTE, v_BHTE, dropout_p)
+    i = torch.arange(T, device=q_BHTE.device)
+    band_TT = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, attn_mask=band_TT, dropout_p=dropout_p)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads."""
 
@@ -57,12 +64,17 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.use_rope = cfg.pos_emb == "rope"
-        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
+        # Qwen3: each query/key head normalised (over its E features) before the rotation.
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
-        self.core = causal_attention
+        self.core = (functools.partial(sliding_window_attention, window=cfg.sliding_window)
+                     if cfg.sliding_window else causal_attention)
         """(q, k, v, dropout_p) -> attention output, all (B, H, T, E), heads already repeated."""
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -70,6 +82,8 @@ class Attention(nn.Module):
         q_BTHE = self.wq(x_BTD).view(B, T, -1, self.head_dim)
         k_BTKE = self.wk(x_BTD).view(B, T, -1, self.head_dim)
         v_BTKE = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         if self.use_rope and rope is not None:
             cos, sin = rope[0][:T], rope[1][:T]
             q_BTHE, k_BTKE = apply_rope(q_BTHE, cos, sin), apply_rope(k_BTKE, cos, sin)
@@ -103,7 +117,8 @@ def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
         return MoELayer(cfg.dim, cfg.ffn_dim, num_experts=cfg.num_experts, top_k=cfg.top_k, normalize=cfg.norm_topk,
                         num_prototypes=cfg.num_prototypes, capacity_factor=cfg.capacity_factor,
                         group_tokens=cfg.moe_group_tokens,
-                        num_shared_experts=cfg.num_shared_experts, activation=cfg.activation, bias=cfg.bias,
+                        num_shared_experts=cfg.num_shared_experts, shared_ffn_dim=cfg.shared_ffn_dim,
+                        shared_gate=cfg.shared_gate, activation=cfg.activation, bias=cfg.bias,
                         init_std=cfg.init_std, num_layers=cfg.num_layers, aux_loss_coef=cfg.aux_loss_coef,
                         z_loss_coef=cfg.z_loss_coef)
     return FeedForward(cfg)

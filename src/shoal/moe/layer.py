@@ -21,7 +21,8 @@ from shoal.moe.router import Router, load_balancing_loss, router_z_loss
 
 class MoELayer(nn.Module):
     """x_BTD -> y_BTD: each token through its top_k routed experts, weighted by the router, plus
-    every shared expert (DeepSeekMoE, Dai et al. 2024).
+    every shared expert (DeepSeekMoE, Dai et al. 2024), their sum scaled per token by
+    sigmoid(shared_gate(x)) when `shared_gate` (Qwen2-MoE).
 
     Routing groups (GShard): each sequence of the input is cut into spans of `group_tokens` tokens
     (0: the whole sequence; the last span takes the remainder; see dispatch.group_spans). A
@@ -44,7 +45,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, dim: int, ffn_dim: int, *, num_experts: int, top_k: int, num_prototypes: int = 0,
                  capacity_factor: float = 1.25, group_tokens: int = 0, num_shared_experts: int = 0,
-                 activation: str = "swiglu",
+                 shared_ffn_dim: int = 0, shared_gate: bool = False, activation: str = "swiglu",
                  bias: bool = False, normalize: bool = True, init_std: float = 0.02, num_layers: int = 1,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
         super().__init__()
@@ -65,7 +66,9 @@ class MoELayer(nn.Module):
         expert_args: dict[str, Any] = dict(activation=activation, bias=bias, init_std=init_std, num_layers=num_layers)
         self.experts = Experts(num_experts, dim, ffn_dim, **expert_args)
         # Shared experts: the same Experts module with every token sent to each of them.
-        self.shared = Experts(num_shared_experts, dim, ffn_dim, **expert_args) if num_shared_experts else None
+        self.shared = (Experts(num_shared_experts, dim, shared_ffn_dim or ffn_dim, **expert_args)
+                       if num_shared_experts else None)
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_gate and num_shared_experts else None
         self.dispatcher = Dispatcher()
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
@@ -75,6 +78,8 @@ class MoELayer(nn.Module):
     def init_weights(self, std: float, num_layers: int) -> None:
         """Gate normal(0, std); experts as Experts.init_weights (w2 scaled by 1/sqrt(2L))."""
         nn.init.normal_(self.router.gate.weight, std=std)
+        if self.shared_gate is not None:
+            nn.init.normal_(self.shared_gate.weight, std=std)
         for experts in (self.experts, self.shared):
             if experts is not None:
                 experts.init_weights(std, num_layers)
@@ -106,7 +111,10 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             S = self.shared.num_experts
             counts_S = torch.full((S,), N, dtype=torch.long, device=x_ND.device)
-            y_ND = y_ND + self.shared(x_ND.repeat(S, 1), counts_S, capacity=N).view(S, N, -1).sum(dim=0)
+            shared_ND = self.shared(x_ND.repeat(S, 1), counts_S, capacity=N).view(S, N, -1).sum(dim=0)
+            if self.shared_gate is not None:
+                shared_ND = torch.sigmoid(self.shared_gate(x_ND)) * shared_ND
+            y_ND = y_ND + shared_ND
 
         self.aux_loss = load_balancing_loss(routing.probs_NE, routing.experts_NK, num_groups=self.router.num_groups,
                                             group_N=group_N, num_routing_groups=groups.num_groups)

@@ -216,6 +216,12 @@ class MoETensorParallel(ParallelStyle):
                     module.shared.register_parameter(name, nn.Parameter(
                         distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=None)))
             _register_views(module.shared, device_mesh.get_group())
+        if module.shared_gate is not None:  # like the router's gate: it sees the shared experts' summed output
+            shared_gate = module.shared_gate
+            shared_gate.register_parameter("weight", nn.Parameter(
+                DTensor.from_local(shared_gate.weight.detach(), device_mesh, [Replicate()], run_check=False)))
+            shared_gate.register_forward_pre_hook(lambda *_: _local_views(shared_gate))
+            shared_gate.register_forward_hook(lambda *_: _drop_views(shared_gate))
 
         def gather_input(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             x = args[0]

@@ -84,6 +84,24 @@ class ShardedPositions(ParallelStyle):
         return distribute_module(module, device_mesh, _replicate_params, _offset_positions, _output_to_local)  # type: ignore[arg-type]  # input_fn's return: typed None, used
 
 
+class HeadShardedNorm(ParallelStyle):
+    """A norm over each attention head's features (Qwen3's q/k norms) on a tp rank's own heads.
+
+    The weight (one head's width) is a replicated DTensor; the input, (B, T, H/t, E) local
+    heads, enters as a DTensor sharded on the heads dim, so that the weight's gradient, summed
+    over this rank's heads only, comes out as a partial sum that is reduced over tp like the
+    sequence-parallel norms' (reduce_partial_grads); the output leaves as the local heads.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_params, _heads_to_shard, _output_to_local)  # type: ignore[arg-type]  # input_fn's return: typed None, used
+
+
+def _heads_to_shard(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    return tuple(DTensor.from_local(x, mesh, [Shard(2)], run_check=False) if isinstance(x, torch.Tensor) else x
+                 for x in inputs)
+
+
 class CheckSequenceShardable(ParallelStyle):
     """A check on the model's input (no parameters): the sequence must split evenly over tp."""
 
@@ -173,6 +191,9 @@ def transformer_tp_plan(model: nn.Module, *, sp: bool = True) -> dict[str, Paral
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
     })
+    if any(getattr(getattr(block, "attention", None), "q_norm", None) is not None for block in _blocks(model)):
+        plan["layers.*.attention.q_norm"] = HeadShardedNorm()  # Qwen3's per-head norms
+        plan["layers.*.attention.k_norm"] = HeadShardedNorm()
     if any(getattr(getattr(block, "feed_forward", None), "w3", None) is not None for block in _blocks(model)):
         plan["layers.*.feed_forward.w3"] = ColwiseParallel()  # SwiGLU's gate
     if getattr(model, "norm", None) is not None:

@@ -11,8 +11,9 @@ tensors (safetensors maps the file, nothing is copied twice) and keeps its own s
 
 Names are the model's own parameter names without wrapper prefixes ("layers.0.attention.wq.weight").
 Only weights travel: optimizer state stays in the checkpoint. With `hf=True` the export is a
-Hugging Face folder instead (model.safetensors in LlamaForCausalLM's names and rotary layout,
-plus config.json) that `transformers` loads directly; `import_weights` reads such folders back.
+Hugging Face folder instead (model.safetensors in the names and layout of the model's family,
+see shoal.models.hf_weights, plus config.json) that `transformers` loads directly; `import_weights`
+reads such folders back.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shoal.models.config import ModelConfig
 from shoal.models.hf_weights import (
-    EMBED_KEY,
+    HFTensor,
     check_llama,
-    from_hf_llama,
-    hf_llama_config,
-    hf_llama_names,
-    to_hf_llama,
-    to_hf_llama_tensor,
+    hf_config,
+    hf_layout,
+    hf_to_shoal,
+    is_hf_state,
+    shoal_to_hf,
+    to_hf_tensor,
 )
 from shoal.runtime import Runtime
 from shoal.train.safe_load import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
@@ -69,8 +71,9 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
               if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
     if not stored:
         raise ValueError(f"checkpoint {checkpoint} holds no '{MODEL_KEY}.*' tensors; is it a shoal checkpoint?")
-    names = hf_llama_names(cfg) if cfg is not None else {k: k for k in stored}
-    missing = [k for k in names if k not in stored]
+    layout = hf_layout(cfg) if cfg is not None else []
+    needed = [p for t in layout for p in t.parts] if cfg is not None else list(stored)
+    missing = [k for k in needed if k not in stored]
     if missing:
         raise ValueError(f"checkpoint {checkpoint} lacks {missing[0]!r}, which the model config needs")
 
@@ -81,17 +84,29 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({MODEL_KEY: {name: tensor}}, checkpoint_id=str(checkpoint),
                      storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(), no_dist=True)
-        return to_hf_llama_tensor(name, tensor, cfg) if cfg is not None else tensor
+        return tensor
 
-    by_hf = {hf: shoal for shoal, hf in names.items()}
-    entries = [(hf, stored[shoal].properties.dtype, tuple(stored[shoal].size)) for shoal, hf in names.items()]
     info = {"format": "pt", "source": str(checkpoint), **{k: str(v) for k, v in (metadata or {}).items()}}
     if cfg is None:
+        entries = [(k, stored[k].properties.dtype, tuple(stored[k].size)) for k in needed]
         return _stream(out, entries, fetch, info)
+    by_hf = {t.name: t for t in layout}
+    entries = [(t.name, stored[t.parts[0]].properties.dtype, _hf_shape(t, [tuple(stored[p].size) for p in t.parts]))
+               for t in layout]
     folder = _hf_folder(out)
-    _stream(folder / "model.safetensors", entries, lambda hf: fetch(by_hf[hf]), info)
+    _stream(folder / "model.safetensors", entries,
+            lambda hf: to_hf_tensor(by_hf[hf], [fetch(p) for p in by_hf[hf].parts], cfg), info)
     _write_hf_config(folder, cfg)
     return folder
+
+
+def _hf_shape(entry: HFTensor, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of a Hugging Face tensor made of parts of these shapes (see HFTensor)."""
+    if entry.expert is not None:  # one expert's slice of a stacked tensor
+        shapes = [s[1:] for s in shapes]
+    shape = list(shapes[0][::-1] if entry.transpose else shapes[0])
+    shape[entry.cat_dim] = sum((s[::-1] if entry.transpose else s)[entry.cat_dim] for s in shapes)
+    return tuple(shape)
 
 
 def _stream(out: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], fetch: Callable[[str], torch.Tensor],
@@ -123,8 +138,8 @@ def import_weights(path: Path | str, *, runtime: Runtime, strict: bool = True) -
     """Load a safetensors file of full weights into the runtime's model under any plan (each rank
     keeps its own shard). Collective when the model is sharded.
 
-    A Hugging Face Llama folder (its model.safetensors) or file in transformers' names is
-    converted to shoal's names and rotary layout first."""
+    A Hugging Face folder (its model.safetensors) or file in a supported family's names is
+    converted to shoal's names and layout first."""
     path = Path(path)
     if path.is_dir():
         path = path / "model.safetensors"
@@ -132,8 +147,8 @@ def import_weights(path: Path | str, *, runtime: Runtime, strict: bool = True) -
         weights = load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"weights file {path} cannot be read as safetensors: {exc}") from None
-    if EMBED_KEY in weights:  # transformers' Llama layout
-        weights = from_hf_llama(weights, _live_model_config(runtime))
+    if is_hf_state(weights):  # a transformers family's layout
+        weights = hf_to_shoal(weights, _live_model_config(runtime))
     try:
         runtime.load_full_weights(weights, strict=strict)
     except ValueError as exc:
@@ -142,7 +157,7 @@ def import_weights(path: Path | str, *, runtime: Runtime, strict: bool = True) -
 
 def _write_hf(weights: dict[str, torch.Tensor], out: Path, cfg: ModelConfig, metadata: dict[str, str]) -> Path:
     """Folder `out` with model.safetensors (transformers' names) and config.json; returns the folder."""
-    _write(to_hf_llama(weights, cfg), _hf_folder(out) / "model.safetensors", metadata)
+    _write(shoal_to_hf(weights, cfg), _hf_folder(out) / "model.safetensors", metadata)
     _write_hf_config(out, cfg)
     return out
 
@@ -155,7 +170,7 @@ def _hf_folder(out: Path) -> Path:
 
 def _write_hf_config(out: Path, cfg: ModelConfig) -> None:
     tmp = out / f".config.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(hf_llama_config(cfg), indent=2) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(hf_config(cfg), indent=2) + "\n", encoding="utf-8")
     _usual_permissions(tmp)
     os.replace(tmp, out / "config.json")
 

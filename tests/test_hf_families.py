@@ -1,0 +1,179 @@
+"""Every Hugging Face family shoal computes exactly, against transformers' own model: a tiny random
+model built by transformers from its config (no download) is saved, read by `shoal.from_hf`, and
+both give the same logits, loss and gradients; shoal's weights exported as a Hugging Face folder
+load back in `AutoModelForCausalLM` with the same logits.
+
+Tolerances (float32, dropout off): the two models hold the same numbers and do the same
+arithmetic up to the order of some float operations (rotate_half against interleaved pairs,
+RMSNorm and GELU written two ways, SDPA against a masked SDPA or eager attention, the experts'
+weighted sum), which moves each result by a few ulps of float32 (eps = 1.2e-7). Logits and the
+loss are O(1) and pass through ~2 layers of such steps: rtol = atol = 1e-5 (~80 eps) leaves an
+order of magnitude above what is measured (printed: ~1e-6 and below). Gradients are sums over the
+batch's 64 tokens of products of such values, and parameters that get small gradients (norm
+weights) see the rounding of the larger terms they cancel: rtol 1e-4 with atol 1e-6 on gradients
+of size ~1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
+
+import shoal  # noqa: E402
+from shoal.models.hf_weights import shoal_to_hf  # noqa: E402
+from shoal.parallelize import parallelize  # noqa: E402
+from shoal.train.export import export_model  # noqa: E402
+
+LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)  # see the module docstring
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+SEQ = 32
+_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def _rope(rope_type: str, **params: float) -> dict:
+    """A small theta, so the rotary wavelengths span 2 pi .. ~1500 positions, across the scalings' bands."""
+    return dict(rope_parameters={"rope_type": rope_type, "rope_theta": 500.0, **params})
+
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, dict(_LLAMA, **_rope("default"))),
+    "llama3": (transformers.LlamaConfig, dict(_LLAMA, **_rope("llama3", factor=8.0, low_freq_factor=1.0,
+                                                              high_freq_factor=4.0,
+                                                              original_max_position_embeddings=16))),
+    "linear": (transformers.LlamaConfig, dict(_LLAMA, **_rope("linear", factor=4.0))),
+    "dynamic": (transformers.LlamaConfig, dict(_LLAMA, **_rope("dynamic", factor=2.0))),
+    "yarn": (transformers.LlamaConfig, dict(_LLAMA, **_rope("yarn", factor=4.0, original_max_position_embeddings=16))),
+    "mistral": (transformers.MistralConfig, dict(_LLAMA, sliding_window=8)),  # SEQ = 4 windows
+    "qwen2": (transformers.Qwen2Config, dict(_LLAMA, tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict(_LLAMA, head_dim=32)),  # 4 heads of 32 on a 64-wide model
+    "mixtral": (transformers.MixtralConfig, dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(_LLAMA, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                    norm_topk_prob=False)),
+    "qwen2_moe-norm": (transformers.Qwen2MoeConfig, dict(_LLAMA, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                         norm_topk_prob=True, decoder_sparse_step=2,
+                                                         intermediate_size=32)),
+    "gpt2": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+}
+
+
+def _hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    config_cls, fields = FAMILIES[name]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**fields), dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norms and biases, so a swapped or dropped one shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.empty_like(p).uniform_(-0.5, 0.5))
+    return model.eval()
+
+
+def _file_layout(name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' in-memory names -> its files' (the MoE families fuse their experts in memory only)."""
+    if name not in ("mixtral", "qwen2_moe"):
+        return state
+    prefix, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if name == "mixtral"
+                                else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    out = {}
+    for k, v in state.items():
+        layer = k.rsplit(".mlp.", 1)[0]
+        if k.endswith("mlp.gate.weight"):
+            out[f"{layer}.{prefix}.gate.weight"] = v
+        elif k.endswith("mlp.experts.gate_up_proj"):
+            for e, (w_gate, w_up) in enumerate(zip(*v.chunk(2, dim=1), strict=True)):
+                out[f"{layer}.{prefix}.experts.{e}.{gate}.weight"] = w_gate
+                out[f"{layer}.{prefix}.experts.{e}.{up}.weight"] = w_up
+        elif k.endswith("mlp.experts.down_proj"):
+            for e, w_down in enumerate(v):
+                out[f"{layer}.{prefix}.experts.{e}.{down}.weight"] = w_down
+        else:
+            out[k] = v
+    return out
+
+
+def _tokens(vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, transformers' model, its saved folder, shoal's model read from that folder)."""
+    hf_model = _hf_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(str(folder))
+    return request.param, hf_model, folder, shoal.from_hf(folder).eval()
+
+
+def test_logits_loss_and_gradients_equal_transformers(family):
+    name, hf_model, _, model = family
+    tokens = _tokens(model.config.vocab_size)
+    hf_out = hf_model(tokens, labels=tokens)
+    logits = model(tokens)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    print(f"{name}: max |logit diff| {(logits - hf_out.logits).abs().max():.3g}, "
+          f"|loss diff| {(loss - hf_out.loss).abs():.3g}")
+    torch.testing.assert_close(logits, hf_out.logits, **LOGIT_TOL)
+    torch.testing.assert_close(loss, hf_out.loss, **LOGIT_TOL)
+    hf_model.zero_grad()
+    model.zero_grad()
+    hf_out.loss.backward()
+    loss.backward()
+    grads = shoal_to_hf({k: p.grad for k, p in model.named_parameters(remove_duplicate=False)}, model.config)
+    hf_grads = _file_layout(name.split("-")[0], {k: p.grad for k, p in hf_model.named_parameters()})
+    assert set(grads) <= set(hf_grads) and set(hf_grads) - set(grads) <= {"lm_head.weight"}
+    worst = max((grads[k] - hf_grads[k]).abs().max().item() for k in grads)
+    print(f"{name}: max |grad diff| {worst:.3g}")
+    for k in grads:
+        torch.testing.assert_close(grads[k], hf_grads[k], **GRAD_TOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name, off", [("llama3", dict(rope_type="default")), ("linear", dict(rope_type="default")),
+                                       ("yarn", dict(rope_type="default")), ("mistral", dict(sliding_window=0)),
+                                       ("qwen2", dict(qkv_bias=False)), ("qwen3", dict(qk_norm=False)),
+                                       ("qwen2_moe", dict(shared_gate=False))])
+def test_each_feature_changes_the_logits(name, off, tmp_path):
+    """The checks above are not vacuous: the same weights without the family's feature differ from
+    transformers by far more than the tolerance."""
+    hf_model = _hf_model(name)
+    hf_model.save_pretrained(str(tmp_path))
+    model = shoal.from_hf(tmp_path)
+    plain = type(model)(model.config.replace(**off))
+    plain.load_state_dict(model.state_dict(), strict=False)  # the feature's own tensors (biases, norms) left out
+    tokens = _tokens(model.config.vocab_size)
+    with torch.no_grad():
+        assert (plain.eval()(tokens) - hf_model(tokens).logits).abs().max() > 1e-3
+
+
+def test_export_loads_in_transformers_with_equal_logits(family, tmp_path):
+    name, _, _, model = family
+    out = export_model(parallelize(model), tmp_path / "export", hf=True)
+    assert out is not None
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokens = _tokens(model.config.vocab_size, seed=1)
+    with torch.no_grad():
+        expected, got = model(tokens), reloaded(tokens).logits
+    print(f"{name}: export max |logit diff| {(got - expected).abs().max():.3g}")
+    torch.testing.assert_close(got, expected, **LOGIT_TOL)
+
+
+def test_gpt2_files_of_the_original_release_read_alike(tmp_path):
+    """GPT-2's first files name tensors without the `transformer.` prefix and hold the causal-mask
+    buffers (`attn.bias`): both read as the current layout does."""
+    from shoal.models.hf_weights import hf_to_shoal
+
+    hf_model = _hf_model("gpt2")
+    hf_model.save_pretrained(str(tmp_path))
+    model = shoal.from_hf(tmp_path)
+    state = {k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items()}
+    state["h.0.attn.bias"] = torch.ones(1, 1, SEQ, SEQ)
+    got = hf_to_shoal(state, model.config)
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
