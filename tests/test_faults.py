@@ -109,10 +109,10 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return result
 
 
-@pytest.mark.parametrize("fault, victim", [
+@pytest.mark.parametrize("fault, victim", [  # one in every CI run; the other places in `make test-slow`
     ("kill@forward:rank=1:step=4", 1),
-    ("kill@backward:rank=0:step=4", 0),
-    ("kill@collective:rank=1:step=4", 1),
+    pytest.param("kill@backward:rank=0:step=4", 0, marks=pytest.mark.slow),
+    pytest.param("kill@collective:rank=1:step=4", 1, marks=pytest.mark.slow),
 ])
 def test_killed_rank(tmp_path, reference, fault, victim):
     run = start(tmp_path / "run", fault=fault).wait()
@@ -178,7 +178,8 @@ def test_sigterm_to_one_rank_stops_with_a_checkpoint(tmp_path, reference):
                    next(x for x in run.stdout.splitlines() if x.startswith("shoal: stopped")))
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to shoal train", "Ctrl-C (SIGINT to the process group)"])
+@pytest.mark.parametrize("how", ["SIGTERM to shoal train",
+                                 pytest.param("Ctrl-C (SIGINT to the process group)", marks=pytest.mark.slow)])
 def test_signal_to_the_launcher_stops_with_a_checkpoint(tmp_path, reference, how):
     out = tmp_path / "run"
     run = start(out, "--steps", "400", new_session=True)  # long enough to be stopped in the middle

@@ -242,7 +242,8 @@ same order. A plan that routed differently (per micro-batch, as before routing g
 @pytest.mark.parametrize("router, runs", [
     (["--set", "top_k=2"], list(CLI_RUNS)),
     # kept short: CLI runs are slow
-    (["--set", "num_prototypes=2", "--set", "norm_topk=false"], ["one process", "ep2"]),
+    pytest.param(["--set", "num_prototypes=2", "--set", "norm_topk=false"], ["one process", "ep2"],
+                 marks=pytest.mark.slow),  # the prototype router's parity runs in-process above
 ], ids=["top2", "prototypes2"])
 def test_tiny_moe_losses_do_not_depend_on_the_plan(tmp_path, router, runs):
     """`shoal train --model tiny-moe` (capacity 1.25) under ep2, dp2 and with micro-batch accumulation
