@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -125,3 +127,30 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+RUN_RECORD = "bench_run.json"
+"""The command and wall time of a finished `shoal train` run, beside the run's own files."""
+
+
+def train_run(name: str, command: list[str], run_dir: Path, *, fresh: bool) -> tuple[Path, float]:
+    """Run `command` (a `shoal train` writing into `run_dir`), or find it finished by the same
+    command (the interpreter's path may differ); (run folder, wall seconds). Checkpoints are
+    removed afterwards: an experiment reads metrics.jsonl, and they are the largest files."""
+    record_path = run_dir / RUN_RECORD
+    if not fresh and record_path.is_file():
+        record = json.loads(record_path.read_text())
+        if record["command"][1:] == command[1:]:
+            print(f"{name}: finished run found in {run_dir}", flush=True)
+            return run_dir, record["wall_s"]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"{name}: training ({' '.join(command[1:])})", flush=True)
+    start = time.perf_counter()
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        sys.exit(f"{name}: shoal train failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    record_path.write_text(json.dumps({"command": command, "wall_s": wall}))
+    print(f"{name}: {wall:.0f} s", flush=True)
+    return run_dir, wall

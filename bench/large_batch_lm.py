@@ -20,20 +20,15 @@ read, not retrained (`--fresh` retrains).
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, report
+from bench.common import RESULTS, report, train_run
 from shoal.models.config import get_preset
 from shoal.train.metrics import read_metrics
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-RUN_RECORD = "bench_run.json"
 PRESET = "tiny"
 SHAPE = {"num_layers": "2", "dim": "64", "ffn_dim": "192", "num_heads": "4", "num_kv_heads": "2"}
 """The tiny preset cut to 2 layers of width 64 (0.13M parameters) to fit the machine's budget."""
@@ -65,24 +60,7 @@ def train_command(label: str, batch: int, run_dir: Path, args: argparse.Namespac
 def run_one(opt: str, batch: int, args: argparse.Namespace) -> tuple[Path, float]:
     """Train one (optimizer, batch) run or find it finished; (run folder, wall seconds)."""
     run_dir = args.out / f"{opt}_b{batch}"
-    command = train_command(opt, batch, run_dir, args)
-    record_path = run_dir / RUN_RECORD
-    if not args.fresh and record_path.is_file():
-        record = json.loads(record_path.read_text())
-        if record["command"][1:] == command[1:]:
-            print(f"{opt} batch {batch}: finished run found in {run_dir}", flush=True)
-            return run_dir, record["wall_s"]
-    shutil.rmtree(run_dir, ignore_errors=True)
-    print(f"{opt} batch {batch}: training ({' '.join(command[1:])})", flush=True)
-    start = time.perf_counter()
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - start
-    if done.returncode:
-        sys.exit(f"{opt} batch {batch}: shoal train failed ({done.returncode}):\n{done.stdout[-3000:]}")
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    record_path.write_text(json.dumps({"command": command, "wall_s": wall}))
-    print(f"{opt} batch {batch}: {wall:.0f} s", flush=True)
-    return run_dir, wall
+    return train_run(f"{opt} batch {batch}", train_command(opt, batch, run_dir, args), run_dir, fresh=args.fresh)
 
 
 def row(opt: str, batch: int, records: list[dict[str, Any]], wall_s: float, args: argparse.Namespace) -> dict[str, Any]:

@@ -18,24 +18,19 @@ already holds a finished run of the same command is read, not retrained (`--fres
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, report
+from bench.common import RESULTS, report, train_run
 from shoal.models.config import ModelConfig, get_preset
 from shoal.train.metrics import read_metrics
 
 PRESET = "tiny"
 NUM_EXPERTS = 8
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-RUN_RECORD = "bench_run.json"  # the command and wall time of a finished run, beside shoal's files
 
 
 @dataclass(frozen=True)
@@ -89,24 +84,7 @@ def train_command(variant: Variant, run_dir: Path, args: argparse.Namespace) -> 
 def run_variant(variant: Variant, args: argparse.Namespace) -> tuple[Path, float]:
     """Train the variant (or find its finished run); (run folder, wall seconds of the subprocess)."""
     run_dir = args.out / variant.name.replace(" ", "_").replace("=", "")
-    command = train_command(variant, run_dir, args)
-    record_path = run_dir / RUN_RECORD
-    if not args.fresh and record_path.is_file():
-        record = json.loads(record_path.read_text())
-        if record["command"][1:] == command[1:]:  # the interpreter's path may differ
-            print(f"{variant.name}: finished run found in {run_dir}", flush=True)
-            return run_dir, record["wall_s"]
-    shutil.rmtree(run_dir, ignore_errors=True)
-    print(f"{variant.name}: training ({' '.join(command[1:])})", flush=True)
-    start = time.perf_counter()
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - start
-    if done.returncode:
-        sys.exit(f"{variant.name}: shoal train failed ({done.returncode}):\n{done.stdout[-3000:]}")
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # not needed, and the largest files
-    record_path.write_text(json.dumps({"command": command, "wall_s": wall}))
-    print(f"{variant.name}: {wall:.0f} s", flush=True)
-    return run_dir, wall
+    return train_run(variant.name, train_command(variant, run_dir, args), run_dir, fresh=args.fresh)
 
 
 def layer_mean(record: dict[str, Any], figure: str) -> float | None:
