@@ -48,7 +48,7 @@ into the dispatcher, views at half (the norms, attention with RoPE and grouped-q
 FFN, the residual adds and dropouts); compiled, the graph's fused kernels and the matmul and
 attention kernels it calls. Counted by shoal.planner.counts.block_ops on the tiny preset;
 tests/test_planner_counts.py recounts them."""
-DTENSOR_DISPATCHES = {"block": 144, "head": 62}
+DTENSOR_DISPATCHES = {"block": 144, "head": 56}
 """DTensor dispatches of one block's forward and backward under tensor parallelism, and of the
 vocabulary-parallel embedding, head and loss: shoal.planner.counts.dtensor_dispatches on the tiny
 preset at tp2, the block's from 2 and 4 layers; tests/test_planner_counts.py recounts them. Without
