@@ -353,5 +353,5 @@ def test_prepare_help_names_every_default(capsys):
         cli.main(["data", "prepare", "--help"])
     text = capsys.readouterr().out
     entries = [e for e in text.split("options:")[1].split("\n  -") if e.strip().startswith("-")]
-    assert len(entries) == 6
+    assert len(entries) == 7
     assert all("[" in e or "(required" in e for e in entries), entries
