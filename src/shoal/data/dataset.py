@@ -197,6 +197,18 @@ class MixtureBatches:
         return (np.array([p[0][o] for p, o in zip(pairs, offsets)], dtype=np.int64),
                 np.array([p[1][o] for p, o in zip(pairs, offsets)], dtype=np.int64))
 
+    def new_epochs(self, step: int, size: int) -> list[tuple[str, int]]:
+        """(source name, epoch) of each source that starts a new epoch (after its first) in global
+        batch `step`: for the log."""
+        sources, positions = self.draws(step * size, size)
+        out = []
+        for k in np.unique(sources):
+            n = self.streams[int(k)].num_windows
+            here = positions[sources == k]
+            for epoch in np.unique(here[(here % n == 0) & (here >= n)] // n):
+                out.append((self.streams[int(k)].name, int(epoch) + 1))
+        return out
+
     def window_of(self, source: int, position: int) -> int:
         return int(self.windows(np.array([source]), np.array([position]))[0])
 
@@ -237,6 +249,9 @@ class OpenedData:
     num_held_out: int
     max_id: int
     tokenizer: dict[str, Any] | None = None
+    held_out_sources: dict[str, Any] | None = None
+    """More than one source: each one's held-out batches alone, by short name (its folder, and
+    its input's file name where a folder has several), for a held-out loss per source."""
 
 
 def open_prepared(spec: str, *, seq_len: int, seed: int) -> OpenedData:
@@ -266,7 +281,11 @@ def open_prepared(spec: str, *, seq_len: int, seed: int) -> OpenedData:
     # A folder's sources share its weight in proportion to their tokens.
     weights = {split: [w * src[split]["tokens"] / m["splits"][split]["tokens"]
                        for (_, w), m in zip(mixture, manifests) for src in m["sources"]] for split in ("train", "eval")}
+    labels = [Path(folder).name + (f"/{Path(src['input']).name}" if len(m["sources"]) > 1 else "")
+              for (folder, _), m in zip(mixture, manifests) for src in m["sources"]]
+    per_source = {label: MixtureBatches([stream], [1.0], seed=seed) for label, stream in zip(labels, splits[1])} \
+        if len(splits[1]) > 1 and len(set(labels)) == len(labels) else None
     return OpenedData(train=MixtureBatches(splits[0], weights["train"], seed=seed),
                       held_out=MixtureBatches(splits[1], weights["eval"], seed=seed),
                       num_train=sum(s.num_tokens for s in splits[0]), num_held_out=sum(s.num_tokens for s in splits[1]),
-                      max_id=max(int(m["max_id"]) for m in manifests), tokenizer=first)
+                      max_id=max(int(m["max_id"]) for m in manifests), tokenizer=first, held_out_sources=per_source)
