@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,7 @@ class TokenStream:
         """The loss mask of `window(w)` (1: a target), or None when every token is one."""
         return None if self.masks is None else self._read(self.masks, w)
 
-    def _read(self, arrays: list[np.ndarray], w: int) -> np.ndarray:
+    def _read(self, arrays: Sequence[np.ndarray], w: int) -> np.ndarray:
         start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
         first = int(np.searchsorted(self.starts, start, side="right")) - 1
         parts, pos = [], start
