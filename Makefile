@@ -4,7 +4,8 @@
 #   make train   install, then train the default model (shoal train)
 #   make lint    install, then check the code: ruff (style, imports, likely bugs) and mypy (types);
 #                both read their settings from pyproject.toml
-#   make test    install, then run the test suite
+#   make test    install, then run the test suite, less the sweeps marked slow
+#   make test-slow  the sweeps marked slow (many plans or CLI runs each; run before a release)
 #
 # torch is installed first, on its own, so that pip takes the CPU build named here and the
 # package's `torch` range is already satisfied (pip never pulls a CUDA build on a CPU machine).
@@ -17,7 +18,7 @@ TORCH_PIP_FLAGS ?=
 STAMP := $(VENV)/.shoal-installed
 RUN_ENV := OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
 
-.PHONY: setup train lint test clean-venv
+.PHONY: setup train lint test test-slow clean-venv
 
 setup: $(STAMP)
 
@@ -35,7 +36,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: $(STAMP)
-	$(RUN_ENV) $(VENV)/bin/python -m pytest -q tests
+	$(RUN_ENV) $(VENV)/bin/python -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(RUN_ENV) $(VENV)/bin/python -m pytest -q -m slow tests
 
 clean-venv:
 	rm -rf $(VENV)

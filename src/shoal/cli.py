@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         train.add_argument(flag, type=type_, help=help_, default=argparse.SUPPRESS)
     train.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
                        help="override a model field (repeatable), e.g. --set num_layers=2 [the preset's values]")
+    train.add_argument("--init", metavar="PATH", default=argparse.SUPPRESS,
+                       help="start from pretrained weights: a Hugging Face folder of safetensors (Llama names) or "
+                       "a shoal export; each rank reads only its slices, any dtype cast to the run's [off: the seed's]")
+    train.add_argument("--init-ignore", action="append", metavar="GLOB", default=argparse.SUPPRESS,
+                       help="tensors --init may lack or hold in excess (glob over shoal or file names; repeatable "
+                       "or comma-separated); missing ones start from the seed [none]")
     train.add_argument("--resume", metavar="DIR", help="continue this run folder from its newest checkpoint that "
                        "verifies [off: a new run]")
     train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys) [none]")
@@ -257,6 +263,9 @@ def prepare_job(args: argparse.Namespace) -> Any:
     if under_torchrun() and "nproc" in flags and flags["nproc"] != int(os.environ["WORLD_SIZE"]):
         raise UserError(f"--nproc {flags['nproc']} but torchrun started {os.environ['WORLD_SIZE']} processes; "
                         "leave --nproc out under torchrun")
+    if args.resume is not None and ("init" in flags or "init_ignore" in flags):
+        raise UserError("--init cannot be combined with --resume: a resumed run continues from its checkpoint; "
+                        "valid: --init for a new run, --resume DIR to continue one")
     if args.resume is not None:
         cfg = _resume_config(args, flags)
         run_dir: str | None = args.resume
@@ -275,6 +284,10 @@ def prepare_job(args: argparse.Namespace) -> Any:
     if args.resume is None and cfg.plan is not None and cfg.plan.strip() == "auto":
         cfg, prediction = _auto_plan(cfg, device)
     validate(cfg, device)
+    if args.resume is None and cfg.init is not None:  # the files' headers only: before any worker starts
+        from shoal.train.pretrained import open_pretrained
+
+        open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
     resume_from = None
     if args.resume is not None:
         resume_from = str(_check_resumable(Path(args.resume), cfg.loop.steps))

@@ -21,7 +21,7 @@ from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
 from shoal.parallel.data import DataEngine, TorchDataEngine, apply_data_parallel, transformer_blocks
 from shoal.parallel.expert import ExpertGrads, MoETensorParallel, apply_expert_parallel, ep_mesh
-from shoal.parallel.materialize import materialize, on_meta
+from shoal.parallel.materialize import WeightSource, materialize, on_meta
 from shoal.parallel.pipeline import Pipeline, build_stages, merged_view
 from shoal.parallel.recompute import apply_recompute
 from shoal.parallel.tensor import apply_tensor_parallel, transformer_tp_plan
@@ -31,17 +31,21 @@ from shoal.runtime import Runtime
 
 
 def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | None = None, *,
-                seed: int = 0) -> Runtime:
+                seed: int = 0, weights: WeightSource | None = None) -> Runtime:
     """Apply `plan` to `model` on `mesh` (in place) and return the runtime that trains it.
 
     Without a plan and mesh: the model alone in this process (no process group needed), the same
     runtime interface at degree 1 everywhere. A model built on the meta device is materialized
     after the plan is applied, each rank allocating only its shards, with initial weights that
-    are a function of `seed` and the parameter names alone (shoal/parallel/materialize.py).
+    are a function of `seed` and the parameter names alone (shoal/parallel/materialize.py), or
+    read slice by slice from pretrained `weights` (shoal.train.pretrained.open_pretrained).
     """
+    if weights is not None and not on_meta([model]):
+        raise ValueError("pretrained weights= load while materializing: build the model on the meta device "
+                         "(with torch.device('meta'): ...)")
     if plan is None and mesh is None:
         if on_meta([model]):
-            materialize(model, seed=seed, device=torch.device("cpu"))
+            materialize(model, seed=seed, device=torch.device("cpu"), weights=weights)
         return Runtime(TorchDataEngine(model, model), plan=None, mesh=None, choice=None)
     if plan is None or mesh is None:
         raise ValueError("parallelize needs both a plan and a mesh, or neither (one process)")
@@ -53,7 +57,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
         model, context = _within_stage(model, mesh, plan)
         experts = _experts([model], mesh, plan)
-        engine = _data_parallel(model, mesh, plan, choice, experts, seed)
+        engine = _data_parallel(model, mesh, plan, choice, experts, seed, weights)
         return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, experts=experts)
     assert plan.vpp is not None, "rules.resolve chose it"
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
@@ -65,12 +69,12 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     modules = dict(stages)
     if len(stages) == 1:
         (s, stage), = stages.items()
-        engine = _data_parallel(stage, mesh, plan, choice, experts, seed)
+        engine = _data_parallel(stage, mesh, plan, choice, experts, seed, weights)
         stages[s] = engine.model
     else:
         for stage in stages.values():  # interleaved chunks run with no data engine
             if on_meta([stage]):
-                materialize(stage, seed=seed, device=_device(mesh))
+                materialize(stage, seed=seed, device=_device(mesh), weights=weights)
         view = merged_view(stages)
         engine = TorchDataEngine(view, view)
     pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync,
@@ -79,17 +83,17 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
 
 
 def _data_parallel(model: nn.Module, mesh: DeviceMesh, plan: Plan, choice: EngineChoice,
-                   experts: ExpertGrads | None, seed: int) -> DataEngine:
+                   experts: ExpertGrads | None, seed: int, weights: WeightSource | None) -> DataEngine:
     """The data engine over `model`; a meta-built model materialized where each engine needs it:
     after FSDP2 has sharded it (each rank then allocates its shards only), before the engines
     that keep full parameters (DDP, shoal's ZeRO-1/2, none)."""
     ignore = experts.params if experts is not None else ()
     meta = on_meta([model])
     if meta and choice.kind != "fsdp2":
-        materialize(model, seed=seed, device=_device(mesh))
+        materialize(model, seed=seed, device=_device(mesh), weights=weights)
     engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice, ignore=ignore)
     if meta and choice.kind == "fsdp2":
-        materialize(engine.model, seed=seed, device=_device(mesh))
+        materialize(engine.model, seed=seed, device=_device(mesh), weights=weights)
     return engine
 
 

@@ -16,6 +16,8 @@ else is a one-line ValueError. Plain tensors only: no torch.distributed here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -161,3 +163,79 @@ def _check_keys(state: dict[str, Tensor], needed: set[str], *, optional: set[str
     if missing or unexpected:
         raise ValueError(f"weights in {layout} layout do not fit the model config: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
+
+
+# ----------------------------------------------------------------------------- reading slices of files
+
+Box = tuple[tuple[int, int], ...]
+"""A slice of a full tensor: (start, stop) along each dimension."""
+
+OpenKey = Callable[[str], Any]
+"""File key -> a lazy view of that tensor (safetensors' `safe_open(...).get_slice(key)`: `get_shape()`,
+and indexing by a tuple of slices reads just that box)."""
+
+
+@dataclass(frozen=True)
+class SliceLayout:
+    """How a family of weight files names and lays out shoal's tensors, read one box at a time.
+
+    `shoal train --init` (shoal/train/pretrained.py) asks the first layout in `SLICE_LAYOUTS` whose
+    `marker` key the file holds; a file matching none is read under shoal's own names. A family
+    plugs in by adding a layout: `sources` says which file keys (and shapes) hold a shoal tensor,
+    which lets the loader check a folder against the model from its headers alone; `read_slice`
+    returns the box of the shoal tensor, reading only what it needs through `open_key`. A tensor
+    stacked in shoal but split per key in the file (Mixtral's per-expert weights for shoal's
+    stacked `experts.w1`) lists every key in `sources` and reads the experts its box covers.
+    """
+
+    name: str
+    marker: str
+    """A key only this family's files hold."""
+    sources: Callable[[ModelConfig, str, tuple[int, ...]], dict[str, tuple[int, ...]]]
+    """(cfg, shoal name, full shoal shape) -> {file key: the shape it must have}."""
+    read_slice: Callable[[ModelConfig, str, tuple[int, ...], Box, OpenKey], Tensor]
+    """(cfg, shoal name, full shoal shape, box, open_key) -> the box of the shoal tensor."""
+    optional: Callable[[ModelConfig, str], bool]
+    """(cfg, file key) -> whether the file may hold this key although no shoal tensor reads it."""
+    check: Callable[[ModelConfig], None] = lambda cfg: None
+    """ValueError (one line) when the model cannot hold this family's weights at all."""
+
+
+def read_box(open_key: OpenKey, key: str, box: Box) -> Tensor:
+    """The box of file tensor `key`, reading only it."""
+    view = open_key(key)
+    return view[tuple(slice(a, b) for a, b in box)] if box else view[...]
+
+
+def _hf_llama_key(cfg: ModelConfig, shoal_name: str) -> str:
+    if shoal_name == "output.weight" and cfg.tie_embeddings:
+        return EMBED_KEY  # tied: the head is the embedding (a pipeline's last stage asks for it by this name)
+    key = hf_llama_names(cfg).get(shoal_name)
+    if key is None:
+        raise ValueError(f"the model's tensor {shoal_name} has no counterpart in a Hugging Face Llama file")
+    return key
+
+
+def _hf_llama_sources(cfg: ModelConfig, shoal_name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    return {_hf_llama_key(cfg, shoal_name): shape}
+
+
+def _hf_llama_read(cfg: ModelConfig, shoal_name: str, shape: tuple[int, ...], box: Box, open_key: OpenKey) -> Tensor:
+    """q/k rows are permuted within each head: read the whole heads the box's rows lie in, put
+    their rows in shoal's order, keep the box's rows."""
+    key, heads, hd = _hf_llama_key(cfg, shoal_name), _heads(shoal_name, cfg), cfg.head_dim
+    if not heads:
+        return read_box(open_key, key, box)
+    (r0, r1), *rest = box
+    h0, h1 = r0 // hd, -(-r1 // hd)
+    rows = read_box(open_key, key, ((h0 * hd, h1 * hd), *rest))
+    return _to_pairs(rows, h1 - h0, hd)[r0 - h0 * hd:r1 - h0 * hd]
+
+
+HF_LLAMA = SliceLayout(
+    name="Hugging Face Llama", marker=EMBED_KEY, sources=_hf_llama_sources, read_slice=_hf_llama_read,
+    optional=lambda cfg, key: key.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and key == "lm_head.weight"),
+    check=check_llama)
+
+SLICE_LAYOUTS: list[SliceLayout] = [HF_LLAMA]
+"""The file families `--init` reads besides shoal's own names, first match wins."""

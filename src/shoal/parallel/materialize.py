@@ -10,11 +10,16 @@ The initial values come from the model family's `init_spec(name, ndim)` (shoal's
 has one); a user's module without it is initialised by each submodule's `reset_parameters()`
 (the values then depend on the plan, as they would in torch), and refused when a submodule with
 parameters has none.
+
+With `weights` (pretrained weights, shoal/train/pretrained.py) each parameter's slice is read from
+the files instead of drawn: the same slices, from a file instead of a generator, so under every
+plan a rank reads only what it holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,16 +33,28 @@ from shoal.models.init import fill_slice_
 from shoal.parallel.data import clean_name
 
 
+class WeightSource(Protocol):
+    """Pretrained values by slice (shoal/train/pretrained.py implements it)."""
+
+    def read(self, name: str, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
+        """The `box` ((start, stop) per dim) of full parameter `name` of `shape`; None: not in the
+        files (the user chose to ignore it), drawn from the generator instead."""
+        ...
+
+
 def on_meta(modules: Iterable[nn.Module]) -> bool:
     """Whether any parameter of `modules` is a meta tensor (built on the meta device)."""
     return any(p.is_meta for m in modules for p in m.parameters())
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, *, seed: int, device: torch.device) -> None:
+def materialize(module: nn.Module, *, seed: int, device: torch.device, weights: WeightSource | None = None) -> None:
     """Allocate `module`'s parameters and buffers on `device` (this rank's shards only) and fill
-    them with their initial values."""
+    them with their initial values, or with `weights`' values where it has them."""
     spec = getattr(module, "init_spec", None)
+    if spec is None and weights is not None:
+        raise ValueError(f"pretrained weights load into a model with init_spec (shoal's models); "
+                         f"{type(module).__name__} has none")
     if spec is None:
         _reset_each(module, device)
         return
@@ -49,8 +66,14 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device) -> None:
             _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         else:
             local, offset = param, (0,) * param.dim()
+        shape = tuple(param.shape)
+        box = tuple((o, o + n) for o, n in zip(offset, local.shape, strict=True))
+        loaded = weights.read(key, shape, box) if weights is not None and local.numel() else None
+        if loaded is not None:
+            local.copy_(loaded)  # casts the file's dtype to the parameter's
+            continue
         values = torch.empty(local.shape, dtype=torch.float32)
-        fill_slice_(values, spec(key, param.dim()), seed=seed, name=key, shape=tuple(param.shape), offset=offset)
+        fill_slice_(values, spec(key, param.dim()), seed=seed, name=key, shape=shape, offset=offset)
         local.copy_(values)
     for sub in module.modules():
         init_buffers = getattr(sub, "init_buffers", None)

@@ -10,10 +10,11 @@ residual stream, norms and dropout between the sublayers are sharded on the sequ
 all-reduce becomes a reduce-scatter after the row-parallel projection and an all-gather before
 the column-parallel one (the same bytes), and the activations there take 1/t of the memory.
 
-The embedding is vocabulary-parallel (each rank holds 1/t of the rows; a token's row lives on
-one rank, the others contribute zeros to the reduction) and so is the output classifier: its
-logits stay sharded on the vocabulary dim (a DTensor, Shard(-1)) and the loss is computed
-across shards by `shoal.parallel.vocab` (DTensor's loss_parallel), never gathering them.
+The embedding table is split by columns (each rank holds 1/t of every row's features and
+gathers the rest), or, tied to the classifier, by rows (vocabulary-parallel: a token's row lives
+on one rank, the others contribute zeros to the reduction). The output classifier is
+vocabulary-parallel: its logits stay sharded on the vocabulary dim (a DTensor, Shard(-1)) and
+the loss is computed across shards by `shoal.parallel.vocab` (DTensor's loss_parallel), never gathering them.
 
 The plan is data: a dict from module-name pattern to a DTensor ParallelStyle, applied with
 `parallelize_module` to the unmodified model (shoal's Transformer infers local head counts
@@ -143,8 +144,18 @@ def transformer_tp_plan(model: nn.Module, *, sp: bool = True) -> dict[str, Paral
     plan: dict[str, ParallelStyle] = {}
     if sp:
         plan[""] = CheckSequenceShardable()
-    if getattr(model, "tok_embeddings", None) is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    embeddings = getattr(model, "tok_embeddings", None)
+    if embeddings is not None:
+        output = getattr(model, "output", None)
+        if output is not None and output.weight is embeddings.weight:
+            # Tied: the table is the classifier's too, sharded by rows (vocabulary) on both sides.
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        else:
+            # By columns: DTensor's backward of a row-sharded lookup has no sharded rule and gives
+            # every rank the whole (V, D) gradient (Replicate); a column shard's gradient is its own
+            # (V, D/t) columns. The output is gathered (or re-split by sequence), fewer bytes than
+            # the row shard's reduction.
+            plan["tok_embeddings"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if getattr(model, "pos_embeddings", None) is not None:
         plan["pos_embeddings"] = ShardedPositions() if sp else ReplicateParallel()
     norm = SequenceParallel() if sp else ReplicateParallel()

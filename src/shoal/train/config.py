@@ -98,6 +98,12 @@ class RunConfig:
     """Before any worker starts, price the plan's memory per device on this machine (the
     planner's model: each GPU's memory, or the host's shared by the local processes on CPUs) and
     refuse a plan predicted not to fit, naming plans that fit. Off: run anyway (a warning)."""
+    init: str | None = None
+    """Start from pretrained weights: a Hugging Face folder of safetensors or a `shoal export`
+    file/folder, each rank reading only its slices (shoal/train/pretrained.py); None: the seed's."""
+    init_ignore: tuple[str, ...] = ()
+    """Glob patterns (shoal names or file keys) of tensors `init` may lack or hold in excess;
+    ignored missing tensors start from the seed's values."""
     loop: LoopConfig = field(default_factory=LoopConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -115,7 +121,7 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "model": (None, "model"), "set": (None, "set"), "plan": (None, "plan"), "nproc": (None, "nproc"),
     "device": (None, "device"), "tf32": (None, "tf32"), "out": (None, "out"),
     "max_restarts": (None, "max_restarts"), "memory_check": (None, "memory_check"),
-    "dry_run": (None, "dry_run"),
+    "dry_run": (None, "dry_run"), "init": (None, "init"), "init_ignore": (None, "init_ignore"),
     **{f.name: ("loop", f.name) for f in dataclasses.fields(LoopConfig)},
     **{f.name: ("optim", f.name) for f in dataclasses.fields(OptimConfig)},
     "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),

@@ -35,6 +35,7 @@ from shoal.train.setup import (
     build_runtime,
     checkpoint_to_continue,
     load_data,
+    pretrained_weights,
     resolve_plan,
     restart_count,
     restore,
@@ -62,7 +63,13 @@ class Trainer:
         self.plan, self.plan_notes = resolve_plan(cfg, self.model_cfg, self.world, device)
         set_matmul_precision(device, tf32=cfg.tf32)
 
-        self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed)
+        self.start, self.restart = 0, restart_count()
+        path = checkpoint_to_continue(self.run_dir, restart=self.restart, resume=job.resume,
+                                      resume_from=job.resume_from, rank=self.rank)
+        weights = pretrained_weights(cfg, self.model_cfg, path)
+        self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed, weights=weights)
+        dtype = next(self.runtime.parameters()).dtype
+        self.init_note = weights.describe(dtype) if weights is not None else None
         self.part = self.runtime.data_rank
         self.local_batch = self.loop.global_batch // self.part[1]
         self.num_micro = rules.micro_batches(self.plan, local_batch=self.local_batch, micro_batch=self.loop.micro_batch)
@@ -75,10 +82,7 @@ class Trainer:
         self.fetch_s = 0.0  # the last step's time getting its batch (host, before the device sees it)
         self.num_train_tokens, self.num_held_out = data.num_train, data.num_held_out
 
-        self.start, self.restart = 0, restart_count()
         self.stopped_by: str | None = None
-        path = checkpoint_to_continue(self.run_dir, restart=self.restart, resume=job.resume,
-                                      resume_from=job.resume_from, rank=self.rank)
         if path is not None:
             self.start = restore(path, self.runtime, self.optimizer, self.scheduler)
 
@@ -276,6 +280,7 @@ class Trainer:
             f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {self.local_batch} per data "
             f"rank in {self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}",
             self.runtime.describe(),
+            *([self.init_note] if self.init_note else []),
             *(f"  default {note}" for note in self.plan_notes),
             f"run folder: {self.run_dir}"
             + (f" (resuming at step {self.start} of {loop.steps})" if self.start else f" ({loop.steps} steps)")

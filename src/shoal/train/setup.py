@@ -21,6 +21,7 @@ from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_go
 from shoal.train.config import RunConfig, parse_plan
 from shoal.train.data import Batches, open_data
 from shoal.train.optim import WarmupCosine
+from shoal.train.pretrained import Pretrained, open_pretrained
 from shoal.world import broadcast_from_rank0
 
 
@@ -44,14 +45,27 @@ def resolve_plan(cfg: RunConfig, model: ModelConfig, world: int, device: torch.d
         seq_len=cfg.loop.seq_len, micro_batch=cfg.loop.micro_batch))
 
 
-def build_runtime(model_cfg: ModelConfig, plan: Plan, device: torch.device, *, seed: int) -> Runtime:
+def build_runtime(model_cfg: ModelConfig, plan: Plan, device: torch.device, *, seed: int,
+                  weights: Pretrained | None = None) -> Runtime:
     """The model parallelized by `plan`: built on the meta device (shapes only), each rank then
-    allocating and initialising its own shards, the same full weights under every plan."""
+    allocating and initialising its own shards, the same full weights under every plan (the
+    seed's, or pretrained `weights`, each rank reading its slices)."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = Transformer(model_cfg)
     faults.arm(model)  # test-only hooks; nothing unless SHOAL_FAULT is set
-    return parallelize(model, plan, build_mesh(plan, device.type), seed=seed)
+    try:
+        return parallelize(model, plan, build_mesh(plan, device.type), seed=seed, weights=weights)
+    finally:
+        if weights is not None:
+            weights.close()
+
+
+def pretrained_weights(cfg: RunConfig, model_cfg: ModelConfig, checkpoint: Path | None) -> Pretrained | None:
+    """The run's --init weights (headers checked), unless it continues from a checkpoint."""
+    if cfg.init is None or checkpoint is not None:
+        return None
+    return open_pretrained(cfg.init, model_cfg, ignore=cfg.init_ignore)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ BEAT_S = 0.25
 seconds apart (at most 5), so that the store sees at most ~200 reports a second."""
 STALE_BEATS = 12
 """A counter that did not move for this many beats (3 s or more) belongs to a rank that stopped."""
+PEER_EXIT_S = 1.0
+"""How long a rank whose peer's connection closed waits before failing itself (see `diagnose`)."""
 FLOOR_S = 30.0
 """The automatic timeout once steps run: at least this, or ten times the slowest step."""
 SLOW_S = 600.0
@@ -129,8 +131,10 @@ class Watchdog:
             time.sleep(1.0)
             return HangError(self._store.get("hang").decode())
         if self._store is None or not _timed_out(error):
-            # A peer's connection closed: it died, and the launcher names it (its report comes
-            # first); waiting here to tell who would only delay the exit.
+            # A peer's connection closed: it died of its own error (a failing rank keeps its group
+            # open until it exits, shoal/train/worker.py), which the launcher names first; a
+            # short wait lets that exit be seen before this one.
+            time.sleep(PEER_EXIT_S)
             return PeerGone(f"{mine} {limit}: {_first_line(error)}")
         before = self._counters()
         time.sleep(STALE_BEATS * self.beat_s)

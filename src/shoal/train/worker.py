@@ -30,25 +30,36 @@ def run_worker(job: Job) -> dict[str, Any] | None:
     device = init_distributed(job.device)
     if dist.get_rank() != 0:  # the ranks' warnings repeat rank 0's: print them once, from rank 0
         warnings.simplefilter("ignore")
+    done = False
     try:
-        trainer, error = None, None
-        try:
-            trainer = Trainer(job, device)
-        except ValueError as exc:  # a user's mistake found only here (a corrupt checkpoint, ...)
-            error = str(exc)
-        error = first_error(error)
-        if error is not None:
-            return {"error": error}
-        assert trainer is not None
-        if job.config.dry_run:
-            return dry_run(trainer)
-        summary = trainer.run(signals)
-        if trainer.stopped_by:
-            return {**(summary or {}), "stopped": trainer.stopped_by}
-        return summary
+        result = _train(job, device, signals)
+        done = True
+        return result
     finally:
         signals.restore()
-        dist.destroy_process_group()
+        # After an exception the process group is left open: closing it would tell the peers
+        # "connection closed" before this rank's error reaches the launcher, which could then
+        # name a peer; the sockets close when the process exits.
+        if done:
+            dist.destroy_process_group()
+
+
+def _train(job: Job, device: torch.device, signals: StopSignals) -> dict[str, Any] | None:
+    trainer, error = None, None
+    try:
+        trainer = Trainer(job, device)
+    except ValueError as exc:  # a user's mistake found only here (a corrupt checkpoint, ...)
+        error = str(exc)
+    error = first_error(error)
+    if error is not None:
+        return {"error": error}
+    assert trainer is not None
+    if job.config.dry_run:
+        return dry_run(trainer)
+    summary = trainer.run(signals)
+    if trainer.stopped_by:
+        return {**(summary or {}), "stopped": trainer.stopped_by}
+    return summary
 
 
 def init_distributed(device: str) -> torch.device:

@@ -1,0 +1,234 @@
+"""Pretrained weights into any plan (`shoal train --init PATH`): each rank reads only its slices.
+
+PATH is a Hugging Face folder of safetensors (one `model.safetensors`, or shards listed in
+`model.safetensors.index.json`) in a layout shoal maps (shoal/models/hf_weights.py
+`SLICE_LAYOUTS`), or what `shoal export` writes (shoal's own names): a .safetensors file, or a
+folder of them. `open_pretrained` checks the files against the model from their headers alone
+(names, shapes, dtypes; no tensor data), so the launcher runs it before any worker starts and
+refuses bad input in one line. The object it returns is the `WeightSource` that
+`parallelize(..., weights=...)` fills each rank's shards from while materializing
+(shoal/parallel/materialize.py): a rank asks for the box of each parameter it holds (its
+tensor/sharded-data rows and columns, its pipeline stage's layers, its experts) and safetensors'
+lazy slices read just that box from the mapped file.
+
+Dtypes: the file's floating dtype is cast to the parameters' (bf16 files into fp32 training and
+the reverse), said once in the log (`describe`). Missing or unexpected tensors are an error
+naming the first few, unless `ignore` (glob patterns over shoal names or file keys) covers them:
+an ignored missing (or differently shaped) tensor starts from the seed's initial values instead.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from shoal.models import ModelConfig, Transformer
+from shoal.models.hf_weights import SLICE_LAYOUTS, Box, OpenKey, SliceLayout, read_box
+
+INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+"""The safetensors dtypes a run can take (cast to the parameters' dtype)."""
+_MAX_HEADER = 100 * 2**20
+
+
+def _shoal_sources(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    if name == "output.weight" and cfg.tie_embeddings:
+        return {"tok_embeddings.weight": shape}
+    return {name: shape}
+
+
+def _shoal_read(cfg: ModelConfig, name: str, shape: tuple[int, ...], box: Box, open_key: OpenKey) -> torch.Tensor:
+    (key,) = _shoal_sources(cfg, name, shape)
+    return read_box(open_key, key, box)
+
+
+SHOAL = SliceLayout(name="shoal", marker="", sources=_shoal_sources, read_slice=_shoal_read,
+                    optional=lambda cfg, key: cfg.tie_embeddings and key == "output.weight")
+"""shoal's own names (`shoal export`): stacked experts and every tensor as the model holds them."""
+
+
+class Pretrained:
+    """Weight files checked against a model; reads boxes of its parameters (a `WeightSource`)."""
+
+    def __init__(self, path: Path, cfg: ModelConfig, layout: SliceLayout, files: dict[str, Path],
+                 headers: dict[str, tuple[str, tuple[int, ...]]], skipped: set[str]) -> None:
+        self.path, self.cfg, self.layout = path, cfg, layout
+        self.files = files
+        """File key -> the file holding it."""
+        self.headers = headers
+        """File key -> (safetensors dtype, shape)."""
+        self.skipped = skipped
+        """Shoal names that `ignore` leaves to the seed's initial values."""
+        self.bytes_read = 0
+        """Bytes of tensor data read so far (every box's size)."""
+        self._handles: dict[Path, Any] = {}
+
+    def read(self, name: str, shape: tuple[int, ...], box: Box) -> torch.Tensor | None:
+        """The `box` of shoal parameter `name` (full `shape`); None for an ignored one."""
+        if name in self.skipped:
+            return None
+        return self.layout.read_slice(self.cfg, name, shape, box, self._open)
+
+    def _open(self, key: str) -> _Counted:
+        file = self.files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return _Counted(self._handles[file].get_slice(key), self)
+
+    def close(self) -> None:
+        """Let go of the mapped files."""
+        self._handles.clear()
+
+    def file_dtypes(self) -> list[str]:
+        """The safetensors dtypes of the tensors read, sorted."""
+        return sorted({dtype for dtype, _ in self.headers.values()})
+
+    def describe(self, param_dtype: torch.dtype) -> str:
+        """One line for the log: what is read from where, and the cast."""
+        dtypes = [str(FLOAT_DTYPES[d]).removeprefix("torch.") for d in self.file_dtypes()]
+        target = str(param_dtype).removeprefix("torch.")
+        cast = "no cast" if dtypes == [target] else f"cast to {target} parameters"
+        line = f"init: weights from {self.path} ({self.layout.name} names, {'/'.join(dtypes)} in the file, {cast})"
+        if self.skipped:
+            names = sorted(self.skipped)
+            line += f"; {len(names)} ignored tensor(s) start from the seed instead: {', '.join(names[:3])}"
+        return line
+
+
+class _Counted:
+    """A safetensors slice that counts the bytes each read returns."""
+
+    def __init__(self, view: Any, owner: Pretrained) -> None:
+        self._view, self._owner = view, owner
+
+    def get_shape(self) -> list[int]:
+        return list(self._view.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        tensor = self._view[index]
+        self._owner.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str] = ()) -> Pretrained:
+    """The weights at `path` checked against model `cfg` from the files' headers (no tensor data
+    is read): one-line ValueErrors for a folder with no weights, a missing or damaged shard,
+    missing or unexpected tensors (unless `ignore`d), a shape the model does not have, a dtype
+    the run cannot take."""
+    path = Path(path)
+    patterns = [p.strip() for item in ignore for p in item.split(",") if p.strip()]
+    files = _weight_files(path)
+    headers: dict[str, tuple[str, tuple[int, ...]]] = {}
+    key_files: dict[str, Path] = {}
+    for file in files:
+        for key, entry in _read_header(file).items():
+            headers[key], key_files[key] = entry, file
+    _check_index(path, key_files)
+    layout = next((lay for lay in SLICE_LAYOUTS if lay.marker in headers), SHOAL)
+    try:
+        layout.check(cfg)
+    except ValueError as exc:
+        raise ValueError(f"--init {path} holds {layout.name} weights, but {exc}") from None
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
+    skipped: set[str] = set()
+    used: set[str] = set()
+    missing: list[str] = []
+    for name, shape in shapes.items():
+        for key, want in layout.sources(cfg, name, shape).items():
+            used.add(key)
+            ignored = _matches(patterns, name, key)
+            if key not in headers:
+                if ignored:
+                    skipped.add(name)
+                else:
+                    missing.append(key)
+                continue
+            dtype, found = headers[key]
+            if tuple(found) != tuple(want):
+                if ignored:
+                    skipped.add(name)
+                    continue
+                raise ValueError(f"--init {path}: tensor {key} in {key_files[key].name} has shape {tuple(found)}, "
+                                 f"the model expects {tuple(want)} (for {name}); is --model the same model?")
+            if dtype not in FLOAT_DTYPES:
+                raise ValueError(f"--init {path}: tensor {key} in {key_files[key].name} is {dtype}, which the run "
+                                 f"cannot take as a weight; valid: {', '.join(FLOAT_DTYPES)}")
+    unexpected = sorted(k for k in headers if k not in used and not layout.optional(cfg, k)
+                        and not _matches(patterns, k))
+    if missing or unexpected:
+        parts = ([f"missing {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])})"] if missing else []) \
+            + ([f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])})"] if unexpected else [])
+        raise ValueError(f"--init {path} ({layout.name} names) does not fit the model: {'; '.join(parts)}; "
+                         "--init-ignore PATTERN skips tensors by name (glob)")
+    read = {k: v for k, v in headers.items() if k in used and k in key_files}
+    return Pretrained(path, cfg, layout, {k: key_files[k] for k in read}, read, skipped)
+
+
+def _matches(patterns: Sequence[str], *names: str) -> bool:
+    return any(fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files at `path`: itself, the shards its index names, model.safetensors, or
+    every *.safetensors of a folder."""
+    if not path.exists():
+        raise ValueError(f"--init {path}: no such file or folder; valid: a Hugging Face folder of safetensors "
+                         "or a file/folder written by shoal export")
+    if path.is_file() and path.name != INDEX:
+        return [path]
+    index = path if path.is_file() else path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"--init {path}: {index.name} is not a safetensors index ({exc})") from None
+        absent = [n for n in names if not (index.parent / n).is_file()]
+        if absent:
+            raise ValueError(f"--init {path}: shard file {absent[0]} named in {index.name} is missing")
+        return [index.parent / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise ValueError(f"--init {path}: the folder holds no weights (no model.safetensors, {INDEX} or "
+                         "*.safetensors); valid: a Hugging Face folder of safetensors or shoal export's output")
+    return found
+
+
+def _check_index(path: Path, key_files: dict[str, Path]) -> None:
+    """Every tensor an index names is in the shard it names."""
+    index = path if path.is_file() and path.name == INDEX else path / INDEX
+    if not index.is_file():
+        return
+    for key, name in json.loads(index.read_text(encoding="utf-8"))["weight_map"].items():
+        if key_files.get(key, Path()).name != name:
+            raise ValueError(f"--init {path}: {INDEX} puts tensor {key} in {name}, which does not hold it")
+
+
+def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{key: (dtype, shape)} from a safetensors file's header (8-byte length, JSON), checking that
+    the file is long enough to hold every tensor it lists."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > _MAX_HEADER:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+            size = os.fstat(f.fileno()).st_size
+        entries = {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--init: {file} is not a safetensors file ({exc})") from None
+    if 8 + length + end > size:
+        raise ValueError(f"--init: {file} is cut short ({size} bytes; its header lists {8 + length + end})")
+    return entries
