@@ -138,6 +138,8 @@ _TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--data", str, "a folder made by shoal data prepare, a mixture DIR_A:0.7,DIR_B:0.3 of them, a folder of .txt "
      "files, a .txt, .bin (uint16) or .npy token file [built-in corpus]"),
     ("--tokenizer", str, "byte, or a local Hugging Face tokenizer folder [byte; a prepared --data: its own]"),
+    ("--doc-mask", _on_off, "keep attention inside each document of a prepared --data, positions restarting at "
+     "each (not with pp or cp) [off]"),
 ]
 
 
@@ -251,7 +253,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
 
     from shoal.launch import resolve_device, under_torchrun
     from shoal.train.config import from_flat, load_toml, resolve_model
-    from shoal.train.data import resolve_tokenizer
+    from shoal.train.data import doc_eos_id, resolve_tokenizer
     from shoal.train.runs import Job, default_run_dir, with_model
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
@@ -274,6 +276,8 @@ def prepare_job(args: argparse.Namespace) -> Any:
     if args.resume is None:  # prepared data: the tokenizer is the manifest's
         cfg = dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, given="tokenizer" in flags))
     model = resolve_model(cfg)
+    if cfg.data.doc_mask and args.resume is None:  # the stored model of a resumed run has it already
+        model = dataclasses.replace(model, doc_eos_id=doc_eos_id(cfg.data))
     cfg = with_model(cfg, model)
     device = resolve_device(cfg.device)
     prediction = None

@@ -424,8 +424,23 @@ def split_refusal(points: Sequence[int], *, num_layers: int, num_stages: int) ->
     return None
 
 
+def _doc_mask_rule(plan: Plan, facts: Facts) -> str | None:
+    """--doc-mask on (the model's doc_eos_id) runs where attention is SDPA over whole sequences
+    and the model sees the token ids that end documents: dp, fsdp, tp, ep, recompute, compile."""
+    model = facts.model
+    if model is None or getattr(model, "doc_eos_id", -1) < 0:
+        return None
+    if plan.cp > 1:
+        return (f"--doc-mask on with cp={plan.cp}: ring and all-to-all attention over a split sequence have no "
+                "document mask in this version; valid: --doc-mask off, or no cp")
+    if plan.pp > 1:
+        return (f"--doc-mask on with pp={plan.pp}: stages after the first see hidden states, not the token ids "
+                "that end documents; valid: --doc-mask off, or no pp")
+    return None
+
+
 _RULES: tuple[Rule, ...] = (_auto_rule, _expert_degree_rule, _tensor_rule, _reduce_rule, _context_rule,
-                            _moe_rule, _batch_rule, _pipeline_rule)
+                            _moe_rule, _batch_rule, _pipeline_rule, _doc_mask_rule)
 
 
 def _divisors(n: int) -> list[int]:

@@ -56,13 +56,13 @@ from shoal.parallel.pipeline import Pipeline
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.parallel.schedules import bubble_fraction, save_gantt
 from shoal.parallel.tensor import reduce_partial_grads
-from shoal.parallel.vocab import cross_entropy, local_value, vocab_parallel_loss
+from shoal.parallel.vocab import cross_entropy_sum, local_value, num_targets, vocab_parallel_loss
 from shoal.plan import Plan
 from shoal.rules import EngineChoice
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(model output, targets) -> the mean loss of one micro-batch."""
+"""(model output, targets) -> the mean loss of one micro-batch (Runtime.share weighs it)."""
 
 
 class Runtime:
@@ -138,25 +138,27 @@ class Runtime:
     # ------------------------------------------------------------------ one step
     def forward_backward(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; gradients accumulate and are
-        reduced over the data ranks on the last one. Each micro-batch's loss is divided by their
-        number, so the gradient is that of the rank's mean loss (the engines average over ranks).
-        Returns the rank's mean loss, detached, on the device (no host synchronisation)."""
-        loss_fn = loss_fn or cross_entropy
+        reduced over the data ranks on the last one. The loss is the mean over every target of the
+        global batch (`share`), so no plan, world size or micro-batch count changes it. Returns
+        the rank's share of the global loss, detached, on the device (no host synchronisation):
+        `global_mean` of it is the global batch's loss."""
+        local = self.local_batches(micro_batches)
+        share = self.share(local, loss_fn)
         if self._pipeline is not None:
             scale = self.loss_scaler.scale if self.loss_scaler is not None else None
             n = len(micro_batches)
             # Stages start backward from their outputs, so MoE losses ride on the layers' outputs.
             with self._moe.attached(lambda added: scale(added / n) if scale is not None else added / n):
-                pp_total = self._pipeline.step(self.local_batches(micro_batches), loss_fn, scale=scale)
+                pp_total = self._pipeline.step(local, share, scale=scale)
             self._after_backward()
             return self._pp_sum(pp_total)
         total: torch.Tensor | float = 0.0
-        for i, (inputs, targets) in enumerate(self.local_batches(micro_batches)):
+        for i, (inputs, targets) in enumerate(local):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 output = self._engine.model(inputs)
                 with vocab_parallel_loss(output):  # tp: vocab-sharded logits, softmax across shards
-                    loss = loss_fn(output, targets) / len(micro_batches)
+                    loss = share(output, targets)
                     added = self._moe.take_loss()  # MoE load-balancing and z-losses, weighted
                     if added is not None and isinstance(loss, DTensor):  # tp: the same on every tp rank
                         added = DTensor.from_local(added, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim,
@@ -166,6 +168,30 @@ class Runtime:
             total = total + local_value(loss)
         self._after_backward()
         return torch.as_tensor(total)
+
+    def share(self, local: Sequence[Batch], loss_fn: LossFn | None = None) -> LossFn:
+        """What each of this rank's micro-batches (`local`, after the cp split) contributes to the
+        loss, before the engines average the gradients over the R ranks that see other tokens
+        (dp x fsdp x cp). By default its summed token losses x R / N, N the global batch's count
+        of targets (those not IGNORE: fine-tuning data masks prompts), found by one small
+        all-reduce: then the average over ranks is the mean over every target of the global
+        batch, however uneven the masks. A `loss_fn` of one's own returns a micro-batch's mean;
+        it is divided by the number of micro-batches (a mean of means)."""
+        if loss_fn is not None:
+            return lambda output, targets: loss_fn(output, targets) / len(local)
+        device = local[0][1].device if local else torch.device("cpu")
+        count = torch.zeros((), dtype=torch.int64, device=device)
+        for _, targets in local:
+            count = count + num_targets(targets)
+        ranks = 1
+        if self.mesh is not None:
+            count = count.to(self.mesh.device_type)  # NCCL reduces only GPU tensors
+            for group in self._data_groups:
+                dist.all_reduce(count, group=group)
+                ranks *= dist.get_world_size(group)
+            count = count.to(device)
+        factor = ranks / count.clamp(min=1).double()  # a batch without targets: loss 0, no gradient
+        return lambda output, targets: cross_entropy_sum(output, targets) * factor.float()
 
     def _after_backward(self) -> None:
         """Partial tp gradients reduced once, the expert gradients' reduction (ep, or tp on an MoE
@@ -179,16 +205,18 @@ class Runtime:
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> torch.Tensor:
-        """This rank's mean loss over the micro-batches, without gradients (on the device)."""
-        loss_fn = loss_fn or cross_entropy
+        """This rank's share of the micro-batches' loss (`share`), without gradients (on the device):
+        `global_mean` of it is the loss of the whole batch."""
+        local = self.local_batches(micro_batches)
+        share = self.share(local, loss_fn)
         if self._pipeline is not None:
-            return self._pp_sum(self._pipeline.step(self.local_batches(micro_batches), loss_fn, train=False))
+            return self._pp_sum(self._pipeline.step(local, share, train=False))
         total: torch.Tensor | float = 0.0
-        for inputs, targets in self.local_batches(micro_batches):
+        for inputs, targets in local:
             output = self._engine.model(inputs)
             with vocab_parallel_loss(output):
-                total = total + local_value(loss_fn(output, targets))
-        return torch.as_tensor(total) / len(micro_batches)
+                total = total + local_value(share(output, targets))
+        return torch.as_tensor(total)
 
     def local_batches(self, micro_batches: Sequence[Batch]) -> Sequence[Batch]:
         """What this rank computes of each micro-batch: under cp, the tokens and targets at its

@@ -194,8 +194,9 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
+        num_targets = int((targets != -100).sum())  # the loss: the mean over every target of the global batch
         for x, y in zip(inputs.chunk(micro), targets.chunk(micro)):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / micro
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum") / max(num_targets, 1)
             added = moe.take_loss()
             (loss + added / micro if added is not None else loss).backward()
             loss_sum += loss.item()

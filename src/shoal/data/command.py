@@ -21,7 +21,13 @@ def add_parser(sub: Any) -> None:
                       ".txt files, or a datasets folder written by save_to_disk")
     prep.add_argument("--tokenizer", required=True, help="byte, or a local Hugging Face tokenizer folder (required)")
     prep.add_argument("--out", required=True, metavar="DIR", help="the dataset folder to write (required)")
-    prep.add_argument("--field", default="text", help="the text field of jsonl records / table column [text]")
+    prep.add_argument("--format", default="text", choices=("text", "chat", "completion"),
+                      help="text: every token is learnt; chat: jsonl records with 'messages' (a list of "
+                      "{role, content}) rendered with the tokenizer's chat template, the loss on the assistant's "
+                      "tokens only; completion: jsonl records with 'prompt' and 'completion', the loss on the "
+                      "completion only [text]")
+    prep.add_argument("--field", default=None, help="the text field of jsonl records / table column [text]; "
+                      "the messages field for --format chat [messages]")
     prep.add_argument("--workers", type=int, default=2, help="tokenizing processes [2]")
     prep.add_argument("--holdout", type=float, default=0.01, help="share of each source's documents held out "
                       "for evaluation [0.01]")
@@ -32,8 +38,9 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from shoal.data.prepare import MANIFEST, PrepareConfig, prepare
 
-    cfg = PrepareConfig(inputs=list(args.inputs), tokenizer=args.tokenizer, out=args.out, field=args.field,
-                        workers=args.workers, holdout=args.holdout, shard_mb=args.shard_mb)
+    field = args.field or ("messages" if args.format == "chat" else "text")
+    cfg = PrepareConfig(inputs=list(args.inputs), tokenizer=args.tokenizer, out=args.out, field=field,
+                        format=args.format, workers=args.workers, holdout=args.holdout, shard_mb=args.shard_mb)
     already = (Path(args.out) / MANIFEST).is_file()
     started = time.perf_counter()
     manifest = prepare(cfg)
@@ -45,5 +52,20 @@ def run(args: argparse.Namespace) -> int:
     tokens = train["tokens"] + held["tokens"]
     print(f"{args.out}: {len(manifest['sources'])} source(s), {train['documents']:,} documents / {train['tokens']:,} "
           f"tokens for training, {held['documents']:,} / {held['tokens']:,} held out ({manifest['dtype']}); "
-          f"{tokens / max(seconds, 1e-9):,.0f} tokens/s", flush=True)
+          f"{tokens / max(seconds, 1e-9):,.0f} tokens/s"
+          + (f"; {manifest['data_format']} data, the loss on {_target_share(args.out, manifest):.1%} of the "
+             "training tokens" if manifest.get("loss_mask") else ""), flush=True)
     return 0
+
+
+def _target_share(folder: str, manifest: dict[str, Any]) -> float:
+    """The share of a fine-tuning set's training tokens that are targets (its loss masks' mean)."""
+    import numpy as np
+
+    ones = total = 0
+    for source in manifest["sources"]:
+        for shard in source["train"]["shards"]:
+            if shard["tokens"]:
+                mask = np.memmap(Path(folder) / f"{shard['name']}.mask", dtype=np.uint8, mode="r")
+                ones, total = ones + int(mask.sum()), total + len(mask)
+    return ones / max(total, 1)

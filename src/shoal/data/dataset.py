@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from shoal.data.prepare import FORMAT, MANIFEST, PROGRESS
+from shoal.parallel.vocab import IGNORE
 
 BLOCK = 4096
 """Samples per mixture block: the shares are exact at every block boundary."""
@@ -128,20 +130,31 @@ def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
 class TokenStream:
     """One split of one source: its shards' tokens end to end, as windows of seq_len + 1."""
 
-    def __init__(self, folder: Path, shards: list[dict[str, Any]], dtype: str, *, seq_len: int, name: str) -> None:
+    def __init__(self, folder: Path, shards: list[dict[str, Any]], dtype: str, *, seq_len: int, name: str,
+                 masked: bool = False) -> None:
         self.name, self.seq_len = name, seq_len
         self.arrays = [np.memmap(folder / f"{s['name']}.bin", dtype=dtype, mode="r") for s in shards if s["tokens"]]
+        self.masks = [np.memmap(folder / f"{s['name']}.mask", dtype=np.uint8, mode="r")
+                      for s in shards if s["tokens"]] if masked else None
+        """Fine-tuning data: per shard, 1 where a token is a target (shoal.data.finetune); None: all are."""
         self.starts = np.cumsum([0] + [len(a) for a in self.arrays])
         self.num_tokens = int(self.starts[-1])
         self.num_windows = (self.num_tokens - 1) // seq_len
 
     def window(self, w: int) -> np.ndarray:
         """Tokens w*T .. w*T + T (inclusive), read from one or more shards."""
+        return self._read(self.arrays, w)
+
+    def window_mask(self, w: int) -> np.ndarray | None:
+        """The loss mask of `window(w)` (1: a target), or None when every token is one."""
+        return None if self.masks is None else self._read(self.masks, w)
+
+    def _read(self, arrays: Sequence[np.ndarray], w: int) -> np.ndarray:
         start, stop = w * self.seq_len, w * self.seq_len + self.seq_len + 1
         first = int(np.searchsorted(self.starts, start, side="right")) - 1
         parts, pos = [], start
         while pos < stop:
-            a, base = self.arrays[first], int(self.starts[first])
+            a, base = arrays[first], int(self.starts[first])
             take = min(stop, base + len(a)) - pos
             parts.append(np.asarray(a[pos - base: pos - base + take]))
             pos, first = pos + take, first + 1
@@ -185,6 +198,18 @@ class MixtureBatches:
         return (np.array([p[0][o] for p, o in zip(pairs, offsets)], dtype=np.int64),
                 np.array([p[1][o] for p, o in zip(pairs, offsets)], dtype=np.int64))
 
+    def new_epochs(self, step: int, size: int) -> list[tuple[str, int]]:
+        """(source name, epoch) of each source that starts a new epoch (after its first) in global
+        batch `step`: for the log."""
+        sources, positions = self.draws(step * size, size)
+        out = []
+        for k in np.unique(sources):
+            n = self.streams[int(k)].num_windows
+            here = positions[sources == k]
+            for epoch in np.unique(here[(here % n == 0) & (here >= n)] // n):
+                out.append((self.streams[int(k)].name, int(epoch) + 1))
+        return out
+
     def window_of(self, source: int, position: int) -> int:
         return int(self.windows(np.array([source]), np.array([position]))[0])
 
@@ -200,13 +225,19 @@ class MixtureBatches:
         return out
 
     def batch(self, step: int, size: int, part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets (B, T) of this rank's slice `part` = (index, count) of global batch `step`."""
+        """Inputs and targets (B, T) of this rank's slice `part` = (index, count) of global batch `step`;
+        a target that a loss mask excludes (fine-tuning data) is IGNORE."""
         index, count = part
         local = size // count
         sources, positions = self.draws(step * size + index * local, local)
-        rows = [self.streams[int(k)].window(int(w)) for k, w in zip(sources, self.windows(sources, positions))]
-        seq = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return seq[:, :-1], seq[:, 1:]
+        picks = [(self.streams[int(k)], int(w)) for k, w in zip(sources, self.windows(sources, positions))]
+        seq = torch.from_numpy(np.stack([stream.window(w) for stream, w in picks]).astype(np.int64))
+        targets = seq[:, 1:]
+        if any(stream.masks is not None for stream, _ in picks):
+            masks = [stream.window_mask(w) for stream, w in picks]
+            keep = np.stack([m[1:] if m is not None else np.ones(targets.shape[1], np.uint8) for m in masks])
+            targets = targets.masked_fill(torch.from_numpy(keep == 0), IGNORE)
+        return seq[:, :-1], targets
 
 
 @dataclass(frozen=True)
@@ -219,6 +250,9 @@ class OpenedData:
     num_held_out: int
     max_id: int
     tokenizer: dict[str, Any] | None = None
+    held_out_sources: dict[str, Any] | None = None
+    """More than one source: each one's held-out batches alone, by short name (its folder, and
+    its input's file name where a folder has several), for a held-out loss per source."""
 
 
 def open_prepared(spec: str, *, seq_len: int, seed: int) -> OpenedData:
@@ -236,7 +270,7 @@ def open_prepared(spec: str, *, seq_len: int, seed: int) -> OpenedData:
         for (folder, _), m in zip(mixture, manifests):
             for src in m["sources"]:
                 stream = TokenStream(Path(folder), src[split]["shards"], m["dtype"], seq_len=seq_len,
-                                     name=f"{folder}:{src['input']}")
+                                     name=f"{folder}:{src['input']}", masked=bool(m.get("loss_mask")))
                 if stream.num_windows < 1:
                     what = "training" if split == "train" else "held-out"
                     hint = "" if split == "train" else " (or prepare it with a larger --holdout)"
@@ -248,7 +282,11 @@ def open_prepared(spec: str, *, seq_len: int, seed: int) -> OpenedData:
     # A folder's sources share its weight in proportion to their tokens.
     weights = {split: [w * src[split]["tokens"] / m["splits"][split]["tokens"]
                        for (_, w), m in zip(mixture, manifests) for src in m["sources"]] for split in ("train", "eval")}
+    labels = [Path(folder).name + (f"/{Path(src['input']).name}" if len(m["sources"]) > 1 else "")
+              for (folder, _), m in zip(mixture, manifests) for src in m["sources"]]
+    per_source = {label: MixtureBatches([stream], [1.0], seed=seed) for label, stream in zip(labels, splits[1])} \
+        if len(splits[1]) > 1 and len(set(labels)) == len(labels) else None
     return OpenedData(train=MixtureBatches(splits[0], weights["train"], seed=seed),
                       held_out=MixtureBatches(splits[1], weights["eval"], seed=seed),
                       num_train=sum(s.num_tokens for s in splits[0]), num_held_out=sum(s.num_tokens for s in splits[1]),
-                      max_id=max(int(m["max_id"]) for m in manifests), tokenizer=first)
+                      max_id=max(int(m["max_id"]) for m in manifests), tokenizer=first, held_out_sources=per_source)

@@ -4,6 +4,8 @@ Layout of a prepared folder, for source k (one INPUT) and shard s (about --shard
   kkk-ssssss.train.bin / .eval.bin   token ids (uint16, or uint32 when the vocabulary needs it),
                                      each document followed by the tokenizer's EOS
   kkk-ssssss.train.idx / .eval.idx   int64 offsets of the documents' starts, and the end
+  kkk-ssssss.train.mask / .eval.mask fine-tuning formats only: uint8, 1 where a token is a
+                                     target (shoal.data.finetune), one a token of the .bin
   kkk-ssssss.json                    the shard's counts; written last: the shard is finished
   progress.json                      the settings of the preparation under way (for resuming)
   manifest.json                      written last, by rename: a folder without it is never read
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from shoal.data import finetune
 from shoal.data.sources import Chunk, check_readable, chunks, documents
 
 MANIFEST = "manifest.json"
@@ -46,7 +49,9 @@ class PrepareConfig:
     tokenizer: str = "byte"
     out: str = ""
     field: str = "text"
-    """The text field of jsonl records, or column of parquet / datasets tables."""
+    """The text field of jsonl records, or column of parquet / datasets tables (chat: the messages)."""
+    format: str = "text"
+    """text (every token a target), chat or completion (loss masks: shoal.data.finetune)."""
     workers: int = 2
     holdout: float = 0.01
     """Share of each source's documents held out for evaluation (0 <= holdout < 1)."""
@@ -113,10 +118,12 @@ def token_dtype(vocab_size: int) -> str:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: str, eos_id: int, dtype: str, field_name: str, holdout: float, out: str) -> None:
+def _init_worker(tokenizer: str, eos_id: int, dtype: str, field_name: str, holdout: float, out: str,
+                 fmt: str = "text") -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
-    _WORKER.update(encode=_encoder(tokenizer), eos=eos_id, dtype=dtype, field=field_name, holdout=holdout,
-                   out=Path(out))
+    encode = _encoder(tokenizer) if fmt == "text" else finetune.encoder(fmt, tokenizer)
+    _WORKER.update(encode=encode, eos=eos_id, dtype=dtype, field=field_name, holdout=holdout, out=Path(out),
+                   format=fmt)
 
 
 def is_held_out(shard: int, index: int, holdout: float) -> bool:
@@ -134,12 +141,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def _work(chunk: Chunk) -> dict[str, Any]:
     w = _WORKER
-    texts = documents(chunk, w["field"])
-    ids = w["encode"](texts)
+    fmt = w["format"]
+    encoded = w["encode"](documents(chunk, w["field"], fmt))
+    ids, masks = (encoded, None) if fmt == "text" else ([e[0] for e in encoded], [e[1] for e in encoded])
     name = f"{chunk.source:03d}-{chunk.shard:06d}"
     record: dict[str, Any] = {"name": name, "max_id": int(w["eos"])}
     for split in ("train", "eval"):
-        docs = [d for j, d in enumerate(ids) if is_held_out(chunk.shard, j, w["holdout"]) == (split == "eval")]
+        keep = [j for j in range(len(ids)) if is_held_out(chunk.shard, j, w["holdout"]) == (split == "eval")]
+        docs = [ids[j] for j in keep]
         offsets = np.zeros(len(docs) + 1, dtype=np.int64)
         np.cumsum([len(d) + 1 for d in docs], out=offsets[1:])
         tokens = np.full(int(offsets[-1]), w["eos"], dtype=w["dtype"])
@@ -147,6 +156,13 @@ def _work(chunk: Chunk) -> dict[str, Any]:
             tokens[start: start + len(d)] = d
         if len(tokens):
             record["max_id"] = max(record["max_id"], int(tokens.max()))
+        if masks is not None:  # the EOS after a document is a target when the token before it is
+            mask = np.zeros(int(offsets[-1]), dtype=np.uint8)
+            for j, start in zip(keep, offsets[:-1]):
+                m = masks[j]
+                mask[start: start + len(m)] = m
+                mask[start + len(m)] = m[-1] if len(m) else 0
+            _write_atomic(w["out"] / f"{name}.{split}.mask", mask.tobytes())
         _write_atomic(w["out"] / f"{name}.{split}.bin", tokens.tobytes())
         _write_atomic(w["out"] / f"{name}.{split}.idx", offsets.tobytes())
         record[split] = {"name": f"{name}.{split}", "documents": len(docs), "tokens": int(offsets[-1])}
@@ -168,9 +184,12 @@ def prepare(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, Any]:
     tok = tokenizer_identity(cfg.tokenizer)
     paths = [Path(p) for p in cfg.inputs]
     kinds = [check_readable(p) for p in paths]
+    finetune.check_format(cfg.format, cfg.tokenizer, kinds)
     out = Path(cfg.out)
     settings = {"inputs": [_input_identity(p) for p in paths], "kinds": kinds, "tokenizer": tok,
                 "field": cfg.field, "holdout": cfg.holdout, "shard_mb": cfg.shard_mb}
+    if cfg.format != "text":  # (text preparations keep the settings they always had, so they stay finished)
+        settings["format"] = cfg.format
     done = _existing(out, settings)
     if done is not None:
         return done
@@ -218,7 +237,7 @@ def _existing(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
 
 def _bounded(cfg: PrepareConfig, tok: dict[str, Any], tasks: Iterator[Chunk]) -> Iterator[dict[str, Any]]:
     """Each task's record, in order; at most 2 x workers shards in flight (inputs are never held whole)."""
-    init = (tok["name"], tok["eos_id"], token_dtype(tok["vocab_size"]), cfg.field, cfg.holdout, cfg.out)
+    init = (tok["name"], tok["eos_id"], token_dtype(tok["vocab_size"]), cfg.field, cfg.holdout, cfg.out, cfg.format)
     if cfg.workers == 1:
         _init_worker(*init)
         yield from map(_work, tasks)
@@ -274,6 +293,7 @@ def _manifest(cfg: PrepareConfig, tok: dict[str, Any], paths: list[Path], kinds:
     splits = {s: {"documents": sum(e[s]["documents"] for e in sources), "tokens": sum(e[s]["tokens"] for e in sources)}
               for s in ("train", "eval")}
     settings = json.loads(Path(cfg.out, PROGRESS).read_text())
-    return {"format": FORMAT, "version": 1, "tokenizer": tok, "dtype": token_dtype(tok["vocab_size"]),
+    return {"format": FORMAT, "version": 1, "data_format": cfg.format, "loss_mask": cfg.format != "text",
+            "tokenizer": tok, "dtype": token_dtype(tok["vocab_size"]),
             "max_id": max([r["max_id"] for r in records], default=0), "splits": splits, "sources": sources,
             "config": asdict(cfg), "settings": settings}

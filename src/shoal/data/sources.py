@@ -167,8 +167,11 @@ def _table_chunks(source: int, path: Path, kind: str, field: str, shard_bytes: i
         yield Chunk(source, shard, "texts", str(path), row - len(texts) + 1, texts)
 
 
-def documents(chunk: Chunk, field: str) -> list[str]:
-    """The chunk's documents as text; ValueError naming the file and line of a bad one."""
+def documents(chunk: Chunk, field: str, fmt: str = "text") -> list[Any]:
+    """The chunk's documents: text, or for fine-tuning formats (shoal.data.finetune) a record's
+    messages or (prompt, completion); ValueError naming the file and line of a bad one."""
+    from shoal.data.finetune import COMPLETION_FIELDS, validate
+
     if chunk.kind == "texts":
         return chunk.items
     if chunk.kind == "files":
@@ -179,6 +182,7 @@ def documents(chunk: Chunk, field: str) -> list[str]:
         with open(chunk.path, "rb") as f:
             f.seek(start)
             lines = f.read(end - start).split(b"\n")
+    fields = COMPLETION_FIELDS if fmt == "completion" else (field,)
     out = []
     for index, line in enumerate(lines):
         if not line.strip():
@@ -188,14 +192,15 @@ def documents(chunk: Chunk, field: str) -> list[str]:
         except ValueError as exc:
             where = _line(chunk, first, index)
             raise ValueError(f"{where}: not a JSON line ({getattr(exc, 'msg', exc)})") from None
-        if not isinstance(record, dict) or field not in record:
-            fields = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{_line(chunk, first, index)}: no field {field!r} (has: {fields}); choose one with "
-                             "--field")
-        if not isinstance(record[field], str):
-            raise ValueError(f"{_line(chunk, first, index)}: field {field!r} holds {type(record[field]).__name__}, "
-                             "not text")
-        out.append(record[field])
+        missing = [f for f in fields if not isinstance(record, dict) or f not in record]
+        if missing:
+            has = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            hint = "" if fmt == "completion" else "; choose one with --field"
+            raise ValueError(f"{_line(chunk, first, index)}: no field {missing[0]!r} (has: {has}){hint}")
+        values = [record[f] for f in fields]
+        out.append(validate(fmt, values if fmt == "completion" else values[0],
+                            f"{_line(chunk, first, index)}: field {field!r}" if fmt != "completion"
+                            else _line(chunk, first, index)))
     return out
 
 

@@ -104,6 +104,10 @@ class ModelConfig:
     """Weight of the router z-loss (ST-MoE) in the training loss."""
     share_moe: bool = False
     """WideNet: every MoE layer is one shared layer (its weights), each block keeping its norms."""
+    doc_eos_id: int = -1
+    """Document masking (shoal train --doc-mask on sets it to the dataset's EOS id): attention stays
+    inside each document of a packed sequence, a document ending with this token, and positions
+    restart at each document; -1: off (attention spans the whole sequence)."""
 
     def __post_init__(self) -> None:
         _check_choice("norm", self.norm, ("rmsnorm", "layernorm"))

@@ -31,9 +31,11 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 def apply_rope(x_BTHE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
+    """Rotate queries or keys; the tables are (T, E/2), or (B, T, E/2) for positions per sequence."""
     # Rotate in at least float32 (16-bit inputs lose the angle's precision); float64 stays float64.
     x1, x2 = x_BTHE.to(torch.promote_types(x_BTHE.dtype, torch.float32)).unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos_TE[None, :, None, :], sin_TE[None, :, None, :]
+    cos = cos_TE[None, :, None, :] if cos_TE.dim() == 2 else cos_TE[:, :, None, :]
+    sin = sin_TE[None, :, None, :] if sin_TE.dim() == 2 else sin_TE[:, :, None, :]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return rotated.type_as(x_BTHE)
 
@@ -57,6 +59,36 @@ def sliding_window_attention(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE:
     return F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, attn_mask=band_TT, dropout_p=dropout_p)
 
 
+Documents = tuple[torch.Tensor, torch.Tensor]
+"""Document masking: (positions_BT within each token's document, allowed_B1TT: a query may see a
+key of its own document at or before it)."""
+
+
+def documents(tokens_BT: torch.Tensor, eos_id: int) -> Documents:
+    """Where each document of packed sequences starts and ends: a document ends with `eos_id`
+    (shoal data prepare's separator), the next one starts after it."""
+    T = tokens_BT.shape[1]
+    ends_BT = (tokens_BT == eos_id).long()
+    doc_BT = ends_BT.cumsum(1) - ends_BT  # the EOS belongs to the document it ends
+    index_T = torch.arange(T, device=tokens_BT.device)
+    starts_BT = torch.ones_like(doc_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = doc_BT[:, 1:] != doc_BT[:, :-1]
+    first_BT = torch.where(starts_BT, index_T, 0).cummax(1).values  # where each token's document starts
+    allowed_BTT = (doc_BT[:, :, None] == doc_BT[:, None, :]) & (index_T[:, None] >= index_T[None, :])
+    return index_T - first_BT, allowed_BTT[:, None]
+
+
+def document_attention(q_BHTE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor, allowed_B1TT: torch.Tensor,
+                       dropout_p: float = 0.0, window: int = 0) -> torch.Tensor:
+    """Causal attention kept inside each document (a block-diagonal causal mask; SDPA's masked
+    kernels: memory-efficient attention on GPUs, not flash), and inside the window if one is set."""
+    T = q_BHTE.shape[-2]
+    if 0 < window < T:
+        i = torch.arange(T, device=q_BHTE.device)
+        allowed_B1TT = allowed_B1TT & (i[None, :] > i[:, None] - window)
+    return F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, attn_mask=allowed_B1TT, dropout_p=dropout_p)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads."""
 
@@ -73,11 +105,13 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
+        self.window = cfg.sliding_window
         self.core = (functools.partial(sliding_window_attention, window=cfg.sliding_window)
                      if cfg.sliding_window else causal_attention)
         """(q, k, v, dropout_p) -> attention output, all (B, H, T, E), heads already repeated."""
 
-    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                docs: Documents | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BTHE = self.wq(x_BTD).view(B, T, -1, self.head_dim)
         k_BTKE = self.wk(x_BTD).view(B, T, -1, self.head_dim)
@@ -85,14 +119,18 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         if self.use_rope and rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
+            cos, sin = (rope[0][:T], rope[1][:T]) if docs is None else (rope[0][docs[0]], rope[1][docs[0]])
             q_BTHE, k_BTKE = apply_rope(q_BTHE, cos, sin), apply_rope(k_BTKE, cos, sin)
         groups = q_BTHE.shape[2] // k_BTKE.shape[2]
         if groups > 1:
             k_BTKE = k_BTKE.repeat_interleave(groups, dim=2)
             v_BTKE = v_BTKE.repeat_interleave(groups, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q_BTHE, k_BTKE, v_BTKE))  # (B, H, T, E)
-        y_BHTE = self.core(q, k, v, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if docs is None:
+            y_BHTE = self.core(q, k, v, dropout)
+        else:
+            y_BHTE = document_attention(q, k, v, docs[1], dropout, self.window)
         return self.wo(y_BHTE.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -135,8 +173,11 @@ class Block(nn.Module):
         self.feed_forward = make_ffn(cfg, index)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x_BTD = x_BTD + self.dropout(self.attention(self.attention_norm(x_BTD), rope))
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        # docs by keyword, and only when set: tensor parallelism's input hooks see the positional inputs
+        h_BTD = self.attention(self.attention_norm(x_BTD), rope, **({} if docs is None else {"docs": docs}))
+        x_BTD = x_BTD + self.dropout(h_BTD)
         return x_BTD + self.dropout(self.feed_forward(self.ffn_norm(x_BTD)))
 
 
@@ -218,13 +259,19 @@ class Transformer(nn.Module):
         return self.config.flops_per_token(seq_len)
 
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """With `doc_eos_id` set (--doc-mask on) each document of a packed sequence is its own:
+        attention stays inside it and positions restart at its first token. Only a model that
+        sees the token ids can find the documents (shoal.rules refuses pp and cp with it)."""
+        docs = documents(tokens_BT, self.config.doc_eos_id) \
+            if self.config.doc_eos_id >= 0 and self.tok_embeddings is not None else None
         h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
         if self.pos_embeddings is not None:
-            h_BTD = h_BTD + self.pos_embeddings(torch.arange(h_BTD.shape[1], device=h_BTD.device))
+            positions = docs[0] if docs is not None else torch.arange(h_BTD.shape[1], device=h_BTD.device)
+            h_BTD = h_BTD + self.pos_embeddings(positions)
         h_BTD = self.dropout(h_BTD)
         rope = (self.rope_cos, self.rope_sin) if hasattr(self, "rope_cos") else None
         for layer in self.layers.values():
-            h_BTD = layer(h_BTD, rope)
+            h_BTD = layer(h_BTD, rope) if docs is None else layer(h_BTD, rope, docs=docs)
         if self.norm is not None:
             h_BTD = self.norm(h_BTD)
         return self.output(h_BTD) if self.output is not None else h_BTD

@@ -228,8 +228,8 @@ class Pipeline:
     def step(self, micro_batches: Sequence[Batch], loss_fn: Callable, *, scale: Callable | None = None,
              train: bool = True) -> torch.Tensor:
         """Run the schedule over the micro-batches (train: forward and backward; else forward
-        only, in micro-batch order). Returns the sum of the last stage's micro-batch losses
-        (each divided by their number), zero on the other ranks."""
+        only, in micro-batch order). `loss_fn` gives a micro-batch's share of the step's loss
+        (Runtime.share). Returns the sum of the last stage's shares, zero on the other ranks."""
         assert len(micro_batches) == self.num_micro or not train, "micro-batches differ from the schedule's"
         slots: dict[tuple[int, int], _Slot] = {}
         sends: list[dist.Work] = []
@@ -252,7 +252,7 @@ class Pipeline:
                     output = self.stages[s](inputs)
                 if s == self.num_stages - 1:
                     with vocab_parallel_loss(output):
-                        loss = loss_fn(output, micro_batches[m][1]) / len(micro_batches)
+                        loss = loss_fn(output, micro_batches[m][1])
                     total = total + local_value(loss)
                     slot.vocab_sharded = is_vocab_sharded(output)
                     slot.output = (scale(loss) if scale is not None else loss) if train else None

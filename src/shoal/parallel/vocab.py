@@ -40,12 +40,29 @@ def vocab_parallel_loss(logits: torch.Tensor) -> Iterator[None]:
         yield
 
 
+IGNORE = -100
+"""A target that takes no loss (a prompt or user token of fine-tuning data): torch's ignore_index."""
+
+
 def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position (call inside `vocab_parallel_loss`).
+    """Mean next-token cross-entropy over every position whose target is not IGNORE (call inside
+    `vocab_parallel_loss`).
 
     For vocab-sharded logits the result is a replicated DTensor (the same global mean on every
     tp rank); `local_value` turns it into a plain tensor for logging."""
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), ignore_index=IGNORE)
+
+
+def cross_entropy_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """The sum of the next-token cross-entropies of the targets that are not IGNORE: the runtime
+    divides it by the global batch's count of such targets (Runtime.forward_backward)."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def num_targets(targets_BT: torch.Tensor) -> torch.Tensor:
+    """How many targets of a batch take a loss (are not IGNORE), as a 0-d int64 tensor."""
+    return (targets_BT != IGNORE).sum()
 
 
 def local_value(loss: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,7 @@ KEYS: dict[str, tuple[str | None, str]] = {
     **{f.name: ("loop", f.name) for f in dataclasses.fields(LoopConfig)},
     **{f.name: ("optim", f.name) for f in dataclasses.fields(OptimConfig)},
     "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),
+    "doc_mask": ("data", "doc_mask"),
 }
 RESUMABLE = ("steps", "plan", "nproc", "device", "tf32", "ckpt_every", "keep", "eval_every", "log_every",
              "micro_batch", "hang_timeout", "max_restarts", "memory_check", "dry_run")

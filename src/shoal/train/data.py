@@ -33,6 +33,9 @@ class DataConfig:
     val_fraction: float = 0.05
     """Share of the tokens (at the end) held out for evaluation; a prepared dataset holds out
     its own (shoal data prepare --holdout)."""
+    doc_mask: bool = False
+    """Keep attention inside each document of the packed sequences, positions restarting at each
+    (the model's doc_eos_id, set to the prepared dataset's EOS id); prepared datasets only."""
 
 
 class Tokenizer(Protocol):
@@ -219,3 +222,16 @@ def _check_tokenizer(name: str, stored: dict[str, Any] | None, data: str) -> Non
     if stored is not None and tokenizer_identity(name)["sha256"] != stored["sha256"]:
         raise ValueError(f"--tokenizer {name!r} is not the tokenizer --data {data!r} was prepared with "
                          f"({stored['name']!r}); leave --tokenizer out to use that one")
+
+
+def doc_eos_id(cfg: DataConfig) -> int:
+    """The token id that ends documents, for --doc-mask on: the prepared dataset's EOS (ValueError
+    in one line for other data, whose documents are not marked)."""
+    from shoal.data.dataset import is_prepared_spec, parse_mixture, read_manifest
+
+    if not is_prepared_spec(cfg.path):
+        raise ValueError(f"--doc-mask on needs data made by shoal data prepare (documents ended by EOS); "
+                         f"--data {cfg.path or 'the built-in corpus'!r} is not; valid: a prepared --data, or "
+                         "--doc-mask off")
+    assert cfg.path is not None
+    return int(read_manifest(parse_mixture(cfg.path)[0][0])["tokenizer"]["eos_id"])

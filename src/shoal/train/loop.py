@@ -46,8 +46,9 @@ from shoal.train.step import StepResult, split_micro, train_step
 from shoal.train.watchdog import Watchdog
 from shoal.world import broadcast_from_rank0
 
-Window = list[tuple[float, StepResult]]
-"""Steps run since the numbers were last read from the device: (learning rate, result) each."""
+Window = list[tuple[float, StepResult, float]]
+"""Steps run since the numbers were last read from the device: (learning rate, result, seconds
+spent getting the step's batch) each."""
 
 
 class Trainer:
@@ -78,7 +79,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps, global_batch=batch)
 
         data = load_data(cfg)
-        self.batches, self.held_out = data.train, data.held_out
+        self.batches, self.held_out, self.held_out_sources = data.train, data.held_out, data.held_out_sources
+        self.fetch_s = 0.0  # the last step's time getting its batch (host, before the device sees it)
         self.num_train_tokens, self.num_held_out = data.num_train, data.num_held_out
 
         self.stopped_by: str | None = None
@@ -120,7 +122,10 @@ class Trainer:
             mark("step", s)
             self.runtime.record_timeline(s == self.loop.steps - 1)  # pp: the last step's bubble and chart
             lr = self.optimizer.param_groups[0]["lr"]
-            window.append((lr, self.train_one(s)))
+            window.append((lr, self.train_one(s), self.fetch_s))
+            if bar is not None:
+                for source, epoch in getattr(self.batches, "new_epochs", lambda *_: [])(s, self.loop.global_batch):
+                    bar.write(f"step {s + 1}: source {source} starts epoch {epoch} (a new order of its sequences)")
             n = s + 1
             eval_due = _due(n, self.loop.eval_every, self.loop.steps)
             ckpt_due = _due(n, self.loop.ckpt_every, self.loop.steps)
@@ -136,7 +141,10 @@ class Trainer:
             window = []
             if eval_due:
                 mark("evaluation", n)
-                records[-1]["eval_loss"] = self.evaluate()
+                records[-1]["eval_loss"] = self.evaluate(self.held_out)
+                if self.held_out_sources:
+                    records[-1]["eval_loss_by_source"] = {name: self.evaluate(batches)
+                                                          for name, batches in self.held_out_sources.items()}
             if writer is not None and bar is not None:
                 _log(writer, bar, records, eval_due)
             if ckpt_due:
@@ -206,7 +214,9 @@ class Trainer:
     def train_one(self, s: int) -> StepResult:
         """Optimizer step `s` (0-based). Queues the work without waiting for the device."""
         _seed_step(self.loop.seed, s, self.part[0])  # dropout masks: resumable, per data rank
+        started = time.perf_counter()
         inputs, targets = self.batches.batch(s, self.loop.global_batch, self.part)
+        self.fetch_s = time.perf_counter() - started
         micro = split_micro(self._to_device(inputs), self._to_device(targets), self.num_micro)
         return train_step(self.runtime, self.optimizer, micro, grad_clip=self.cfg.optim.grad_clip or None,
                           scheduler=self.scheduler)
@@ -215,19 +225,20 @@ class Trainer:
         """The metrics records of a window of steps, read from the device in one synchronisation;
         the window's time is shared equally among its steps, its peak memory is the highest rank's."""
         values = torch.stack([torch.stack((r.loss.to(self.device).float(), r.grad_norm.to(self.device).float()))
-                              for _, r in window]).tolist()
+                              for _, r, _ in window]).tolist()
         mem = torch.tensor([memory.peak_mb()], device=self.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         step_time = seconds / len(window)
         tokens_per_s = self.loop.global_batch * self.loop.seq_len / step_time
         records = [{"step": first_step + i, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
-                    "step_time_s": step_time, "mem_peak_mb": float(mem.item()), "grad_norm": norm}
-                   for i, ((lr, _), (loss, norm)) in enumerate(zip(window, values))]
+                    "step_time_s": step_time, "data_time_s": fetch, "mem_peak_mb": float(mem.item()),
+                    "grad_norm": norm}
+                   for i, ((lr, _, fetch), (loss, norm)) in enumerate(zip(window, values))]
         # the last step's trust ratios (LAMB, LARS), over every rank's tensors: collective, every rank reads
         records[-1].update(trust_summary(gather_trust(self.optimizer, self.runtime.named_parameters())))
         if window[0][1].moe:  # MoE load figures (this rank's), read in one synchronisation
-            flat = torch.cat([v for _, r in window for v in r.moe.values()]).tolist()
-            for record, (_, r) in zip(records, window):
+            flat = torch.cat([v for _, r, _ in window for v in r.moe.values()]).tolist()
+            for record, (_, r, _) in zip(records, window):
                 stats = {}
                 for name, v in r.moe.items():
                     stats[name], flat = flat[:v.numel()], flat[v.numel():]
@@ -241,12 +252,12 @@ class Trainer:
         return tokens
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, held_out: Any) -> float:
         """Mean loss over `eval_batches` global batches of held-out data (the same ones each time)."""
         self.runtime.eval()
         total = torch.zeros((), device=self.device)
         for i in range(self.loop.eval_batches):
-            inputs, targets = self.held_out.batch(i, self.loop.global_batch, self.part)
+            inputs, targets = held_out.batch(i, self.loop.global_batch, self.part)
             micro = split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro)
             total += self.runtime.eval_loss(micro)
         self.runtime.train()

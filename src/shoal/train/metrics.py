@@ -1,7 +1,8 @@
 """What a run records (rank 0 only): metrics.jsonl, TensorBoard events, loss.png, the summary.
 
 metrics.jsonl holds one JSON object per optimizer step: step, loss, lr, tokens_per_s,
-step_time_s, mem_peak_mb, grad_norm, and eval_loss on evaluation steps. A resumed run first
+step_time_s, data_time_s (the host's time getting the step's batch), mem_peak_mb, grad_norm, and
+eval_loss on evaluation steps (with eval_loss_by_source, {source: loss}, for a mixture). A resumed run first
 drops the lines after its checkpoint (they belong to the lost tail of the earlier attempt), so
 the file always reads as one unbroken run.
 """
@@ -78,6 +79,10 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> Path:
     evals = [r for r in records if "eval_loss" in r]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out loss")
+    for source in dict.fromkeys(k for r in evals for k in r.get("eval_loss_by_source", {})):
+        points = [(r["step"], r["eval_loss_by_source"][source]) for r in evals
+                  if source in r.get("eval_loss_by_source", {})]
+        ax.plot(*zip(*points), ".--", lw=0.8, label=f"held-out: {source}")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)

@@ -78,12 +78,14 @@ class TokenData:
     """Training tokens."""
     num_held_out: int
     """Held-out tokens."""
+    held_out_sources: dict[str, Batches] | None = None
+    """A mixture's held-out batches per source (each drawn from that source alone), by short name."""
 
 
 def load_data(cfg: RunConfig) -> TokenData:
     """Prepared datasets and mixtures through memory maps, other inputs whole (train.data.open_data)."""
     data = open_data(cfg.data, seq_len=cfg.loop.seq_len, seed=cfg.loop.seed)
-    return TokenData(data.train, data.held_out, data.num_train, data.num_held_out)
+    return TokenData(data.train, data.held_out, data.num_train, data.num_held_out, data.held_out_sources)
 
 
 def checkpoint_to_continue(run_dir: Path, *, restart: int, resume: bool, resume_from: str | None,

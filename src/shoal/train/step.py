@@ -2,8 +2,9 @@
 parity harness share.
 
 Every rank calls `train_step` with its own slice of the global batch, split into micro-batches
-for gradient accumulation. The loss is the mean over the *global* batch: each micro-batch loss is
-divided by the number of micro-batches and the data-parallel engine averages over ranks.
+for gradient accumulation. The loss is the mean over every target of the *global* batch (targets
+a loss mask excludes are IGNORE): the runtime weighs each micro-batch by its share of the global
+count of targets (Runtime.share) and the data-parallel engine averages over ranks.
 """
 
 from __future__ import annotations
