@@ -57,16 +57,17 @@ def test_moe_block_counts_the_experts_a_token_uses():
 
 
 def test_activation_elements_by_hand():
-    """Per token: norms 4D = 512; q, k, v, o = 2*128 + 2*64 = 384; SwiGLU 3F = 1152."""
+    """Per token: RMSNorms 2 x (3D + 1) = 770; q, k, v (repeated to 8 heads), o = 4*128, + 8
+    log-sum-exps; SwiGLU 4F = 1536."""
     kw = dict(seq_len=128, fused_attention=True)
-    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **kw) == 512 + 384 + 1152
-    assert memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", **kw) == (512 + 384 + 1152) / 2
-    assert memory.activation_elements(TINY, 0, tp=2, sp=False, ac="none", **kw) == 512 + (384 + 1152) / 2
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **kw) == 770 + 520 + 1536
+    assert memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", **kw) == (770 + 520 + 1536) / 2
+    assert memory.activation_elements(TINY, 0, tp=2, sp=False, ac="none", **kw) == 770 + (520 + 1536) / 2
     assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="full", **kw) == 128
     # unfused attention keeps the probabilities (H * T per token) unless recomputed
     unfused = dict(seq_len=128, fused_attention=False)
-    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **unfused) == 2048 + 8 * 128
-    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="selective", **unfused) == 2048
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **unfused) == 2826 + 8 * 128
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="selective", **unfused) == 2826
 
 
 @pytest.mark.parametrize(("kind", "expected"), [

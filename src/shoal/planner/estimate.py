@@ -443,6 +443,8 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
             held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
                                                fused_attention=cost.fused) * tokens * cost.bytes
         logits = memory.logits_bytes(cfg, tokens, tp=plan.tp) if head else 0.0
+        if head:
+            held += memory.head_norm_elements(cfg, tp=plan.tp, sp=bool(plan.sp)) * tokens * cost.bytes
         if held + logits > worst.get("activations", 0) + worst.get("logits", 0):
             worst = {"activations": held, "logits": logits}
     layer = params / max(1, cfg.num_layers // plan.pp)

@@ -35,20 +35,27 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
                         fused_attention: bool) -> float:
     """Elements block `index` keeps for backward per token on one tensor-parallel rank.
 
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-    section 4) count what each op saves; this counts the same way for shoal's blocks (pre-norm,
-    no dropout, RoPE, SwiGLU or GELU): each norm keeps its input and output (2D, twice), attention
-    keeps q, k, v and its output (plus the softmax probabilities when unfused, H*T per token), the
-    FFN keeps its inputs to the activation and to the down projection (3F for SwiGLU, 2F for GELU).
+    Counted the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models", section 4) count, op by op, for what autograd saves in shoal's blocks
+    (tests/test_planner.py checks the count against saved_tensors_hooks):
+      - each norm keeps its input and its statistics (RMSNorm the reciprocal RMS and its normalised
+        input, before the weight; LayerNorm the mean and reciprocal deviation), and the linear
+        after it keeps the norm's output: 3D + 1 per RMSNorm, 2D + 2 per LayerNorm (`norm_elements`);
+      - attention keeps q, k and v with k and v already repeated to every query head (grouped-
+        query attention repeats them before SDPA), its output (the output projection's input, a
+        view of it) and the log-sum-exp per head: 4HE + H; unfused attention adds the softmax
+        probabilities, H*T per token;
+      - the FFN keeps the up projections' outputs, the activation's output and the down
+        projection's input: 4F for SwiGLU, 2F for GELU.
     Tensor parallelism splits heads and FFN columns by tp; sequence parallelism also splits the
     norms' tensors. Selective recompute drops the softmax probabilities; full recompute keeps only
     the block's input (the recomputed block's own tensors are counted once, in `transient`)."""
     D, F = cfg.dim, cfg.ffn_dim
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
-    replicated = 4 * D  # the two norms' inputs and outputs
-    q_kv_o = 2 * cfg.num_heads * cfg.head_dim + 2 * cfg.kv_heads * cfg.head_dim
-    split = q_kv_o + ffns * (3 * F if cfg.activation == "swiglu" else 2 * F)
+    replicated = 2 * norm_elements(cfg)
+    attention = 4 * cfg.num_heads * cfg.head_dim + cfg.num_heads
+    split = attention + ffns * (4 * F if cfg.activation == "swiglu" else 2 * F)
     if moe:
         split += 2 * ffns * D  # tokens permuted to their experts, and the experts' outputs
     scores = 0 if fused_attention else cfg.num_heads * seq_len
@@ -57,6 +64,16 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     if ac == "selective":
         scores = 0
     return replicated / (tp if sp else 1) + (split + scores) / tp
+
+
+def norm_elements(cfg: ModelConfig) -> float:
+    """What a norm and the linear after it keep per token (see activation_elements)."""
+    return 3 * cfg.dim + 1 if cfg.norm == "rmsnorm" else 2 * cfg.dim + 2
+
+
+def head_norm_elements(cfg: ModelConfig, *, tp: int, sp: bool) -> float:
+    """What the final norm keeps per token, with the output projection's input."""
+    return norm_elements(cfg) / (tp if sp else 1)
 
 
 def logits_bytes(cfg: ModelConfig, tokens: float, *, tp: int) -> float:
