@@ -1,15 +1,19 @@
-"""`shoal train --dry-run`: the whole set-up, then one forward, backward and optimizer step on
-state that is thrown away, and what each rank's memory held, beside the planner's prediction.
+"""`shoal train --dry-run`: the whole set-up, then two forward, backward and optimizer steps on
+state that is thrown away, and what each rank's memory held in the second, beside the planner's
+prediction.
 
-The step is real (gradients, optimizer state and the backward peak exist), so the figures are
+The steps are real (gradients, optimizer state and the backward peak exist), so the figures are
 measured, not modelled: bytes of the parameters, gradients and optimizer state this rank's
 optimizer owns, summed from the live tensors (a DTensor counts its local shard), and the peak
-resident (or, on GPUs, allocated) memory of the set-up and of the step separately. Nothing is
-saved: no checkpoint, no metrics.
+resident (or, on GPUs, allocated) memory of the set-up and of the step separately, and the
+step's peak of live tensor bytes (shoal.train.memory.TensorPeak), which is what the planner
+predicts: on CPU the resident set also holds memory no tensor owns. Nothing is saved: no
+checkpoint, no metrics.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -42,30 +46,38 @@ def live_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
 
 
 def dry_run(trainer: Any, *, baseline_mb: float = 0.0) -> dict[str, Any]:
-    """One step of `trainer` on throwaway state; rank 0 prints the table and returns the figures.
+    """Two steps of `trainer` on throwaway state, the second measured; rank 0 prints the table and
+    returns the figures.
 
     baseline_mb: this process's memory before the model was built (the interpreter, torch, the
     process group), which the planner leaves out: its prediction is compared with the step's
     peak above it."""
     setup_peak = memory.peak_mb()  # everything so far: the interpreter, the build, the data
+    # Two steps: the first makes the optimizer state and every first-use buffer; the second, the
+    # one measured, is a step as the run's steady state has it, with that state held throughout.
+    float(trainer.train_one(trainer.start).loss)
     memory.reset_peak()
-    result = trainer.train_one(trainer.start)
-    loss = float(result.loss)  # waits for the step
+    with memory.TensorPeak(*trainer.runtime.parts, trainer.optimizer) as tensors:
+        result = trainer.train_one(trainer.start + 1)
+        loss = float(result.loss)  # waits for the step
     step_peak = memory.peak_mb()
     held = live_bytes(list(trainer.runtime.parameters()), trainer.optimizer)
     row = torch.tensor([held["parameters"] / MB, held["gradients"] / MB, held["optimizer"] / MB, baseline_mb,
-                        setup_peak, step_peak], dtype=torch.float64)
+                        setup_peak, step_peak, math.nan if tensors.peak_mb is None else tensors.peak_mb],
+                       dtype=torch.float64)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row)
     if dist.get_rank() != 0:
         return {}
     predicted = memory_prediction(trainer)
     print(_table(trainer, [r.tolist() for r in rows], predicted, loss))
-    return {"dry_run": True, "loss": loss, "ranks": [dict(zip(_COLUMNS, r.tolist(), strict=True)) for r in rows],
+    ranks = [{k: None if math.isnan(v) else v for k, v in zip(_COLUMNS, r.tolist(), strict=True)} for r in rows]
+    return {"dry_run": True, "loss": loss, "ranks": ranks,
             "predicted_mb": predicted}
 
 
-_COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "baseline_mb", "setup_peak_mb", "step_peak_mb")
+_COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "baseline_mb", "setup_peak_mb", "step_peak_mb",
+            "tensor_peak_mb")
 
 
 def memory_prediction(trainer: Any) -> dict[str, float] | None:
@@ -84,19 +96,27 @@ def memory_prediction(trainer: Any) -> dict[str, float] | None:
 
 def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | None, loss: float) -> str:
     where = "resident" if trainer.device.type == "cpu" else "allocated"
-    lines = [f"dry run: set-up and one step of plan {trainer.plan} on {trainer.world} process(es) "
+    lines = [f"dry run: set-up and two steps of plan {trainer.plan} on {trainer.world} process(es) "
              f"(loss {loss:.4f}); nothing saved",
              f"{'rank':>4}  {'params MB':>10}  {'grads MB':>9}  {'optim MB':>9}  {'baseline MB':>11}  "
-             f"{'set-up peak MB':>14}  {'step peak MB':>12}  ({where} memory, this process)"]
-    for rank, (p, g, o, base, setup, step) in enumerate(rows):
-        lines.append(f"{rank:>4}  {p:>10.1f}  {g:>9.1f}  {o:>9.1f}  {base:>11.0f}  {setup:>14.0f}  {step:>12.0f}")
+             f"{'set-up peak MB':>14}  {'step peak MB':>12}  {'tensors MB':>10}  ({where} memory, this process; "
+             "tensors: the step's peak of live tensor bytes)"]
+    for rank, (p, g, o, base, setup, step, live) in enumerate(rows):
+        lines.append(f"{rank:>4}  {p:>10.1f}  {g:>9.1f}  {o:>9.1f}  {base:>11.0f}  {setup:>14.0f}  {step:>12.0f}  "
+                     f"{live:>10.0f}")
     if predicted is None:
         lines.append("planner: no spec for this device, no prediction")
     else:
         terms = ", ".join(f"{k} {v:.1f}" for k, v in predicted.items() if k != "total" and v)
         lines.append(f"planner, busiest device (MB): {terms}; total with fragmentation margin "
                      f"{predicted['total']:.1f} (the interpreter and libraries not included)")
-        above = max(step - base for *_, base, _, step in rows)
+        total = predicted["total"]
+        above = max(step - base for *_, base, _, step, _ in rows)
         lines.append(f"step peak above the baseline, busiest rank: {above:.0f} MB; the planner's "
-                     f"{predicted['total']:.0f} MB is {100 * (predicted['total'] - above) / above:+.0f}% off")
+                     f"{total:.0f} MB is {100 * (total - above) / above:+.0f}% off")
+        live = max(r[-1] for r in rows)
+        priced = sum(v for k, v in predicted.items() if k != "total")  # tensors alone: no allocator margin
+        if not math.isnan(live):
+            lines.append(f"step peak of live tensors, busiest rank: {live:.0f} MB; the planner's terms, "
+                         f"{priced:.0f} MB, are {100 * (priced - live) / live:+.0f}% off")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import resource
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,3 +59,66 @@ def current_mb() -> float:
         return torch.cuda.memory_allocated() / 2**20
     rss = _status_mb("VmRSS")
     return rss if rss is not None else peak_mb()
+
+
+class TensorPeak:
+    """The peak bytes of live tensors over a window (MiB), the quantity the planner predicts.
+
+    The resident set on CPU also holds what no tensor owns: memory the C allocator keeps after a
+    free, the communication library's buffers, thread stacks. On CUDA the allocator's own peak
+    is the tensor peak; on CPU torch keeps no such statistic, so this counts tensor storages with
+    torch's MemTracker (torch.distributed._tools, a private module: where it is missing or fails,
+    `peak_mb` stays None and only the resident figures are reported)."""
+
+    def __init__(self, *tracked: Any) -> None:
+        self.peak_mb: float | None = None
+        self._tracked = tracked
+        self._tracker: Any = None
+
+    def __enter__(self) -> TensorPeak:
+        if _cuda():
+            torch.cuda.reset_peak_memory_stats()
+            return self
+        try:
+            tracker = _total_tracker()
+            tracker.track_external(*self._tracked)
+            tracker.__enter__()
+            self._tracker = tracker
+        except Exception:  # a private API: any failure leaves only the resident figures
+            self._tracker = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _cuda():
+            self.peak_mb = torch.cuda.max_memory_allocated() / 2**20
+            return
+        tracker = self._tracker
+        if tracker is None:
+            return
+        try:
+            tracker.__exit__(*exc)
+            peak = tracker.get_tracker_snapshot("peak")
+            self.peak_mb = sum(stats.get("Total", 0) for stats in peak.values()) / 2**20
+        except Exception:
+            self.peak_mb = None
+
+
+def _total_tracker() -> Any:
+    """torch's MemTracker counting the total only: its per-module statistics refuse a module that
+    runs twice in a step (a pipeline stage runs once per micro-batch), and we need none of them."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class TotalOnly(MemTracker):
+        def _pre_fw_hook(self, *args: Any) -> None:
+            pass
+
+        def _post_fw_hook(self, *args: Any) -> None:
+            pass
+
+        def _pre_bw_hook(self, *args: Any) -> None:
+            pass
+
+        def _post_bw_hook(self, *args: Any) -> None:
+            pass
+
+    return TotalOnly()
