@@ -353,3 +353,56 @@ def test_small_gemms_and_overlapped_collectives_on_an_h100_by_hand():
     hidden = total * (1 - 1 / (units + 1))
     assert e.time["dp_sync_exposed"] == pytest.approx(total - hidden + OVERLAP_SLOWDOWN * hidden)
     assert OVERLAP_SLOWDOWN == 0.189
+
+
+def test_overlap_exposed_by_hand():
+    """Traffic of 10 s in 5 equal pieces beside compute: the last piece (2 s) always shows; the other 8 s
+    hide as far as the compute lasts (all of them beside 20 s of it, 3 s beside 3 s)."""
+    from shoal.planner.estimate import overlap_exposed
+
+    assert overlap_exposed(10.0, 20.0, pieces=5) == pytest.approx((2.0, 8.0))
+    assert overlap_exposed(10.0, 3.0, pieces=5) == pytest.approx((7.0, 3.0))
+    assert overlap_exposed(10.0, 0.0, pieces=5) == pytest.approx((10.0, 0.0))  # a CPU: nothing hides
+    assert overlap_exposed(0.0, 5.0, pieces=1) == (0.0, 0.0)
+
+
+def test_data_schedule_puts_each_collective_in_its_pass():
+    """FSDP2 at zero=3 gathers in forward and again in backward on every micro-batch and reduces every
+    micro-batch; shoal's ZeRO-1 engine gathers once, beside the first forward, and reduces the last
+    micro-batch only; DDP reduces in the last backward."""
+    from shoal.planner.estimate import data_schedule
+
+    z3 = data_schedule("fsdp2", 3, micro=4)
+    assert z3["fsdp_all_gather"] == {"forward": 0.5, "backward": 0.5}
+    assert (z3["forward_passes"], z3["backward_passes"]) == (4, 4)
+    z1 = data_schedule("zero", 1, micro=4)
+    assert z1["fsdp_all_gather"] == {"forward": 1.0, "backward": 0.0}
+    assert z1["fsdp_reduce_scatter"] == {"backward": 1.0}
+    assert (z1["forward_passes"], z1["backward_passes"]) == (1, 1)
+    assert data_schedule("zero", 2, micro=4)["backward_passes"] == 4
+    ddp = data_schedule("ddp", 0, micro=4)
+    assert ddp["dp_allreduce"] == {"backward": 1.0} and ddp["backward_passes"] == 1
+
+
+def test_gathers_hide_only_behind_forward_by_hand():
+    """FSDP2 zero=3 on 8 H100s: the step's exposed data traffic is, pass by pass, the overlap of what that
+    pass issues with that pass's compute (half the gathers in forward; the other half and the
+    reduce-scatters in backward), the hidden part charged OVERLAP_SLOWDOWN more."""
+    from shoal.planner.estimate import OVERLAP_SLOWDOWN, overlap_exposed
+    from shoal.rules import choose_engine
+
+    e = _estimate("fsdp8", cluster="8xH100", batch=64)
+    plan = Plan.parse("fsdp8").resolve(8, "cuda")
+    engine = choose_engine(plan, num_layers=TINY.num_layers)
+    assert (engine.kind, engine.zero) == ("fsdp2", 3)
+    gathers, reduces = e.traffic["fsdp_all_gather"], e.traffic["fsdp_reduce_scatter"]
+    pieces = engine.units + 1
+    micro = 1
+    steady = sum(v for k, v in e.time.items() if k not in ("pp_bubble", "dp_sync_exposed", "optimizer",
+                                                                 "engine_overhead", "step_sync"))
+    fwd = (e.time["compute_matmul"] + e.time["compute_attention"] + e.time["compute_elementwise"]) / 3
+    bwd = steady / micro - fwd
+    f_shown, f_hid = overlap_exposed(gathers / 2, micro * fwd, pieces=pieces)
+    b_shown, b_hid = overlap_exposed(gathers / 2 + reduces, micro * bwd, pieces=pieces)
+    want = f_shown + b_shown + OVERLAP_SLOWDOWN * (f_hid + b_hid)
+    assert e.time["dp_sync_exposed"] == pytest.approx(want, rel=1e-6)

@@ -163,7 +163,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["pp_bubble"] = bubble
     params, experts = cost.params_per_rank(first if first >= last else last, head=plan.pp == 1 or last >= first)
     grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
-                                           units=_units(engine.kind, engine.units, params), compute=steady)
+                                           units=_units(engine.kind, engine.units, params), fwd=fwd, bwd=bwd)
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts
@@ -349,8 +349,10 @@ class _Costs:
         return dense / p.tp, experts / p.tp
 
     def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
-                  compute: float) -> tuple[float, dict[str, float]]:
-        """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic."""
+                  fwd: float, bwd: float) -> tuple[float, dict[str, float]]:
+        """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic, given one
+        micro-batch's forward and backward seconds on this rank: each collective hides only behind the
+        pass it is issued in (DATA_SCHEDULE), all but its last unit's piece (`overlap_exposed`)."""
         p = self.plan
         grad = 4.0 if p.reduce == "fp32" else 2.0
         # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
@@ -383,10 +385,49 @@ class _Costs:
             if experts and p.ep < p.data_ranks:
                 terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
                                                 stride=p.ep * p.tp)  # the replicas outside each ep group
-        total = sum(terms.values())
-        # Bucketed (DDP) or per-unit (ZeRO) traffic hides behind compute, all but its last piece.
-        hidden = min(self.overlap * compute, total * (1 - 1 / (units + 1)))
-        return max(0.0, total - hidden) + OVERLAP_SLOWDOWN * hidden, terms
+        schedule = data_schedule(kind, zero, micro=micro)
+        passes = {"forward": 0.0, "backward": 0.0}
+        for term, seconds in terms.items():
+            for phase, share in schedule[term].items():
+                passes[phase] += share * seconds
+        windows = {"forward": schedule["forward_passes"] * fwd, "backward": schedule["backward_passes"] * bwd}
+        exposed = hidden = 0.0
+        for phase, seconds in passes.items():
+            shown, hid = overlap_exposed(seconds, self.overlap * windows[phase], pieces=units + 1)
+            exposed, hidden = exposed + shown, hidden + hid
+        return exposed + OVERLAP_SLOWDOWN * hidden, terms
+
+
+def data_schedule(kind: str, zero: int, *, micro: int) -> dict[str, Any]:
+    """Where each data-axis collective of a step runs, read off the engines' schedules (shoal.parallel.data,
+    shoal.parallel.zero): {term: {pass: share of its seconds}}, and over how many micro-batches' forward and
+    backward passes each pass's collectives are spread ("forward_passes", "backward_passes").
+
+    - Parameter all-gathers run in forward: FSDP2 gathers each unit just before it runs (prefetching the
+      next) on every micro-batch, and at zero=3 once more in backward (half of its gathers); shoal's ZeRO-1/2
+      engine starts every bucket's gather when the step's first forward begins and waits for each just
+      before its blocks run, so they hide behind one forward only.
+    - Gradient reduce-scatters and all-reduces run in backward as each unit's (bucket's) gradients are
+      produced: every micro-batch's at zero=2 and 3, the last micro-batch's only at zero=1 and under DDP
+      (gradients accumulate under no_sync)."""
+    every = zero >= 2 and kind in ("zero", "fsdp2")
+    gathers_fwd = 0.5 if kind == "fsdp2" and zero == 3 else 1.0
+    backward = {"backward": 1.0}
+    return {"fsdp_all_gather": {"forward": gathers_fwd, "backward": 1 - gathers_fwd},
+            "fsdp_reduce_scatter": backward, "dp_allreduce": backward, "expert_allreduce": backward,
+            "forward_passes": 1 if kind == "zero" else micro, "backward_passes": micro if every else 1}
+
+
+def overlap_exposed(traffic: float, window: float, *, pieces: int) -> tuple[float, float]:
+    """(exposed, hidden) seconds of `traffic` issued as `pieces` equal collectives, one as each piece of the
+    work they follow completes, beside `window` seconds of compute. The last piece starts when the compute
+    is done, so it is always exposed; the others hide as far as the compute lasts (the overlap of bucketed
+    gradient reduction, Li et al. 2020, "PyTorch Distributed", section 3.2.3; of FSDP's per-unit gathers and
+    reduce-scatters, Zhao et al. 2023, "PyTorch FSDP", section 3.3)."""
+    if traffic <= 0:
+        return 0.0, 0.0
+    hidden = max(0.0, min(window, traffic * (1 - 1 / pieces)))
+    return traffic - hidden, hidden
 
 
 DDP_BUCKET_BYTES = 25 * 2**20
