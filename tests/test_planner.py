@@ -111,9 +111,25 @@ def test_one_device_compute_by_hand():
     rate = 271.2e12 * clock  # its measured large-GEMM rate; it has no square-GEMM table, so every shape runs at it
     per_token = 4 * (98_304 + 294_912) + 2 * 128 * 256  # blocks' matmuls and the head
     assert e.time["compute_matmul"] == pytest.approx(3 * tokens * per_token / rate)
-    assert e.time["compute_attention"] == pytest.approx(3 * tokens * 4 * 32_768 / (312e12 * 0.6 * clock))
+    # FlashAttention's backward recomputes the scores: 2.5 forwards' FLOPs (compute.FUSED_BACKWARD), 3.5 in all
+    assert e.time["compute_attention"] == pytest.approx(3.5 * tokens * 4 * 32_768 / (312e12 * 0.6 * clock))
     assert sum(e.time.values()) == pytest.approx(e.step_time_s)
     assert e.tokens_per_s == pytest.approx(tokens / e.step_time_s)
+
+
+def test_attention_backward_counts_the_fused_kernels_recompute():
+    """Kept scores: one product per input's gradient per forward product (2). A fused kernel keeps no
+    scores: its backward redoes QK^T, then dV, dP, dQ and dK: 5 products against the forward's 2."""
+    from shoal.planner.compute import FUSED_BACKWARD, attention_backward_multiplier
+
+    assert attention_backward_multiplier(fused_kernel=False) == 2.0
+    assert attention_backward_multiplier(fused_kernel=True) == FUSED_BACKWARD == 5 / 2
+    unfused = estimate(Plan.parse("dp1").resolve(1, "cuda"),
+                       Workload(model=TINY, global_batch=16, seq_len=128, fused_attention=False),
+                       parse_cluster("1xA100-80GB"))
+    clock = 1200 / 1410
+    full_context = 4 * 128 * 8 * 16  # QK^T and AV over all 128 keys (no masked blocks skipped)
+    assert unfused.time["compute_attention"] == pytest.approx(3 * 16 * 128 * 4 * full_context / (271.2e12 * clock))
 
 
 def test_terms_add_up_and_sharding_saves_memory():

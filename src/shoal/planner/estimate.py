@@ -233,6 +233,8 @@ class _Costs:
         self.rate = cluster.device.flops(_dtype(plan, cluster))
         # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate
         self.attention_rate = cluster.device.attention_flops(_dtype(plan, cluster)) if fused else self.rate
+        # A GPU's fused kernel recomputes the scores in backward (the calibrated CPU profile times its own kernel).
+        self.attention_bwd = compute.attention_backward_multiplier(fused_kernel=fused and cluster.device_type == "cuda")
         self.mem_bw = cluster.device.memory_bw
         self.bytes = 4.0 if plan.precision == "fp32" else 2.0
         on_cpu = cluster.device_type == "cpu"
@@ -298,7 +300,8 @@ class _Costs:
                    if p.ep > 1 else 0.0)
         p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if p.sp and tp > 1 else 1),
                                     stride=self.stride["pp"]) if p.pp > 1 else 0.0
-        terms = {"compute_matmul": 3 * mm, "compute_attention": 3 * attn, "compute_elementwise": 3 * elem,
+        terms = {"compute_matmul": 3 * mm, "compute_attention": (1 + self.attention_bwd) * attn,
+                 "compute_elementwise": 3 * elem,
                  "recompute": recompute, "tp_comm": tp_comm, "cp_comm_exposed": cp_comm, "ep_comm": ep_comm,
                  "pp_p2p": 2 * p2p, "host_overhead": host}
         fwd = mm + attn + elem + n * tp_fwd + cp_comm / 3 + ep_comm / 2 + p2p + host / 3
