@@ -16,8 +16,9 @@ so what is priced is what will run. Times are per step on the busiest rank:
 - pipeline: one point-to-point per stage boundary each way per micro-batch, and the bubble of the
   schedule (shoal.parallel.schedules): (p-1)(F+B) for GPipe and 1F1B, divided by v interleaved,
   (p-1)F for ZB-H1 (Qi et al. 2023, section 3, with B split evenly into input and weight halves);
-- data axes: gradients reduced (and ZeRO-3 parameters gathered) over the data ranks, hidden
-  behind backward on devices whose collectives overlap compute, then the optimizer step, which
+- data axes: gradients reduced (and ZeRO-3 parameters gathered) over the data ranks, each collective
+  hidden, on devices whose collectives overlap compute, only behind the pass its engine issues it in
+  (data_schedule, overlap_exposed), then the optimizer step, which
   is memory-bound (Adam reads and writes 28 bytes per parameter, the norm for clipping 4 more);
 - the step's own small collectives (loss, gradient norm, stop signals), each a latency;
 - on CPUs, where the host runs the ops, each op's dispatch (DTensor's under tensor parallelism).
