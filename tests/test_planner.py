@@ -400,6 +400,24 @@ def test_data_schedule_puts_each_collective_in_its_pass():
     assert ddp["dp_allreduce"] == {"backward": 1.0} and ddp["backward_passes"] == 1
 
 
+def test_unsharded_fsdp2_reduction_hides_behind_one_backward():
+    """dp8 at bf16 runs FSDP2 over a replicated mesh (rules.choose_engine); its all-reduce, counted once a
+    step, hides behind the last micro-batch's backward only, however many micro-batches the step has."""
+    from shoal.planner.estimate import OVERLAP_SLOWDOWN, overlap_exposed
+    from shoal.rules import choose_engine
+
+    plan = Plan.parse("dp8").resolve(8, "cuda")
+    engine = choose_engine(plan, num_layers=TINY.num_layers)
+    assert (engine.kind, plan.fsdp) == ("fsdp2", 1)
+    e = _estimate("dp8", cluster="8xH100", batch=64, micro_batch=2)  # 4 micro-batches of 2 sequences
+    total = e.traffic["dp_allreduce"]
+    fwd = (e.time["compute_matmul"] / 3 + e.time["compute_attention"] / 3.5 + e.time["compute_elementwise"] / 3) / 4
+    bwd = sum(e.time[k] for k in ("compute_matmul", "compute_attention", "compute_elementwise", "recompute",
+                                  "tp_comm", "cp_comm_exposed", "ep_comm", "pp_p2p", "host_overhead")) / 4 - fwd
+    shown, hidden = overlap_exposed(total, bwd, pieces=engine.units + 1)
+    assert e.time["dp_sync_exposed"] == pytest.approx(shown + OVERLAP_SLOWDOWN * hidden, rel=1e-6)
+
+
 def test_gathers_hide_only_behind_forward_by_hand():
     """FSDP2 zero=3 on 8 H100s: the step's exposed data traffic is, pass by pass, the overlap of what that
     pass issues with that pass's compute (half the gathers in forward; the other half and the
@@ -416,7 +434,7 @@ def test_gathers_hide_only_behind_forward_by_hand():
     micro = 1
     steady = sum(v for k, v in e.time.items() if k not in ("pp_bubble", "dp_sync_exposed", "optimizer",
                                                                  "engine_overhead", "step_sync"))
-    fwd = (e.time["compute_matmul"] + e.time["compute_attention"] + e.time["compute_elementwise"]) / 3
+    fwd = e.time["compute_matmul"] / 3 + e.time["compute_attention"] / 3.5 + e.time["compute_elementwise"] / 3
     bwd = steady / micro - fwd
     f_shown, f_hid = overlap_exposed(gathers / 2, micro * fwd, pieces=pieces)
     b_shown, b_hid = overlap_exposed(gathers / 2 + reduces, micro * bwd, pieces=pieces)

@@ -356,7 +356,7 @@ class _Costs:
                   fwd: float, bwd: float) -> tuple[float, dict[str, float]]:
         """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic, given one
         micro-batch's forward and backward seconds on this rank: each collective hides only behind the
-        pass it is issued in (DATA_SCHEDULE), all but its last unit's piece (`overlap_exposed`)."""
+        pass it is issued in (`data_schedule`), all but its last unit's piece (`overlap_exposed`)."""
         p = self.plan
         grad = 4.0 if p.reduce == "fp32" else 2.0
         # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
@@ -389,7 +389,9 @@ class _Costs:
             if experts and p.ep < p.data_ranks:
                 terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
                                                 stride=p.ep * p.tp)  # the replicas outside each ep group
-        schedule = data_schedule(kind, zero, micro=micro)
+        # Unsharded FSDP2 is priced as DDP is: one reduction, in the last micro-batch's backward (the traffic
+        # above counts it once, as a pipeline's last backward or no_sync would run it).
+        schedule = data_schedule("ddp" if kind == "fsdp2" and fsdp == 1 else kind, zero, micro=micro)
         passes = {"forward": 0.0, "backward": 0.0}
         for term, seconds in terms.items():
             for phase, share in schedule[term].items():
