@@ -440,3 +440,21 @@ def test_gathers_hide_only_behind_forward_by_hand():
     b_shown, b_hid = overlap_exposed(gathers / 2 + reduces, micro * bwd, pieces=pieces)
     want = f_shown + b_shown + OVERLAP_SLOWDOWN * (f_hid + b_hid)
     assert e.time["dp_sync_exposed"] == pytest.approx(want, rel=1e-6)
+
+
+def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
+    """shoal.parallel.recompute keeps matmul and fused-attention outputs and tensor-parallel reductions:
+    backward reruns the elementwise ops (and unfused attention's score products), and under sequence
+    parallelism the block's two all-gathers (their outputs are not kept)."""
+    from shoal.planner.compute import recomputed
+
+    assert recomputed("none", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True) == 0.0
+    assert recomputed("full", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True) == 10.0
+    assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True) == 2.0
+    assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=False) == 5.0
+    sel, none = _estimate("tp8,ac=selective", cluster="8xH100"), _estimate("tp8", cluster="8xH100")
+    per_block_elem = (none.time["compute_elementwise"] / 3 - 4 * 16 * 128 * 256 * 4 / 8 / 3350e9)
+    assert sel.time["recompute"] == pytest.approx(per_block_elem)  # the blocks' elementwise work, not the head's
+    net = RingNetwork(parse_cluster("8xH100"))
+    gather = net.time("all_gather", 8, 16 * 128 * TINY.dim * 2.0, stride=1)
+    assert sel.time["tp_comm"] - none.time["tp_comm"] == pytest.approx(TINY.num_layers * 2 * gather)

@@ -274,10 +274,12 @@ class _Costs:
               + self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe)) * T / tp / self.rate
         attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate
         elem = sum(w.elementwise * n for w, n in blocks) * T * self.bytes / tp / self.mem_bw
+        block_elem = elem
         if head:
             mm += self.head_scale * compute.head_flops(self.cfg) * T / tp / self.rate
             elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
-        recompute = (mm + attn + elem) if p.ac == "full" else (attn if p.ac == "selective" else 0.0)
+        recompute = compute.recomputed(p.ac, matmul=mm, attention=attn, fused_attention=self.fused,
+                                       elementwise=elem if p.ac == "full" else block_elem)  # the head: full only
         ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
         if p.cp > 1:
             ops += (hi - lo) * RING_OPS_PER_HOP * p.cp if p.cp_mode == "ring" else 0
@@ -293,6 +295,8 @@ class _Costs:
         else:
             tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
         tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
+        if tp > 1 and p.sp and p.ac == "selective":  # selective keeps reductions, not all-gathers: 2 rerun
+            tp_comm += n * 2 * self.net.time("all_gather", tp, act, stride=1)
         if tp > 1 and head:  # vocabulary-parallel embedding and loss: ~2 collectives each way, small
             tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
         cp_comm = n * self._ring(attn / max(n, 1))
