@@ -238,7 +238,7 @@ class _Costs:
         self.attention_bwd = compute.attention_backward_multiplier(fused_kernel=fused and cluster.device_type == "cuda")
         self.mem_bw = cluster.device.memory_bw
         self.bytes = 4.0 if plan.precision == "fp32" else 2.0
-        on_cpu = cluster.device_type == "cpu"
+        on_cpu = self.on_cpu = cluster.device_type == "cpu"
         # Collectives on a CPU share its cores with compute (gloo's threads): little of them hides.
         self.overlap = 0.0 if on_cpu else 1.0
         # A GPU's host queues kernels ahead of the device (hidden); a CPU's cores run both.
@@ -280,6 +280,8 @@ class _Costs:
             elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
         recompute = compute.recomputed(p.ac, matmul=mm, attention=attn, fused_attention=self.fused,
                                        elementwise=elem if p.ac == "full" else block_elem)  # the head: full only
+        if self.on_cpu and p.ac == "selective":  # the calibrated CPU model keeps the accounting it was checked with
+            recompute = attn
         ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
         if p.cp > 1:
             ops += (hi - lo) * RING_OPS_PER_HOP * p.cp if p.cp_mode == "ring" else 0
@@ -295,7 +297,7 @@ class _Costs:
         else:
             tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
         tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
-        if tp > 1 and p.sp and p.ac == "selective":  # selective keeps reductions, not all-gathers: 2 rerun
+        if tp > 1 and p.sp and p.ac == "selective" and not self.on_cpu:  # reductions kept, not all-gathers: 2 rerun
             tp_comm += n * 2 * self.net.time("all_gather", tp, act, stride=1)
         if tp > 1 and head:  # vocabulary-parallel embedding and loss: ~2 collectives each way, small
             tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
