@@ -111,9 +111,25 @@ def test_one_device_compute_by_hand():
     rate = 271.2e12 * clock  # its measured large-GEMM rate; it has no square-GEMM table, so every shape runs at it
     per_token = 4 * (98_304 + 294_912) + 2 * 128 * 256  # blocks' matmuls and the head
     assert e.time["compute_matmul"] == pytest.approx(3 * tokens * per_token / rate)
-    assert e.time["compute_attention"] == pytest.approx(3 * tokens * 4 * 32_768 / (312e12 * 0.6 * clock))
+    # FlashAttention's backward recomputes the scores: 2.5 forwards' FLOPs (compute.FUSED_BACKWARD), 3.5 in all
+    assert e.time["compute_attention"] == pytest.approx(3.5 * tokens * 4 * 32_768 / (312e12 * 0.6 * clock))
     assert sum(e.time.values()) == pytest.approx(e.step_time_s)
     assert e.tokens_per_s == pytest.approx(tokens / e.step_time_s)
+
+
+def test_attention_backward_counts_the_fused_kernels_recompute():
+    """Kept scores: one product per input's gradient per forward product (2). A fused kernel keeps no
+    scores: its backward redoes QK^T, then dV, dP, dQ and dK: 5 products against the forward's 2."""
+    from shoal.planner.compute import FUSED_BACKWARD, attention_backward_multiplier
+
+    assert attention_backward_multiplier(fused_kernel=False) == 2.0
+    assert attention_backward_multiplier(fused_kernel=True) == FUSED_BACKWARD == 5 / 2
+    unfused = estimate(Plan.parse("dp1").resolve(1, "cuda"),
+                       Workload(model=TINY, global_batch=16, seq_len=128, fused_attention=False),
+                       parse_cluster("1xA100-80GB"))
+    clock = 1200 / 1410
+    full_context = 4 * 128 * 8 * 16  # QK^T and AV over all 128 keys (no masked blocks skipped)
+    assert unfused.time["compute_attention"] == pytest.approx(3 * 16 * 128 * 4 * full_context / (271.2e12 * clock))
 
 
 def test_terms_add_up_and_sharding_saves_memory():
@@ -353,3 +369,92 @@ def test_small_gemms_and_overlapped_collectives_on_an_h100_by_hand():
     hidden = total * (1 - 1 / (units + 1))
     assert e.time["dp_sync_exposed"] == pytest.approx(total - hidden + OVERLAP_SLOWDOWN * hidden)
     assert OVERLAP_SLOWDOWN == 0.189
+
+
+def test_overlap_exposed_by_hand():
+    """Traffic of 10 s in 5 equal pieces beside compute: the last piece (2 s) always shows; the other 8 s
+    hide as far as the compute lasts (all of them beside 20 s of it, 3 s beside 3 s)."""
+    from shoal.planner.estimate import overlap_exposed
+
+    assert overlap_exposed(10.0, 20.0, pieces=5) == pytest.approx((2.0, 8.0))
+    assert overlap_exposed(10.0, 3.0, pieces=5) == pytest.approx((7.0, 3.0))
+    assert overlap_exposed(10.0, 0.0, pieces=5) == pytest.approx((10.0, 0.0))  # a CPU: nothing hides
+    assert overlap_exposed(0.0, 5.0, pieces=1) == (0.0, 0.0)
+
+
+def test_data_schedule_puts_each_collective_in_its_pass():
+    """FSDP2 at zero=3 gathers in forward and again in backward on every micro-batch and reduces every
+    micro-batch; shoal's ZeRO-1 engine gathers once, beside the first forward, and reduces the last
+    micro-batch only; DDP reduces in the last backward."""
+    from shoal.planner.estimate import data_schedule
+
+    z3 = data_schedule("fsdp2", 3, micro=4)
+    assert z3["fsdp_all_gather"] == {"forward": 0.5, "backward": 0.5}
+    assert (z3["forward_passes"], z3["backward_passes"]) == (4, 4)
+    z1 = data_schedule("zero", 1, micro=4)
+    assert z1["fsdp_all_gather"] == {"forward": 1.0, "backward": 0.0}
+    assert z1["fsdp_reduce_scatter"] == {"backward": 1.0}
+    assert (z1["forward_passes"], z1["backward_passes"]) == (1, 1)
+    assert data_schedule("zero", 2, micro=4)["backward_passes"] == 4
+    ddp = data_schedule("ddp", 0, micro=4)
+    assert ddp["dp_allreduce"] == {"backward": 1.0} and ddp["backward_passes"] == 1
+
+
+def test_unsharded_fsdp2_reduction_hides_behind_one_backward():
+    """dp8 at bf16 runs FSDP2 over a replicated mesh (rules.choose_engine); its all-reduce, counted once a
+    step, hides behind the last micro-batch's backward only, however many micro-batches the step has."""
+    from shoal.planner.estimate import OVERLAP_SLOWDOWN, overlap_exposed
+    from shoal.rules import choose_engine
+
+    plan = Plan.parse("dp8").resolve(8, "cuda")
+    engine = choose_engine(plan, num_layers=TINY.num_layers)
+    assert (engine.kind, plan.fsdp) == ("fsdp2", 1)
+    e = _estimate("dp8", cluster="8xH100", batch=64, micro_batch=2)  # 4 micro-batches of 2 sequences
+    total = e.traffic["dp_allreduce"]
+    fwd = (e.time["compute_matmul"] / 3 + e.time["compute_attention"] / 3.5 + e.time["compute_elementwise"] / 3) / 4
+    bwd = sum(e.time[k] for k in ("compute_matmul", "compute_attention", "compute_elementwise", "recompute",
+                                  "tp_comm", "cp_comm_exposed", "ep_comm", "pp_p2p", "host_overhead")) / 4 - fwd
+    shown, hidden = overlap_exposed(total, bwd, pieces=engine.units + 1)
+    assert e.time["dp_sync_exposed"] == pytest.approx(shown + OVERLAP_SLOWDOWN * hidden, rel=1e-6)
+
+
+def test_gathers_hide_only_behind_forward_by_hand():
+    """FSDP2 zero=3 on 8 H100s: the step's exposed data traffic is, pass by pass, the overlap of what that
+    pass issues with that pass's compute (half the gathers in forward; the other half and the
+    reduce-scatters in backward), the hidden part charged OVERLAP_SLOWDOWN more."""
+    from shoal.planner.estimate import OVERLAP_SLOWDOWN, overlap_exposed
+    from shoal.rules import choose_engine
+
+    e = _estimate("fsdp8", cluster="8xH100", batch=64)
+    plan = Plan.parse("fsdp8").resolve(8, "cuda")
+    engine = choose_engine(plan, num_layers=TINY.num_layers)
+    assert (engine.kind, engine.zero) == ("fsdp2", 3)
+    gathers, reduces = e.traffic["fsdp_all_gather"], e.traffic["fsdp_reduce_scatter"]
+    pieces = engine.units + 1
+    micro = 1
+    steady = sum(v for k, v in e.time.items() if k not in ("pp_bubble", "dp_sync_exposed", "optimizer",
+                                                                 "engine_overhead", "step_sync"))
+    fwd = e.time["compute_matmul"] / 3 + e.time["compute_attention"] / 3.5 + e.time["compute_elementwise"] / 3
+    bwd = steady / micro - fwd
+    f_shown, f_hid = overlap_exposed(gathers / 2, micro * fwd, pieces=pieces)
+    b_shown, b_hid = overlap_exposed(gathers / 2 + reduces, micro * bwd, pieces=pieces)
+    want = f_shown + b_shown + OVERLAP_SLOWDOWN * (f_hid + b_hid)
+    assert e.time["dp_sync_exposed"] == pytest.approx(want, rel=1e-6)
+
+
+def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
+    """shoal.parallel.recompute keeps matmul and fused-attention outputs and tensor-parallel reductions:
+    backward reruns the elementwise ops (and unfused attention's score products), and under sequence
+    parallelism the block's two all-gathers (their outputs are not kept)."""
+    from shoal.planner.compute import recomputed
+
+    assert recomputed("none", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True) == 0.0
+    assert recomputed("full", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True) == 10.0
+    assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True) == 2.0
+    assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=False) == 5.0
+    sel, none = _estimate("tp8,ac=selective", cluster="8xH100"), _estimate("tp8", cluster="8xH100")
+    per_block_elem = (none.time["compute_elementwise"] / 3 - 4 * 16 * 128 * 256 * 4 / 8 / 3350e9)
+    assert sel.time["recompute"] == pytest.approx(per_block_elem)  # the blocks' elementwise work, not the head's
+    net = RingNetwork(parse_cluster("8xH100"))
+    gather = net.time("all_gather", 8, 16 * 128 * TINY.dim * 2.0, stride=1)
+    assert sel.time["tp_comm"] - none.time["tp_comm"] == pytest.approx(TINY.num_layers * 2 * gather)

@@ -2,11 +2,12 @@
 
 Matrix multiplies cost 2 FLOPs per multiply-add (Kaplan et al. 2020, "Scaling Laws", table 1);
 a backward pass costs twice its forward (one product for the input gradient, one for the
-weight gradient; Narayanan et al. 2021, section 5.1). Attention adds QK^T and AV, 2 * 2 * T *
+weight gradient; Narayanan et al. 2021, section 5.1), except a fused attention kernel's, which also
+recomputes the scores (FUSED_BACKWARD). Attention adds QK^T and AV, 2 * 2 * T *
 D_attn FLOPs per token over the whole context; a causal kernel that skips masked blocks
 (FlashAttention, Dao 2022) does half of that. Activation recompute repeats a forward: the whole
-block under full recompute, the attention core only under selective recompute (Korthikanti et
-al. 2022, "Reducing Activation Recomputation", section 5).
+block under full recompute (Korthikanti et al. 2022, "Reducing Activation Recomputation", section 5);
+under selective recompute what shoal's policy does not keep (`recomputed`).
 
 Elementwise work (norms, residual adds, RoPE, the gated activation, softmax when it is not
 fused) is memory-bound: its cost is the bytes it reads and writes over the memory bandwidth
@@ -103,6 +104,33 @@ def _eager_elements(cfg: ModelConfig, ffns: float) -> float:
 def head_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of the output projection onto the vocabulary."""
     return 2.0 * cfg.dim * cfg.vocab_size
+
+
+FUSED_BACKWARD = 2.5
+"""A fused attention kernel's backward over its forward in matrix FLOPs: it keeps no scores, so its backward
+recomputes QK^T before the four products of the gradients (five products against the forward's two).
+FlashAttention-2 counts its backward so (Dao 2023, "FlashAttention-2", section 4.1; `flops` in
+github.com/Dao-AILab/flash-attention benchmarks/benchmark_flash_attention.py: fwd f, bwd 2.5 f, fwd + bwd 3.5 f),
+which makes its published fwd + bwd rates rates of 3.5 f."""
+
+
+def attention_backward_multiplier(*, fused_kernel: bool) -> float:
+    """Backward matrix FLOPs of the attention core over its forward: 2 when the scores are kept (one
+    product for each input's gradient per forward product), FUSED_BACKWARD for a fused GPU kernel."""
+    return FUSED_BACKWARD if fused_kernel else 2.0
+
+
+def recomputed(ac: str, *, matmul: float, attention: float, elementwise: float, fused_attention: bool) -> float:
+    """The forward work backward reruns, of a block's matmul, attention-core and elementwise work (in any one
+    unit: FLOPs or seconds). Full recompute reruns all of it. Selective recompute runs shoal's policy
+    (shoal.parallel.recompute: the outputs of matmuls and of the fused attention kernel are kept, every other
+    op is recomputed): the elementwise ops, and unfused attention's score products with them (batched
+    products the policy does not keep)."""
+    if ac == "full":
+        return matmul + attention + elementwise
+    if ac == "selective":
+        return elementwise + (0.0 if fused_attention else attention)
+    return 0.0
 
 
 def train_multiplier(ac: str, *, part: str) -> float:

@@ -16,8 +16,9 @@ so what is priced is what will run. Times are per step on the busiest rank:
 - pipeline: one point-to-point per stage boundary each way per micro-batch, and the bubble of the
   schedule (shoal.parallel.schedules): (p-1)(F+B) for GPipe and 1F1B, divided by v interleaved,
   (p-1)F for ZB-H1 (Qi et al. 2023, section 3, with B split evenly into input and weight halves);
-- data axes: gradients reduced (and ZeRO-3 parameters gathered) over the data ranks, hidden
-  behind backward on devices whose collectives overlap compute, then the optimizer step, which
+- data axes: gradients reduced (and ZeRO-3 parameters gathered) over the data ranks, each collective
+  hidden, on devices whose collectives overlap compute, only behind the pass its engine issues it in
+  (data_schedule, overlap_exposed), then the optimizer step, which
   is memory-bound (Adam reads and writes 28 bytes per parameter, the norm for clipping 4 more);
 - the step's own small collectives (loss, gradient norm, stop signals), each a latency;
 - on CPUs, where the host runs the ops, each op's dispatch (DTensor's under tensor parallelism).
@@ -163,7 +164,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["pp_bubble"] = bubble
     params, experts = cost.params_per_rank(first if first >= last else last, head=plan.pp == 1 or last >= first)
     grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
-                                           units=_units(engine.kind, engine.units, params), compute=steady)
+                                           units=_units(engine.kind, engine.units, params), fwd=fwd, bwd=bwd)
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts
@@ -233,9 +234,11 @@ class _Costs:
         self.rate = cluster.device.flops(_dtype(plan, cluster))
         # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate
         self.attention_rate = cluster.device.attention_flops(_dtype(plan, cluster)) if fused else self.rate
+        # A GPU's fused kernel recomputes the scores in backward (the calibrated CPU profile times its own kernel).
+        self.attention_bwd = compute.attention_backward_multiplier(fused_kernel=fused and cluster.device_type == "cuda")
         self.mem_bw = cluster.device.memory_bw
         self.bytes = 4.0 if plan.precision == "fp32" else 2.0
-        on_cpu = cluster.device_type == "cpu"
+        on_cpu = self.on_cpu = cluster.device_type == "cpu"
         # Collectives on a CPU share its cores with compute (gloo's threads): little of them hides.
         self.overlap = 0.0 if on_cpu else 1.0
         # A GPU's host queues kernels ahead of the device (hidden); a CPU's cores run both.
@@ -271,10 +274,14 @@ class _Costs:
               + self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe)) * T / tp / self.rate
         attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate
         elem = sum(w.elementwise * n for w, n in blocks) * T * self.bytes / tp / self.mem_bw
+        block_elem = elem
         if head:
             mm += self.head_scale * compute.head_flops(self.cfg) * T / tp / self.rate
             elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
-        recompute = (mm + attn + elem) if p.ac == "full" else (attn if p.ac == "selective" else 0.0)
+        recompute = compute.recomputed(p.ac, matmul=mm, attention=attn, fused_attention=self.fused,
+                                       elementwise=elem if p.ac == "full" else block_elem)  # the head: full only
+        if self.on_cpu and p.ac == "selective":  # the calibrated CPU model keeps the accounting it was checked with
+            recompute = attn
         ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
         if p.cp > 1:
             ops += (hi - lo) * RING_OPS_PER_HOP * p.cp if p.cp_mode == "ring" else 0
@@ -290,6 +297,8 @@ class _Costs:
         else:
             tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
         tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
+        if tp > 1 and p.sp and p.ac == "selective" and not self.on_cpu:  # reductions kept, not all-gathers: 2 rerun
+            tp_comm += n * 2 * self.net.time("all_gather", tp, act, stride=1)
         if tp > 1 and head:  # vocabulary-parallel embedding and loss: ~2 collectives each way, small
             tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
         cp_comm = n * self._ring(attn / max(n, 1))
@@ -298,7 +307,8 @@ class _Costs:
                    if p.ep > 1 else 0.0)
         p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if p.sp and tp > 1 else 1),
                                     stride=self.stride["pp"]) if p.pp > 1 else 0.0
-        terms = {"compute_matmul": 3 * mm, "compute_attention": 3 * attn, "compute_elementwise": 3 * elem,
+        terms = {"compute_matmul": 3 * mm, "compute_attention": (1 + self.attention_bwd) * attn,
+                 "compute_elementwise": 3 * elem,
                  "recompute": recompute, "tp_comm": tp_comm, "cp_comm_exposed": cp_comm, "ep_comm": ep_comm,
                  "pp_p2p": 2 * p2p, "host_overhead": host}
         fwd = mm + attn + elem + n * tp_fwd + cp_comm / 3 + ep_comm / 2 + p2p + host / 3
@@ -349,8 +359,10 @@ class _Costs:
         return dense / p.tp, experts / p.tp
 
     def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
-                  compute: float) -> tuple[float, dict[str, float]]:
-        """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic."""
+                  fwd: float, bwd: float) -> tuple[float, dict[str, float]]:
+        """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic, given one
+        micro-batch's forward and backward seconds on this rank: each collective hides only behind the
+        pass it is issued in (`data_schedule`), all but its last unit's piece (`overlap_exposed`)."""
         p = self.plan
         grad = 4.0 if p.reduce == "fp32" else 2.0
         # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
@@ -383,10 +395,51 @@ class _Costs:
             if experts and p.ep < p.data_ranks:
                 terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
                                                 stride=p.ep * p.tp)  # the replicas outside each ep group
-        total = sum(terms.values())
-        # Bucketed (DDP) or per-unit (ZeRO) traffic hides behind compute, all but its last piece.
-        hidden = min(self.overlap * compute, total * (1 - 1 / (units + 1)))
-        return max(0.0, total - hidden) + OVERLAP_SLOWDOWN * hidden, terms
+        # Unsharded FSDP2 is priced as DDP is: one reduction, in the last micro-batch's backward (the traffic
+        # above counts it once, as a pipeline's last backward or no_sync would run it).
+        schedule = data_schedule("ddp" if kind == "fsdp2" and fsdp == 1 else kind, zero, micro=micro)
+        passes = {"forward": 0.0, "backward": 0.0}
+        for term, seconds in terms.items():
+            for phase, share in schedule[term].items():
+                passes[phase] += share * seconds
+        windows = {"forward": schedule["forward_passes"] * fwd, "backward": schedule["backward_passes"] * bwd}
+        exposed = hidden = 0.0
+        for phase, seconds in passes.items():
+            shown, hid = overlap_exposed(seconds, self.overlap * windows[phase], pieces=units + 1)
+            exposed, hidden = exposed + shown, hidden + hid
+        return exposed + OVERLAP_SLOWDOWN * hidden, terms
+
+
+def data_schedule(kind: str, zero: int, *, micro: int) -> dict[str, Any]:
+    """Where each data-axis collective of a step runs, read off the engines' schedules (shoal.parallel.data,
+    shoal.parallel.zero): {term: {pass: share of its seconds}}, and over how many micro-batches' forward and
+    backward passes each pass's collectives are spread ("forward_passes", "backward_passes").
+
+    - Parameter all-gathers run in forward: FSDP2 gathers each unit just before it runs (prefetching the
+      next) on every micro-batch, and at zero=3 once more in backward (half of its gathers); shoal's ZeRO-1/2
+      engine starts every bucket's gather when the step's first forward begins and waits for each just
+      before its blocks run, so they hide behind one forward only.
+    - Gradient reduce-scatters and all-reduces run in backward as each unit's (bucket's) gradients are
+      produced: every micro-batch's at zero=2 and 3, the last micro-batch's only at zero=1 and under DDP
+      (gradients accumulate under no_sync)."""
+    every = zero >= 2 and kind in ("zero", "fsdp2")
+    gathers_fwd = 0.5 if kind == "fsdp2" and zero == 3 else 1.0
+    backward = {"backward": 1.0}
+    return {"fsdp_all_gather": {"forward": gathers_fwd, "backward": 1 - gathers_fwd},
+            "fsdp_reduce_scatter": backward, "dp_allreduce": backward, "expert_allreduce": backward,
+            "forward_passes": 1 if kind == "zero" else micro, "backward_passes": micro if every else 1}
+
+
+def overlap_exposed(traffic: float, window: float, *, pieces: int) -> tuple[float, float]:
+    """(exposed, hidden) seconds of `traffic` issued as `pieces` equal collectives, one as each piece of the
+    work they follow completes, beside `window` seconds of compute. The last piece starts when the compute
+    is done, so it is always exposed; the others hide as far as the compute lasts (the overlap of bucketed
+    gradient reduction, Li et al. 2020, "PyTorch Distributed", section 3.2.3; of FSDP's per-unit gathers and
+    reduce-scatters, Zhao et al. 2023, "PyTorch FSDP", section 3.3)."""
+    if traffic <= 0:
+        return 0.0, 0.0
+    hidden = max(0.0, min(window, traffic * (1 - 1 / pieces)))
+    return traffic - hidden, hidden
 
 
 DDP_BUCKET_BYTES = 25 * 2**20
