@@ -58,20 +58,21 @@ def check_format(fmt: str, tokenizer: str, kinds: list[str]) -> None:
                          "conversations; valid: a tokenizer folder whose tokenizer_config.json has a chat_template")
 
 
-def validate(fmt: str, value: Any, where: str) -> Any:
-    """A record's value for `fmt`, checked; ValueError naming `where` (file:line) otherwise."""
+def validate(fmt: str, value: Any, where: Callable[[], str]) -> Any:
+    """A record's value for `fmt`, checked; ValueError naming where() (file:line) otherwise (called
+    on an error only: finding a line's number in a byte range reads the file up to it)."""
     if fmt == "chat":
         if not (isinstance(value, list) and value and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in value)):
-            raise ValueError(f"{where}: messages must be a non-empty list of {{\"role\": str, \"content\": str}}")
+            raise ValueError(f"{where()}: messages must be a non-empty list of {{\"role\": str, \"content\": str}}")
         return value
     if fmt == "completion":
         if not all(isinstance(v, str) for v in value):
-            raise ValueError(f"{where}: 'prompt' and 'completion' must hold text")
+            raise ValueError(f"{where()}: 'prompt' and 'completion' must hold text")
         return tuple(value)
     if not isinstance(value, str):
-        raise ValueError(f"{where}: holds {type(value).__name__}, not text")
+        raise ValueError(f"{where()}: holds {type(value).__name__}, not text")
     return value
 
 

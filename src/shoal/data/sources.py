@@ -198,9 +198,11 @@ def documents(chunk: Chunk, field: str, fmt: str = "text") -> list[Any]:
             hint = "" if fmt == "completion" else "; choose one with --field"
             raise ValueError(f"{_line(chunk, first, index)}: no field {missing[0]!r} (has: {has}){hint}")
         values = [record[f] for f in fields]
-        out.append(validate(fmt, values if fmt == "completion" else values[0],
-                            f"{_line(chunk, first, index)}: field {field!r}" if fmt != "completion"
-                            else _line(chunk, first, index)))
+        def place(index: int = index) -> str:
+            line = _line(chunk, first, index)
+            return f"{line}: field {field!r}" if fmt != "completion" else line
+
+        out.append(validate(fmt, values if fmt == "completion" else values[0], place))
     return out
 
 
