@@ -358,10 +358,7 @@ def _pipeline_rule(plan: Plan, facts: Facts) -> str | None:
     if plan.pp == 1:
         return None
     assert plan.vpp is not None, "the rules see plans whose options are chosen"
-    layers, model = facts.layers, facts.model
-    if model is not None and model.tie_embeddings:
-        return (f"pp={plan.pp} with tie_embeddings: the first and last stages would share the embedding; "
-                "valid: --set tie_embeddings=false, or no pp")
+    layers = facts.layers
     if layers is not None and plan.pp > layers:
         return f"pp={plan.pp} exceeds the model's {layers} layers; valid: 1..{layers}"
     reason = schedule_refusal(plan.sched, num_ranks=plan.pp, num_micro=plan.micro_batches, vpp=plan.vpp)

@@ -16,7 +16,8 @@ private, and attaches nothing to the user's modules.
   output on every stage), `train()` / `eval()`.
 - One step: `forward_backward(micro_batches, loss_fn)` runs a rank's micro-batches (under pp on
   the schedule): gradients reduced over the data ranks on the last one only (`no_sync()` for
-  loops of one's own), fp16 loss scaling, the vocabulary-parallel loss, the cp split
+  loops of one's own), the gradients of tied embeddings summed over the first and last
+  stages (pp), fp16 loss scaling, the vocabulary-parallel loss, the cp split
   (`local_batches`), the MoE layers' auxiliary losses (their load figures in `moe_stats`), then
   tensor parallelism's partial gradients and the expert gradients reduced once. `eval_loss` is
   its forward-only twin. `grad_norm()` (fp16: unscales first, reports an overflow) and
@@ -56,6 +57,7 @@ from shoal.parallel.pipeline import Pipeline
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.parallel.schedules import bubble_fraction, save_gantt
 from shoal.parallel.tensor import reduce_partial_grads
+from shoal.parallel.tied import TiedGrads
 from shoal.parallel.vocab import cross_entropy_sum, local_value, num_targets, vocab_parallel_loss
 from shoal.plan import Plan
 from shoal.rules import EngineChoice
@@ -70,13 +72,15 @@ class Runtime:
 
     def __init__(self, engine: DataEngine, *, plan: Plan | None, mesh: DeviceMesh | None,
                  choice: EngineChoice | None, context: ContextSplit | None = None,
-                 pipeline: Pipeline | None = None, experts: ExpertGrads | None = None) -> None:
+                 pipeline: Pipeline | None = None, experts: ExpertGrads | None = None,
+                 tied: TiedGrads | None = None) -> None:
         self.plan, self.mesh = plan, mesh
         self._context = context  # cp > 1: this rank's slice of every sequence, taken from each micro-batch here
         self._pipeline = pipeline  # pp > 1: this rank's stages and schedule
         self._pp_group = mesh["pp"].get_group() if pipeline is not None and mesh is not None else None
         self._moe = MoECollector(engine.module)
         self._experts = experts
+        self._tied = tied  # pp with tied embeddings: the first and last stages' copies of the table
         """ep > 1: the expert weights, whose gradients the data engine leaves to us."""
         self.moe_stats: dict[str, torch.Tensor] = {}
         """Per MoE layer, the last step's load figures (shoal.moe.collect.FIGURES, then each expert's
@@ -150,6 +154,8 @@ class Runtime:
             # Stages start backward from their outputs, so MoE losses ride on the layers' outputs.
             with self._moe.attached(lambda added: scale(added / n) if scale is not None else added / n):
                 pp_total = self._pipeline.step(local, share, scale=scale)
+            if self._tied is not None:
+                self._tied.sync()
             self._after_backward()
             return self._pp_sum(pp_total)
         total: torch.Tensor | float = 0.0
@@ -229,8 +235,11 @@ class Runtime:
         """(global L2 norm of the true gradients, take the step?). Under fp16 the gradients are
         first divided by the loss scale; an overflow returns False (skip the step; the scale halves)."""
         norm = self._engine.grad_norm()
-        if self._pp_group is not None:  # each stage's norm over its own parameters
-            norm = self._pp_sum(norm.pow(2)).sqrt()
+        if self._pp_group is not None:  # each stage's norm over its own parameters, a tied table's once
+            squares = norm.pow(2)
+            if self._tied is not None:
+                squares = squares - self._tied.duplicate_square(squares.device)
+            norm = self._pp_sum(squares).sqrt()
         if self.loss_scaler is None:
             return norm, True
         factor = self.loss_scaler.unscale_factor(norm)
