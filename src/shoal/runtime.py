@@ -265,28 +265,40 @@ class Runtime:
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """{"model": ..., "optimizer": ...} in DCP's format: clean names, sharded tensors as DTensors
         with their global shapes. DCP saves it, or loads into it in place (then `load_state_dict`)."""
-        state = {"model": self._engine.model_state_dict()}
+        model = self._engine.model_state_dict()
+        state = {"model": {k: v for k, v in model.items() if k not in self._aliases()}}
         if optimizer is not None:
             state["optimizer"] = self._engine.optim_state_dict(optimizer)
         return state
 
     def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
         """After DCP loaded a checkpoint into `state_dict(optimizer)`'s tensors: put it to use."""
-        self._engine.load_state_dicts(state["model"], state.get("optimizer"), optimizer)
+        model = dict(state["model"])
+        for alias, name in self._aliases().items():  # the engines load every name the module has
+            if alias not in model and name in model:
+                model[alias] = model[name]
+        self._engine.load_state_dicts(model, state.get("optimizer"), optimizer)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every weight unsharded, on the CPU, by clean name. Collective over the mesh; the result
         is complete on rank 0."""
-        weights = self._engine.full_weights()
+        aliases = self._aliases()
         if self._pp_group is None:
-            return weights
+            return {k: v for k, v in self._engine.full_weights().items() if k not in aliases}
+        # Every stage's share, gathered within the stage: the engines' full_weights keep theirs on
+        # global rank 0 only, which holds the first stage alone.
+        weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                   for k, v in self._engine.model_state_dict().items() if k not in aliases}
         stages: list[Any] = [None] * dist.get_world_size(self._pp_group)  # each stage's share, to all
         dist.all_gather_object(stages, weights, group=self._pp_group)
         return {k: v for share in stages for k, v in share.items()}
 
     def load_full_weights(self, weights: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-        """Take full weights by name (each rank keeps its shard). strict: the names must match."""
-        expected = set(self._engine.model_state_dict())
+        """Take full weights by name (each rank keeps its shard). strict: the names must match. A
+        tied head's second name may be left out (loading the embedding loads it) or given."""
+        aliases = self._aliases()
+        weights = {k: v for k, v in weights.items() if k not in aliases}
+        expected = set(self._engine.model_state_dict()) - set(aliases)
         if self._pp_group is not None:  # the whole model's names: every stage's
             names: list[Any] = [None] * dist.get_world_size(self._pp_group)
             dist.all_gather_object(names, expected, group=self._pp_group)
@@ -299,6 +311,20 @@ class Runtime:
             missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
             raise ValueError(f"does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         self._engine.load_full_weights({k: v for k, v in weights.items() if k in expected})
+
+    def _aliases(self) -> dict[str, str]:
+        """Second names of parameters that have two (a head tied to the embedding: `output.weight`):
+        state dicts and full weights hold each tensor once, under the name `named_parameters` gives
+        it, so a tied table is saved and exported once under every plan (pp keeps a copy on two
+        stages under one name)."""
+        first: dict[int, str] = {}
+        aliases = {}
+        for name, param in self._engine.module.named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                aliases[clean_name(name)] = first[id(param)]
+            else:
+                first[id(param)] = clean_name(name)
+        return aliases
 
     # ------------------------------------------------------------------ the pipeline
     def _pp_sum(self, value: torch.Tensor) -> torch.Tensor:
