@@ -310,6 +310,12 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
         return f"ep={plan.ep} needs a Mixture-of-Experts model; this one has num_experts=0"
     if not model.num_experts:
         return None
+    accumulates = facts.micro_batch is not None and facts.micro_batch < (facts.global_batch or facts.micro_batch + 1)
+    if model.aux_loss_pooled and (facts.world_size > 1 or accumulates):
+        return (f"aux_loss_pooled (transformers' router loss over every layer and token at once) runs in one process "
+                f"without accumulation in this version; plan {plan} on {facts.world_size} process(es)"
+                f"{', --micro-batch ' + str(facts.micro_batch) if accumulates else ''}; valid: one process and no "
+                "--micro-batch, or aux_loss_pooled=false (each layer's own loss)")
     if model.share_moe and plan.fsdp > 1:
         return (f"fsdp={plan.fsdp} with share_moe (WideNet): the one shared MoE layer sits in every block's shard "
                 "unit; valid: dp axes, or share_moe=false")
