@@ -126,6 +126,24 @@ def test_shared_experts_count_at_their_own_width():
     assert dense + experts == QWEN2_MOE.num_params() - QWEN2_MOE.dim
 
 
+def test_a_tied_head_under_pp_is_a_copy():
+    """Under pp the last stage keeps a copy of a tied embedding for its head: it holds V x D as an
+    untied head's stage does (one process holds the tied table once)."""
+    from shoal.planner.estimate import _Costs
+
+    cluster = parse_cluster("2xA100-80GB")
+    V, D = TINY.vocab_size, TINY.dim
+    counts = {}
+    for text in ("pp2", "dp2"):
+        plan = Plan.parse(text).resolve(2, "cuda")
+        for tied in (False, True):
+            cfg = TINY.replace(tie_embeddings=tied)
+            cost = _Costs(plan, cfg, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
+            counts[text, tied] = cost.params_per_rank(2, head=True)[0]
+    assert counts["pp2", True] == counts["pp2", False]
+    assert counts["dp2", False] - counts["dp2", True] == V * D
+
+
 def test_activation_count_follows_the_shared_width():
     """What autograd saves in a Qwen2-MoE block grows with the shared expert's width exactly as the
     planner's count does (only the width differs between the two models, so routing's own saved
