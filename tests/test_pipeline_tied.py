@@ -102,9 +102,12 @@ def test_gpt2_from_transformers_exported_under_pp2(pools, tmp_path):
     assert "tok_embeddings.weight" in shoal_file and "output.weight" not in shoal_file
 
 
-@pytest.mark.parametrize("plan", ["dp2,pp2", "fsdp2,pp2", pytest.param("fsdp2,pp2,zero=2,sched=zb", marks=_SLOW)])
+@pytest.mark.parametrize("plan", ["dp2,pp2", "fsdp2,pp2", "tp2,pp2",
+                                  pytest.param("fsdp2,pp2,zero=2,sched=zb", marks=_SLOW),
+                                  pytest.param("tp2,pp2,sched=zb", marks=_SLOW)])
 def test_tied_pp_composes_with_data_axes(pools, plan):
-    """The copies' gradients sharded by FSDP2 or ZeRO, or replicated over dp: summed shard by shard."""
+    """The copies' gradients sharded by FSDP2 or ZeRO, replicated over dp, or split by vocabulary rows
+    under tp (the first stage's copy shards as the last stage's): summed shard by shard."""
     c = _pp_case(plan)
     check_parity(pools(4).run(run_parallel, c), c)
 

@@ -52,8 +52,11 @@ class TiedGrads:
         for param in self.params:
             if param.grad is None:  # a stage that saw no tokens this step: add zeros
                 param.grad = torch.zeros_like(param)
-            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            dist.all_reduce(grad, group=self.group)
+            grad = param.grad
+            if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+                # tp: a lookup's gradient may come replicated or partial; the copies are summed shard by shard
+                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
 
     @torch.no_grad()
     def duplicate_square(self, device: torch.device) -> torch.Tensor:
