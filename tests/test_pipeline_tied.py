@@ -104,8 +104,10 @@ def test_gpt2_from_transformers_exported_under_pp2(pools, tmp_path):
 
 @pytest.mark.parametrize("plan", ["dp2,pp2", "fsdp2,pp2", "tp2,pp2",
                                   pytest.param("fsdp2,pp2,zero=2,sched=zb", marks=_SLOW),
-                                  pytest.param("tp2,pp2,sched=zb", marks=_SLOW)])
-def test_tied_pp_composes_with_data_axes(pools, plan):
+                                  pytest.param("tp2,pp2,sched=zb", marks=_SLOW), pytest.param("cp2,pp2", marks=_SLOW),
+                                  pytest.param("fsdp2,pp2,zero=1", marks=_SLOW),
+                                  pytest.param("tp2,pp2,sched=interleaved,vpp=2", marks=_SLOW)])
+def test_tied_pp_composes_with_the_other_axes(pools, plan):
     """The copies' gradients sharded by FSDP2 or ZeRO, replicated over dp, or split by vocabulary rows
     under tp (the first stage's copy shards as the last stage's): summed shard by shard."""
     c = _pp_case(plan)
