@@ -340,8 +340,12 @@ def _export_carries_the_tokenizer(run: Path, bpe: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import shoal
+    from shoal.train.export import tokenizer_files
 
     assert cli.main(["export", "--run", str(run), "--hf", "--out", str(out)]) == 0
+    assert tokenizer_files("byte") == [] and tokenizer_files(None) == []
+    with pytest.raises(ValueError, match="none of the files"):  # moved since the run: refused before writing
+        tokenizer_files(str(out / "gone"))
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
     text = DOCS[0][:200]
     ids = AutoTokenizer.from_pretrained(str(out)).encode(text, add_special_tokens=False)

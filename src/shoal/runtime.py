@@ -80,8 +80,8 @@ class Runtime:
         self._pp_group = mesh["pp"].get_group() if pipeline is not None and mesh is not None else None
         self._moe = MoECollector(engine.module)
         self._experts = experts
-        self._tied = tied  # pp with tied embeddings: the first and last stages' copies of the table
         """ep > 1: the expert weights, whose gradients the data engine leaves to us."""
+        self._tied = tied  # pp with tied embeddings: the first and last stages' copies of the table
         self.moe_stats: dict[str, torch.Tensor] = {}
         """Per MoE layer, the last step's load figures (shoal.moe.collect.FIGURES, then each expert's
         share of the kept tokens), on the device; {} for a dense model."""

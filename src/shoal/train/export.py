@@ -63,6 +63,7 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     cfg = (config or _checkpoint_model_config(checkpoint)) if hf else None
     if hf and tokenizer is None and config is None:
         tokenizer = _checkpoint_tokenizer(checkpoint)
+    extra_files = tokenizer_files(tokenizer) if hf else []  # before any tensor is written
     if cfg is not None:
         check_llama(cfg)  # before reading any tensor
     try:
@@ -103,7 +104,7 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     _stream(folder / "model.safetensors", entries,
             lambda hf: to_hf_tensor(by_hf[hf], [fetch(p) for p in by_hf[hf].parts], cfg), info)
     _write_hf_config(folder, cfg)
-    copy_tokenizer(tokenizer, folder)
+    _copy_files(extra_files, folder)
     return folder
 
 
@@ -133,13 +134,14 @@ def export_model(runtime: Runtime, out: Path | str, *, metadata: dict[str, str] 
     cfg = _live_model_config(runtime) if hf else None
     if cfg is not None:
         check_llama(cfg)  # every rank raises alike, before any collective
+    extra_files = tokenizer_files(tokenizer) if hf else []
     weights = runtime.full_weights()
     if rank() != 0:
         return None
     weights = {k: v.detach() for k, v in weights.items()}
     if cfg is not None:
         folder = _write_hf(weights, Path(out), cfg, metadata or {})
-        copy_tokenizer(tokenizer, folder)
+        _copy_files(extra_files, folder)
         return folder
     return _write(weights, Path(out), metadata or {})
 
@@ -222,22 +224,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 """The files of a Hugging Face tokenizer folder (those transformers' tokenizers save), copied on export."""
 
 
-def copy_tokenizer(tokenizer: str | None, folder: Path) -> list[str]:
-    """Copy the tokenizer files of folder `tokenizer` (None or "byte": nothing) into `folder`;
-    returns their names. A tokenizer folder that is gone raises ValueError in one line."""
+def tokenizer_files(tokenizer: str | None) -> list[Path]:
+    """The files of tokenizer folder `tokenizer` to copy with an export (None or "byte": none);
+    a folder without any (moved since the run) raises ValueError in one line."""
     if tokenizer is None or tokenizer == "byte":
         return []
-    source = Path(tokenizer)
-    names = [n for n in TOKENIZER_FILES if (source / n).is_file()]
-    if not names:
+    files = [Path(tokenizer) / n for n in TOKENIZER_FILES if (Path(tokenizer) / n).is_file()]
+    if not files:
         raise ValueError(f"tokenizer {tokenizer!r} has none of the files to copy with the export "
                          f"({', '.join(TOKENIZER_FILES[:3])}, ...); valid: a Hugging Face tokenizer folder")
-    for name in names:
-        tmp = folder / f".{name}.tmp-{os.getpid()}"
-        shutil.copyfile(source / name, tmp)
+    return files
+
+
+def _copy_files(files: list[Path], folder: Path) -> None:
+    for source in files:
+        tmp = folder / f".{source.name}.tmp-{os.getpid()}"
+        shutil.copyfile(source, tmp)
         _usual_permissions(tmp)
-        os.replace(tmp, folder / name)
-    return names
+        os.replace(tmp, folder / source.name)
 
 
 def _live_model_config(runtime: Runtime) -> ModelConfig:
