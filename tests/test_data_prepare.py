@@ -328,6 +328,33 @@ def test_train_reads_a_prepared_dataset_with_its_tokenizer(bpe, corpus, tmp_path
     assert f'tokenizer = "{bpe}"' in (run / "config.toml").read_text()  # the manifest's, so shoal sample decodes
     assert len((run / "metrics.jsonl").read_text().splitlines()) >= 2
     assert os.path.isfile(ds / prep.MANIFEST)
+    _export_carries_the_tokenizer(run, bpe, tmp_path / "hf")
+
+
+def _export_carries_the_tokenizer(run: Path, bpe: Path, out: Path) -> None:
+    """`shoal export --hf` of a run on prepared data copies the manifest's tokenizer files along:
+    transformers reads the folder as a model (its logits equal shoal's for the exported weights, which
+    are copies: float32 rounding of the same kernels, tests/test_hf_families.py's tolerance) and as a
+    tokenizer (the same ids as the run's)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import shoal
+    from shoal.train.export import tokenizer_files
+
+    assert cli.main(["export", "--run", str(run), "--hf", "--out", str(out)]) == 0
+    assert tokenizer_files("byte") == [] and tokenizer_files(None) == []
+    with pytest.raises(ValueError, match="none of the files"):  # moved since the run: refused before writing
+        tokenizer_files(str(out / "gone"))
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    text = DOCS[0][:200]
+    ids = AutoTokenizer.from_pretrained(str(out)).encode(text, add_special_tokens=False)
+    assert ids == AutoTokenizer.from_pretrained(str(bpe)).encode(text, add_special_tokens=False)
+    tokens = torch.tensor([ids[:32]])
+    with torch.no_grad():
+        expected = shoal.from_hf(out).eval()(tokens)
+        got = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()(tokens).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_run_on_a_mixture_resumes_with_the_unbroken_losses(bpe, corpus, tmp_path):

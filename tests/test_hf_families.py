@@ -177,3 +177,58 @@ def test_gpt2_files_of_the_original_release_read_alike(tmp_path):
     state["h.0.attn.bias"] = torch.ones(1, 1, SEQ, SEQ)
     got = hf_to_shoal(state, model.config)
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_router_loss_with_output_router_logits_equals_transformers(name, tmp_path):
+    """output_router_logits=true: transformers' loss is the cross-entropy plus router_aux_loss_coef x
+    its load-balancing loss pooled over every layer; shoal's one-process training loss (the
+    cross-entropy plus what the MoE collector adds) equals it, and so do the routers' gradients
+    (LOGIT_TOL / GRAD_TOL, as above: the same float32 sums in another order). The weight is large
+    (0.5) so that a loss left out or taken per layer shows far above the tolerance."""
+    from shoal.moe.collect import MoECollector
+
+    config_cls, fields = FAMILIES[name]
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        config_cls(**fields, output_router_logits=True, router_aux_loss_coef=0.5), dtype=torch.float32)
+    hf_model.save_pretrained(str(tmp_path))
+    model = shoal.from_hf(tmp_path)
+    assert model.config.aux_loss_pooled and model.config.aux_loss_coef == 0.5
+    tokens = _tokens(model.config.vocab_size)
+    hf_out = hf_model(tokens, labels=tokens)
+    collector = MoECollector(model)
+    logits = model(tokens)
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    added = collector.take_loss()
+    assert added is not None
+    print(f"{name}: |aux diff| {(added / 0.5 - hf_out.aux_loss).abs():.3g}, "
+          f"|loss diff| {(ce + added - hf_out.loss).abs():.3g}")
+    torch.testing.assert_close(added / 0.5, hf_out.aux_loss, **LOGIT_TOL)
+    torch.testing.assert_close(ce + added, hf_out.loss, **LOGIT_TOL)
+    (ce + added).backward()
+    hf_out.loss.backward()
+    grads = shoal_to_hf({k: p.grad for k, p in model.named_parameters()}, model.config)
+    hf_grads = _file_layout(name, {k: p.grad for k, p in hf_model.named_parameters()})
+    routers = [k for k in grads if k.endswith("gate.weight") and "shared_expert" not in k]
+    assert routers
+    for k in routers:
+        torch.testing.assert_close(grads[k], hf_grads[k], **GRAD_TOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_pooled_router_loss_is_refused_where_it_would_be_split():
+    """The pooled loss needs every layer and token of the batch in one place: other plans and
+    gradient accumulation are refused in one line naming the way out."""
+    from shoal import rules
+    from shoal.models import ModelConfig
+    from shoal.plan import Plan
+    from shoal.testing import one_line_error
+
+    cfg = ModelConfig(num_layers=2, dim=64, num_heads=4, vocab_size=128, num_experts=4, top_k=2,
+                      capacity_factor=0.0, aux_loss_pooled=True)
+    for plan, world in (("dp2", 2), ("ep2", 2), ("pp2", 2)):
+        message = one_line_error(rules.resolve, Plan.parse(plan), world_size=world, model=cfg)
+        assert "aux_loss_pooled" in message and "valid: one process" in message, message
+    message = one_line_error(rules.resolve, Plan.parse("dp1"), world_size=1, model=cfg, global_batch=8, micro_batch=2)
+    assert "--micro-batch 2" in message
+    rules.resolve(Plan.parse("dp1"), world_size=1, model=cfg, global_batch=8)  # one process: runs

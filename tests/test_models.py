@@ -128,7 +128,7 @@ def test_with_overrides_converts_types():
 
 
 @pytest.mark.parametrize("pairs, words", [
-    (["dims=3"], "unknown model field 'dims' in --set; valid: activation, aux_loss_coef, bias, capacity_factor, dim,"),
+    (["dims=3"], "unknown model field 'dims' in --set; valid: activation, aux_loss_coef, aux_loss_pooled, bias,"),
     (["dim"], "--set takes key=value, got 'dim'"),
     (["=3"], "--set takes key=value"),
     (["num_layers=abc"], "model field num_layers='abc' is not a valid int"),

@@ -79,7 +79,6 @@ def test_pp_errors_are_one_line():
     assert "vpp" in _error("pp2,sched=interleaved,vpp=1", 2, DEEP)
     assert "multiples of pp" in _error("pp4,sched=interleaved,vpp=2,mb=6", 4, DEEP, batch=12)
     assert "does not split" in _error("pp2,split=9", 2, DEEP)
-    assert "tie_embeddings" in _error("pp2", 2, DEEP.replace(tie_embeddings=True))
     assert "split=" in one_line_error(Plan.parse, "pp2,split=a")
 
 

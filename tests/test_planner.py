@@ -97,6 +97,83 @@ def test_pipeline_formulas_match_the_schedule_tables(sched, vpp, p, m):
 
 
 # ----------------------------------------------------------------------------- the estimate
+QWEN2_MOE = ModelConfig(num_layers=2, dim=64, num_heads=4, num_kv_heads=2, ffn_dim=32, vocab_size=128,
+                        num_experts=4, top_k=2, capacity_factor=0.0, num_shared_experts=1, shared_ffn_dim=48,
+                        shared_gate=True, norm_topk=False)
+"""Qwen2-MoE's shape: routed experts 32 wide (moe_intermediate_size), the shared expert 48
+(shared_expert_intermediate_size), a sigmoid gate on it."""
+
+
+def test_shared_experts_count_at_their_own_width():
+    """By hand, per token of one MoE block (D = 64, H = 4 of 16, 2 KV heads, SwiGLU):
+    FFN width 2 x 32 (top-2 routed) + 48 (shared) = 112 (ffn_dim alone would say 3 x 32 = 96).
+    FLOPs: attention 2 * 64 * (128 + 64) = 24,576; FFNs 2 * 3 * 64 * 112 = 43,008; router
+    2 * 64 * 4 = 512; the shared gate 2 * 64 = 128: 68,224.
+    Activations: norms 2 (3 * 64 + 1) = 386; attention 4 * 64 + 4 = 260; FFNs 4 * 112 = 448;
+    tokens copied to the 3 experts and their outputs 2 * 3 * 64 = 384: 1,478.
+    Parameters: the planner's per-rank count is the model's own (ModelConfig.num_params, which
+    builds the shared expert at its width) less the final norm."""
+    from shoal.planner.estimate import _Costs
+
+    assert compute.ffn_width(QWEN2_MOE, 0) == 112
+    assert compute.block_work(QWEN2_MOE, 0, seq_len=16, causal_skip=True, fused_attention=True).matmul == 68_224
+    assert memory.activation_elements(QWEN2_MOE, 0, seq_len=16, tp=1, sp=False, ac="none",
+                                      fused_attention=True) == 1_478
+    cluster = parse_cluster("1xA100-80GB")
+    plan = Plan.parse("dp1").resolve(1, "cuda")
+    cost = _Costs(plan, QWEN2_MOE, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
+    dense, experts = cost.params_per_rank(QWEN2_MOE.num_layers, head=True)
+    assert dense + experts == QWEN2_MOE.num_params() - QWEN2_MOE.dim
+
+
+def test_a_tied_head_under_pp_is_a_copy():
+    """Under pp the last stage keeps a copy of a tied embedding for its head: it holds V x D as an
+    untied head's stage does (one process holds the tied table once)."""
+    from shoal.planner.estimate import _Costs
+
+    cluster = parse_cluster("2xA100-80GB")
+    V, D = TINY.vocab_size, TINY.dim
+    counts = {}
+    for text in ("pp2", "dp2"):
+        plan = Plan.parse(text).resolve(2, "cuda")
+        for tied in (False, True):
+            cfg = TINY.replace(tie_embeddings=tied)
+            cost = _Costs(plan, cfg, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
+            counts[text, tied] = cost.params_per_rank(2, head=True)[0]
+    assert counts["pp2", True] == counts["pp2", False]
+    assert counts["dp2", False] - counts["dp2", True] == V * D
+
+
+def test_activation_count_follows_the_shared_width():
+    """What autograd saves in a Qwen2-MoE block grows with the shared expert's width exactly as the
+    planner's count does (only the width differs between the two models, so routing's own saved
+    tensors cancel): 4 elements per unit of SwiGLU width, per token."""
+    import torch
+
+    from shoal.models import Transformer
+
+    def saved(cfg: ModelConfig) -> int:
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        sizes: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
+                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randint(0, cfg.vocab_size, (2, 16)))
+        return sum(sizes.values())
+
+    wide = QWEN2_MOE.replace(shared_ffn_dim=80)
+    kw = dict(seq_len=16, tp=1, sp=False, ac="none", fused_attention=True)
+    per_token = (memory.activation_elements(wide, 0, **kw) - memory.activation_elements(QWEN2_MOE, 0, **kw))
+    assert per_token == 4 * 32
+    assert saved(wide) - saved(QWEN2_MOE) == QWEN2_MOE.num_layers * per_token * 2 * 16
+
+
 def _estimate(text: str, cluster: str = "8xA100-80GB", model: ModelConfig = TINY, batch: int = 16, seq: int = 128,
               **kw):
     c = parse_cluster(cluster)

@@ -197,13 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a checkpoint's weights as one safetensors file or a "
                             "Hugging Face folder", description="Gather a checkpoint's weights (whatever plan wrote "
                             "it) into one safetensors file under shoal's names, or with --hf a folder that "
-                            "transformers loads as LlamaForCausalLM.")
+                            "transformers loads (AutoModelForCausalLM), with the run's tokenizer files.")
     export.add_argument("--run", required=True, metavar="DIR", help="the run folder (required)")
     export.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N [the latest]")
     export.add_argument("--out", required=True, metavar="PATH",
                         help="the .safetensors file, or the folder with --hf (required; must not exist unless --force)")
-    export.add_argument("--hf", action="store_true", help="write a folder transformers loads (LlamaForCausalLM: "
-                        "model.safetensors + config.json); Llama-style models only [off]")
+    export.add_argument("--hf", action="store_true", help="write a folder transformers loads (model.safetensors + "
+                        "config.json in the model's family, and the run's tokenizer files when it had a Hugging Face "
+                        "tokenizer) [off]")
     export.add_argument("--force", action="store_true", help="replace --out if it exists [off]")
     export.set_defaults(func=_export)
     return parser

@@ -22,9 +22,10 @@ from shoal.parallel.context import ContextSplit, apply_context_parallel
 from shoal.parallel.data import DataEngine, TorchDataEngine, apply_data_parallel, transformer_blocks
 from shoal.parallel.expert import ExpertGrads, MoETensorParallel, apply_expert_parallel, ep_mesh
 from shoal.parallel.materialize import WeightSource, materialize, on_meta
-from shoal.parallel.pipeline import Pipeline, build_stages, merged_view
+from shoal.parallel.pipeline import Pipeline, build_stages, merged_view, tied_embeddings
 from shoal.parallel.recompute import apply_recompute
 from shoal.parallel.tensor import apply_tensor_parallel, transformer_tp_plan
+from shoal.parallel.tied import TiedGrads, tie_group
 from shoal.plan import Plan
 from shoal.rules import EngineChoice, choose_engine
 from shoal.runtime import Runtime
@@ -60,6 +61,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         engine = _data_parallel(model, mesh, plan, choice, experts, seed, weights)
         return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, experts=experts)
     assert plan.vpp is not None, "rules.resolve chose it"
+    tied = tied_embeddings(model)
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
                           split=plan.split)
     choice = choose_engine(plan, num_layers=max(len(transformer_blocks(m)) for m in stages.values()))
@@ -78,8 +80,24 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         view = merged_view(stages)
         engine = TorchDataEngine(view, view)
     pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync,
-                        modules=modules, reduce=engine.reduce_grads)
-    return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline, experts=experts)
+                        modules=modules, reduce=engine.reduce_grads, tied=bool(tied))
+    return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline, experts=experts,
+                   tied=_tied(tied, engine, stages, mesh, plan.pp * plan.vpp))
+
+
+def _tied(modules: list[str], engine: DataEngine, stages: dict[int, nn.Module], mesh: DeviceMesh,
+          num_stages: int) -> TiedGrads | None:
+    """Tied embeddings split over the first and last stage: their copies on this rank, found by name
+    among the engine's parameters (the data engine's shards), and the group that sums their gradients."""
+    if not modules:
+        return None
+    group = tie_group(mesh)  # collective: every rank, before any returns
+    first, last = 0 in stages, num_stages - 1 in stages
+    if group is None or not (first or last):
+        return None
+    prefixes = tuple(f"{m}." for m in modules)
+    params = [p for name, p in engine.named_parameters() if name.startswith(prefixes)]
+    return TiedGrads(params, group, last=last and not first)
 
 
 def _data_parallel(model: nn.Module, mesh: DeviceMesh, plan: Plan, choice: EngineChoice,

@@ -310,6 +310,12 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
         return f"ep={plan.ep} needs a Mixture-of-Experts model; this one has num_experts=0"
     if not model.num_experts:
         return None
+    accumulates = facts.micro_batch is not None and facts.micro_batch < (facts.global_batch or facts.micro_batch + 1)
+    if model.aux_loss_pooled and (facts.world_size > 1 or accumulates):
+        return (f"aux_loss_pooled (transformers' router loss over every layer and token at once) runs in one process "
+                f"without accumulation in this version; plan {plan} on {facts.world_size} process(es)"
+                f"{', --micro-batch ' + str(facts.micro_batch) if accumulates else ''}; valid: one process and no "
+                "--micro-batch, or aux_loss_pooled=false (each layer's own loss)")
     if model.share_moe and plan.fsdp > 1:
         return (f"fsdp={plan.fsdp} with share_moe (WideNet): the one shared MoE layer sits in every block's shard "
                 "unit; valid: dp axes, or share_moe=false")
@@ -358,10 +364,7 @@ def _pipeline_rule(plan: Plan, facts: Facts) -> str | None:
     if plan.pp == 1:
         return None
     assert plan.vpp is not None, "the rules see plans whose options are chosen"
-    layers, model = facts.layers, facts.model
-    if model is not None and model.tie_embeddings:
-        return (f"pp={plan.pp} with tie_embeddings: the first and last stages would share the embedding; "
-                "valid: --set tie_embeddings=false, or no pp")
+    layers = facts.layers
     if layers is not None and plan.pp > layers:
         return f"pp={plan.pp} exceeds the model's {layers} layers; valid: 1..{layers}"
     reason = schedule_refusal(plan.sched, num_ranks=plan.pp, num_micro=plan.micro_batches, vpp=plan.vpp)

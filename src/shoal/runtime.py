@@ -16,7 +16,8 @@ private, and attaches nothing to the user's modules.
   output on every stage), `train()` / `eval()`.
 - One step: `forward_backward(micro_batches, loss_fn)` runs a rank's micro-batches (under pp on
   the schedule): gradients reduced over the data ranks on the last one only (`no_sync()` for
-  loops of one's own), fp16 loss scaling, the vocabulary-parallel loss, the cp split
+  loops of one's own), the gradients of tied embeddings summed over the first and last
+  stages (pp), fp16 loss scaling, the vocabulary-parallel loss, the cp split
   (`local_batches`), the MoE layers' auxiliary losses (their load figures in `moe_stats`), then
   tensor parallelism's partial gradients and the expert gradients reduced once. `eval_loss` is
   its forward-only twin. `grad_norm()` (fp16: unscales first, reports an overflow) and
@@ -56,6 +57,7 @@ from shoal.parallel.pipeline import Pipeline
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.parallel.schedules import bubble_fraction, save_gantt
 from shoal.parallel.tensor import reduce_partial_grads
+from shoal.parallel.tied import TiedGrads
 from shoal.parallel.vocab import cross_entropy_sum, local_value, num_targets, vocab_parallel_loss
 from shoal.plan import Plan
 from shoal.rules import EngineChoice
@@ -70,7 +72,8 @@ class Runtime:
 
     def __init__(self, engine: DataEngine, *, plan: Plan | None, mesh: DeviceMesh | None,
                  choice: EngineChoice | None, context: ContextSplit | None = None,
-                 pipeline: Pipeline | None = None, experts: ExpertGrads | None = None) -> None:
+                 pipeline: Pipeline | None = None, experts: ExpertGrads | None = None,
+                 tied: TiedGrads | None = None) -> None:
         self.plan, self.mesh = plan, mesh
         self._context = context  # cp > 1: this rank's slice of every sequence, taken from each micro-batch here
         self._pipeline = pipeline  # pp > 1: this rank's stages and schedule
@@ -78,6 +81,7 @@ class Runtime:
         self._moe = MoECollector(engine.module)
         self._experts = experts
         """ep > 1: the expert weights, whose gradients the data engine leaves to us."""
+        self._tied = tied  # pp with tied embeddings: the first and last stages' copies of the table
         self.moe_stats: dict[str, torch.Tensor] = {}
         """Per MoE layer, the last step's load figures (shoal.moe.collect.FIGURES, then each expert's
         share of the kept tokens), on the device; {} for a dense model."""
@@ -150,6 +154,8 @@ class Runtime:
             # Stages start backward from their outputs, so MoE losses ride on the layers' outputs.
             with self._moe.attached(lambda added: scale(added / n) if scale is not None else added / n):
                 pp_total = self._pipeline.step(local, share, scale=scale)
+            if self._tied is not None:
+                self._tied.sync()
             self._after_backward()
             return self._pp_sum(pp_total)
         total: torch.Tensor | float = 0.0
@@ -229,8 +235,11 @@ class Runtime:
         """(global L2 norm of the true gradients, take the step?). Under fp16 the gradients are
         first divided by the loss scale; an overflow returns False (skip the step; the scale halves)."""
         norm = self._engine.grad_norm()
-        if self._pp_group is not None:  # each stage's norm over its own parameters
-            norm = self._pp_sum(norm.pow(2)).sqrt()
+        if self._pp_group is not None:  # each stage's norm over its own parameters, a tied table's once
+            squares = norm.pow(2)
+            if self._tied is not None:
+                squares = squares - self._tied.duplicate_square(squares.device)
+            norm = self._pp_sum(squares).sqrt()
         if self.loss_scaler is None:
             return norm, True
         factor = self.loss_scaler.unscale_factor(norm)
@@ -256,28 +265,40 @@ class Runtime:
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """{"model": ..., "optimizer": ...} in DCP's format: clean names, sharded tensors as DTensors
         with their global shapes. DCP saves it, or loads into it in place (then `load_state_dict`)."""
-        state = {"model": self._engine.model_state_dict()}
+        model = self._engine.model_state_dict()
+        state = {"model": {k: v for k, v in model.items() if k not in self._aliases()}}
         if optimizer is not None:
             state["optimizer"] = self._engine.optim_state_dict(optimizer)
         return state
 
     def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
         """After DCP loaded a checkpoint into `state_dict(optimizer)`'s tensors: put it to use."""
-        self._engine.load_state_dicts(state["model"], state.get("optimizer"), optimizer)
+        model = dict(state["model"])
+        for alias, name in self._aliases().items():  # the engines load every name the module has
+            if alias not in model and name in model:
+                model[alias] = model[name]
+        self._engine.load_state_dicts(model, state.get("optimizer"), optimizer)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every weight unsharded, on the CPU, by clean name. Collective over the mesh; the result
         is complete on rank 0."""
-        weights = self._engine.full_weights()
+        aliases = self._aliases()
         if self._pp_group is None:
-            return weights
+            return {k: v for k, v in self._engine.full_weights().items() if k not in aliases}
+        # Every stage's share, gathered within the stage: the engines' full_weights keep theirs on
+        # global rank 0 only, which holds the first stage alone.
+        weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                   for k, v in self._engine.model_state_dict().items() if k not in aliases}
         stages: list[Any] = [None] * dist.get_world_size(self._pp_group)  # each stage's share, to all
         dist.all_gather_object(stages, weights, group=self._pp_group)
         return {k: v for share in stages for k, v in share.items()}
 
     def load_full_weights(self, weights: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-        """Take full weights by name (each rank keeps its shard). strict: the names must match."""
-        expected = set(self._engine.model_state_dict())
+        """Take full weights by name (each rank keeps its shard). strict: the names must match. A
+        tied head's second name may be left out (loading the embedding loads it) or given."""
+        aliases = self._aliases()
+        weights = {k: v for k, v in weights.items() if k not in aliases}
+        expected = set(self._engine.model_state_dict()) - set(aliases)
         if self._pp_group is not None:  # the whole model's names: every stage's
             names: list[Any] = [None] * dist.get_world_size(self._pp_group)
             dist.all_gather_object(names, expected, group=self._pp_group)
@@ -290,6 +311,20 @@ class Runtime:
             missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
             raise ValueError(f"does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         self._engine.load_full_weights({k: v for k, v in weights.items() if k in expected})
+
+    def _aliases(self) -> dict[str, str]:
+        """Second names of parameters that have two (a head tied to the embedding: `output.weight`):
+        state dicts and full weights hold each tensor once, under the name `named_parameters` gives
+        it, so a tied table is saved and exported once under every plan (pp keeps a copy on two
+        stages under one name)."""
+        first: dict[int, str] = {}
+        aliases = {}
+        for name, param in self._engine.module.named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                aliases[clean_name(name)] = first[id(param)]
+            else:
+                first[id(param)] = clean_name(name)
+        return aliases
 
     # ------------------------------------------------------------------ the pipeline
     def _pp_sum(self, value: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,12 @@ class ModelConfig:
     """Weight of the load-balancing loss (Switch/GShard) in the training loss."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss (ST-MoE) in the training loss."""
+    aux_loss_pooled: bool = False
+    """The load-balancing loss as transformers' Mixtral and Qwen2-MoE take it (output_router_logits):
+    one loss over every MoE layer's tokens at once, E * sum_e C_e P_e with C_e the share of all
+    rows' top-k choices that went to e (summing to k) and P_e its mean probability, pooled over the
+    layers (shoal.moe.collect); false: each layer's own loss, summed. One process only (pooling
+    over every layer and token needs them all in one place; shoal.rules refuses the rest)."""
     share_moe: bool = False
     """WideNet: every MoE layer is one shared layer (its weights), each block keeping its norms."""
     doc_eos_id: int = -1

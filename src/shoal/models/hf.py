@@ -34,6 +34,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_moe": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False,
                   "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
                   "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False,
+                  "router_aux_loss_coef": 0.001,
                   "mlp_only_layers": [], "qkv_bias": True},
     "qwen3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False},
     "gpt2": dict(n_inner=None, n_positions=1024, layer_norm_epsilon=1e-5, activation_function="gelu_new",
@@ -103,9 +104,11 @@ def _llama(hf: _Fields) -> dict[str, Any]:
         **_rope(hf),
     )
     if model_type in ("mixtral", "qwen2_moe"):
-        if hf.get("output_router_logits"):
-            hf.refuse("output_router_logits=true (the router loss over all layers at once)", "false")
-        fields.update(capacity_factor=0.0, aux_loss_coef=0.0, z_loss_coef=0.0, top_k=hf.required("num_experts_per_tok"))
+        # output_router_logits: transformers' loss adds router_aux_loss_coef x the load-balancing loss
+        # pooled over every layer (shoal's aux_loss_pooled); without it, no router loss at all.
+        pooled = bool(hf.get("output_router_logits"))
+        fields.update(capacity_factor=0.0, aux_loss_coef=float(hf.get("router_aux_loss_coef")) if pooled else 0.0,
+                      aux_loss_pooled=pooled, z_loss_coef=0.0, top_k=hf.required("num_experts_per_tok"))
     if model_type == "mixtral":
         fields.update(num_experts=hf.required("num_local_experts"), moe_every=1, norm_topk=True)
     if model_type == "qwen2_moe":

@@ -183,11 +183,11 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         out.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None,
                    max_window_layers=0, attention_bias=False)
     if family == "mixtral":
-        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, output_router_logits=False)
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, **_router_loss(cfg))
     if family == "qwen2_moe":
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.ffn_dim,
                    shared_expert_intermediate_size=cfg.shared_ffn_dim or cfg.ffn_dim, norm_topk_prob=cfg.norm_topk,
-                   decoder_sparse_step=cfg.moe_every, mlp_only_layers=[], qkv_bias=True, output_router_logits=False)
+                   decoder_sparse_step=cfg.moe_every, mlp_only_layers=[], qkv_bias=True, **_router_loss(cfg))
     return out
 
 
@@ -252,6 +252,13 @@ def _llama_layout(cfg: ModelConfig) -> list[HFTensor]:
     if not cfg.tie_embeddings:
         out.append(HFTensor("lm_head.weight", ("output.weight",)))
     return out
+
+
+def _router_loss(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers' router-loss fields: on (with its weight) where shoal pools the loss as transformers does."""
+    if cfg.aux_loss_pooled:
+        return {"output_router_logits": True, "router_aux_loss_coef": cfg.aux_loss_coef}
+    return {"output_router_logits": False}
 
 
 def _qwen2_moe_experts(cfg: ModelConfig, s: str, h: str) -> list[HFTensor]:

@@ -158,7 +158,7 @@ def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
                         num_shared_experts=cfg.num_shared_experts, shared_ffn_dim=cfg.shared_ffn_dim,
                         shared_gate=cfg.shared_gate, activation=cfg.activation, bias=cfg.bias,
                         init_std=cfg.init_std, num_layers=cfg.num_layers, aux_loss_coef=cfg.aux_loss_coef,
-                        z_loss_coef=cfg.z_loss_coef)
+                        z_loss_coef=cfg.z_loss_coef, aux_loss_pooled=cfg.aux_loss_pooled)
     return FeedForward(cfg)
 
 
@@ -185,8 +185,9 @@ class Transformer(nn.Module):
     """Token ids (B, T) -> logits (B, T, V).
 
     `layers` is a ModuleDict keyed "0".."L-1" so that a pipeline split can keep a subset by
-    name; a stage that lacks `tok_embeddings` takes hidden states as input, one that lacks
-    `output` returns them.
+    name; a stage given hidden states (floats) instead of token ids skips the embeddings (a
+    stage that lacks `tok_embeddings` always gets them; the last stage keeps a tied one for its
+    head), and one that lacks `output` returns them.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -262,9 +263,9 @@ class Transformer(nn.Module):
         """With `doc_eos_id` set (--doc-mask on) each document of a packed sequence is its own:
         attention stays inside it and positions restart at its first token. Only a model that
         sees the token ids can find the documents (shoal.rules refuses pp and cp with it)."""
-        docs = documents(tokens_BT, self.config.doc_eos_id) \
-            if self.config.doc_eos_id >= 0 and self.tok_embeddings is not None else None
-        h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
+        embed = self.tok_embeddings is not None and not tokens_BT.is_floating_point()  # else hidden states
+        docs = documents(tokens_BT, self.config.doc_eos_id) if self.config.doc_eos_id >= 0 and embed else None
+        h_BTD = self.tok_embeddings(tokens_BT) if embed else tokens_BT  # type: ignore[misc]  # embed: not None
         if self.pos_embeddings is not None:
             positions = docs[0] if docs is not None else torch.arange(h_BTD.shape[1], device=h_BTD.device)
             h_BTD = h_BTD + self.pos_embeddings(positions)

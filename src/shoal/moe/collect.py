@@ -33,6 +33,7 @@ class MoECollector:
                 self.names[id(module)] = _short(name)
                 module.register_forward_hook(self._called)
         self._losses: list[torch.Tensor] = []
+        self._pooled: list[tuple[MoELayer, tuple[torch.Tensor, torch.Tensor, int]]] = []  # see pooled_loss
         self._calls: dict[str, list[dict[str, torch.Tensor]]] = {}
         self._attach: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -60,13 +61,20 @@ class MoECollector:
         if not torch.is_grad_enabled():
             return None
         if self._attach is not None:
+            assert not module.aux_loss_pooled, "shoal.rules refuses a pooled loss where stages attach losses"
             return attach_loss(out, self._attach(module.added_loss()))
         self._losses.append(module.added_loss())
+        if module.aux_loss_pooled and module.balance is not None:
+            self._pooled.append((module, module.balance))
         return None
 
     def take_loss(self) -> torch.Tensor | None:
-        """The sum of the added losses of the calls since the last take (None without any)."""
+        """The sum of the added losses of the calls since the last take (None without any), with
+        the load-balancing loss pooled over those calls' layers where the layers pool it."""
         losses, self._losses = self._losses, []
+        pooled, self._pooled = self._pooled, []
+        if pooled:
+            losses.append(pooled_loss(pooled))
         return torch.stack(losses).sum() if losses else None
 
     def take_stats(self) -> dict[str, torch.Tensor]:
@@ -82,6 +90,18 @@ class MoECollector:
                                    mean("aux_loss"), mean("z_loss")])
             out[name] = torch.cat([figures, kept / kept.sum().clamp(min=1)])
         return out
+
+
+def pooled_loss(calls: list[tuple[MoELayer, tuple[torch.Tensor, torch.Tensor, int]]]) -> torch.Tensor:
+    """aux_loss_coef * E * sum_e C_e P_e over the calls' layers at once, as transformers' Mixtral
+    and Qwen2-MoE take it (`load_balancing_loss_func`): C_e the choices of expert e over all layers'
+    rows (tokens) divided by the rows, P_e the summed router probabilities of e divided by the rows.
+    Gradients reach P only, as in the per-layer loss."""
+    layer = calls[0][0]
+    rows = sum(n for _, (_, _, n) in calls)
+    counts_E = torch.stack([c for _, (c, _, _) in calls]).sum(0) / rows
+    probs_E = torch.stack([p for _, (_, p, _) in calls]).sum(0) / rows
+    return layer.aux_loss_coef * layer.num_experts * (counts_E * probs_E).sum()
 
 
 def _short(name: str) -> str:

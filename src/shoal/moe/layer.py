@@ -16,7 +16,7 @@ from torch import nn
 
 from shoal.moe.dispatch import Dispatcher, RoutingGroups, group_spans, plan_dispatch
 from shoal.moe.experts import Experts
-from shoal.moe.router import Router, load_balancing_loss, router_z_loss
+from shoal.moe.router import Router, expert_counts, load_balancing_loss, router_z_loss
 
 
 class MoELayer(nn.Module):
@@ -47,10 +47,16 @@ class MoELayer(nn.Module):
                  capacity_factor: float = 1.25, group_tokens: int = 0, num_shared_experts: int = 0,
                  shared_ffn_dim: int = 0, shared_gate: bool = False, activation: str = "swiglu",
                  bias: bool = False, normalize: bool = True, init_std: float = 0.02, num_layers: int = 1,
-                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, aux_loss_pooled: bool = False) -> None:
         super().__init__()
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         """The weights of aux_loss and z_loss in the training loss (`added_loss`)."""
+        self.aux_loss_pooled = aux_loss_pooled
+        """The load-balancing loss is pooled over the model's MoE layers (`balance`, shoal.moe.collect)
+        instead of this layer's own in `added_loss`."""
+        self.balance: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        """The last forward's (choices per expert, summed router probabilities per expert (with
+        gradient), tokens): what a loss pooled over layers adds up."""
         if capacity_factor < 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be >= 0 (0: dropless, no capacity limit)")
         if group_tokens < 0:
@@ -119,12 +125,15 @@ class MoELayer(nn.Module):
         self.aux_loss = load_balancing_loss(routing.probs_NE, routing.experts_NK, num_groups=self.router.num_groups,
                                             group_N=group_N, num_routing_groups=groups.num_groups)
         self.z_loss = router_z_loss(routing.logits_NE)
+        self.balance = (expert_counts(routing.experts_NK, E).float(), routing.probs_NE.float().sum(0), N)
         self.stats = self._stats(plan.tokens_per_expert, plan.routed_per_expert, N)
         return y_ND.view_as(x_BTD)
 
     def added_loss(self) -> torch.Tensor:
         """What the last forward adds to the training loss: aux_loss_coef * aux_loss + z_loss_coef * z_loss."""
         assert self.aux_loss is not None and self.z_loss is not None, "call forward first"
+        if self.aux_loss_pooled:  # the collector adds the pooled load-balancing loss
+            return self.z_loss_coef * self.z_loss
         return self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
 
     @torch.no_grad()

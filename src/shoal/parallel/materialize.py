@@ -58,7 +58,13 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device, weights: 
     if spec is None:
         _reset_each(module, device)
         return
+    tied = _second_names(module)
     module.to_empty(device=device)
+    for second, first in tied:  # to_empty gives each name its own new tensor: tie them again
+        owner, _, leaf = second.rpartition(".")
+        source = module.get_parameter(first)
+        if module.get_parameter(second) is not source:
+            setattr(module.get_submodule(owner), leaf, source)
     for name, param in module.named_parameters():
         key = clean_name(name)
         if isinstance(param, DTensor):
@@ -79,6 +85,19 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device, weights: 
         init_buffers = getattr(sub, "init_buffers", None)
         if init_buffers is not None:
             init_buffers()
+
+
+def _second_names(module: nn.Module) -> list[tuple[str, str]]:
+    """(second name, first name) of every parameter registered under two names (a head tied to the
+    embedding), in `named_parameters` order."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            pairs.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return pairs
 
 
 def _reset_each(module: nn.Module, device: torch.device) -> None:

@@ -1,6 +1,12 @@
 """Pipeline parallelism over the mesh's pp axis: the model's layers split into stages, one stage
 (or `vpp` interleaved chunks) per rank, micro-batches flowing through them on a schedule.
 
+- Tied embeddings (GPT-2, Llama 3.2 1B/3B, small Qwen2.5): as in Megatron-LM, the last stage
+  keeps its own copy of the embedding table the head shares (`tied_embeddings`; that stage is
+  fed hidden states, so the table serves only its head), and shoal.parallel.tied all-reduces the
+  two copies' gradients after each step's backward, so they stay equal under every schedule.
+  Both copies carry the one name the whole model gives the table: checkpoints and exports hold
+  it once, as one process's do.
 - The split (`split_layers`): contiguous runs of transformer blocks, balanced by cost (each
   block's matmul parameters, which set its FLOPs per token; the output head counts towards the
   last stage, the embedding lookup costs no FLOPs); `split` (the plan option) overrides it with the first
@@ -99,16 +105,26 @@ def ranges_from_points(points: Sequence[int], num_layers: int, num_stages: int) 
     return [range(a, b) for a, b in zip(edges, edges[1:])]
 
 
+def tied_embeddings(model: nn.Module) -> list[str]:
+    """The first-stage modules (of FIRST_ONLY) whose parameters the last stage's modules share:
+    the input embedding tied to the head. The last stage keeps these too."""
+    head = {id(p) for name in LAST_ONLY if isinstance(m := getattr(model, name, None), nn.Module)
+            for p in m.parameters()}
+    return [name for name in FIRST_ONLY if isinstance(m := getattr(model, name, None), nn.Module)
+            and any(id(p) in head for p in m.parameters())]
+
+
 def keep_stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> nn.Module:
     """`model` (in place) reduced to the blocks in `layers` (keys keep their global numbers, so
-    parameter names stay the whole model's), with the embeddings only on the first stage and
-    the final norm and head only on the last."""
+    parameter names stay the whole model's), with the embeddings only on the first stage (and a
+    tied one on the last, for its head) and the final norm and head only on the last."""
     blocks = cast(nn.ModuleDict, model.layers)
     for key in list(blocks.keys()):
         if int(key) not in layers:
             del blocks[key]
+    tied = tied_embeddings(model) if last else []
     for name in () if first else FIRST_ONLY:
-        if getattr(model, name, None) is not None:
+        if getattr(model, name, None) is not None and name not in tied:
             setattr(model, name, None)
     for name in () if last else LAST_ONLY:
         if getattr(model, name, None) is not None:
@@ -172,6 +188,8 @@ class Pipeline:
     reduce: Callable[[], None] | None = None
     """Split backward: the data engine's reduction of gradients that its hooks did not see (the
     weight passes assign them), run after the schedule (`DataEngine.reduce_grads`)."""
+    tied: bool = False
+    """The first and last stages each hold the embedding the head is tied to (for `describe`)."""
     timeline: list[tuple[float, float, Action]] = field(default_factory=list, init=False)
     """The last training step run while recording (`record_timeline`): (start, end, action), wall clock."""
     where: str = field(default="", init=False)
@@ -212,7 +230,8 @@ class Pipeline:
     def describe(self) -> str:
         """The split and this schedule's table, for the plan's words at start-up."""
         def what(s: int, r: range) -> str:
-            extra = (" + embeddings" if s == 0 else "") + (" + norm and head" if s == self.num_stages - 1 else "")
+            last = " + norm and head" + (" (and a copy of the tied embedding)" if self.tied else "")
+            extra = (" + embeddings" if s == 0 else "") + (last if s == self.num_stages - 1 else "")
             return f"stage {s} (rank {stage_rank(s, self.num_ranks)}): layers {r.start}-{r.stop - 1}{extra}"
         table = build_schedule(self.schedule, num_ranks=self.num_ranks, num_micro=self.num_micro, vpp=self.vpp)
         lines = ["  pipeline stages: " + "; ".join(what(s, r) for s, r in enumerate(self.layers)),

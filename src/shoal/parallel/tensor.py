@@ -165,8 +165,10 @@ def transformer_tp_plan(model: nn.Module, *, sp: bool = True) -> dict[str, Paral
     embeddings = getattr(model, "tok_embeddings", None)
     if embeddings is not None:
         output = getattr(model, "output", None)
-        if output is not None and output.weight is embeddings.weight:
-            # Tied: the table is the classifier's too, sharded by rows (vocabulary) on both sides.
+        config = getattr(model, "config", None)
+        if (output is not None and output.weight is embeddings.weight) or getattr(config, "tie_embeddings", False):
+            # Tied: the table is the classifier's too, sharded by rows (vocabulary) on both sides (a
+            # pipeline's first stage too, whose copy of the table must shard as the last stage's).
             plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         else:
             # By columns: DTensor's backward of a row-sharded lookup has no sharded rule and gives

@@ -33,9 +33,25 @@ class BlockWork:
     """Elements read or written by memory-bound ops (priced in bytes by the dtype)."""
 
 
-def mlp_matmul_flops(cfg: ModelConfig) -> float:
-    """Forward FLOPs per token of one dense FFN: 2 per weight (three matrices for SwiGLU)."""
-    return 2.0 * (3 if cfg.activation == "swiglu" else 2) * cfg.dim * cfg.ffn_dim
+def mlp_matmul_flops(cfg: ModelConfig, width: float | None = None) -> float:
+    """Forward FLOPs per token of one FFN of hidden `width` (default: the dense FFN's, ffn_dim):
+    2 per weight (three matrices for SwiGLU)."""
+    return 2.0 * (3 if cfg.activation == "swiglu" else 2) * cfg.dim * (cfg.ffn_dim if width is None else width)
+
+
+def shared_width(cfg: ModelConfig) -> int:
+    """Hidden width of each shared expert: its own (Qwen2-MoE's shared_expert_intermediate_size), else ffn_dim."""
+    return cfg.shared_ffn_dim or cfg.ffn_dim
+
+
+def ffn_width(cfg: ModelConfig, index: int) -> float:
+    """Summed hidden width of the FFNs a token passes through in block `index`: ffn_dim in a dense
+    block; in an MoE block top-k routed experts (or one per prototype group) of ffn_dim each, plus
+    every shared expert at its own width."""
+    if not cfg.is_moe_layer(index):
+        return float(cfg.ffn_dim)
+    routed = cfg.num_prototypes if cfg.num_prototypes else cfg.top_k
+    return float(routed * cfg.ffn_dim + cfg.num_shared_experts * shared_width(cfg))
 
 
 def attention_matmul_flops(cfg: ModelConfig) -> float:
@@ -65,21 +81,21 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
     kernels as Megatron-LM has), so each tensor is read and written once; eager PyTorch runs shoal's
     block op by op (RMSNorm's pow/mean/rsqrt/mul/mul, RoPE's eight products and sums in fp32, the
     GQA repeat, the head transposes), which moves the elements counted in `_eager_elements`."""
-    D, F = cfg.dim, cfg.ffn_dim
+    D, width = cfg.dim, ffn_width(cfg, index)
     moe = cfg.is_moe_layer(index)
-    ffns = experts_per_token(cfg) if moe else 1
-    matmul = attention_matmul_flops(cfg) + ffns * mlp_matmul_flops(cfg)
+    matmul = attention_matmul_flops(cfg) + mlp_matmul_flops(cfg, width)
     if moe:
         matmul += 2.0 * D * cfg.num_experts  # the router
+        matmul += 2.0 * D if cfg.shared_gate and cfg.num_shared_experts else 0.0  # the shared experts' gate
     q_kv = cfg.num_heads * cfg.head_dim + 2 * cfg.kv_heads * cfg.head_dim
     if compiled:
         # Two norms (read x, write y) and two residual adds (read 2, write 1); RoPE reads and writes
         # q and k; attention reads q, k, v and writes its output.
         elementwise: float = 2 * 2 * D + 2 * 3 * D + 2 * q_kv + q_kv + D
         # The gated activation reads gate and up and writes their product (GELU: read 1, write 1).
-        elementwise += ffns * (3 * F if cfg.activation == "swiglu" else 2 * F)
+        elementwise += 3 * width if cfg.activation == "swiglu" else 2 * width
     else:
-        elementwise = _eager_elements(cfg, ffns)
+        elementwise = _eager_elements(cfg, width)
     if not fused_attention:
         # Unfused attention writes the scores, softmax reads and writes them, AV reads them:
         # four passes over the token's row of scores per head (causal mask applied in place).
@@ -88,17 +104,18 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
                      elementwise=float(elementwise))
 
 
-def _eager_elements(cfg: ModelConfig, ffns: float) -> float:
-    """Elements read and written per token by shoal's block run op by op (shoal.models.transformer)."""
-    D, F = cfg.dim, cfg.ffn_dim
+def _eager_elements(cfg: ModelConfig, width: float) -> float:
+    """Elements read and written per token by shoal's block run op by op (shoal.models.transformer),
+    its FFNs `width` wide in all (ffn_width)."""
+    D = cfg.dim
     q, kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     norms = 2 * 7 * D  # pow (r, w), mean (r), x * rsqrt (r, w), * weight (r, w), per norm
     rope = 12 * (q + kv) if cfg.pos_emb == "rope" else 0  # to fp32, 4 products, 2 sums, stack, cast
     grouped = 2 * 2 * q if kv < q else 0  # repeat_interleave of k and v to every head
     heads = 2 * q  # the attention output's transpose copied back to (B, T, D)
     residual = 2 * 3 * D
-    act = 5 * F if cfg.activation == "swiglu" else 4 * F  # silu (r, w) then the product (r 2, w 1)
-    return norms + rope + grouped + heads + residual + ffns * act + 3 * (q + 2 * kv)  # + attention's reads
+    act = 5 * width if cfg.activation == "swiglu" else 4 * width  # silu (r, w) then the product (r 2, w 1)
+    return norms + rope + grouped + heads + residual + act + 3 * (q + 2 * kv)  # + attention's reads
 
 
 def head_flops(cfg: ModelConfig) -> float:

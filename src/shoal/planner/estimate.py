@@ -351,10 +351,12 @@ class _Costs:
         mlp = compute.mlp_matmul_flops(cfg) / 2
         moe = round(blocks * self._moe_count(0, cfg.num_layers) / cfg.num_layers)
         moe_sets = 1 if cfg.share_moe and moe else moe
-        dense = (blocks * (attn + 2 * D) + (blocks - moe) * mlp
-                 + moe * (D * cfg.num_experts + cfg.num_shared_experts * mlp))
+        shared = cfg.num_shared_experts * compute.mlp_matmul_flops(cfg, compute.shared_width(cfg)) / 2
+        shared += D if cfg.shared_gate and cfg.num_shared_experts else 0  # at their own width, and their gate
+        dense = (blocks * (attn + 2 * D) + (blocks - moe) * mlp + moe * (D * cfg.num_experts + shared))
         embed = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
-        dense += embed if p.pp == 1 else (embed / 2 if head else 0)
+        # Under pp the last stage holds the head's table: its own, or a copy of a tied embedding's.
+        dense += embed if p.pp == 1 else (cfg.vocab_size * D if head else 0)
         experts = moe_sets * cfg.num_experts * mlp / p.ep
         return dense / p.tp, experts / p.tp
 

@@ -5,6 +5,7 @@ in-flight micro-batches per schedule. Pure functions of shapes and degrees; byte
 from __future__ import annotations
 
 from shoal.models.config import ModelConfig
+from shoal.planner import compute
 
 FRAGMENTATION = 1.10
 """The caching allocator's slack on top of what tensors hold: PyTorch's allocator rounds blocks
@@ -50,12 +51,12 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     Tensor parallelism splits heads and FFN columns by tp; sequence parallelism also splits the
     norms' tensors. Selective recompute drops the softmax probabilities; full recompute keeps only
     the block's input (the recomputed block's own tensors are counted once, in `transient`)."""
-    D, F = cfg.dim, cfg.ffn_dim
+    D, width = cfg.dim, compute.ffn_width(cfg, index)  # shared experts at their own width
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
     replicated = 2 * norm_elements(cfg)
     attention = 4 * cfg.num_heads * cfg.head_dim + cfg.num_heads
-    split = attention + ffns * (4 * F if cfg.activation == "swiglu" else 2 * F)
+    split = attention + (4 * width if cfg.activation == "swiglu" else 2 * width)
     if moe:
         split += 2 * ffns * D  # tokens permuted to their experts, and the experts' outputs
     scores = 0 if fused_attention else cfg.num_heads * seq_len

@@ -51,8 +51,8 @@ _GPT: dict[str, Any] = dict(norm="layernorm", activation="gelu", pos_emb="learne
 
 _UNTIED = ("The model ties input and output embeddings; with pp > 1 Megatron-style pipelines hold a copy "
            "of the word embedding on the first and the last stage and all-reduce its gradient between "
-           "them, so tie_embeddings=False is recorded (shoal refuses tied embeddings across stages; the "
-           "FLOPs are the same). ")
+           "them, so tie_embeddings=False is recorded (two copies hold the memory of an untied head, as "
+           "shoal's pipeline holds them too; the FLOPs are the same). ")
 
 
 def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int, *, pp: int = 1) -> ModelConfig:

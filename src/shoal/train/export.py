@@ -13,13 +13,16 @@ Names are the model's own parameter names without wrapper prefixes ("layers.0.at
 Only weights travel: optimizer state stays in the checkpoint. With `hf=True` the export is a
 Hugging Face folder instead (model.safetensors in the names and layout of the model's family,
 see shoal.models.hf_weights, plus config.json) that `transformers` loads directly; `import_weights`
-reads such folders back.
+reads such folders back. When the run's tokens came from a Hugging Face tokenizer folder (`--tokenizer`,
+or the manifest of the prepared `--data`), its files are copied into the folder too, so that
+`AutoTokenizer.from_pretrained` reads it beside the model (the byte tokenizer has no files).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -50,13 +53,17 @@ MODEL_KEY = "model"  # the top-level key shoal.train.checkpoint saves the model 
 
 
 def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict[str, str] | None = None,
-                      hf: bool = False, config: ModelConfig | None = None) -> Path:
+                      hf: bool = False, config: ModelConfig | None = None, tokenizer: str | None = None) -> Path:
     """Write the model weights of DCP checkpoint folder `checkpoint` to one safetensors file `out`.
 
     hf: `out` is a Hugging Face folder instead; the model shape is `config`, or else the one
-    stored in the checkpoint's trainer state (as `shoal train` writes it)."""
+    stored in the checkpoint's trainer state (as `shoal train` writes it), and the tokenizer
+    folder whose files go along is `tokenizer`, or else the run's (from the same state)."""
     checkpoint, out = Path(checkpoint), Path(out)
     cfg = (config or _checkpoint_model_config(checkpoint)) if hf else None
+    if hf and tokenizer is None and config is None:
+        tokenizer = _checkpoint_tokenizer(checkpoint)
+    extra_files = tokenizer_files(tokenizer) if hf else []  # before any tensor is written
     if cfg is not None:
         check_llama(cfg)  # before reading any tensor
     try:
@@ -97,6 +104,7 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     _stream(folder / "model.safetensors", entries,
             lambda hf: to_hf_tensor(by_hf[hf], [fetch(p) for p in by_hf[hf].parts], cfg), info)
     _write_hf_config(folder, cfg)
+    _copy_files(extra_files, folder)
     return folder
 
 
@@ -117,20 +125,24 @@ def _stream(out: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], 
 
 
 def export_model(runtime: Runtime, out: Path | str, *, metadata: dict[str, str] | None = None,
-                 hf: bool = False) -> Path | None:
+                 hf: bool = False, tokenizer: str | None = None) -> Path | None:
     """Write the runtime's full weights to one safetensors file. Collective over the default process
     group when there is one (sharded parameters are gathered); only rank 0 writes and returns the path.
 
-    hf: `out` is a Hugging Face folder instead (shape from the model's own config)."""
+    hf: `out` is a Hugging Face folder instead (shape from the model's own config), with the
+    files of the tokenizer folder `tokenizer` copied in when one is given."""
     cfg = _live_model_config(runtime) if hf else None
     if cfg is not None:
         check_llama(cfg)  # every rank raises alike, before any collective
+    extra_files = tokenizer_files(tokenizer) if hf else []
     weights = runtime.full_weights()
     if rank() != 0:
         return None
     weights = {k: v.detach() for k, v in weights.items()}
     if cfg is not None:
-        return _write_hf(weights, Path(out), cfg, metadata or {})
+        folder = _write_hf(weights, Path(out), cfg, metadata or {})
+        _copy_files(extra_files, folder)
+        return folder
     return _write(weights, Path(out), metadata or {})
 
 
@@ -187,6 +199,49 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
         raise ValueError(f"checkpoint {checkpoint} stores no run config in its trainer_state.json (not written "
                          "by `shoal train`?); give the model shape as export_checkpoint(..., config=ModelConfig)")
     return resolve_model(from_flat(state["config"]))
+
+
+def _checkpoint_tokenizer(checkpoint: Path) -> str | None:
+    """The tokenizer a `shoal train` checkpoint's run read its tokens with: `--tokenizer`, or the
+    prepared `--data`'s (its manifest names it); None for the byte tokenizer."""
+    from shoal.train.config import from_flat  # the trainer's config, only when needed
+    from shoal.train.data import resolve_tokenizer
+
+    state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))  # read by the caller already
+    data = from_flat(state["config"]).data
+    name = data.tokenizer
+    if name == "byte":
+        try:
+            name = resolve_tokenizer(data, given=False).tokenizer
+        except (OSError, ValueError, KeyError):  # the prepared data has moved since: the byte tokenizer recorded
+            pass
+    return None if name == "byte" else name
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+                   "chat_template.json")
+"""The files of a Hugging Face tokenizer folder (those transformers' tokenizers save), copied on export."""
+
+
+def tokenizer_files(tokenizer: str | None) -> list[Path]:
+    """The files of tokenizer folder `tokenizer` to copy with an export (None or "byte": none);
+    a folder without any (moved since the run) raises ValueError in one line."""
+    if tokenizer is None or tokenizer == "byte":
+        return []
+    files = [Path(tokenizer) / n for n in TOKENIZER_FILES if (Path(tokenizer) / n).is_file()]
+    if not files:
+        raise ValueError(f"tokenizer {tokenizer!r} has none of the files to copy with the export "
+                         f"({', '.join(TOKENIZER_FILES[:3])}, ...); valid: a Hugging Face tokenizer folder")
+    return files
+
+
+def _copy_files(files: list[Path], folder: Path) -> None:
+    for source in files:
+        tmp = folder / f".{source.name}.tmp-{os.getpid()}"
+        shutil.copyfile(source, tmp)
+        _usual_permissions(tmp)
+        os.replace(tmp, folder / source.name)
 
 
 def _live_model_config(runtime: Runtime) -> ModelConfig:
