@@ -166,3 +166,15 @@ def test_a_sparse_mlp_run_resumes_under_another_plan(tmp_path):
     assert cli.main(["train", "--resume", str(run), "--steps", "8", "--plan", "dp2", *FLAGS[:4]]) == 0
     resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == list(range(1, 9)) and resumed[:6] == records
+
+
+def test_a_run_folder_config_keeps_the_mixer_shape():
+    """config.toml stores the Mixer's shape with its family, and reads it back as a MixerConfig."""
+    import tomllib
+
+    from shoal.train.config import RunConfig, dump_toml, from_flat, to_flat
+    from shoal.train.runs import with_model
+
+    shape = MIXER_PRESETS["sparse-mlp"].replace(top_k=2, norm_topk=True, capacity_factor=0.0)
+    cfg = with_model(RunConfig(model="sparse-mlp"), shape)
+    assert from_flat(tomllib.loads(dump_toml(to_flat(cfg)))).model_config == shape
