@@ -1,6 +1,7 @@
-"""Sparse-MLP under dp2, fsdp2, ep2 and fsdp2,ep2 equals one process: logits, every gradient (the
-routers' load-balancing and z-losses included), its global norm, the first AdamW step, the loss
-of every step and the parameters after several steps.
+"""Sparse-MLP under dp2, fsdp2 (FSDP2 at ZeRO-3, and shoal's ZeRO-2 engine), ep2 and fsdp2,ep2
+equals one process: logits, every gradient (the routers' load-balancing and z-losses included),
+its global norm, the first AdamW step, the loss of every step and the parameters after several
+steps.
 
 Tolerances (shoal.testing.check_parity, derived from the arithmetic, not tuned): everything is
 float32, and a plan computes the single process's sums split over ranks and added in another
@@ -31,7 +32,7 @@ SPARSE = MixerConfig(num_layers=2, dim=16, token_ffn_dim=16, channel_ffn_dim=32,
 """Every block sparse, 4 experts, top-1 at capacity 1.0 (some vectors dropped), re-represent on."""
 
 
-@pytest.mark.parametrize("plan", ["dp2", "fsdp2", "ep2", "fsdp2,ep2"])
+@pytest.mark.parametrize("plan", ["dp2", "fsdp2", "fsdp2,zero=2", "ep2", "fsdp2,ep2"])
 def test_sparse_mlp_matches_single_process(pools, plan):
     c = case(plan=plan, model=SPARSE, steps=3, global_batch=8, lr=3e-3)
     check_parity(pools(2).run(run_parallel, c), c)
