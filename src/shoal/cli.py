@@ -253,6 +253,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
     import dataclasses
 
     from shoal.launch import resolve_device, under_torchrun
+    from shoal.models import MixerConfig
     from shoal.train.config import from_flat, load_toml, resolve_model
     from shoal.train.data import doc_eos_id, resolve_tokenizer
     from shoal.train.runs import Job, default_run_dir, with_model
@@ -277,17 +278,24 @@ def prepare_job(args: argparse.Namespace) -> Any:
     if args.resume is None:  # prepared data: the tokenizer is the manifest's
         cfg = dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, given="tokenizer" in flags))
     model = resolve_model(cfg)
-    if cfg.data.doc_mask and args.resume is None:  # the stored model of a resumed run has it already
+    if cfg.data.doc_mask and isinstance(model, MixerConfig):
+        raise UserError("--doc-mask on marks documents of text; the image Mixer has none; valid: --doc-mask off")
+    if cfg.data.doc_mask and args.resume is None and not isinstance(model, MixerConfig):  # a resumed run has it
         model = dataclasses.replace(model, doc_eos_id=doc_eos_id(cfg.data))
     cfg = with_model(cfg, model)
     device = resolve_device(cfg.device)
     prediction = None
     if args.resume is None and cfg.plan is not None and cfg.plan.strip() == "auto":
+        if isinstance(model, MixerConfig):
+            raise UserError("--plan auto prices transformers; the image Mixer takes a plan of dp, fsdp and ep "
+                            "axes; valid: e.g. --plan dp2, fsdp2 or ep2")
         cfg, prediction = _auto_plan(cfg, device)
     validate(cfg, device)
     if args.resume is None and cfg.init is not None:  # the files' headers only: before any worker starts
         from shoal.train.pretrained import open_pretrained
 
+        if isinstance(model, MixerConfig):
+            raise UserError("--init loads pretrained transformer weights; the image Mixer starts from the seed's")
         open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
     resume_from = None
     if args.resume is not None:
@@ -353,7 +361,7 @@ def validate(cfg: Any, device: str) -> None:
 
     from shoal import rules
     from shoal.launch import under_torchrun
-    from shoal.models import Transformer
+    from shoal.models import MixerConfig, Transformer
     from shoal.train.config import parse_plan
     from shoal.train.data import load_tokenizer, open_data
 
@@ -362,6 +370,9 @@ def validate(cfg: Any, device: str) -> None:
     if device == "cuda" and not under_torchrun() and world > torch.cuda.device_count():
         raise UserError(f"--nproc {world} exceeds the {torch.cuda.device_count()} GPU(s) of this machine (one "
                         f"process per GPU); valid: 1..{torch.cuda.device_count()}, or --device cpu")
+    if isinstance(model, MixerConfig):
+        _validate_images(cfg, model, world, device)
+        return
     with torch.device("meta"):  # builds no weights: catches what the model itself refuses
         Transformer(model)
     if loop.seq_len > model.max_seq_len:
@@ -375,6 +386,26 @@ def validate(cfg: Any, device: str) -> None:
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
         raise UserError(f"the data holds token id {top} but the model's vocab_size is {model.vocab_size}; "
                         f"use --set vocab_size={max(top + 1, vocab)}")
+
+
+def _validate_images(cfg: Any, model: Any, world: int, device: str) -> None:
+    """An image Mixer's run: the model builds, the plan runs it (shoal.rules), the image set is
+    there and fits the model. The planner prices transformers only: no memory check."""
+    import torch
+
+    from shoal import rules
+    from shoal.models import Mixer
+    from shoal.train.config import parse_plan
+    from shoal.train.images import check_shape, load_image_set
+
+    with torch.device("meta"):
+        Mixer(model)
+    loop = cfg.loop
+    rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
+                  global_batch=loop.global_batch, micro_batch=loop.micro_batch)
+    images, labels = load_image_set(cfg.data.path)
+    check_shape(images, labels, channels=model.channels, image_size=model.image_size,
+                num_classes=model.num_classes, data=cfg.data.path or "digits")
 
 
 def _check_memory(cfg: Any, plan: Any, device: str) -> None:

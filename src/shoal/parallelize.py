@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from shoal import rules
 from shoal.models.config import ModelConfig
+from shoal.models.mixer_config import MixerConfig
 from shoal.moe.layer import MoELayer
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
@@ -52,7 +53,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         raise ValueError("parallelize needs both a plan and a mesh, or neither (one process)")
     config = getattr(model, "config", None)
     plan = rules.resolve(plan, world_size=mesh.size(), device=mesh.device_type,
-                         model=config if isinstance(config, ModelConfig) else None,
+                         model=config if isinstance(config, (ModelConfig, MixerConfig)) else None,
                          num_layers=len(transformer_blocks(model)))
     if plan.pp == 1:
         choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))

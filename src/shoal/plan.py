@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from shoal.models.config import ModelConfig
+    from shoal.models.mixer_config import MixerConfig
 
 AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
 DEVICES = ("cpu", "cuda")
@@ -222,7 +223,7 @@ class Plan:
         return MESH_AXES, tuple(getattr(self, a) for a in MESH_AXES)
 
     # ------------------------------------------------------------------ validation
-    def validate(self, model: ModelConfig, *, global_batch: int, seq_len: int) -> None:
+    def validate(self, model: ModelConfig | MixerConfig, *, global_batch: int, seq_len: int) -> None:
         """Check the (resolved) plan against a model shape and batch (shoal.rules.check); one-line
         ValueError if wrong."""
         from shoal import rules

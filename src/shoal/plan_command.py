@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from shoal import rules
+from shoal.models import ModelConfig
 from shoal.plan import Plan
 from shoal.planner.comm import CalibratedNetwork, Network
 from shoal.planner.estimate import Estimate, Workload, estimate
@@ -55,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
         path = save_profile(calibrate(quick=args.quick))
         print(f"calibration profile written to {path}")
         return 0
+    image = _image_model(args.model, args.set)
+    if image is not None:
+        return _image_plan(args, image)
     work = workload(args.model, args.set, global_batch=args.global_batch, seq_len=args.seq_len)
     cluster, network = resolve_cluster(args.cluster, args.nproc)
     started = time.perf_counter()
@@ -92,7 +96,39 @@ def workload(model: str, sets: list[str], *, global_batch: int, seq_len: int) ->
     if global_batch < 1 or seq_len < 1:
         raise ValueError(f"--global-batch {global_batch} and --seq-len {seq_len} must both be >= 1")
     cfg = resolve_model(RunConfig(model=model, set=tuple(sets)))
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"the planner prices transformers; {model!r} is an image model")
     return Workload(model=cfg, global_batch=global_batch, seq_len=seq_len)
+
+
+def _image_model(model: str, sets: list[str]) -> Any:
+    """The model's shape when it is an image Mixer's (None for a transformer)."""
+    from shoal.models import MixerConfig
+    from shoal.train.config import RunConfig, resolve_model
+
+    if model.startswith("hf:"):
+        return None
+    cfg = resolve_model(RunConfig(model=model, set=tuple(sets)))
+    return cfg if isinstance(cfg, MixerConfig) else None
+
+
+def _image_plan(args: argparse.Namespace, model: Any) -> int:
+    """`shoal plan` for an image Mixer: the planner prices transformers only, so it checks one
+    --plan against shoal.rules (the refusal `shoal train` gives) and says whether it runs."""
+    if args.plan is None:
+        raise ValueError(f"the planner ranks plans for transformers; the image model {args.model!r} trains under "
+                         "dp, fsdp and ep: check one with --plan, e.g. --plan ep2")
+    if args.cluster == "local":
+        world, device = args.nproc or 2, "cpu"
+    else:
+        cluster = resolve_cluster(args.cluster, args.nproc)[0]
+        world, device = cluster.world_size, cluster.device_type
+    facts = rules.Facts(world_size=world, device=device, model=model, global_batch=args.global_batch,
+                        micro_batch=args.micro_batch)
+    plan, _ = rules.resolve_noting(Plan.parse(args.plan), facts)
+    print(f"plan {plan} runs model {args.model} on {world} process(es); the planner does not price image "
+          "models (no time or memory prediction)")
+    return 0
 
 
 def resolve_cluster(spec: str, nproc: int | None) -> tuple[Cluster, Network | None]:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shoal.models.mixer_config import MixerConfig
 from shoal.plan import DEVICE_DEFAULTS, DEVICES, Plan
 
 if TYPE_CHECKING:
@@ -58,7 +59,8 @@ class Facts:
 
     world_size: int
     device: str = "cpu"
-    model: ModelConfig | None = None
+    model: ModelConfig | MixerConfig | None = None
+    """A text transformer's shape, or an image Mixer's (`_mixer_rule` alone judges the latter)."""
     num_layers: int | None = None
     """Blocks of a model without a config (a user's module); the config's num_layers otherwise."""
     global_batch: int | None = None
@@ -70,9 +72,14 @@ class Facts:
     def layers(self) -> int | None:
         return self.model.num_layers if self.model is not None else self.num_layers
 
+    @property
+    def text_model(self) -> ModelConfig | None:
+        """The model's shape when it is a text transformer's (the rules below ask of those)."""
+        return None if isinstance(self.model, MixerConfig) else self.model
+
 
 # ----------------------------------------------------------------------------- the questions callers ask
-def resolve(plan: Plan, *, world_size: int, device: str = "cpu", model: ModelConfig | None = None,
+def resolve(plan: Plan, *, world_size: int, device: str = "cpu", model: ModelConfig | MixerConfig | None = None,
             num_layers: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
             micro_batch: int | None = None) -> Plan:
     """The plan with dp and every option left out filled in, checked: ValueError (one line) naming
@@ -250,7 +257,7 @@ def _expert_degree_rule(plan: Plan, facts: Facts) -> str | None:
 
 
 def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
-    model = facts.model
+    model = facts.text_model
     if model is not None and plan.tp > 1:
         sizes = [("attention heads", model.num_heads), ("KV heads", model.kv_heads),
                  ("FFN hidden size", model.ffn_dim), ("vocabulary size", model.vocab_size)]
@@ -276,7 +283,7 @@ def _reduce_rule(plan: Plan, facts: Facts) -> str | None:
 def _context_rule(plan: Plan, facts: Facts) -> str | None:
     if plan.cp == 1:
         return None
-    seq, model = facts.seq_len, facts.model
+    seq, model = facts.seq_len, facts.text_model
     if seq is not None and seq % (2 * plan.cp):
         return (f"cp={plan.cp} splits each sequence into 2*cp = {2 * plan.cp} equal chunks (zig-zag, for balanced "
                 f"causal work) and {seq} tokens do not divide; valid: a sequence length that is a multiple of "
@@ -303,7 +310,7 @@ def _context_rule(plan: Plan, facts: Facts) -> str | None:
 
 
 def _moe_rule(plan: Plan, facts: Facts) -> str | None:
-    model = facts.model
+    model = facts.text_model
     if model is None:
         return None
     if plan.ep > 1 and model.num_experts == 0:
@@ -339,6 +346,35 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
         return (f"fsdp={plan.fsdp} with ep={plan.ep}, tp={plan.tp} shards every expert's model dim {model.dim} over "
                 f"the {replicas} data ranks outside ep, which do not divide it; valid: (dp*fsdp)/ep in "
                 f"{_divisor_list(model.dim)}")
+    return None
+
+
+def _mixer_rule(plan: Plan, facts: Facts) -> str | None:
+    """An image Mixer (dense or Sparse-MLP) runs under the data axes (dp, fsdp at any zero stage)
+    and ep: tensor parallelism has no plan for its blocks, pipeline stages are not built for it,
+    and its patches are not a causal sequence to split over cp."""
+    model = facts.model
+    if not isinstance(model, MixerConfig):
+        return None
+    for axis in ("tp", "pp", "cp"):
+        if getattr(plan, axis) > 1:
+            return (f"{axis}={getattr(plan, axis)} with the image Mixer (Sparse-MLP) is not available: it trains "
+                    "under dp, fsdp and ep; valid: plans such as dp2, fsdp2, ep2 or dp2,ep2")
+    if plan.ep == 1:
+        return None
+    if not model.num_experts:
+        return f"ep={plan.ep} needs a Mixture-of-Experts model; this Mixer has num_experts=0"
+    if plan.offload:
+        return (f"offload=on with an expert-parallel Mixer is not available in this version (the experts are "
+                f"sharded outside FSDP2); plan {plan}; valid: offload=off")
+    if model.num_experts % plan.ep:
+        return f"ep={plan.ep} does not divide {model.num_experts} experts; valid: {_divisor_list(model.num_experts)}"
+    replicas = plan.data_ranks // plan.ep  # the data ranks outside ep, which shard the experts under fsdp
+    for what, width in (("MoE_S width S'", model.routed_patches), ("MoE_C width C", model.dim)):
+        if plan.fsdp > 1 and width % replicas:
+            return (f"fsdp={plan.fsdp} with ep={plan.ep} shards every expert's {what} = {width} over the "
+                    f"{replicas} data ranks outside ep, which do not divide it; valid: (dp*fsdp)/ep in "
+                    f"{_divisor_list(width)}")
     return None
 
 
@@ -430,7 +466,7 @@ def split_refusal(points: Sequence[int], *, num_layers: int, num_stages: int) ->
 def _doc_mask_rule(plan: Plan, facts: Facts) -> str | None:
     """--doc-mask on (the model's doc_eos_id) runs where attention is SDPA over whole sequences
     and the model sees the token ids that end documents: dp, fsdp, tp, ep, recompute, compile."""
-    model = facts.model
+    model = facts.text_model
     if model is None or getattr(model, "doc_eos_id", -1) < 0:
         return None
     if plan.cp > 1:
@@ -442,7 +478,7 @@ def _doc_mask_rule(plan: Plan, facts: Facts) -> str | None:
     return None
 
 
-_RULES: tuple[Rule, ...] = (_auto_rule, _expert_degree_rule, _tensor_rule, _reduce_rule, _context_rule,
+_RULES: tuple[Rule, ...] = (_auto_rule, _expert_degree_rule, _mixer_rule, _tensor_rule, _reduce_rule, _context_rule,
                             _moe_rule, _batch_rule, _pipeline_rule, _doc_mask_rule)
 
 

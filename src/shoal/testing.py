@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shoal.mesh import build_mesh
-from shoal.models import ModelConfig, Transformer
+from shoal.models import MixerConfig, ModelConfig, build_model
 from shoal.moe.collect import MoECollector
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
@@ -148,7 +148,8 @@ class ParityCase:
     """One configuration to train in parallel and in a single process from the same start."""
 
     plan: str = "dp2"
-    model: ModelConfig = SMALL
+    model: ModelConfig | MixerConfig = SMALL
+    """A transformer's shape (random token sequences), or an image Mixer's (random images and labels)."""
     steps: int = 4
     global_batch: int = 8
     seq_len: int = 16
@@ -162,14 +163,20 @@ class ParityCase:
     """Free-form knobs for cases that later parallelisms add."""
 
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The global batches of every step: seeded random tokens, the same in every process."""
+        """The global batches of every step: seeded random tokens (images and labels for a Mixer),
+        the same in every process."""
         gen = torch.Generator().manual_seed(self.seed + 1)
+        if isinstance(self.model, MixerConfig):
+            m = self.model
+            images = torch.rand((self.steps, self.global_batch, m.channels, m.image_size, m.image_size), generator=gen)
+            labels = torch.randint(0, m.num_classes, (self.steps, self.global_batch), generator=gen)
+            return list(zip(images, labels))
         seq = torch.randint(0, self.model.vocab_size, (self.steps, self.global_batch, self.seq_len + 1), generator=gen)
         return [(s[:, :-1], s[:, 1:]) for s in seq]
 
-    def build_model(self, dtype: torch.dtype = torch.float32) -> Transformer:
+    def build_model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         torch.manual_seed(self.seed)
-        return Transformer(self.model).to(dtype)
+        return build_model(self.model).to(dtype)
 
     def optimizer(self, params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.1, eps=self.adam_eps, foreach=False)
@@ -185,7 +192,8 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
     torch.set_num_threads(1)
     model = case.build_model(dtype)
     optimizer = case.optimizer_for(model)
-    batches = case.batches()
+    # images (a Mixer case) in the run's dtype; token ids stay integers
+    batches = [(x.to(dtype) if x.is_floating_point() else x, y) for x, y in case.batches()]
     result: dict[str, Any] = {"losses": [], "init_params": full_tensors(model)}
     moe = MoECollector(model)  # an MoE model's auxiliary losses join the training loss
     micro = case.num_micro  # one process's accumulation over the whole global batch
@@ -196,7 +204,9 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
         loss_sum = 0.0
         num_targets = int((targets != -100).sum())  # the loss: the mean over every target of the global batch
         for x, y in zip(inputs.chunk(micro), targets.chunk(micro)):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum") / max(num_targets, 1)
+            logits = model(x)  # (B, T, V) for text, (B, classes) for images
+            logits = logits if logits.dim() == 2 else logits.flatten(0, 1)
+            loss = F.cross_entropy(logits, y.flatten(), reduction="sum") / max(num_targets, 1)
             added = moe.take_loss()
             (loss + added / micro if added is not None else loss).backward()
             loss_sum += loss.item()

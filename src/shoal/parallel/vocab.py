@@ -55,9 +55,10 @@ def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.T
 
 def cross_entropy_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
     """The sum of the next-token cross-entropies of the targets that are not IGNORE: the runtime
-    divides it by the global batch's count of such targets (Runtime.forward_backward)."""
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), ignore_index=IGNORE,
-                           reduction="sum")
+    divides it by the global batch's count of such targets (Runtime.forward_backward). A
+    classifier's logits (B, V) with targets (B,) (an image Mixer) take one target per row."""
+    logits_NV = logits_BTV if logits_BTV.dim() == 2 else logits_BTV.flatten(0, 1)
+    return F.cross_entropy(logits_NV.float(), targets_BT.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def num_targets(targets_BT: torch.Tensor) -> torch.Tensor:

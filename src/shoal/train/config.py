@@ -19,7 +19,8 @@ from typing import Any
 
 import tomllib
 
-from shoal.models import ModelConfig, get_preset
+from shoal.models import AnyConfig, MixerConfig, ModelConfig, preset
+from shoal.models.mixer_config import FAMILY as MIXER
 from shoal.plan import Plan
 from shoal.train.data import DataConfig
 from shoal.train.optim import OptimConfig
@@ -71,8 +72,9 @@ class RunConfig:
     """A preset name or hf:<dir or config.json>."""
     set: tuple[str, ...] = ()
     """Model field overrides, key=value."""
-    model_config: ModelConfig | None = None
-    """The resolved model shape; when given it wins over `model` and `set` (run folders store it)."""
+    model_config: AnyConfig | None = None
+    """The resolved model shape (a transformer's, or an image Mixer's); when given it wins over
+    `model` and `set` (run folders store it)."""
     plan: str | None = None
     """A plan string (see DESIGN.md); None: data parallel over every process."""
     nproc: int | None = None
@@ -167,8 +169,10 @@ def to_flat(cfg: RunConfig) -> dict[str, Any]:
         value = getattr(cfg if section is None else getattr(cfg, section), name)
         if value is not None:
             out[key] = list(value) if isinstance(value, tuple) else value
-    if cfg.model_config is not None:
-        out["model_config"] = {k: v for k, v in dataclasses.asdict(cfg.model_config).items() if v is not None}
+    model = cfg.model_config
+    if model is not None:
+        table = model.to_dict() if isinstance(model, MixerConfig) else dataclasses.asdict(model)
+        out["model_config"] = {k: v for k, v in table.items() if v is not None}
     return out
 
 
@@ -194,16 +198,16 @@ def dump_toml(values: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def resolve_model(cfg: RunConfig) -> ModelConfig:
+def resolve_model(cfg: RunConfig) -> AnyConfig:
     """The model shape a run trains: the stored shape, or the preset / hf: config with --set."""
     if cfg.model_config is not None:
         return cfg.model_config
     if cfg.model.startswith("hf:"):
         from shoal.models.hf import config_from_hf  # transformers is optional: import on demand
 
-        base = config_from_hf(cfg.model.removeprefix("hf:"))
+        base: AnyConfig = config_from_hf(cfg.model.removeprefix("hf:"))
     else:
-        base = get_preset(cfg.model)
+        base = preset(cfg.model)
     return base.with_overrides(list(cfg.set))
 
 
@@ -222,10 +226,13 @@ def _at_least(name: str, value: int, low: int) -> None:
         raise ValueError(f"--{name.replace('_', '-')} {value} is not valid; it must be >= {low}")
 
 
-def _model_config(value: Any) -> ModelConfig:
+def _model_config(value: Any) -> AnyConfig:
     if not isinstance(value, dict):
         raise ValueError(f"model_config must be a table of model fields, got {value!r}")
-    return ModelConfig().with_overrides({k: str(v) for k, v in value.items()})
+    fields = {k: str(v) for k, v in value.items()}
+    if value.get("family") == MIXER:
+        return MixerConfig().with_overrides(fields)
+    return ModelConfig().with_overrides(fields)
 
 
 def _field_type(cls: type, name: str) -> str:

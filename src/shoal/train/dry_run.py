@@ -82,12 +82,14 @@ _COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "baseline_mb", "set
 
 def memory_prediction(trainer: Any) -> dict[str, float] | None:
     """The planner's memory terms per device for this run (MB), as the memory check priced them
-    (the interpreter and libraries not included); None where the planner has no spec for the GPU."""
+    (the interpreter and libraries not included); None where the planner has no spec for the GPU,
+    and for an image Mixer, which the planner does not price."""
     from shoal.auto_plan import memory_cluster
+    from shoal.models import ModelConfig
     from shoal.planner.estimate import Workload, estimate
 
     cluster = memory_cluster(trainer.world, trainer.device.type)
-    if cluster is None:
+    if cluster is None or not isinstance(trainer.model_cfg, ModelConfig):  # the planner prices transformers
         return None
     work = Workload(model=trainer.model_cfg, global_batch=trainer.loop.global_batch, seq_len=trainer.loop.seq_len)
     e = estimate(trainer.plan, work, cluster, micro_batch=trainer.loop.micro_batch)

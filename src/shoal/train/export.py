@@ -198,7 +198,10 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
         raise ValueError(f"checkpoint {checkpoint} stores no run config in its trainer_state.json (not written "
                          "by `shoal train`?); give the model shape as export_checkpoint(..., config=ModelConfig)")
-    return resolve_model(from_flat(state["config"]))
+    model = resolve_model(from_flat(state["config"]))
+    if not isinstance(model, ModelConfig):
+        raise ValueError(f"checkpoint {checkpoint} holds an image Mixer; --hf writes transformers (Llama) only")
+    return model
 
 
 def _checkpoint_tokenizer(checkpoint: Path) -> str | None:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from shoal import rules
+from shoal.models import MixerConfig
 from shoal.moe.collect import records as moe_records
 from shoal.plan import Plan
 from shoal.train import faults, memory
@@ -36,6 +37,7 @@ from shoal.train.setup import (
     build_runtime,
     checkpoint_to_continue,
     load_data,
+    load_image_data,
     pretrained_weights,
     resolve_plan,
     restart_count,
@@ -78,7 +80,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.runtime, cfg.optim, global_batch=batch)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps, global_batch=batch)
 
-        data = load_data(cfg)
+        self.images = isinstance(self.model_cfg, MixerConfig)
+        """Image classification (a Mixer): accuracy and images/s where text has held-out loss and tokens/s."""
+        data = load_image_data(cfg, self.model_cfg) if isinstance(self.model_cfg, MixerConfig) else load_data(cfg)
         self.batches, self.held_out, self.held_out_sources = data.train, data.held_out, data.held_out_sources
         self.fetch_s = 0.0  # the last step's time getting its batch (host, before the device sees it)
         self.num_train_tokens, self.num_held_out = data.num_train, data.num_held_out
@@ -141,7 +145,10 @@ class Trainer:
             window = []
             if eval_due:
                 mark("evaluation", n)
-                records[-1]["eval_loss"] = self.evaluate(self.held_out)
+                if self.images:
+                    records[-1].update(self.evaluate_images())
+                else:
+                    records[-1]["eval_loss"] = self.evaluate(self.held_out)
                 if self.held_out_sources:
                     records[-1]["eval_loss_by_source"] = {name: self.evaluate(batches)
                                                           for name, batches in self.held_out_sources.items()}
@@ -186,9 +193,10 @@ class Trainer:
         bar.close()
         writer.plot()
         writer.close()
-        summary = summarize(writer.records, flops_per_token=self.model_cfg.flops_per_token(self.loop.seq_len),
-                            peak=peak, wall_s=seconds, warmup=self.loop.log_every,
-                            start=self.start, total=self.loop.steps)
+        flops = (self.model_cfg.flops_per_image() if isinstance(self.model_cfg, MixerConfig)
+                 else self.model_cfg.flops_per_token(self.loop.seq_len))
+        summary = summarize(writer.records, flops_per_sample=flops, peak=peak, wall_s=seconds,
+                            warmup=self.loop.log_every, start=self.start, total=self.loop.steps)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
         predicted = memory_prediction(self)  # beside mem_peak_mb: every run is a data point on the model's error
@@ -229,9 +237,10 @@ class Trainer:
         mem = torch.tensor([memory.peak_mb()], device=self.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         step_time = seconds / len(window)
-        tokens_per_s = self.loop.global_batch * self.loop.seq_len / step_time
-        records = [{"step": first_step + i, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
-                    "step_time_s": step_time, "data_time_s": fetch, "mem_peak_mb": float(mem.item()),
+        rate = ({"images_per_s": self.loop.global_batch / step_time} if self.images
+                else {"tokens_per_s": self.loop.global_batch * self.loop.seq_len / step_time})
+        records = [{"step": first_step + i, "loss": loss, "lr": lr, **rate, "step_time_s": step_time,
+                    "data_time_s": fetch, "mem_peak_mb": float(mem.item()),
                     "grad_norm": norm}
                    for i, ((lr, _, fetch), (loss, norm)) in enumerate(zip(window, values))]
         # the last step's trust ratios (LAMB, LARS), over every rank's tensors: collective, every rank reads
@@ -263,6 +272,23 @@ class Trainer:
         self.runtime.train()
         return float(self.runtime.global_mean(total / self.loop.eval_batches))
 
+    @torch.no_grad()
+    def evaluate_images(self) -> dict[str, float]:
+        """Held-out loss and accuracy over every held-out image (an image model)."""
+        from shoal.parallel.vocab import cross_entropy_sum
+        from shoal.train.images import HeldOutImages, correct_and_count
+
+        assert isinstance(self.held_out, HeldOutImages)
+        self.runtime.eval()
+        totals = torch.zeros(3, device=self.device)  # summed loss, right, counted
+        for i in range(self.held_out.num_batches(self.loop.global_batch)):
+            images, labels = (t.to(self.device) for t in self.held_out.batch(i, self.loop.global_batch, self.part))
+            logits = self.runtime(images)
+            totals += torch.stack([cross_entropy_sum(logits, labels), *correct_and_count(logits, labels)])
+        self.runtime.train()
+        loss, right, counted = self.runtime.global_mean(totals).tolist()  # a mean over ranks: the ratios hold
+        return {"eval_loss": loss / counted, "eval_accuracy": right / counted}
+
     # ------------------------------------------------------------------ the run folder
     def _open_run_folder(self) -> MetricsWriter:
         """Rank 0: create the folder, write the resolved config, say what will happen."""
@@ -274,14 +300,26 @@ class Trainer:
     def _describe(self) -> str:
         m, loop = self.model_cfg, self.loop
         n = m.num_params()
-        data = self.cfg.data.path or "built-in corpus (Python's pydoc topics)"
+        if isinstance(m, MixerConfig):
+            kind = f"Sparse-MLP, {m.num_moe_layers} sparse block(s) of {m.num_experts} experts" if m.num_experts \
+                else "dense Mixer"
+            head = [f"shoal: model {self.cfg.model}: {n / 1e6:.2f}M parameters ({kind}), {m.num_layers} blocks, "
+                    f"{m.num_patches} patches of {m.patch_size}x{m.patch_size}, dim {m.dim}, {m.num_classes} classes",
+                    f"data: image set {self.cfg.data.path or 'digits (scikit-learn, built in)'}: "
+                    f"{self.num_train_tokens:,} training images, {self.num_held_out:,} held out",
+                    f"batch: {loop.global_batch} images per step; {self.local_batch} per data rank in "
+                    f"{self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}"]
+        else:
+            data = self.cfg.data.path or "built-in corpus (Python's pydoc topics)"
+            head = [
+                f"shoal: model {self.cfg.model}: {n / 1e6:.2f}M parameters, {m.num_layers} layers, dim {m.dim}, "
+                f"{m.num_heads} heads, vocab {m.vocab_size}",
+                f"data: {data}, tokenizer {self.cfg.data.tokenizer}: {self.num_train_tokens:,} training tokens, "
+                f"{self.num_held_out:,} held out",
+                f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {self.local_batch} per data "
+                f"rank in {self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}"]
         lines = [
-            f"shoal: model {self.cfg.model}: {n / 1e6:.2f}M parameters, {m.num_layers} layers, dim {m.dim}, "
-            f"{m.num_heads} heads, vocab {m.vocab_size}",
-            f"data: {data}, tokenizer {self.cfg.data.tokenizer}: {self.num_train_tokens:,} training tokens, "
-            f"{self.num_held_out:,} held out",
-            f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {self.local_batch} per data "
-            f"rank in {self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}",
+            *head,
             self.runtime.describe(),
             *([self.init_note] if self.init_note else []),
             *(f"  default {note}" for note in self.plan_notes),
@@ -325,7 +363,13 @@ def _log(writer: MetricsWriter, bar: Any, records: list[dict[str, Any]], eval_du
     """Rank 0: the records into metrics.jsonl, the latest on the progress bar."""
     for record in records:
         writer.log(record)
-    bar.set_postfix(loss=f"{records[-1]['loss']:.3f}", tok_s=f"{records[-1]['tokens_per_s']:,.0f}", refresh=False)
+    last = records[-1]
+    if "images_per_s" in last:
+        bar.set_postfix(loss=f"{last['loss']:.3f}", img_s=f"{last['images_per_s']:,.0f}", refresh=False)
+    else:
+        bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:,.0f}", refresh=False)
     bar.update(len(records))
-    if eval_due:
-        bar.write(f"step {records[-1]['step']}: held-out loss {records[-1]['eval_loss']:.4f}")
+    if eval_due and "eval_accuracy" in last:
+        bar.write(f"step {last['step']}: held-out accuracy {last['eval_accuracy']:.2%} (loss {last['eval_loss']:.4f})")
+    elif eval_due:
+        bar.write(f"step {last['step']}: held-out loss {last['eval_loss']:.4f}")

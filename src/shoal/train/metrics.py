@@ -2,7 +2,9 @@
 
 metrics.jsonl holds one JSON object per optimizer step: step, loss, lr, tokens_per_s,
 step_time_s, data_time_s (the host's time getting the step's batch), mem_peak_mb, grad_norm, and
-eval_loss on evaluation steps (with eval_loss_by_source, {source: loss}, for a mixture). A resumed run first
+eval_loss on evaluation steps (with eval_loss_by_source, {source: loss}, for a mixture). An image
+classifier (the Mixer presets) records images_per_s instead of tokens_per_s, and eval_accuracy
+beside eval_loss; its plot and summary show the held-out accuracy. A resumed run first
 drops the lines after its checkpoint (they belong to the lost tail of the earlier attempt), so
 the file always reads as one unbroken run.
 """
@@ -47,7 +49,8 @@ class MetricsWriter:
         self._file.flush()
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)):
-                self._tb.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", value, record["step"])
+                tag = {"eval_loss": "eval/loss", "eval_accuracy": "eval/accuracy"}.get(key, f"train/{key}")
+                self._tb.add_scalar(tag, value, record["step"])
 
     def plot(self) -> Path:
         """Write loss.png: training loss per step, held-out loss where measured; for an MoE model
@@ -74,7 +77,9 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> Path:
     matplotlib.use("Agg")  # no display: write files only
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    accuracy = [r for r in records if "eval_accuracy" in r]
+    fig, axes = plt.subplots(1, 2 if accuracy else 1, figsize=(11 if accuracy else 7, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss", lw=1)
     evals = [r for r in records if "eval_loss" in r]
     if evals:
@@ -84,9 +89,15 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> Path:
                   if source in r.get("eval_loss_by_source", {})]
         ax.plot(*zip(*points), ".--", lw=0.8, label=f"held-out: {source}")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel("cross-entropy (nats/image)" if accuracy else "cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    if accuracy:  # an image classifier: the held-out accuracy beside the losses
+        acc = axes[0][1]
+        acc.plot([r["step"] for r in accuracy], [100 * r["eval_accuracy"] for r in accuracy], "o-", color="C2")
+        acc.set_xlabel("step")
+        acc.set_ylabel("held-out accuracy (%)")
+        acc.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -145,9 +156,11 @@ def measure_matmul_flops(device: torch.device, *, size: int = 512, budget_s: flo
     return best
 
 
-def summarize(records: list[dict[str, Any]], *, flops_per_token: float, peak: tuple[float, str],
+def summarize(records: list[dict[str, Any]], *, flops_per_sample: float, peak: tuple[float, str],
               wall_s: float, warmup: int = 1, start: int = 0, total: int | None = None) -> dict[str, Any]:
-    """The end-of-run summary: final losses, median tokens/s, MFU estimate, peak memory.
+    """The end-of-run summary: final losses, median tokens/s, MFU estimate, peak memory; for an
+    image classifier median images/s and the final held-out accuracy. `flops_per_sample`: training
+    FLOPs per token (text) or per image.
 
     `records` cover the whole run; this invocation ran the steps after `start` (a resumed run)
     and its throughput and memory are taken from those alone, leaving out the first `warmup`
@@ -156,8 +169,10 @@ def summarize(records: list[dict[str, Any]], *, flops_per_token: float, peak: tu
     ran = [r for r in records if r["step"] > start]
     if not ran:
         return {"steps": records[-1]["step"] if records else 0, "steps_run": 0, "wall_s": round(wall_s, 1)}
-    tokens_per_s = statistics.median(r["tokens_per_s"] for r in ran[warmup:] or ran)
+    rate_key = "images_per_s" if "images_per_s" in ran[0] else "tokens_per_s"
+    rate = statistics.median(r[rate_key] for r in ran[warmup:] or ran)
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    accuracy = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
     return {
         "steps": records[-1]["step"],
         "steps_run": len(ran),
@@ -166,8 +181,9 @@ def summarize(records: list[dict[str, Any]], *, flops_per_token: float, peak: tu
         "final_loss": records[-1]["loss"],
         "final_eval_loss": evals[-1] if evals else None,
         "first_loss": records[0]["loss"],
-        "tokens_per_s": tokens_per_s,
-        "mfu": flops_per_token * tokens_per_s / peak[0],
+        rate_key: rate,
+        **({"final_eval_accuracy": accuracy[-1] if accuracy else None} if rate_key == "images_per_s" else {}),
+        "mfu": flops_per_sample * rate / peak[0],
         "peak_flops": peak[0],
         "peak_flops_source": peak[1],
         "mem_peak_mb": max(r["mem_peak_mb"] for r in ran),
@@ -188,7 +204,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         *([f"  precision {summary['precision']}"] if "precision" in summary else []),
         f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
         + (f" (held-out {summary['final_eval_loss']:.3f})" if summary["final_eval_loss"] is not None else ""),
-        f"  throughput {summary['tokens_per_s']:,.0f} tokens/s (median over steps)",
+        *([f"  held-out accuracy {summary['final_eval_accuracy']:.2%}"]
+          if summary.get("final_eval_accuracy") is not None else []),
+        f"  throughput {summary['images_per_s']:,.0f} images/s (median over steps)" if "images_per_s" in summary
+        else f"  throughput {summary['tokens_per_s']:,.0f} tokens/s (median over steps)",
         f"  model FLOPs utilisation {100 * summary['mfu']:.1f}% of {summary['peak_flops'] / 1e9:,.1f} GFLOP/s "
         f"({summary['peak_flops_source']})",
         f"  peak memory {summary['mem_peak_mb']:,.0f} MiB per process (highest rank)",

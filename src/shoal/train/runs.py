@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from shoal.models import ModelConfig
+from shoal.models import AnyConfig
 from shoal.train.config import RunConfig, dump_toml, from_flat, load_toml, to_flat
 
 CONFIG_FILE = "config.toml"
@@ -34,7 +34,7 @@ class Job:
     measurement."""
 
 
-def with_model(cfg: RunConfig, model: ModelConfig) -> RunConfig:
+def with_model(cfg: RunConfig, model: AnyConfig) -> RunConfig:
     """`cfg` with its model shape resolved (what a `Job` needs)."""
     return dataclasses.replace(cfg, model_config=model)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from shoal.models import Transformer
+from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
 from shoal.train.checkpoint import good_checkpoint, load_checkpoint
 from shoal.train.config import resolve_model
@@ -29,7 +29,10 @@ def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature
         raise ValueError(f"--top-k {top_k} must be >= 0 (0: no limit)")
     cfg = read_run_config(run_dir)
     path = good_checkpoint(run_dir)
-    model = Transformer(resolve_model(cfg))
+    shape = resolve_model(cfg)
+    if not isinstance(shape, ModelConfig):
+        raise ValueError(f"run {str(run_dir)!r} trained an image classifier; shoal sample generates text")
+    model = Transformer(shape)
     load_checkpoint(path, runtime=parallelize(model), optimizer=None)
     model.eval()
     tokenizer = load_tokenizer(cfg.data.tokenizer)
