@@ -38,7 +38,9 @@ from shoal.train.distill import STUDENT_INIT, load_teacher
 from shoal.train.metrics import read_metrics
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-TEACHER_STEPS, STUDENT_STEPS, BATCH, SEQ, EVAL_BATCHES = 200, 100, 8, 64, 8
+TEACHER_STEPS, STUDENT_STEPS, BATCH, SEQ, EVAL_BATCHES = 60, 30, 8, 32, 4
+"""The scale that fit a loaded 2-core machine (about 25 minutes a seed); --teacher-steps and
+--student-steps change the first two."""
 COMMON = ["--nproc", "1", "--global-batch", str(BATCH), "--seq-len", str(SEQ), "--eval-batches", str(EVAL_BATCHES),
           "--log-every", "10"]
 
@@ -89,31 +91,31 @@ def _checkpoint(run: Path) -> Path:
     return path
 
 
-def run_seed(seed: int, out: Path, fresh: bool) -> list[dict[str, Any]]:
+def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_steps: int) -> list[dict[str, Any]]:
     py = [sys.executable, "-m", "shoal"]
     seed_flags = ["--seed", str(seed)]
     teacher_dir = out / f"seed{seed}" / "teacher"
-    teacher, t_wall = train_run("teacher", py + ["train", "--model", "tiny-moe", "--steps", str(TEACHER_STEPS),
-                                "--eval-every", str(TEACHER_STEPS), "--out", str(teacher_dir), *COMMON, *seed_flags],
+    teacher, t_wall = train_run("teacher", py + ["train", "--model", "tiny-moe", "--steps", str(teacher_steps),
+                                "--eval-every", str(teacher_steps), "--out", str(teacher_dir), *COMMON, *seed_flags],
                                 teacher_dir, fresh=fresh, keep_checkpoints=True)
     dense_dir = out / f"seed{seed}" / "dense"
     dense, d_wall = train_run("dense", py + ["train", "--model", "tiny-moe", "--set", "num_experts=0", "--steps",
-                              str(TEACHER_STEPS), "--eval-every", str(TEACHER_STEPS), "--out", str(dense_dir), *COMMON,
+                              str(teacher_steps), "--eval-every", str(teacher_steps), "--out", str(dense_dir), *COMMON,
                               *seed_flags], dense_dir, fresh=fresh)
     teacher_cfg = get_preset("tiny-moe")
     l_teacher, l_dense = _eval_loss(teacher), _eval_loss(dense)
-    rows = [{"seed": seed, "run": "teacher (tiny-moe)", "steps": TEACHER_STEPS, "held_out": l_teacher,
+    rows = [{"seed": seed, "run": "teacher (tiny-moe)", "steps": teacher_steps, "held_out": l_teacher,
              "params_M": teacher_cfg.num_params() / 1e6, "wall_s": t_wall},
-            {"seed": seed, "run": "dense, data only", "steps": TEACHER_STEPS, "held_out": l_dense,
+            {"seed": seed, "run": "dense, data only", "steps": teacher_steps, "held_out": l_dense,
              "params_M": student_config(teacher_cfg).num_params() / 1e6, "wall_s": d_wall}]
     for method in GATHERS:
         run_dir = out / f"seed{seed}" / f"student_{method}"
         student, s_wall = train_run(method, py + ["distill", "--teacher", str(teacher), "--gather", method,
-                                    "--steps", str(STUDENT_STEPS), "--eval-every", str(STUDENT_STEPS),
+                                    "--steps", str(student_steps), "--eval-every", str(student_steps),
                                     "--out", str(run_dir), *COMMON, *seed_flags], run_dir, fresh=fresh)
         loss = _eval_loss(student)
         start = initial_loss(student, student_config(teacher_cfg), seed)
-        rows.append({"seed": seed, "run": f"student, gather {method}", "steps": STUDENT_STEPS, "held_out": loss,
+        rows.append({"seed": seed, "run": f"student, gather {method}", "steps": student_steps, "held_out": loss,
                      "held_out_at_start": start, "moe_benefit_kept": (l_dense - loss) / (l_dense - l_teacher),
                      "params_M": student_config(teacher_cfg).num_params() / 1e6, "wall_s": s_wall})
     rates = speed(teacher, teacher_cfg)
@@ -155,12 +157,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--out", type=Path, default=Path("runs/ones_experiment"))
     parser.add_argument("--fresh", action="store_true", help="retrain runs found finished")
+    parser.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS, help="teacher and dense model steps")
+    parser.add_argument("--student-steps", type=int, default=STUDENT_STEPS, help="distillation steps per student")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     for seed in args.seeds:
-        rows += run_seed(seed, args.out, args.fresh)
-        report("ones_experiment", rows, notes=f"teacher/dense {TEACHER_STEPS} steps, students {STUDENT_STEPS} "
-               f"distillation steps, batch {BATCH} x {SEQ} tokens, one CPU process each")
+        rows += run_seed(seed, args.out, args.fresh, args.teacher_steps, args.student_steps)
+        report("ones_experiment", rows, notes=f"teacher/dense {args.teacher_steps} steps, students "
+               f"{args.student_steps} distillation steps, batch {BATCH} x {SEQ} tokens, one CPU process each")
     plot(rows, DOCS / "ones_distill.png")
     (RESULTS / "ones_experiment_rows.json").write_text(json.dumps(rows, indent=1))
 

@@ -109,7 +109,7 @@ def teacher_config(teacher_dir: Path) -> tuple[RunConfig, ModelConfig]:
 def student_run_config(teacher_cfg: RunConfig, student: ModelConfig, flags: dict[str, Any]) -> RunConfig:
     """The student's run config: the teacher's data and sequence length unless the flags say
     otherwise, the trainer's defaults for the rest, the gathered weights as `init`."""
-    base = RunConfig(model=teacher_cfg.model, data=teacher_cfg.data,
+    base = RunConfig(model=f"dense student of {teacher_cfg.model}", data=teacher_cfg.data,
                      loop=dataclasses.replace(RunConfig().loop, seq_len=teacher_cfg.loop.seq_len))
     cfg = from_flat(flags, base)
     return dataclasses.replace(cfg, model_config=student, set=())
