@@ -154,16 +154,18 @@ def test_distill_refuses_bad_input_and_writes_nothing(tmp_path, capsys, case):
 
 @pytest.mark.slow  # two launches of a worker: about a minute on a loaded 2-core machine
 def test_distill_writes_a_resumable_run_folder(tmp_path):
-    """End to end on one process: gathered start, KD steps, a normal run folder, then --resume."""
+    """End to end on one process, from the Python function: gathered start, KD steps, a normal run
+    folder, then `shoal distill --resume` and `export`."""
     from shoal import cli
+    from shoal.train.distill import distill
     from shoal.train.export import export_checkpoint
 
     teacher = _teacher_run(tmp_path / "teacher", SMALL_MOE)
     out = tmp_path / "student"
     common = ["--nproc", "1", "--global-batch", "4", "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1",
               "--log-every", "1"]
-    assert cli.main(["distill", "--teacher", str(teacher), "--gather", "mean", "--out", str(out), "--steps", "2",
-                     *common]) == 0
+    assert distill(teacher, out=out, gather="mean", steps=2, nproc=1, global_batch=4, seq_len=16, eval_every=2,
+                   eval_batches=1, log_every=1) == 0  # the Python function: `shoal distill` with these flags
     for name in ("metrics.jsonl", "summary.json", "config.toml", "distill.json", "student_init.safetensors"):
         assert (out / name).is_file(), name
     assert json.loads((out / "distill.json").read_text())["gather"] == "mean"

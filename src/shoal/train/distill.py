@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,24 @@ def student_run_config(teacher_cfg: RunConfig, student: ModelConfig, flags: dict
                      loop=dataclasses.replace(RunConfig().loop, seq_len=teacher_cfg.loop.seq_len))
     cfg = from_flat(flags, base)
     return dataclasses.replace(cfg, model_config=student, set=())
+
+
+def distill(teacher: str | Path, *, out: str | Path, gather: str = "svd", gather_k: int | None = None,
+            kd_temperature: float = 1.0, kd_alpha: float = 0.5, student_set: Sequence[str] = (),
+            **train_flags: Any) -> int:
+    """`shoal distill` from Python: the same checks, run folder and workers; returns the exit
+    status (2 with one printed line for a mistake). `train_flags` are `shoal train`'s flags by
+    their config keys (steps=100, plan="fsdp2", nproc=2, global_batch=8)."""
+    from shoal import cli
+
+    argv = ["distill", "--teacher", str(teacher), "--out", str(out), "--gather", gather,
+            "--kd-temperature", str(kd_temperature), "--kd-alpha", str(kd_alpha)]
+    argv += ["--gather-k", str(gather_k)] if gather_k is not None else []
+    for pair in student_set:
+        argv += ["--set", pair]
+    for key, value in train_flags.items():
+        argv += [f"--{key.replace('_', '-')}", "on" if value is True else "off" if value is False else str(value)]
+    return cli.main(argv)
 
 
 class DistillTrainer(Trainer):
