@@ -6,7 +6,9 @@ shape trained on the data alone with the teacher's budget.
 Per seed, each run is `python -m shoal train` / `python -m shoal distill` in its own subprocess
 (one process on the CPU, the built-in corpus, the same global batch and sequence length):
   teacher   tiny-moe (4 layers, dim 128, 4 experts of width 256, top-2), TEACHER_STEPS steps
-  dense     tiny-moe's shape with num_experts=0 (the student's shape), TEACHER_STEPS steps
+  dense     tiny-moe's shape with num_experts=0 (the student's shape), TEACHER_STEPS steps, and again
+            with TEACHER_STEPS + STUDENT_STEPS steps (the students' attention and embeddings have had
+            that many: the equal-steps reference)
   student   shoal distill --gather {sum, mean, topk, svd, none}, STUDENT_STEPS steps, KD defaults
 Reported per run: the held-out loss (the trainer's eval over EVAL_BATCHES global batches) at the
 end and, for students, right after gathering (before any distillation step); the share of the
@@ -46,7 +48,7 @@ COMMON = ["--nproc", "1", "--global-batch", str(BATCH), "--seq-len", str(SEQ), "
 
 
 def _eval_loss(run: Path) -> float:
-    return float([r for r in read_metrics(run) if "eval_loss" in r][-1]["eval_loss"])
+    return float([r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r][-1]["eval_loss"])
 
 
 def initial_loss(run: Path, model: ModelConfig, seed: int) -> float | None:
@@ -102,12 +104,19 @@ def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_step
     dense, d_wall = train_run("dense", py + ["train", "--model", "tiny-moe", "--set", "num_experts=0", "--steps",
                               str(teacher_steps), "--eval-every", str(teacher_steps), "--out", str(dense_dir), *COMMON,
                               *seed_flags], dense_dir, fresh=fresh)
+    long_dir, total = out / f"seed{seed}" / "dense_long", teacher_steps + student_steps
+    dense_long, l_wall = train_run("dense_long", py + ["train", "--model", "tiny-moe", "--set", "num_experts=0",
+                                   "--steps", str(total), "--eval-every", str(total), "--out", str(long_dir), *COMMON,
+                                   *seed_flags], long_dir, fresh=fresh)
     teacher_cfg = get_preset("tiny-moe")
     l_teacher, l_dense = _eval_loss(teacher), _eval_loss(dense)
     rows = [{"seed": seed, "run": "teacher (tiny-moe)", "steps": teacher_steps, "held_out": l_teacher,
              "params_M": teacher_cfg.num_params() / 1e6, "wall_s": t_wall},
             {"seed": seed, "run": "dense, data only", "steps": teacher_steps, "held_out": l_dense,
-             "params_M": student_config(teacher_cfg).num_params() / 1e6, "wall_s": d_wall}]
+             "params_M": student_config(teacher_cfg).num_params() / 1e6, "wall_s": d_wall},
+            {"seed": seed, "run": "dense, data only, teacher + student steps", "steps": total,
+             "held_out": _eval_loss(dense_long), "params_M": student_config(teacher_cfg).num_params() / 1e6,
+             "wall_s": l_wall}]
     for method in GATHERS:
         run_dir = out / f"seed{seed}" / f"student_{method}"
         student, s_wall = train_run(method, py + ["distill", "--teacher", str(teacher), "--gather", method,
@@ -119,9 +128,8 @@ def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_step
                      "held_out_at_start": start, "moe_benefit_kept": (l_dense - loss) / (l_dense - l_teacher),
                      "params_M": student_config(teacher_cfg).num_params() / 1e6, "wall_s": s_wall})
     rates = speed(teacher, teacher_cfg)
-    rows[0]["forward_tok_s"], rows[1]["forward_tok_s"] = rates["teacher"], rates["student"]
-    for row in rows[2:]:
-        row["forward_tok_s"] = rates["student"]
+    for row in rows:
+        row["forward_tok_s"] = rates["teacher"] if row["run"].startswith("teacher") else rates["student"]
     return rows
 
 
@@ -141,7 +149,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
         starts = [r["held_out_at_start"] for r in rows if r["run"] == name and r.get("held_out_at_start")]
         if starts:
             ax.scatter([i] * len(starts), starts, marker="x", color="tab:orange", zorder=3,
-                       label="before distillation" if i == 2 else None)
+                       label="before distillation" if i == 3 else None)
     ax.set_xticks(range(len(runs)), [r.replace("student, gather ", "") for r in runs], rotation=20)
     ax.set_ylabel("held-out loss (nats/byte)")
     low = min(r["held_out"] for r in rows)
