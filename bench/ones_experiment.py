@@ -160,6 +160,23 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table of the medians over seeds, one line per run (docs/ones_distill.md)."""
+    def med(name: str, key: str) -> str:
+        values = [r[key] for r in rows if r["run"] == name and r.get(key) is not None]
+        return f"{statistics.median(values):.3f}" if values else "-"
+
+    lines = ["| run | steps | parameters | held-out loss | at start | MoE benefit kept | forward tokens/s |",
+             "|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["run"] for r in rows):
+        first = next(r for r in rows if r["run"] == name)
+        speed = statistics.median(r["forward_tok_s"] for r in rows if r["run"] == name)
+        lines.append(f"| {name} | {first['steps']} | {first['params_M']:.2f}M | {med(name, 'held_out')} | "
+                     f"{med(name, 'held_out_at_start')} | {med(name, 'moe_benefit_kept')} | {speed:,.0f} |")
+    seeds = sorted({r["seed"] for r in rows})
+    return "\n".join(lines) + f"\n\nMedians over seeds {', '.join(map(str, seeds))}."
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -167,14 +184,18 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="retrain runs found finished")
     parser.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS, help="teacher and dense model steps")
     parser.add_argument("--student-steps", type=int, default=STUDENT_STEPS, help="distillation steps per student")
+    parser.add_argument("--table", action="store_true", help="print the saved rows' markdown table and exit")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads((RESULTS / "ones_experiment_rows.json").read_text())))
+        return
     rows: list[dict[str, Any]] = []
     for seed in args.seeds:
         rows += run_seed(seed, args.out, args.fresh, args.teacher_steps, args.student_steps)
         report("ones_experiment", rows, notes=f"teacher/dense {args.teacher_steps} steps, students "
                f"{args.student_steps} distillation steps, batch {BATCH} x {SEQ} tokens, one CPU process each")
-    plot(rows, DOCS / "ones_distill.png")
-    (RESULTS / "ones_experiment_rows.json").write_text(json.dumps(rows, indent=1))
+        plot(rows, DOCS / "ones_distill.png")  # after every seed: a cut-off run leaves what it finished
+        (RESULTS / "ones_experiment_rows.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
