@@ -133,10 +133,12 @@ RUN_RECORD = "bench_run.json"
 """The command and wall time of a finished `shoal train` run, beside the run's own files."""
 
 
-def train_run(name: str, command: list[str], run_dir: Path, *, fresh: bool) -> tuple[Path, float]:
+def train_run(name: str, command: list[str], run_dir: Path, *, fresh: bool,
+              keep_checkpoints: bool = False) -> tuple[Path, float]:
     """Run `command` (a `shoal train` writing into `run_dir`), or find it finished by the same
     command (the interpreter's path may differ); (run folder, wall seconds). Checkpoints are
-    removed afterwards: an experiment reads metrics.jsonl, and they are the largest files."""
+    removed afterwards unless `keep_checkpoints` (a teacher to distil from): an experiment reads
+    metrics.jsonl, and they are the largest files."""
     record_path = run_dir / RUN_RECORD
     if not fresh and record_path.is_file():
         record = json.loads(record_path.read_text())
@@ -150,7 +152,8 @@ def train_run(name: str, command: list[str], run_dir: Path, *, fresh: bool) -> t
     wall = time.perf_counter() - start
     if done.returncode:
         sys.exit(f"{name}: shoal train failed ({done.returncode}):\n{done.stdout[-3000:]}")
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    if not keep_checkpoints:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     record_path.write_text(json.dumps({"command": command, "wall_s": wall}))
     print(f"{name}: {wall:.0f} s", flush=True)
     return run_dir, wall

@@ -1,4 +1,5 @@
-"""The `shoal` command line: `shoal train`, `shoal plan`, `shoal sample`, `shoal export` and `shoal data`.
+"""The `shoal` command line: `shoal train`, `shoal plan`, `shoal sample`, `shoal export`, `shoal data` and
+`shoal distill`.
 
 Every check of the user's input runs here, in the parent process, before any worker starts:
 a mistake prints one line `shoal: error: <message>` on stderr and exits with status 2, and
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run even where the memory check predicts the plan won't fit [off: checked]")
     train.set_defaults(func=_train)
 
+    _add_distill_parser(sub)
     from shoal.plan_command import add_parser as add_plan_parser
 
     add_plan_parser(sub)
@@ -214,11 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
+    return _run_job(prepare_job(args))
+
+
+def _run_job(job: Any) -> int:
+    """Run a prepared Job on its workers (or this torchrun rank); returns the exit status."""
     from shoal.launch import Stopped, WorkerFailed, launch, under_torchrun
     from shoal.train.preempt import STOPPED
     from shoal.train.worker import run_worker
 
-    job = prepare_job(args)
     try:
         if under_torchrun():
             result = run_worker(job) or {}
@@ -462,6 +468,105 @@ def _check_fresh_out(folder: Path) -> None:
     if folder.is_dir() and latest_checkpoint(folder) is not None:
         raise UserError(f"--out {str(folder)!r} already holds a trained run; continue it with --resume "
                         f"{folder} or choose another --out")
+
+
+# ----------------------------------------------------------------------------- shoal distill
+
+
+def _add_distill_parser(sub: Any) -> None:
+    distill = sub.add_parser("distill", help="distil a trained MoE run into a dense student (OneS)",
+                             description="OneS (arXiv 2201.10890): gather each MoE layer's experts of a trained "
+                             "run into one dense FFN, then train that dense student by knowledge distillation from "
+                             "the MoE's logits, under any dense plan. The student's run folder is a normal run folder.")
+    distill.add_argument("--teacher", metavar="RUN_DIR", help="the trained MoE run folder (its newest checkpoint "
+                         "that verifies, written under any plan) (required for a new run)")
+    distill.add_argument("--gather", default="svd", help="how the dense FFN starts from the experts: sum, mean, "
+                         "topk (the k experts the router uses most, averaged), svd (each expert's top-k singular "
+                         "components, averaged) or none (random initialisation) [svd]")
+    distill.add_argument("--gather-k", type=int, metavar="K", help="topk: experts kept [the teacher's top_k]; svd: "
+                         "singular components kept per expert [min(ffn_dim, dim) // num_experts]")
+    distill.add_argument("--kd-temperature", type=float, default=1.0, metavar="T",
+                         help="softmax temperature of the distillation term [1.0]")
+    distill.add_argument("--kd-alpha", type=float, default=0.5, metavar="A",
+                         help="loss = A x T^2 KL(teacher || student) + (1 - A) x cross-entropy on the data [0.5]")
+    distill.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
+                         help="change a field of the student (the teacher's shape with one dense FFN of the "
+                         "experts' width per MoE layer); gathering refuses a shape it cannot fill [the default]")
+    distill.add_argument("--resume", metavar="DIR", help="continue a student's run folder [off: a new run]")
+    for flag, type_, help_ in _TRAIN_FLAGS:
+        if flag not in ("--model",):
+            distill.add_argument(flag, type=type_, help=help_, default=argparse.SUPPRESS)
+    distill.set_defaults(func=_distill)
+
+
+_DISTILL_ONLY = ("teacher", "gather", "gather_k", "kd_temperature", "kd_alpha", "set")
+
+
+def _distill(args: argparse.Namespace) -> int:
+    return _run_job(prepare_distill(args))
+
+
+def prepare_distill(args: argparse.Namespace) -> Any:
+    """Validate a `shoal distill` command, then write the student's starting weights and settings
+    into its run folder; returns the Job the workers run (ValueError, nothing written, if wrong)."""
+    import dataclasses
+
+    from shoal.launch import resolve_device, under_torchrun
+    from shoal.moe.gather import check_fits, default_k, student_config
+    from shoal.train.checkpoint import good_checkpoint
+    from shoal.train.distill import STUDENT_INIT, student_run_config, teacher_config, write_student
+    from shoal.train.kd import DistillConfig
+    from shoal.train.runs import Job, default_run_dir
+
+    if under_torchrun():
+        raise UserError("shoal distill starts its own workers; run it without torchrun (--nproc N)")
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "resume", *_DISTILL_ONLY)}
+    if args.resume is not None:
+        return _resume_distill(args, flags)
+    if args.teacher is None:
+        raise UserError("--teacher RUN_DIR is required: the trained MoE run to distil (or --resume DIR)")
+    teacher_run, teacher = teacher_config(Path(args.teacher))
+    student = student_config(teacher, getattr(args, "set", []))
+    check_fits(teacher, student, args.gather, args.gather_k)
+    checkpoint = good_checkpoint(args.teacher)
+    k = args.gather_k if args.gather_k is not None else default_k(args.gather, teacher)
+    spec = DistillConfig(teacher=args.teacher, checkpoint=str(checkpoint), gather=args.gather, gather_k=k,
+                         temperature=args.kd_temperature, alpha=args.kd_alpha)
+    cfg = student_run_config(teacher_run, student, flags)
+    run_dir = Path(cfg.out if cfg.out is not None else default_run_dir())
+    if args.gather != "none":
+        cfg = dataclasses.replace(cfg, init=str(run_dir / STUDENT_INIT))
+    device = resolve_device(cfg.device)
+    if cfg.plan is not None and cfg.plan.strip() == "auto":
+        cfg, _ = _auto_plan(cfg, device)
+    validate(cfg, device)
+    _check_fresh_out(run_dir)
+    write_student(run_dir, cfg, spec, teacher)  # everything checked: the first write
+    return Job(config=cfg, run_dir=str(run_dir), device=device, distill=spec)
+
+
+def _resume_distill(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
+    from shoal.launch import resolve_device
+    from shoal.train.distill import read_distill_config
+    from shoal.train.runs import Job
+
+    given = [k for k in _DISTILL_ONLY if k in vars(args) and vars(args)[k] != _DISTILL_DEFAULTS.get(k)]
+    if given:
+        raise UserError(f"--{given[0].replace('_', '-')} cannot change when resuming {args.resume!r}; its "
+                        f"distill.json holds the teacher and the loss")
+    folder = Path(args.resume)
+    if not folder.is_dir():
+        raise UserError(f"--resume {args.resume!r}: no such run folder")
+    spec = read_distill_config(folder)
+    cfg = _resume_config(argparse.Namespace(resume=args.resume, config=None), flags)
+    device = resolve_device(cfg.device)
+    validate(cfg, device)
+    resume_from = str(_check_resumable(folder, cfg.loop.steps))
+    return Job(config=cfg, run_dir=args.resume, resume=True, resume_from=resume_from, device=device, distill=spec)
+
+
+_DISTILL_DEFAULTS: dict[str, Any] = {"teacher": None, "gather": "svd", "gather_k": None, "kd_temperature": 1.0,
+                                     "kd_alpha": 0.5}
 
 
 # ----------------------------------------------------------------------------- shoal sample

@@ -24,6 +24,7 @@ from shoal import rules
 from shoal.models import MixerConfig
 from shoal.moe.collect import records as moe_records
 from shoal.plan import Plan
+from shoal.runtime import LossFn
 from shoal.train import faults, memory
 from shoal.train.checkpoint import prune, save_checkpoint
 from shoal.train.config import to_flat
@@ -55,6 +56,10 @@ spent getting the step's batch) each."""
 
 class Trainer:
     """One rank's model, optimizer, data and run folder."""
+
+    loss_fn: LossFn | None = None
+    """The loss of a micro-batch (Runtime.forward_backward); None: next-token cross-entropy.
+    A subclass that sets one prepares its targets in `step_targets` (shoal.train.distill)."""
 
     def __init__(self, job: Job, device: torch.device) -> None:
         cfg = job.config
@@ -225,9 +230,14 @@ class Trainer:
         started = time.perf_counter()
         inputs, targets = self.batches.batch(s, self.loop.global_batch, self.part)
         self.fetch_s = time.perf_counter() - started
-        micro = split_micro(self._to_device(inputs), self._to_device(targets), self.num_micro)
+        inputs, targets = self._to_device(inputs), self._to_device(targets)
+        micro = split_micro(inputs, self.step_targets(inputs, targets), self.num_micro)
         return train_step(self.runtime, self.optimizer, micro, grad_clip=self.cfg.optim.grad_clip or None,
-                          scheduler=self.scheduler)
+                          scheduler=self.scheduler, loss_fn=self.loss_fn)
+
+    def step_targets(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """What this rank's batch gives `loss_fn` as targets: the next tokens themselves here."""
+        return targets
 
     def _read(self, window: Window, *, first_step: int, seconds: float) -> list[dict[str, Any]]:
         """The metrics records of a window of steps, read from the device in one synchronisation;

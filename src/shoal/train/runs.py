@@ -11,6 +11,7 @@ from typing import Any
 
 from shoal.models import AnyConfig
 from shoal.train.config import RunConfig, dump_toml, from_flat, load_toml, to_flat
+from shoal.train.kd import DistillConfig
 
 CONFIG_FILE = "config.toml"
 
@@ -32,6 +33,8 @@ class Job:
     prediction: dict[str, Any] | None = None
     """The planner's prediction for the plan `--plan auto` chose; summary.json keeps it beside the
     measurement."""
+    distill: DistillConfig | None = None
+    """`shoal distill`: the teacher and the distillation loss (shoal.train.distill); None: train."""
 
 
 def with_model(cfg: RunConfig, model: AnyConfig) -> RunConfig:

@@ -47,9 +47,15 @@ def run_worker(job: Job) -> dict[str, Any] | None:
 
 
 def _train(job: Job, device: torch.device, signals: StopSignals, baseline_mb: float) -> dict[str, Any] | None:
-    trainer, error = None, None
+    trainer: Trainer | None = None
+    error = None
     try:
-        trainer = Trainer(job, device)
+        if job.distill is not None:
+            from shoal.train.distill import DistillTrainer
+
+            trainer = DistillTrainer(job, device)
+        else:
+            trainer = Trainer(job, device)
     except ValueError as exc:  # a user's mistake found only here (a corrupt checkpoint, ...)
         error = str(exc)
     error = first_error(error)

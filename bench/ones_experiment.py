@@ -1,0 +1,202 @@
+"""OneS at small scale (Xue et al. 2022, arXiv 2201.10890): a tiny-moe teacher distilled into a
+dense student of one expert's width, from each knowledge-gathering method and from random
+initialisation, with the same distillation budget; beside them a dense model of the student's
+shape trained on the data alone with the teacher's budget.
+
+Per seed, each run is `python -m shoal train` / `python -m shoal distill` in its own subprocess
+(one process on the CPU, the built-in corpus, the same global batch and sequence length):
+  teacher   tiny-moe (4 layers, dim 128, 4 experts of width 256, top-2), TEACHER_STEPS steps
+  dense     tiny-moe's shape with num_experts=0 (the student's shape), TEACHER_STEPS steps, and again
+            with TEACHER_STEPS + STUDENT_STEPS steps (the students' attention and embeddings have had
+            that many: the equal-steps reference)
+  student   shoal distill --gather {sum, mean, topk, svd, none}, STUDENT_STEPS steps, KD defaults
+Reported per run: the held-out loss (the trainer's eval over EVAL_BATCHES global batches) at the
+end and, for students, right after gathering (before any distillation step); the share of the
+MoE's benefit a student keeps, (L_dense - L_student) / (L_dense - L_teacher) (the paper's
+"MoE benefits"); and inference speed: forward tokens/s of teacher and student on one
+(global batch x seq_len) batch, one thread, median of repeats interleaved teacher/student.
+
+    python -m bench.ones_experiment [--seeds 0 1 2] [--fresh]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import RESULTS, measure_pair, report, train_run
+from shoal.models import ModelConfig, Transformer, get_preset
+from shoal.moe.gather import GATHERS, student_config
+from shoal.train.config import RunConfig
+from shoal.train.data import open_data
+from shoal.train.distill import STUDENT_INIT, load_teacher
+from shoal.train.metrics import read_metrics
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+TEACHER_STEPS, STUDENT_STEPS, BATCH, SEQ, EVAL_BATCHES = 60, 30, 8, 32, 4
+"""The scale that fit a loaded 2-core machine (about 25 minutes a seed); --teacher-steps and
+--student-steps change the first two."""
+COMMON = ["--nproc", "1", "--global-batch", str(BATCH), "--seq-len", str(SEQ), "--eval-batches", str(EVAL_BATCHES),
+          "--log-every", "10"]
+
+
+def _eval_loss(run: Path) -> float:
+    return float([r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r][-1]["eval_loss"])
+
+
+def initial_loss(run: Path, model: ModelConfig, seed: int) -> float | None:
+    """The held-out loss of a student's gathered starting weights, on the trainer's eval batches."""
+    from safetensors.torch import load_file
+
+    path = run / STUDENT_INIT
+    if not path.is_file():
+        return None
+    student = Transformer(model).eval()
+    student.load_state_dict(load_file(str(path)))
+    held_out = open_data(RunConfig().data, seq_len=SEQ, seed=seed).held_out
+    with torch.no_grad():
+        losses = [F.cross_entropy(student(x).flatten(0, 1), y.flatten()).item()
+                  for x, y in (held_out.batch(i, BATCH) for i in range(EVAL_BATCHES))]
+    return statistics.fmean(losses)
+
+
+def speed(teacher_run: Path, teacher_cfg: ModelConfig) -> dict[str, float]:
+    """Forward tokens/s of the teacher (its checkpoint) and the student's dense shape (speed does
+    not depend on the weights' values)."""
+    torch.set_num_threads(1)
+    teacher = load_teacher(_checkpoint(teacher_run), teacher_cfg)
+    student = Transformer(student_config(teacher_cfg)).eval()
+    x = torch.randint(0, teacher_cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def forward(model: Any) -> Any:
+        def run() -> None:
+            with torch.no_grad():
+                model(x)
+        return run
+
+    timed = measure_pair({"teacher": forward(teacher), "student": forward(student)}, warmup=3, repeats=30)
+    return {name: BATCH * SEQ / t["time_s"]["median"] for name, t in timed.items()}
+
+
+def _checkpoint(run: Path) -> Path:
+    from shoal.train.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(run)
+    assert path is not None, run
+    return path
+
+
+def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_steps: int) -> list[dict[str, Any]]:
+    py = [sys.executable, "-m", "shoal"]
+    seed_flags = ["--seed", str(seed)]
+    teacher_dir = out / f"seed{seed}" / "teacher"
+    teacher, t_wall = train_run("teacher", py + ["train", "--model", "tiny-moe", "--steps", str(teacher_steps),
+                                "--eval-every", str(teacher_steps), "--out", str(teacher_dir), *COMMON, *seed_flags],
+                                teacher_dir, fresh=fresh, keep_checkpoints=True)
+    dense_dir = out / f"seed{seed}" / "dense"
+    dense, d_wall = train_run("dense", py + ["train", "--model", "tiny-moe", "--set", "num_experts=0", "--steps",
+                              str(teacher_steps), "--eval-every", str(teacher_steps), "--out", str(dense_dir), *COMMON,
+                              *seed_flags], dense_dir, fresh=fresh)
+    long_dir, total = out / f"seed{seed}" / "dense_long", teacher_steps + student_steps
+    dense_long, l_wall = train_run("dense_long", py + ["train", "--model", "tiny-moe", "--set", "num_experts=0",
+                                   "--steps", str(total), "--eval-every", str(total), "--out", str(long_dir), *COMMON,
+                                   *seed_flags], long_dir, fresh=fresh)
+    teacher_cfg = get_preset("tiny-moe")
+    l_teacher, l_dense = _eval_loss(teacher), _eval_loss(dense)
+    rows = [{"seed": seed, "run": "teacher (tiny-moe)", "steps": teacher_steps, "held_out": l_teacher,
+             "params_M": teacher_cfg.num_params() / 1e6, "wall_s": t_wall},
+            {"seed": seed, "run": "dense, data only", "steps": teacher_steps, "held_out": l_dense,
+             "params_M": student_config(teacher_cfg).num_params() / 1e6, "wall_s": d_wall},
+            {"seed": seed, "run": "dense, data only, teacher + student steps", "steps": total,
+             "held_out": _eval_loss(dense_long), "params_M": student_config(teacher_cfg).num_params() / 1e6,
+             "wall_s": l_wall}]
+    for method in GATHERS:
+        run_dir = out / f"seed{seed}" / f"student_{method}"
+        student, s_wall = train_run(method, py + ["distill", "--teacher", str(teacher), "--gather", method,
+                                    "--steps", str(student_steps), "--eval-every", str(student_steps),
+                                    "--out", str(run_dir), *COMMON, *seed_flags], run_dir, fresh=fresh)
+        loss = _eval_loss(student)
+        start = initial_loss(student, student_config(teacher_cfg), seed)
+        rows.append({"seed": seed, "run": f"student, gather {method}", "steps": student_steps, "held_out": loss,
+                     "held_out_at_start": start, "moe_benefit_kept": (l_dense - loss) / (l_dense - l_teacher),
+                     "params_M": student_config(teacher_cfg).num_params() / 1e6, "wall_s": s_wall})
+    rates = speed(teacher, teacher_cfg)
+    for row in rows:
+        row["forward_tok_s"] = rates["teacher"] if row["run"].startswith("teacher") else rates["student"]
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, name in enumerate(runs):
+        values = [r["held_out"] for r in rows if r["run"] == name]
+        ax.bar(i, statistics.median(values), color="tab:red" if "teacher" in name else
+               "tab:gray" if "dense" in name else "tab:blue")
+        ax.scatter([i] * len(values), values, color="black", s=10, zorder=3)
+        starts = [r["held_out_at_start"] for r in rows if r["run"] == name and r.get("held_out_at_start")]
+        if starts:
+            ax.scatter([i] * len(starts), starts, marker="x", color="tab:orange", zorder=3,
+                       label="before distillation" if i == 3 else None)
+    ax.set_xticks(range(len(runs)), [r.replace("student, gather ", "") for r in runs], rotation=20)
+    ax.set_ylabel("held-out loss (nats/byte)")
+    low = min(r["held_out"] for r in rows)
+    ax.set_ylim(low - 0.3, max(r["held_out"] for r in rows) + 0.3)
+    ax.set_title("OneS on the built-in corpus: median over seeds (bars), each seed (dots)")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table of the medians over seeds, one line per run (docs/ones_distill.md)."""
+    def med(name: str, key: str) -> str:
+        values = [r[key] for r in rows if r["run"] == name and r.get(key) is not None]
+        return f"{statistics.median(values):.3f}" if values else "-"
+
+    lines = ["| run | steps | parameters | held-out loss | at start | MoE benefit kept | forward tokens/s |",
+             "|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["run"] for r in rows):
+        first = next(r for r in rows if r["run"] == name)
+        speed = statistics.median(r["forward_tok_s"] for r in rows if r["run"] == name)
+        lines.append(f"| {name} | {first['steps']} | {first['params_M']:.2f}M | {med(name, 'held_out')} | "
+                     f"{med(name, 'held_out_at_start')} | {med(name, 'moe_benefit_kept')} | {speed:,.0f} |")
+    seeds = sorted({r["seed"] for r in rows})
+    return "\n".join(lines) + f"\n\nMedians over seeds {', '.join(map(str, seeds))}."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/ones_experiment"))
+    parser.add_argument("--fresh", action="store_true", help="retrain runs found finished")
+    parser.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS, help="teacher and dense model steps")
+    parser.add_argument("--student-steps", type=int, default=STUDENT_STEPS, help="distillation steps per student")
+    parser.add_argument("--table", action="store_true", help="print the saved rows' markdown table and exit")
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads((RESULTS / "ones_experiment_rows.json").read_text())))
+        return
+    rows: list[dict[str, Any]] = []
+    for seed in args.seeds:
+        rows += run_seed(seed, args.out, args.fresh, args.teacher_steps, args.student_steps)
+        report("ones_experiment", rows, notes=f"teacher/dense {args.teacher_steps} steps, students "
+               f"{args.student_steps} distillation steps, batch {BATCH} x {SEQ} tokens, one CPU process each")
+        plot(rows, DOCS / "ones_distill.png")  # after every seed: a cut-off run leaves what it finished
+        (RESULTS / "ones_experiment_rows.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
