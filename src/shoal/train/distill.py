@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from shoal.models import ModelConfig, Transformer
+from shoal.models.mixer_config import MixerConfig
 from shoal.moe.gather import student_weights
 from shoal.moe.layer import MoELayer
 from shoal.parallelize import parallelize
@@ -104,7 +105,14 @@ def teacher_config(teacher_dir: Path) -> tuple[RunConfig, ModelConfig]:
     if not teacher_dir.is_dir():
         raise ValueError(f"--teacher {str(teacher_dir)!r}: no such run folder")
     cfg = read_run_config(teacher_dir)
-    return cfg, resolve_model(cfg)
+    return cfg, _text_model(resolve_model(cfg), teacher_dir)
+
+
+def _text_model(model: ModelConfig | MixerConfig, teacher_dir: Path) -> ModelConfig:
+    if isinstance(model, MixerConfig):
+        raise ValueError(f"--teacher {str(teacher_dir)!r} trained an image Mixer; valid: a run of an MoE "
+                         "transformer (OneS distils its experts into a dense language model)")
+    return model
 
 
 def student_run_config(teacher_cfg: RunConfig, student: ModelConfig, flags: dict[str, Any]) -> RunConfig:
@@ -141,8 +149,9 @@ class DistillTrainer(Trainer):
         assert job.distill is not None
         super().__init__(job, device)
         self.spec = job.distill
-        teacher_cfg = resolve_model(from_flat(json.loads((Path(self.spec.checkpoint) / "trainer_state.json")
-                                                         .read_text())["config"]))
+        checkpoint = Path(self.spec.checkpoint)
+        teacher_cfg = _text_model(resolve_model(from_flat(json.loads((checkpoint / "trainer_state.json")
+                                                                     .read_text())["config"])), checkpoint)
         self.teacher = load_teacher(self.spec.checkpoint, teacher_cfg, device)
         self.teacher_model = teacher_cfg
         self.loss_fn = kd_loss(self.spec.temperature, self.spec.alpha)
