@@ -36,19 +36,9 @@ EOS = "<|endoftext|>"
 
 def make_tokenizer(folder: Path) -> Path:
     """A 4,096-id byte-level BPE trained on the built-in corpus, saved as a Hugging Face folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from shoal.testing import corpus_bpe
 
-    from shoal.train.data import default_corpus
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=4096, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([default_corpus()], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(folder)
-    return folder
+    return corpus_bpe(folder, 4096, EOS)
 
 
 def make_jsonl(path: Path, megabytes: float) -> int:

@@ -19,7 +19,7 @@ from shoal import cli
 from shoal.data import prepare as prep
 from shoal.data.dataset import MixtureBatches, TokenStream, open_prepared, parse_mixture, permute, read_manifest
 from shoal.data.prepare import PrepareConfig, prepare
-from shoal.testing import assert_user_error, one_line_error
+from shoal.testing import assert_user_error, corpus_bpe, one_line_error
 from shoal.train.data import DataConfig, default_corpus, open_data, resolve_tokenizer
 
 EOS = "<|endoftext|>"
@@ -28,18 +28,7 @@ EOS = "<|endoftext|>"
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Path:
     """A 512-id byte-level BPE trained on the built-in corpus, saved as a Hugging Face folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([default_corpus()], trainer)
-    folder = tmp_path_factory.mktemp("tok") / "bpe"
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(folder)
-    return folder
+    return corpus_bpe(tmp_path_factory.mktemp("tok") / "bpe", 512, EOS)
 
 
 DOCS = [p for p in default_corpus().split("\n\n") if p.strip()][:600]

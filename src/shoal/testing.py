@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,6 +96,24 @@ def assert_rounding_close(actual: Any, ref32: Any, ref64: Any, *, what: str = "v
     if not error <= bound:
         raise AssertionError(f"{what}: off the float64 reference by {error:.3g} > {bound:.3g} ({SLACK:g} x the "
                              f"single-process float32 error {single:.3g} + {FLOOR_ULPS:g} ulps = {floor:.3g})")
+
+
+def corpus_bpe(folder: Path, vocab_size: int, eos: str = "<|endoftext|>") -> Path:
+    """A byte-level BPE of `vocab_size` ids trained on the built-in corpus (offline, about a second),
+    saved as a Hugging Face tokenizer folder whose EOS token is `eos`; returns the folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from shoal.train.data import default_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([default_corpus()], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(folder)
+    return folder
 
 
 def assert_user_error(capsys: Any, argv: list[str], *names: str) -> str:
