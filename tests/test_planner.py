@@ -144,6 +144,21 @@ def test_a_tied_head_under_pp_is_a_copy():
     assert counts["dp2", False] - counts["dp2", True] == V * D
 
 
+def test_under_pp_the_first_stage_holds_the_embedding():
+    """An embedding-dominated model under pp2: the first stage holds the (V, D) table and its blocks,
+    the last the head's table and its blocks, so the busiest rank holds half the one-process
+    parameters and more, never just its blocks (the first stage's table was once left out)."""
+
+    cfg = TINY.replace(vocab_size=500_000, dim=512)
+    cluster = parse_cluster("2xcpu")
+    work = Workload(model=cfg, global_batch=4, seq_len=128)
+    one = estimate(Plan.parse("dp1").resolve(1, "cpu"), work, parse_cluster("1xcpu"), micro_batch=4)
+    pp2 = estimate(Plan.parse("pp2").resolve(2, "cpu"), work, cluster, micro_batch=2)
+    table = 4.0 * cfg.vocab_size * cfg.dim  # fp32 bytes of one (V, D) table
+    assert pp2.memory["parameters"] >= table
+    assert one.memory["parameters"] / 2 <= pp2.memory["parameters"] < one.memory["parameters"]
+
+
 def test_activation_count_follows_the_shared_width():
     """What autograd saves in a Qwen2-MoE block grows with the shared expert's width exactly as the
     planner's count does (only the width differs between the two models, so routing's own saved

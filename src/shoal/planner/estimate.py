@@ -162,7 +162,11 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     bubble = _bubble(plan, fwd, bwd)
     time = {k: micro * v for k, v in terms.items()}
     time["pp_bubble"] = bubble
-    params, experts = cost.params_per_rank(first if first >= last else last, head=plan.pp == 1 or last >= first)
+    if plan.pp == 1:
+        params, experts = cost.params_per_rank(first, head=True)
+    else:  # the busier of the first stage (its blocks and the embedding) and the last (its blocks and the head)
+        params, experts = max(cost.params_per_rank(first, head=False, embedding=True),
+                              cost.params_per_rank(last, head=True), key=sum)
     grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
                                            units=_units(engine.kind, engine.units, params), fwd=fwd, bwd=bwd)
     time["dp_sync_exposed"] = grads_exposed
@@ -343,8 +347,9 @@ class _Costs:
         calls += [(p.world_size, 1)] if p.world_size > 1 else []  # the stop-signal agreement
         return sum(self.net.time("all_reduce", n, 8.0, stride=stride) for n, stride in calls)
 
-    def params_per_rank(self, blocks: int, *, head: bool) -> tuple[float, float]:
-        """(dense parameters, expert parameters) one rank of the busiest stage holds."""
+    def params_per_rank(self, blocks: int, *, head: bool, embedding: bool = False) -> tuple[float, float]:
+        """(dense parameters, expert parameters) one rank of a stage of `blocks` blocks holds; under pp
+        the stage holds the embedding table when `embedding` and the head's when `head`."""
         cfg, p = self.cfg, self.plan
         D = cfg.dim
         attn = compute.attention_matmul_flops(cfg) / 2
@@ -356,7 +361,7 @@ class _Costs:
         dense = (blocks * (attn + 2 * D) + (blocks - moe) * mlp + moe * (D * cfg.num_experts + shared))
         embed = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
         # Under pp the last stage holds the head's table: its own, or a copy of a tied embedding's.
-        dense += embed if p.pp == 1 else (cfg.vocab_size * D if head else 0)
+        dense += embed if p.pp == 1 else cfg.vocab_size * D * (int(head) + int(embedding))
         experts = moe_sets * cfg.num_experts * mlp / p.ep
         return dense / p.tp, experts / p.tp
 
