@@ -58,7 +58,11 @@ from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.parallel.schedules import bubble_fraction, save_gantt
 from shoal.parallel.tensor import reduce_partial_grads
 from shoal.parallel.tied import TiedGrads
-from shoal.parallel.vocab import cross_entropy_sum, local_value, num_targets, vocab_parallel_loss
+
+# IGNORE (the target that takes no loss) and cross_entropy_sum are also the trainer's, through here.
+from shoal.parallel.vocab import IGNORE as IGNORE
+from shoal.parallel.vocab import cross_entropy_sum as cross_entropy_sum
+from shoal.parallel.vocab import local_value, num_targets, vocab_parallel_loss
 from shoal.plan import Plan
 from shoal.rules import EngineChoice
 

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from shoal.parallel.vocab import IGNORE
-from shoal.runtime import LossFn
+from shoal.runtime import IGNORE, LossFn
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -285,7 +285,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate_images(self) -> dict[str, float]:
         """Held-out loss and accuracy over every held-out image (an image model)."""
-        from shoal.parallel.vocab import cross_entropy_sum
+        from shoal.runtime import cross_entropy_sum
         from shoal.train.images import HeldOutImages, correct_and_count
 
         assert isinstance(self.held_out, HeldOutImages)
