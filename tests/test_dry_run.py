@@ -12,6 +12,7 @@ from shoal import cli
 from shoal.models import Transformer
 from shoal.models.config import get_preset
 from shoal.planner import memory
+from shoal.testing import saved_activation_elements
 
 
 def test_dry_run_prints_each_rank_beside_the_prediction_and_saves_nothing(tmp_path, capfd):
@@ -48,18 +49,8 @@ def test_the_activation_count_is_what_autograd_saves(preset):
     the token ids left out). Exact but for the embedding and loss, which the planner prices apart:
     the count is of elements, so no rounding enters."""
     cfg = get_preset(preset).replace(num_layers=2, vocab_size=64)
-    model = Transformer(cfg)
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
-        return t
-
     B, T = 2, 32
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(torch.randint(0, 64, (B, T)))
+    saved = saved_activation_elements(Transformer(cfg), torch.randint(0, 64, (B, T)))
     per_block = memory.activation_elements(cfg, 0, seq_len=T, tp=1, sp=False, ac="none", fused_attention=True)
     head = memory.head_norm_elements(cfg, tp=1, sp=False)
-    assert sum(saved.values()) == (cfg.num_layers * per_block + head) * B * T
+    assert saved == (cfg.num_layers * per_block + head) * B * T

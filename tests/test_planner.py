@@ -166,21 +166,11 @@ def test_activation_count_follows_the_shared_width():
     import torch
 
     from shoal.models import Transformer
+    from shoal.testing import saved_activation_elements
 
     def saved(cfg: ModelConfig) -> int:
         torch.manual_seed(0)
-        model = Transformer(cfg)
-        skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        sizes: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
-                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(torch.randint(0, cfg.vocab_size, (2, 16)))
-        return sum(sizes.values())
+        return saved_activation_elements(Transformer(cfg), torch.randint(0, cfg.vocab_size, (2, 16)))
 
     wide = QWEN2_MOE.replace(shared_ffn_dim=80)
     kw = dict(seq_len=16, tp=1, sp=False, ac="none", fused_attention=True)

@@ -98,6 +98,23 @@ def assert_rounding_close(actual: Any, ref32: Any, ref64: Any, *, what: str = "v
                              f"single-process float32 error {single:.3g} + {FLOOR_ULPS:g} ulps = {floor:.3g})")
 
 
+def saved_activation_elements(model: nn.Module, inputs: torch.Tensor) -> int:
+    """Elements autograd saves for backward in one forward of `model`, each storage counted once
+    (parameters, buffers and integer tensors such as token ids left out): the planner's activation
+    count, measured."""
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(inputs)
+    return sum(sizes.values())
+
+
 def corpus_bpe(folder: Path, vocab_size: int, eos: str = "<|endoftext|>") -> Path:
     """A byte-level BPE of `vocab_size` ids trained on the built-in corpus (offline, about a second),
     saved as a Hugging Face tokenizer folder whose EOS token is `eos`; returns the folder."""
