@@ -210,3 +210,25 @@ def test_cli_init_then_export_gives_the_files_back(hf_folder, tmp_path, capfd):
     for key, file in index.items():
         original = load_file(str(folder / file))[key]
         assert torch.equal(back[key], original), key
+
+
+def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path):
+    """`--init FOLDER` without `--model` trains the folder's own config.json (what `--model
+    hf:FOLDER` gives); a `--model` given on the command line or in the config file wins."""
+    from shoal import cli
+    from shoal.train.config import model_of_init
+
+    folder = hf_folder["folder"]
+
+    def job(*argv: str):
+        run = str(tmp_path / "run")
+        args = ["train", "--init", str(folder), "--device", "cpu", "--seq-len", "32", "--out", run, *argv]
+        return cli.prepare_job(cli.build_parser().parse_args(args))
+
+    chosen = job().config
+    assert chosen.model == f"hf:{folder}" and chosen.model_config == load_model_config(f"hf:{folder}")
+    config = tmp_path / "run.toml"
+    config.write_text('model = "tiny"\n')
+    with pytest.raises(ValueError, match="is --model the same model"):  # tiny's shapes are not the folder's
+        job("--config", str(config))
+    assert model_of_init(str(tmp_path)) == "tiny"  # no config.json: the default preset

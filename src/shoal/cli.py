@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a model field (repeatable), e.g. --set num_layers=2 [the preset's values]")
     train.add_argument("--init", metavar="PATH", default=argparse.SUPPRESS,
                        help="start from pretrained weights: a Hugging Face folder of safetensors (Llama names) or "
-                       "a shoal export; each rank reads only its slices, any dtype cast to the run's [off: the seed's]")
+                       "a shoal export; each rank reads only its slices, any dtype cast to the run's; without "
+                       "--model, the model is the folder's config.json [off: the seed's]")
     train.add_argument("--init-ignore", action="append", metavar="GLOB", default=argparse.SUPPRESS,
                        help="tensors --init may lack or hold in excess (glob over shoal or file names; repeatable "
                        "or comma-separated); missing ones start from the seed [none]")
@@ -260,7 +261,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
 
     from shoal.launch import resolve_device, under_torchrun
     from shoal.models import MixerConfig
-    from shoal.train.config import from_flat, load_toml, resolve_model
+    from shoal.train.config import from_flat, load_toml, model_of_init, resolve_model
     from shoal.train.data import doc_eos_id, resolve_tokenizer
     from shoal.train.runs import Job, default_run_dir, with_model
 
@@ -278,8 +279,10 @@ def prepare_job(args: argparse.Namespace) -> Any:
         cfg = _resume_config(args, flags)
         run_dir: str | None = args.resume
     else:
-        base = from_flat(load_toml(args.config)) if args.config else None
-        cfg = from_flat(flags, base)
+        toml = load_toml(args.config) if args.config else {}
+        cfg = from_flat(flags, from_flat(toml) if args.config else None)
+        if cfg.init is not None and "model" not in flags and "model" not in toml:
+            cfg = dataclasses.replace(cfg, model=model_of_init(cfg.init))
         run_dir = cfg.out if cfg.out is not None else (None if under_torchrun() else default_run_dir())
     if args.resume is None:  # prepared data: the tokenizer is the manifest's
         cfg = dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, given="tokenizer" in flags))

@@ -211,6 +211,16 @@ def resolve_model(cfg: RunConfig) -> AnyConfig:
     return base.with_overrides(list(cfg.set))
 
 
+def model_of_init(init: str) -> str:
+    """The model a run with `--init PATH` and no `--model` trains: the folder's own config.json
+    (a Hugging Face folder or a `shoal export --hf`), else the default preset, whose shapes the
+    weights are then checked against."""
+    folder = Path(init)
+    if (folder / "config.json").is_file():
+        return f"hf:{folder}"
+    return RunConfig.model
+
+
 def parse_plan(text: str | None) -> Plan:
     """The run's Plan; None or "dp" mean data parallel over every process."""
     if text is None or text.strip() == "dp":
