@@ -4,7 +4,8 @@
 The model is what a user would write: one embedding table per categorical field, the fields'
 vectors concatenated into a small MLP, one logit; it is handed to `shoal.parallelize` with a `dpN`
 plan and trained through `shoal.train.step.train_step` with a binary cross-entropy loss, like any
-user's model. The data is synthetic with a planted signal: every (field, id) has a true weight, two
+user's model (`--plan dp` or `--plan fsdp`: replicated or sharded data parallelism over all the
+processes). The data is synthetic with a planted signal: every (field, id) has a true weight, two
 fields interact through true latent vectors, ids are Zipf-distributed (a few ids are frequent, most
 are rare, as in click logs), and the label is drawn from sigmoid(true logit). The AUC of the true
 logit on the test set is the ceiling any model can reach.
@@ -18,7 +19,7 @@ the learning rates set at `--base-batch`:
 
 Prints one table (also written to bench/results/cowclip_ctr.json) and writes docs/cowclip_ctr.png.
 
-    python -m bench.cowclip_ctr [--nproc 2] [--batches 1024 4096 16384 65536] [--samples 524288]
+    python -m bench.cowclip_ctr [--nproc 2] [--plan dp|fsdp] [--batches 1024 4096 16384 65536] [--seed 0]
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def train(recipe: str, batch: int, data: tuple[torch.Tensor, ...], args: argpars
     train_ids, train_labels, test_ids, test_labels = data
     torch.manual_seed(args.seed)
     model = CTRModel(args.fields, args.vocab, args.dim, tuple(args.hidden))
-    plan = Plan.parse(f"dp{dist.get_world_size()}")
+    plan = Plan.parse(f"{args.plan}{dist.get_world_size()}")
     runtime = parallelize(model, plan, build_mesh(plan, "cpu"))
     steps_per_epoch = args.samples // batch
     steps = steps_per_epoch * args.epochs
@@ -189,6 +190,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--plan", choices=("dp", "fsdp"), default="dp", help="data parallelism over --nproc processes")
     parser.add_argument("--batches", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--samples", type=int, default=2**19)
@@ -211,7 +213,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = launch(run_all, args.nproc, args)[0]
     rows.sort(key=lambda r: (RECIPES.index(r["recipe"]), r["global_batch"]))
-    report(args.name, rows, notes=f"{args.samples} train samples, {args.epochs} epoch(s), dp{args.nproc}")
+    report(args.name, rows,
+           notes=f"{args.samples} train samples, {args.epochs} epoch(s), {args.plan}{args.nproc}, seed {args.seed}")
     if not math.isnan(rows[0]["test_auc"]):
         print(f"plot: {plot(rows, args.plot)}")
 

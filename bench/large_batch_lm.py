@@ -15,6 +15,8 @@ docs/large_batch_lm.png. A run whose folder already holds a finished run of the 
 read, not retrained (`--fresh` retrains).
 
     python -m bench.large_batch_lm [--batches 256 64 16] [--tokens 65536] [--only lamb ...]
+    python -m bench.large_batch_lm --model small --batches 1024 256 64 16 --tokens 1048576 \
+        --seq-len 64 --micro-batch 64 --eval-sequences 1024 --only adamw lamb-lr0.03 lars --name large_batch_small
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from shoal.models.config import get_preset
 from shoal.train.metrics import read_metrics
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PRESET = "tiny"
-SHAPE = {"num_layers": "2", "dim": "64", "ffn_dim": "192", "num_heads": "4", "num_kv_heads": "2"}
-"""The tiny preset cut to 2 layers of width 64 (0.13M parameters) to fit the machine's budget."""
+MODELS: dict[str, tuple[str, dict[str, str]]] = {
+    "tiny-2x64": ("tiny", {"num_layers": "2", "dim": "64", "ffn_dim": "192", "num_heads": "4", "num_kv_heads": "2"}),
+    "small": ("small", {}),
+}
+"""--model: a preset and its --set overrides; tiny-2x64 is the tiny preset cut to 2 layers of width 64
+(0.13M parameters), the first, smoke-scale run; small is the preset the issue names."""
 # label -> (optimizer, peak lr at the base batch, scaling rule, extra flags); untuned: AdamW's default
 # lr for all three, LARS's paper's eta, then LAMB again at a larger lr (its step is lr * ||w||)
 OPTIMIZERS: dict[str, tuple[str, float, str, list[str]]] = {
@@ -45,14 +50,17 @@ OPTIMIZERS: dict[str, tuple[str, float, str, list[str]]] = {
 def train_command(label: str, batch: int, run_dir: Path, args: argparse.Namespace) -> list[str]:
     opt, lr, rule, extra = OPTIMIZERS[label]
     steps = args.tokens // (batch * args.seq_len)
-    command = [sys.executable, "-m", "shoal", "train", "--model", PRESET, "--nproc", "1", "--device", "cpu",
+    preset, shape = MODELS[args.model]
+    command = [sys.executable, "-m", "shoal", "train", "--model", preset, "--nproc", "1", "--device", "cpu",
                "--steps", str(steps), "--seed", str(args.seed), "--global-batch", str(batch),
                "--seq-len", str(args.seq_len), "--optimizer", opt, "--lr", str(lr), "--lr-scaling", rule,
                "--base-batch", str(args.base_batch), "--weight-decay", "0.01",
                "--eval-every", "0", "--eval-batches", str(max(1, args.eval_sequences // batch)),
                "--log-every", str(max(1, steps // 8)), "--ckpt-every", str(steps), "--keep", "1",
                "--out", str(run_dir), *extra]
-    for key, value in SHAPE.items():
+    if args.micro_batch and batch > args.micro_batch:
+        command += ["--micro-batch", str(args.micro_batch)]  # accumulation: the same step, less memory
+    for key, value in shape.items():
         command += ["--set", f"{key}={value}"]
     return command
 
@@ -107,20 +115,24 @@ def main() -> None:
     parser.add_argument("--eval-sequences", type=int, default=256, help="held-out sequences evaluated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="+", choices=list(OPTIMIZERS), default=list(OPTIMIZERS))
-    parser.add_argument("--out", type=Path, default=RESULTS / "large_batch_lm")
-    parser.add_argument("--plot", type=Path, default=DOCS / "large_batch_lm.png")
+    parser.add_argument("--model", choices=list(MODELS), default="tiny-2x64")
+    parser.add_argument("--micro-batch", type=int, default=0, help="sequences per forward (0: the whole batch)")
+    parser.add_argument("--name", default="large_batch_lm", help="results/<name>.json, runs in results/<name>/")
+    parser.add_argument("--plot", type=Path, default=None, help="default docs/<name>.png")
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
-    cfg = get_preset(PRESET).with_overrides(SHAPE)
-    print(f"model {PRESET} with {SHAPE}: {cfg.num_params() / 1e6:.2f}M parameters; {args.tokens:,} tokens a run")
+    args.out = RESULTS / args.name
+    preset, shape = MODELS[args.model]
+    cfg = get_preset(preset).with_overrides(shape)
+    print(f"model {args.model}: {cfg.num_params() / 1e6:.2f}M parameters; {args.tokens:,} tokens a run")
     rows = []
     for batch in args.batches:
         for opt in args.only:
             run_dir, wall = run_one(opt, batch, args)
             rows.append(row(opt, batch, read_metrics(run_dir / "metrics.jsonl"), wall, args))
     rows.sort(key=lambda r: (r["optimizer"], r["global_batch"]))
-    report("large_batch_lm", rows, notes=f"{args.tokens} training tokens per run, seq {args.seq_len}")
-    print(f"plot: {plot(rows, args.plot, args.seq_len)}")
+    report(args.name, rows, notes=f"model {args.model}, {args.tokens} training tokens per run, seq {args.seq_len}")
+    print(f"plot: {plot(rows, args.plot or DOCS / f'{args.name}.png', args.seq_len)}")
 
 
 if __name__ == "__main__":
