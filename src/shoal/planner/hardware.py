@@ -185,6 +185,11 @@ _H100_500W_SUSTAINED = 1731 / 1969
 # torch-performance-test-data issue 79): small products leave SMs idle. Beyond 8192 the rate falls again
 # (10240: 720), which a training step's products do not reach; the table stops at 8192.
 _H100_SQUARE = ((1024, 176.62 * TERA), (2048, 676.59 * TERA), (4096, 788.72 * TERA), (8192, 797.51 * TERA))
+# H100 NVLink 4 within a node: 370 GB/s of bus bandwidth for ring collectives (all-gather, reduce-scatter, or
+# all-reduce with NCCL_ALGO=RING) of the 450 GB/s line rate, ~20% protocol overhead (S. Jeaugey, NCCL maintainer,
+# github.com/NVIDIA/nccl-tests issue 212, 2024-05). All-reduce with NVLink SHARP reaches ~480 GB/s bus bandwidth
+# on 8 GPUs there, which the ring formulas here do not model.
+_NVLINK4_RING = 370 / 450
 _DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
 _DGX_A100_IB = _infiniband("HDR", 200, 8, 0.9)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
 _DGX_H100_IB = _infiniband("NDR", 400, 8, 0.9)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
@@ -193,7 +198,7 @@ _A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA
                              sm_count=108, intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
 _H100: dict[str, Any] = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                              matmul_efficiency=_MAMF_H100, gemm_square=_H100_SQUARE, attention_efficiency=0.35,
-                             attention_table="FA2-H100", sm_count=132, intra=_nvlink(4, 900, 0.8),
+                             attention_table="FA2-H100", sm_count=132, intra=_nvlink(4, 900, _NVLINK4_RING),
                              inter=_DGX_H100_IB)
 
 
