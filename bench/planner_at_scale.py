@@ -167,8 +167,10 @@ def _findings(table_rows: list[Row], before: dict[str, float] | None = None) -> 
             "row's tensor-core time grew by the SM clock's ratio, their memory-bound time did not. The attention "
             "table moves H100 attention from one efficiency (0.35 of peak) to FlashAttention-2's measured rate at the "
             "run's shape (at head dim 128 and 8K, causal: 333 TFLOP/s forward, 318 backward, 0.33 of peak together); "
-            "the A100 rows run unfused attention and do not use it. Quantization moves the A100 rows by a few "
-            "percent at most: Megatron's tall products fill the 108 SMs with one of cuBLAS's tiles. The largest "
+            "the A100 rows run unfused attention and do not use it. The A100-80GB's memory bandwidth is now what a "
+            "streaming kernel measured (1.80 of the data sheet's 2.04 TB/s), so its elementwise and optimizer bytes "
+            "take 13% longer; quantization moves the A100 rows by a few percent at most (Megatron's tall products "
+            "fill the 108 SMs with one of cuBLAS's tiles). The largest "
             "moves: " + "; ".join(f"{r.run.name} ({before[r.run.name]:.3f} -> {1 + r.error:.3f})" for r in moved[:3])
             + ". No constant was chosen by how it moved these rows.")
     bullets += [
