@@ -178,6 +178,12 @@ def _findings(table_rows: list[Row], before: dict[str, float] | None = None) -> 
         + "; ".join(r.run.name for r in unfit) + "."
         + (f" {len(selective)} of them run selective recompute, which the model counts as Korthikanti et al. define "
            "it (attention scores only); torchtitan's per-op selective recompute keeps less." if selective else ""),
+        ("Still without a kernel- or link-level source here, and so left as they were: FlashAttention's rates by "
+         "shape on the A100 (its single efficiency stays; no A100 row runs fused attention), a bf16 GEMM's own rate "
+         "under a 500 W cap (the SM clock of a vision load stands in), the H100's achievable memory bandwidth (the "
+         "data sheet's), NCCL's bus bandwidth against message size beyond the alpha-beta model (a latency per ring "
+         "step checked against one published point), NVLink SHARP all-reduce on H100 nodes, and the InfiniBand "
+         "latency."),
         ("The GPU constants come from data sheets and published kernel- and link-level measurements (each source "
         "named beside it in shoal/planner/hardware.py and shoal/planner/kernels.py); the planner has no measured GPU "
         "calibration yet (`python -m bench.gpu_check --parts calibrate` writes one), and the published runs stay held "
