@@ -121,7 +121,7 @@ def main() -> None:
         figures += before_summary(PUBLISHED, before)
     print("\n".join(lines + [""] + figures))
     if args.write:
-        DOC.write_text(_document(table_rows, lines, figures))
+        DOC.write_text(_document(table_rows, lines, figures, before))
         print(f"wrote {DOC}")
 
 
@@ -129,35 +129,65 @@ def _named(rows: list[Row]) -> str:
     return " and ".join(f"{r.run.name} ({100 * r.error:+.0f}%)" for r in rows)
 
 
-def _findings(table_rows: list[Row]) -> str:
-    """The page's prose, every figure in it computed from the rows."""
+def _findings(table_rows: list[Row], before: dict[str, float] | None = None) -> str:
+    """The page's prose, every figure in it computed from the rows (and from the earlier page's ratios, `before`)."""
     checked = sorted((r for r in table_rows if r.run.checked), key=lambda r: abs(r.error))
     errors = [abs(r.error) for r in checked]
     met = max(errors) <= GOAL_WITHIN and statistics.mean(errors) <= GOAL_MEAN
     optimistic = sum(r.error > 0 for r in checked)
-    devices = sorted({parse_cluster(r.run.cluster).device.name for r in table_rows})
-    efficiency = {parse_cluster(r.run.cluster).device.matmul_efficiency for r in table_rows}
+    devices = {parse_cluster(r.run.cluster).device.name: parse_cluster(r.run.cluster).device for r in table_rows}
+    efficiency = ", ".join(f"{d.matmul_efficiency * d.sustained_clock:.2f} on {name}"
+                           for name, d in sorted(devices.items()))
+    capped = devices.get("H100-96GB-500W")
     unfit = [r for r in table_rows if not r.estimate.fits]
     selective = [r for r in unfit if "ac=selective" in r.run.plan]
     bullets = [
         (f"The goal (every run whose inputs were all checked within {100 * GOAL_WITHIN:.0f}%, mean absolute error "
         f"<= {100 * GOAL_MEAN:.0f}%) is {'met' if met else 'not met'}. The model is optimistic on "
-        f"{'every one' if optimistic == len(checked) else optimistic} of those {len(checked)} runs: it predicts the "
-        f"step from the matmul rate a large square GEMM reaches ({min(efficiency):.2f}-{max(efficiency):.2f} of peak "
-        f"on {', '.join(devices)}), FlashAttention's published rate (its backward recomputing the scores), elementwise "
-        "bytes at full memory bandwidth, tensor-parallel collectives exposed and each data-axis collective hidden "
-        "behind the pass that issues it, less the slowdown overlapped collectives cause; real steps lose more than "
-        "that to smaller and transposed GEMMs, kernel gaps and, on torchtitan's H100s, a 500 W power limit whose "
-        "sustained rate no published kernel measurement gives (the source bounds the peak between the H100 NVL's "
-        "and the SXM's). The error is smallest on "
+        f"{'every one' if optimistic == len(checked) else optimistic} of those {len(checked)} runs. It prices weight "
+        f"GEMMs at the rate a well-shaped GEMM reaches, held to the clock the device sustains ({efficiency} of the "
+        "data-sheet peak), times each product's shape factor (the H100's measured square GEMMs; elsewhere the tile and "
+        "wave quantization of its output on the device's SMs), FlashAttention-2's published H100 rates for the run's "
+        "head dimension, sequence length and mask (forward and backward apart), elementwise bytes at full memory "
+        "bandwidth, tensor-parallel collectives exposed and each data-axis collective hidden behind the pass that "
+        "issues it, less the slowdown overlapped collectives cause. Real steps lose more than that to kernel gaps, "
+        "framework overheads no kernel measurement holds, and on torchtitan's H100s whatever a 500 W limit costs "
+        "large bf16 GEMMs beyond the SM clock it leaves a GEMM-bound vision load"
+        + (f" ({capped.sustained_clock:.3f} of the 700 W part's)" if capped else "") + ". The error is smallest on "
         f"{_named(checked[:2])} and largest on {_named(checked[-2:])}."),
+    ]
+    if before:
+        moved = sorted((r for r in table_rows if r.run.name in before),
+                       key=lambda r: abs(1 + r.error - before[r.run.name]), reverse=True)
+        old = [abs(before[r.run.name] - 1) for r in checked if r.run.name in before]
+        bullets.append(
+            "Against the page before this change (the 'before' column), the checked runs' mean absolute error went "
+            f"from {100 * statistics.mean(old):.1f}% to {100 * statistics.mean(errors):.1f}% and the worst from "
+            f"{100 * max(old):.1f}% to {100 * max(errors):.1f}%. Most of it is the 500 W clock: every torchtitan "
+            "row's tensor-core time grew by the SM clock's ratio, their memory-bound time did not. The attention "
+            "table moves H100 attention from one efficiency (0.35 of peak) to FlashAttention-2's measured rate at the "
+            "run's shape (at head dim 128 and 8K, causal: 333 TFLOP/s forward, 318 backward, 0.33 of peak together); "
+            "the A100 rows run unfused attention and do not use it. The A100-80GB's memory bandwidth is now what a "
+            "streaming kernel measured (1.80 of the data sheet's 2.04 TB/s), so its elementwise and optimizer bytes "
+            "take 13% longer; quantization moves the A100 rows by a few percent at most (Megatron's tall products "
+            "fill the 108 SMs with one of cuBLAS's tiles). The largest "
+            "moves: " + "; ".join(f"{r.run.name} ({before[r.run.name]:.3f} -> {1 + r.error:.3f})" for r in moved[:3])
+            + ". No constant was chosen by how it moved these rows.")
+    bullets += [
         f"Memory: {len(unfit)} of the {len(table_rows)} runs are predicted not to fit, yet all of them ran: "
         + "; ".join(r.run.name for r in unfit) + "."
         + (f" {len(selective)} of them run selective recompute, which the model counts as Korthikanti et al. define "
            "it (attention scores only); torchtitan's per-op selective recompute keeps less." if selective else ""),
-        ("The GPU constants come from data sheets and published kernel measurements (each source named in "
-        "shoal/planner/hardware.py); the planner has no measured GPU calibration yet (`python -m bench.gpu_check "
-        f"--parts calibrate` writes one), and the published runs stay held out from it. {_one_gpu()}"),
+        ("Still without a kernel- or link-level source here, and so left as they were: FlashAttention's rates by "
+         "shape on the A100 (its single efficiency stays; no A100 row runs fused attention), a bf16 GEMM's own rate "
+         "under a 500 W cap (the SM clock of a vision load stands in), the H100's achievable memory bandwidth (the "
+         "data sheet's), NCCL's bus bandwidth against message size beyond the alpha-beta model (a latency per ring "
+         "step checked against one published point), NVLink SHARP all-reduce on H100 nodes, and the InfiniBand "
+         "latency."),
+        ("The GPU constants come from data sheets and published kernel- and link-level measurements (each source "
+        "named beside it in shoal/planner/hardware.py and shoal/planner/kernels.py); the planner has no measured GPU "
+        "calibration yet (`python -m bench.gpu_check --parts calibrate` writes one), and the published runs stay held "
+        f"out from it. {_one_gpu()}"),
     ]
     return "\n".join(textwrap.fill(b, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
                      for b in bullets)
@@ -177,14 +207,15 @@ def _one_gpu() -> str:
             + ", ".join(f"{v / 1e3:.0f}K tokens/s for `{SHOAL_PLANS[k]}`" for k, v in predicted.items()) + ".")
 
 
-def _document(table_rows: list[Row], lines: list[str], figures: list[str]) -> str:
+def _document(table_rows: list[Row], lines: list[str], figures: list[str], before: dict[str, float] | None) -> str:
     sources = "\n".join(f"- {r.name}: {r.source}. {r.note}" for r in PUBLISHED)
     return f"""# The planner against published large runs
 
 `python -m bench.planner_at_scale --write` regenerates this page. For each published run the
 cost model (`shoal plan --plan PLAN`) predicts tokens/s per device from the model shape, the
-cluster and the plan the source names. Its constants come from data sheets and kernel papers
-(`shoal/planner/hardware.py`); none is fitted to these runs. Runs marked (*) rest on a number
+cluster and the plan the source names. Its constants come from data sheets and kernel- and
+link-level measurements (`shoal/planner/hardware.py`, `shoal/planner/kernels.py`); none is
+fitted to these runs. Runs marked (*) rest on a number
 the source did not state or that could not be re-checked here (see the notes below).
 
 {chr(10).join(lines)}
@@ -193,7 +224,7 @@ the source did not state or that could not be re-checked here (see the notes bel
 
 ## What it shows
 
-{_findings(table_rows)}
+{_findings(table_rows, before)}
 
 ## Sources and notes
 

@@ -190,8 +190,21 @@ def test_one_device_compute_by_hand():
     e = _estimate("dp1", cluster="1xA100-80GB")
     tokens = 16 * 128
     clock = 1200 / 1410  # the A100's sustained clock (hardware.py)
-    rate = 271.2e12 * clock  # its measured large-GEMM rate; it has no square-GEMM table, so every shape runs at it
-    per_token = 4 * (98_304 + 294_912) + 2 * 128 * 256  # blocks' matmuls and the head
+    rate = 271.2e12 * clock  # its measured large-GEMM rate, reached by shapes that fill its 108 SMs
+    # It has no square-GEMM table: each product runs at the tile and wave quantization of its output, the best
+    # cuBLAS tile (kernels.GEMM_TILES) by hand. 2048 x 128: 64 x 64 tiles, 32 x 2 = 64 of 108 slots; 2048 x 256:
+    # 128 x 64 tiles, 64 of 108; 2048 x 384: 128 x 64, 16 x 6 = 96 of 108; 256 x 128: 64 x 64, 8 of 108;
+    # 128 x 128: 4 of 108; 384 x 128: 12 of 108. A weight (n, k) runs forward (2048 x n), input gradient
+    # (2048 x k) and weight gradient (k x n) products, equal in FLOPs.
+    slots = {(2048, 128): 64, (2048, 256): 64, (2048, 384): 96, (256, 128): 8, (128, 128): 4, (384, 128): 12}
+
+    def time_factor(n: int, k: int) -> float:
+        outputs = [(2048, n), (2048, k), (max(n, k), min(n, k))]
+        return sum(108 / slots[o] for o in outputs) / 3
+
+    weights = [(256, 128), (128, 128), (384, 128), (384, 128), (128, 384)]  # Q/K/V, output, SwiGLU's three
+    block = sum(2 * n * k * time_factor(n, k) for n, k in weights)
+    per_token = 4 * block + 2 * 128 * 256 * time_factor(256, 128)  # 4 blocks and the head (vocab 256)
     assert e.time["compute_matmul"] == pytest.approx(3 * tokens * per_token / rate)
     # FlashAttention's backward recomputes the scores: 2.5 forwards' FLOPs (compute.FUSED_BACKWARD), 3.5 in all
     assert e.time["compute_attention"] == pytest.approx(3.5 * tokens * 4 * 32_768 / (312e12 * 0.6 * clock))
@@ -493,7 +506,10 @@ def test_unsharded_fsdp2_reduction_hides_behind_one_backward():
     assert (engine.kind, plan.fsdp) == ("fsdp2", 1)
     e = _estimate("dp8", cluster="8xH100", batch=64, micro_batch=2)  # 4 micro-batches of 2 sequences
     total = e.traffic["dp_allreduce"]
-    fwd = (e.time["compute_matmul"] / 3 + e.time["compute_attention"] / 3.5 + e.time["compute_elementwise"] / 3) / 4
+    # attention's forward: its table's rates at TINY's head dim 16 and length 128 are held at head dim 64 and
+    # length 512 (kernels.FA2_H100): 180 TFLOP/s forward (causal), 198 backward, for 2.5 forwards' FLOPs
+    attention_forward = e.time["compute_attention"] / (1 + 2.5 * 180 / 198)
+    fwd = (e.time["compute_matmul"] / 3 + attention_forward + e.time["compute_elementwise"] / 3) / 4
     bwd = sum(e.time[k] for k in ("compute_matmul", "compute_attention", "compute_elementwise", "recompute",
                                   "tp_comm", "cp_comm_exposed", "ep_comm", "pp_p2p", "host_overhead")) / 4 - fwd
     shown, hidden = overlap_exposed(total, bwd, pieces=engine.units + 1)

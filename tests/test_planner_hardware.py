@@ -200,4 +200,67 @@ def test_gemm_factor_by_hand():
     assert h100.gemm_factor(side, side, side) == pytest.approx((676.59 + 788.72) / 2 / 797.51)
     assert h100.gemm_factor(2**15, 2**15, 2**15) == 1.0
     assert h100.gemm_factor(64, 64, 64) == pytest.approx(176.62 / 797.51)
-    assert DEVICES["A100-80GB"].gemm_factor(64, 64, 64) == 1.0  # no table: every GEMM at the large rate
+    assert DEVICES["A100-80GB"].gemm_factor(64, 64, 64) == pytest.approx(1 / 108)  # no table: one 64 x 64 tile
+    assert DEVICES["cpu"].gemm_factor(64, 64, 64) == 1.0  # neither table nor SM count: every GEMM at the large rate
+
+
+def test_tile_and_wave_quantization_by_hand():
+    """NVIDIA's Matrix Multiplication Background guide, sections 3.1-3.2: a 2048 x 9600 output in 256 x 128 tiles
+    (256 along the 9600 side) is 38 x 16 = 608 tiles, 6 waves of 108 SMs, so 2048 * 9600 / (6 * 108 * 256 * 128) of
+    the slots work; 2048 x 128 in 64 x 64 tiles is 64 tiles in one wave of 108."""
+    from shoal.planner import kernels
+
+    assert kernels.tile_efficiency(2048, 9600, 108, (256, 128)) == pytest.approx(2048 * 9600 / (6 * 108 * 256 * 128))
+    assert kernels.tile_efficiency(9600, 2048, 108, (128, 256)) == kernels.tile_efficiency(2048, 9600, 108, (256, 128))
+    assert kernels.tile_efficiency(2048, 128, 108, (64, 64)) == pytest.approx(64 / 108)
+    assert kernels.quantization_efficiency(2048, 128, 108) == pytest.approx(64 / 108)  # 64 x 64 is the best tile
+    assert kernels.quantization_efficiency(108 * 256, 128, 108) == 1.0  # one full wave of 256 x 128 tiles
+    a100 = DEVICES["A100-80GB"]
+    assert a100.gemm_factor(2048, 128, 4096) == pytest.approx(64 / 108)  # no square table: quantization
+    assert DEVICES["H100-80GB"].gemm_factor(2048, 128, 4096) == DEVICES["H100-80GB"].gemm_factor(4096, 2048, 128)
+    with pytest.raises(ValueError, match="sms >= 1"):
+        kernels.tile_efficiency(10, 10, 0, (64, 64))
+
+
+def test_attention_rates_from_the_flashattention3_figures_by_hand():
+    """FlashAttention-2 on an H100 (arXiv 2407.08608, figures 5-6): head dim 128 at 8K, 333 TFLOP/s forward under
+    the causal mask, 370 without, 318 backward; between the benchmarked points, linear in log2 of the length and
+    in the head dimension; held at the ends."""
+    from shoal.planner import kernels
+
+    T = 1e12
+
+    def rates(head_dim: float, seq_len: float, causal: bool) -> tuple[float, float]:
+        return kernels.attention_rates("FA2-H100", head_dim=head_dim, seq_len=seq_len, causal=causal)
+
+    assert rates(128, 8192, True) == pytest.approx((333 * T, 318 * T))
+    assert rates(128, 8192, False) == pytest.approx((370 * T, 318 * T))
+    # head dim 96, length 4096 * sqrt(2): the middle of (284, 295) at 64 and of (319, 333) at 128, forward causal
+    fwd, bwd = rates(96, 4096 * 2**0.5, True)
+    assert fwd == pytest.approx(((284 + 295) / 2 + (319 + 333) / 2) / 2 * T)
+    assert bwd == pytest.approx(((279 + 287) / 2 + (310 + 318) / 2) / 2 * T)
+    assert rates(256, 2**20, True) == pytest.approx((335 * T, 322 * T))
+    assert rates(32, 100, False) == pytest.approx((282 * T, 198 * T))
+    with pytest.raises(ValueError, match="valid: FA2-H100"):
+        kernels.attention_rates("FA9", head_dim=128, seq_len=8192, causal=True)
+
+
+def test_h100_at_500_watts_runs_its_tensor_cores_at_the_capped_clock():
+    """arXiv 2604.11391, figure 6b: 1731 MHz at a 500 W cap against 1969 MHz at 700 W. Matmul and attention rates
+    scale by it; memory bandwidth is the HBM2e part's own; a 16-bit dtype reads the attention table, fp32 does not."""
+    capped, sxm = DEVICES["H100-96GB-500W"], DEVICES["H100-80GB"]
+    assert capped.sustained_clock == pytest.approx(1731 / 1969)
+    assert capped.flops("bf16") == pytest.approx(sxm.flops("bf16") * 1731 / 1969)
+    assert capped.attention_rates("bf16", head_dim=128, seq_len=8192, causal=True) == pytest.approx(
+        (333e12 * 1731 / 1969, 318e12 * 1731 / 1969))
+    assert capped.attention_rates("fp32", head_dim=128, seq_len=8192, causal=True) == (
+        capped.attention_flops("fp32"), capped.attention_flops("fp32"))
+    a100 = DEVICES["A100-80GB"]  # no table: the single efficiency both ways
+    assert a100.attention_rates("bf16", head_dim=128, seq_len=8192, causal=True) == (
+        a100.attention_flops("bf16"), a100.attention_flops("bf16"))
+
+
+def test_a100_memory_bandwidth_is_a_measured_kernels():
+    """A streaming read kernel on an A100 80GB SXM reaches 1.80 TB/s of the data sheet's 2.04 (NVIDIA developer
+    forum thread 339083): elementwise work is priced at that."""
+    assert DEVICES["A100-80GB"].memory_bw == 1800e9

@@ -108,7 +108,8 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
     attention_eff = min(1.0, attn_flops / attn_time / peak)
     device = dataclasses.replace(base.device, name=f"{base.device.name}-calibrated", matmul_efficiency=matmul_eff,
                                  gemm_square=square, sustained_clock=1.0,  # measured: whatever clock it held
-                                 attention_efficiency=attention_eff, memory_bw=bandwidth,
+                                 attention_efficiency=attention_eff, attention_table=None,  # measured here
+                                 memory_bw=bandwidth,
                                  source=f"bench.gpu_check calibrate on {device_name or 'cpu (dry run)'}, "
                                         f"{datetime.date.today().isoformat()}")
     cluster = dataclasses.replace(base, device=device, intra=device.intra, inter=device.inter)

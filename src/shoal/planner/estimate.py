@@ -236,8 +236,14 @@ class _Costs:
         self.fused = fused
         self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
         self.rate = cluster.device.flops(_dtype(plan, cluster))
-        # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate
-        self.attention_rate = cluster.device.attention_flops(_dtype(plan, cluster)) if fused else self.rate
+        # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate; a fused kernel at its published
+        # rate for the model's head dimension and each kernel's sequence (a cp chunk; the ring's chunk pairs mostly
+        # unmasked), forward and backward apart (hardware.DeviceSpec.attention_rates).
+        forward_rate, backward_rate = (cluster.device.attention_rates(
+            _dtype(plan, cluster), head_dim=cfg.head_dim, seq_len=seq_len / plan.cp, causal=plan.cp == 1)
+            if fused else (self.rate, self.rate))
+        self.attention_rate = forward_rate
+        self.attention_bwd_time = forward_rate / backward_rate  # a backward FLOP's time over a forward FLOP's
         # A GPU's fused kernel recomputes the scores in backward (the calibrated CPU profile times its own kernel).
         self.attention_bwd = compute.attention_backward_multiplier(fused_kernel=fused and cluster.device_type == "cuda")
         self.mem_bw = cluster.device.memory_bw
@@ -252,7 +258,7 @@ class _Costs:
                        "pp": plan.tp * plan.cp * plan.fsdp * (plan.dp or 1), "ep": plan.tp}
         # Small products run below the large-GEMM rate (hardware.DeviceSpec.gemm_factor): time multipliers.
         self.mm_scale = {moe: _gemm_scale(cluster.device, cfg, tokens, plan.tp, moe=moe) for moe in (False, True)}
-        self.head_scale = 1 / cluster.device.gemm_factor(tokens, cfg.vocab_size / plan.tp, cfg.dim)
+        self.head_scale = _training_gemm_time(cluster.device, tokens, cfg.vocab_size / plan.tp, cfg.dim)
         self.work = {moe: compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=seq_len,
                                              causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
                      for moe in (False, True)}
@@ -311,7 +317,8 @@ class _Costs:
                    if p.ep > 1 else 0.0)
         p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if p.sp and tp > 1 else 1),
                                     stride=self.stride["pp"]) if p.pp > 1 else 0.0
-        terms = {"compute_matmul": 3 * mm, "compute_attention": (1 + self.attention_bwd) * attn,
+        attention_bwd = self.attention_bwd * self.attention_bwd_time * attn
+        terms = {"compute_matmul": 3 * mm, "compute_attention": attn + attention_bwd,
                  "compute_elementwise": 3 * elem,
                  "recompute": recompute, "tp_comm": tp_comm, "cp_comm_exposed": cp_comm, "ep_comm": ep_comm,
                  "pp_p2p": 2 * p2p, "host_overhead": host}
@@ -460,16 +467,24 @@ def _units(kind: str, units: int, params: float) -> int:
     return units
 
 
+def _training_gemm_time(device: Any, tokens: float, n: float, k: float) -> float:
+    """Time over time-at-the-large-GEMM-rate of one weight's three products in a training step, each as much
+    work: forward (tokens x k) @ (k x n), the input gradient (tokens x n) @ (n x k) and the weight gradient
+    (k x tokens) @ (tokens x n), whose outputs differ in shape (hardware.DeviceSpec.gemm_factor)."""
+    factors = (device.gemm_factor(tokens, n, k), device.gemm_factor(tokens, k, n), device.gemm_factor(k, n, tokens))
+    return sum(1 / f for f in factors) / 3
+
+
 def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: bool) -> float:
     """Time over time-at-the-large-GEMM-rate of one block's weight products, FLOP-weighted: Q/K/V and
-    output projections and the dense FFN as (tokens x k) @ (k x n) on one tp rank (the backward's two
-    products per weight have the same m n k). Routed experts and the router are left at 1."""
+    output projections and the dense FFN as (tokens x k) @ (k x n) on one tp rank, forward and backward
+    (_training_gemm_time). Routed experts and the router are left at 1."""
     D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
     gemms = [((cfg.num_heads + 2 * cfg.kv_heads) * hd / tp, D), (D, cfg.num_heads * hd / tp)]  # (n, k)
     if not moe:
         gemms += [(F / tp, D)] * (2 if cfg.activation == "swiglu" else 1) + [(D, F / tp)]
     listed = sum(2.0 * n * k for n, k in gemms) * tp  # per token, all ranks (block_work's convention)
-    slow = sum(2.0 * n * k / device.gemm_factor(tokens, n, k) for n, k in gemms) * tp
+    slow = sum(2.0 * n * k * _training_gemm_time(device, tokens, n, k) for n, k in gemms) * tp
     whole = compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=1, causal_skip=True,
                                fused_attention=True).matmul
     return (whole - listed + slow) / whole

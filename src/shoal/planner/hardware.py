@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal.planner import kernels
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the standard library has no TOML reader yet
@@ -85,6 +87,13 @@ class DeviceSpec:
     reaches ~0.6 of A100 peak and ~0.35 of H100's (Dao 2023, figures 5-7; Shah et al. 2024,
     "FlashAttention-3", figure 1 for FA2 on H100); pre-Ampere GPUs have only the memory-efficient
     kernel (xFormers, Rabe and Staats 2021), ~0.3 of fp16 peak."""
+    attention_table: str | None = None
+    """A published table of the fused attention kernel's rate by head dimension, sequence length and causal
+    mask (shoal.planner.kernels.ATTENTION_TABLES), used for 16-bit attention in place of
+    `attention_efficiency`; measured at the clock `sustained_clock` is relative to."""
+    sm_count: int = 0
+    """Streaming multiprocessors (data sheet), for the tile and wave quantization of GEMMs
+    (shoal.planner.kernels.quantization_efficiency) where no measured `gemm_square` table is given (0: none)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))  # never shared between specs
@@ -110,9 +119,11 @@ class DeviceSpec:
 
     def gemm_factor(self, m: float, n: float, k: float) -> float:
         """The rate of an (m x k) @ (k x n) product relative to a large one: the measured square GEMM of
-        the same work (size (m n k)^(1/3)), interpolated in log2 of the size, over the largest measured."""
+        the same work (size (m n k)^(1/3)), interpolated in log2 of the size, over the largest measured;
+        without such a table, the tile and wave quantization of its (m x n) output on the device's SMs
+        (`matmul_efficiency` being the rate of a shape that fills them); without either, 1."""
         if not self.gemm_square:
-            return 1.0
+            return kernels.quantization_efficiency(m, n, self.sm_count) if self.sm_count else 1.0
         sizes, rates = zip(*self.gemm_square)
         x = math.log2(max(sizes[0], min(sizes[-1], (m * n * k) ** (1 / 3))))
         for (s0, r0), (s1, r1) in zip(self.gemm_square, self.gemm_square[1:]):
@@ -126,9 +137,22 @@ class DeviceSpec:
         efficiency = self.attention_efficiency or self.matmul_efficiency
         return self.flops(dtype) / self.matmul_efficiency * efficiency
 
+    def attention_rates(self, dtype: str, *, head_dim: float, seq_len: float, causal: bool) -> tuple[float, float]:
+        """(forward, backward) FLOP/s of the fused attention kernel on sequences of `seq_len` (FlashAttention's
+        FLOP convention: shoal.planner.kernels): from the device's published table for 16-bit types, held to
+        its sustained clock; otherwise `attention_flops` both ways."""
+        if self.attention_table and dtype in ("bf16", "fp16"):
+            forward, backward = kernels.attention_rates(self.attention_table, head_dim=head_dim, seq_len=seq_len,
+                                                        causal=causal)
+            return forward * self.sustained_clock, backward * self.sustained_clock
+        rate = self.attention_flops(dtype)
+        return rate, rate
+
 
 def _nvlink(generation: int, total_gbs: float, efficiency: float) -> Link:
-    # NVLink data sheets add both directions together; a Link is one direction.
+    # NVLink data sheets add both directions together; a Link is one direction. Latency: 5 us a ring step, so a
+    # 2-rank all-reduce of a few bytes (2 steps) takes 10 us, as nccl-tests measured on two A100-SXM4-40GB
+    # (all_reduce_perf, 32 B: 10.14 us; github.com/NVIDIA/nccl issue 583, 2021-10).
     return Link(name=f"NVLink {generation}", bandwidth=total_gbs / 2 * GB, efficiency=efficiency, latency=5e-6)
 
 
@@ -150,19 +174,34 @@ _MAMF_A100, _MAMF_H100 = 271.2 / 312, 794.5 / 989
 # 1410 MHz boost to ~1200 MHz at the power limit (github.com/liangan1/GPU_travel,
 # performance/flash-attn/README.md, "Frequency"). No such figure was found for the H100 at 700 W: 1.0.
 _A100_SUSTAINED = 1200 / 1410
+# H100 at a 500 W board limit: the average SM clock a compute-bound load holds under a 500 W cap, over the
+# clock it holds at 700 W, on an HBM2e H100 SXM of 94 GiB (the memory type and size class of torchtitan's
+# 96 GB Grand Teton parts): 1731 of 1969 MHz (Ujeniya, Eitzinger, Hager and Wellein 2026, arXiv 2604.11391,
+# figure 6b: ViT-L/16 at batch 256, a GEMM-bound load; the values printed on the figure, read here from a
+# public repository's transcription, not re-read from the PDF). Tensor-core rates (matmul, attention) scale
+# with the SM clock; the memory bandwidth is left at its measured figure. Cross-check, not used: an 8B Llama
+# training step on the same part at 500 W runs at 27,705 of 30,271 tokens/s at 700 W (0.915; Mayr et al.
+# 2026, arXiv 2603.16164, table 4), a whole step with its memory-bound work included.
+_H100_500W_SUSTAINED = 1731 / 1969
 # H100 square bf16 GEMMs, TFLOP/s by size (torch 2.7 / CUDA 12.8 on an H100 80GB HBM3; github.com/zzc0721/
 # torch-performance-test-data issue 79): small products leave SMs idle. Beyond 8192 the rate falls again
 # (10240: 720), which a training step's products do not reach; the table stops at 8192.
 _H100_SQUARE = ((1024, 176.62 * TERA), (2048, 676.59 * TERA), (4096, 788.72 * TERA), (8192, 797.51 * TERA))
+# H100 NVLink 4 within a node: 370 GB/s of bus bandwidth for ring collectives (all-gather, reduce-scatter, or
+# all-reduce with NCCL_ALGO=RING) of the 450 GB/s line rate, ~20% protocol overhead (S. Jeaugey, NCCL maintainer,
+# github.com/NVIDIA/nccl-tests issue 212, 2024-05). All-reduce with NVLink SHARP reaches ~480 GB/s bus bandwidth
+# on 8 GPUs there, which the ring formulas here do not model.
+_NVLINK4_RING = 370 / 450
 _DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
 _DGX_A100_IB = _infiniband("HDR", 200, 8, 0.9)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
 _DGX_H100_IB = _infiniband("NDR", 400, 8, 0.9)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
 _A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
                              matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED, attention_efficiency=0.6,
-                             intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
+                             sm_count=108, intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
 _H100: dict[str, Any] = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                              matmul_efficiency=_MAMF_H100, gemm_square=_H100_SQUARE, attention_efficiency=0.35,
-                             intra=_nvlink(4, 900, 0.8), inter=_DGX_H100_IB)
+                             attention_table="FA2-H100", sm_count=132, intra=_nvlink(4, 900, _NVLINK4_RING),
+                             inter=_DGX_H100_IB)
 
 
 def _cpu() -> DeviceSpec:
@@ -179,24 +218,32 @@ def _cpu() -> DeviceSpec:
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec(name="P100-16GB", peak_flops={"fp32": 10.6 * TERA, "fp16": 21.2 * TERA},
-               matmul_efficiency=0.75, attention_efficiency=0.3, memory_bytes=16 * GiB, memory_bw=732 * GB,
+               matmul_efficiency=0.75, attention_efficiency=0.3, sm_count=56, memory_bytes=16 * GiB,
+               memory_bw=732 * GB,
                intra=_nvlink(1, 160, 0.75), inter=_DGX1_IB,
                source=f"NVIDIA Tesla P100 SXM2 data sheet; DGX-1 data sheet; {_NCCL}"),
     DeviceSpec(name="V100-32GB", peak_flops={"fp32": 15.7 * TERA, "fp16": 125 * TERA},
-               matmul_efficiency=0.75, attention_efficiency=0.3, memory_bytes=32 * GiB, memory_bw=900 * GB,
+               matmul_efficiency=0.75, attention_efficiency=0.3, sm_count=80, memory_bytes=32 * GiB,
+               memory_bw=900 * GB,
                intra=_nvlink(2, 300, 0.75), inter=_DGX1_IB,
                source=f"NVIDIA Tesla V100 SXM2 data sheet; DGX-1 (V100) data sheet; {_NCCL}"),
     DeviceSpec(name="A100-40GB", memory_bytes=40 * GiB, memory_bw=1555 * GB, **_A100,
                source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); DGX A100 data sheet; {_NCCL}"),
-    DeviceSpec(name="A100-80GB", memory_bytes=80 * GiB, memory_bw=2039 * GB, **_A100,
-               source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); DGX A100 data sheet; {_NCCL}"),
+    # Memory bandwidth: what a streaming read kernel reaches on an A100 80GB SXM, 1.80 of the data sheet's
+    # 2.04 TB/s (88%, Nsight Compute agreeing; NVIDIA developer forum, "Trouble to Reach Peak Bandwidth of A100",
+    # thread 339083, which cites a GTC talk whose best kernel reached ~90%), not the data-sheet figure.
+    DeviceSpec(name="A100-80GB", memory_bytes=80 * GiB, memory_bw=1800 * GB, **_A100,
+               source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); measured HBM read bandwidth; DGX A100 data "
+                      f"sheet; {_NCCL}"),
     DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=3350 * GB, **_H100,
                source=f"NVIDIA H100 SXM5 data sheet (dense); DGX H100 data sheet; {_NCCL}"),
     # Meta's Grand Teton H100s (torchtitan's runs): HBM2e, 96 GB, the board held to 500 W. Bandwidth: an
-    # HBM2e H100 measured 2.41 TB/s (Ujeniya et al. 2026, arXiv 2604.11391, section 3). The clock the
-    # tensor cores hold at 500 W was not found measured: left at the 700 W part's.
-    DeviceSpec(name="H100-96GB-500W", memory_bytes=96 * GiB, memory_bw=2410 * GB, **_H100,
-               source=f"H100 SXM5 compute (data sheet); HBM2e bandwidth from arXiv 2604.11391; {_NCCL}"),
+    # HBM2e H100 measured 2.41 TB/s (Ujeniya et al. 2026, arXiv 2604.11391, section 3); its tensor cores
+    # held to the clock a 500 W cap leaves them (_H100_500W_SUSTAINED).
+    DeviceSpec(name="H100-96GB-500W", memory_bytes=96 * GiB, memory_bw=2410 * GB,
+               **{**_H100, "sustained_clock": _H100_500W_SUSTAINED},
+               source=f"H100 SXM5 compute (data sheet) at the 500 W SM clock and HBM2e bandwidth of arXiv "
+                      f"2604.11391; {_NCCL}"),
     DeviceSpec(name="H200", memory_bytes=141 * GiB, memory_bw=4800 * GB, **_H100,
                source=f"NVIDIA H200 SXM data sheet (H100 compute, HBM3e); DGX H200 data sheet; {_NCCL}"),
     _cpu(),
@@ -312,7 +359,8 @@ _DEVICE_KEYS = {"base": (None, None), "name": ("name", None), "source": ("source
                 **{f"peak_tflops_{d}": (d, TERA) for d in DTYPES},
                 "matmul_efficiency": ("matmul_efficiency", 1.0), "sustained_clock": ("sustained_clock", 1.0),
                 "gemm_square_tflops": ("gemm_square", "pairs"),
-                "attention_efficiency": ("attention_efficiency", 1.0), "op_overhead_us": ("op_overhead", US),
+                "attention_efficiency": ("attention_efficiency", 1.0), "attention_table": ("attention_table", None),
+                "sm_count": ("sm_count", 1), "op_overhead_us": ("op_overhead", US),
                 "dtensor_overhead_us": ("dtensor_overhead", US),
                 "memory_gib": ("memory_bytes", GiB),
                 "memory_bw_gbs": ("memory_bw", GB), "per_node": ("per_node", 1)}
@@ -348,7 +396,7 @@ def _read_table(table: object, keys: dict, where: str) -> dict:
             raise ValueError(f"{where}: {key} must be a number, got {value!r}")
         else:
             scaled = _scale(value, scale)
-            out[field] = round(scaled) if field in ("memory_bytes", "per_node") else scaled
+            out[field] = round(scaled) if field in ("memory_bytes", "per_node", "sm_count") else scaled
     return out
 
 
