@@ -85,6 +85,12 @@ class ModelAdapter:
     """model -> {module-name pattern: style name of TP_STYLES}, for the modules the model holds
     (a pipeline stage holds some only); `*` in a pattern stands for any block's key."""
 
+    def __post_init__(self) -> None:
+        assert self.axes <= set(AXES), f"{self.family}: axes {sorted(self.axes)} outside {AXES}"
+        assert ("tp" in self.axes) == (self.tp_plan is not None), f"{self.family}: tp takes a plan"
+        assert ("cp" in self.axes) == (self.attention is not None), f"{self.family}: cp takes an attention seam"
+        assert self.classifier is None or self.classifier in self.head, f"{self.family}: the classifier is in the head"
+
     def takes(self, axis: str) -> bool:
         """Whether this family runs under `axis` (one of AXES) at a degree above 1."""
         assert axis in AXES, axis

@@ -12,9 +12,8 @@
   last stage, the embedding lookup costs no FLOPs); `split` (the plan option) overrides it with the first
   layer of every stage but the first. The first stage keeps the embeddings, the last the final
   norm and the head (the model family's adapter names them, shoal.models.adapter); a stage is the
-  user's model with the other blocks removed by name (the
-  reference Transformer takes hidden states when it has no embedding and returns them when it
-  has no head), so no model code changes.
+  user's model with the other blocks removed by name (the reference Transformer takes hidden
+  states when it has no embedding and returns them when it has no head), so no model code changes.
 - The schedule (shoal.parallel.schedules): a pure table of F/B/W actions per rank.
 - The executor (`Pipeline.step`): runs this rank's actions in order over point-to-point sends
   on the pp group. Sends are non-blocking; a receive is waited for right before the action that
