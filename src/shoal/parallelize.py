@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from shoal import rules
 from shoal.models.config import ModelConfig
@@ -20,12 +19,12 @@ from shoal.models.mixer_config import MixerConfig
 from shoal.moe.layer import MoELayer
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
-from shoal.parallel.data import DataEngine, TorchDataEngine, apply_data_parallel, transformer_blocks
-from shoal.parallel.expert import ExpertGrads, MoETensorParallel, apply_expert_parallel, ep_mesh
+from shoal.parallel.data import DataEngine, TorchDataEngine, apply_data_parallel, blocks_of
+from shoal.parallel.expert import ExpertGrads, apply_expert_parallel, ep_mesh
 from shoal.parallel.materialize import WeightSource, materialize, on_meta
 from shoal.parallel.pipeline import Pipeline, build_stages, merged_view, tied_embeddings
 from shoal.parallel.recompute import apply_recompute
-from shoal.parallel.tensor import apply_tensor_parallel, transformer_tp_plan
+from shoal.parallel.tensor import apply_tensor_parallel
 from shoal.parallel.tied import TiedGrads, tie_group
 from shoal.plan import Plan
 from shoal.rules import EngineChoice, choose_engine
@@ -54,9 +53,9 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     config = getattr(model, "config", None)
     plan = rules.resolve(plan, world_size=mesh.size(), device=mesh.device_type,
                          model=config if isinstance(config, (ModelConfig, MixerConfig)) else None,
-                         num_layers=len(transformer_blocks(model)))
+                         num_layers=len(blocks_of(model)))
     if plan.pp == 1:
-        choice = choose_engine(plan, num_layers=len(transformer_blocks(model)))
+        choice = choose_engine(plan, num_layers=len(blocks_of(model)))
         model, context = _within_stage(model, mesh, plan)
         experts = _experts([model], mesh, plan)
         engine = _data_parallel(model, mesh, plan, choice, experts, seed, weights)
@@ -65,7 +64,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     tied = tied_embeddings(model)
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
                           split=plan.split)
-    choice = choose_engine(plan, num_layers=max(len(transformer_blocks(m)) for m in stages.values()))
+    choice = choose_engine(plan, num_layers=max(len(blocks_of(m)) for m in stages.values()))
     for s, stage in stages.items():
         stages[s], context = _within_stage(stage, mesh, plan)
     experts = _experts(list(stages.values()), mesh, plan)
@@ -139,28 +138,9 @@ def _experts(parts: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> ExpertGrad
     return ExpertGrads(params, emesh, plan.data_ranks)
 
 
-def _tp_plan(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle] | None:
-    """The tensor-parallel plan of an MoE model: the Transformer's, with `MoETensorParallel` in
-    each MoE layer's feed-forward slot instead of the dense FFN's styles (None: a dense model,
-    the default plan)."""
-    moe = {name.split(".")[1] for name, m in model.named_modules() if isinstance(m, MoELayer)
-           and name.startswith("layers.") and name.endswith(".feed_forward")}
-    if plan.tp == 1 or not moe:
-        return None
-    dense = [name for name, _ in model.layers.named_children() if name not in moe]  # type: ignore[union-attr]  # the model's ModuleDict of blocks
-    tp_plan: dict[str, ParallelStyle] = {}
-    for key, style in transformer_tp_plan(model, sp=bool(plan.sp)).items():
-        if key.startswith("layers.*.feed_forward"):  # the dense FFN's styles, for the dense blocks only
-            tp_plan.update({key.replace("*", i, 1): style for i in dense})
-        else:
-            tp_plan[key] = style
-    tp_plan.update({f"layers.{i}.feed_forward": MoETensorParallel(sp=bool(plan.sp)) for i in sorted(moe, key=int)})
-    return tp_plan
-
-
 def _within_stage(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> tuple[nn.Module, ContextSplit | None]:
     """The parallelisms inside one model part, in order: tensor, context, recompute, compile."""
-    model = apply_tensor_parallel(model, mesh=mesh, plan=plan, tp_plan=_tp_plan(model, plan))
+    model = apply_tensor_parallel(model, mesh=mesh, plan=plan)
     context = apply_context_parallel(model, mesh=mesh, mode=plan.cp_mode)
     model = apply_recompute(model, plan=plan)
     return apply_compile(model, plan=plan), context

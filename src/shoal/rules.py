@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shoal.models.adapter import AXES, MIXER
 from shoal.models.mixer_config import MixerConfig
 from shoal.plan import DEVICE_DEFAULTS, DEVICES, Plan
 
@@ -351,13 +352,12 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
 
 def _mixer_rule(plan: Plan, facts: Facts) -> str | None:
     """An image Mixer (dense or Sparse-MLP) runs under the data axes (dp, fsdp at any zero stage)
-    and ep: tensor parallelism has no plan for its blocks, pipeline stages are not built for it,
-    and its patches are not a causal sequence to split over cp."""
+    and the axes its adapter takes (ep; shoal.models.adapter.MIXER says why not tp, pp or cp)."""
     model = facts.model
     if not isinstance(model, MixerConfig):
         return None
-    for axis in ("tp", "pp", "cp"):
-        if getattr(plan, axis) > 1:
+    for axis in AXES:
+        if not MIXER.takes(axis) and getattr(plan, axis) > 1:
             return (f"{axis}={getattr(plan, axis)} with the image Mixer (Sparse-MLP) is not available: it trains "
                     "under dp, fsdp and ep; valid: plans such as dp2, fsdp2, ep2 or dp2,ep2")
     if plan.ep == 1:

@@ -34,7 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shoal.models.transformer import Attention, causal_attention
+from shoal.models.adapter import adapter_with
+from shoal.models.transformer import causal_attention
 
 CPU_FLASH = True
 """Blocks on CPU through torch's flash kernel (False: the plain formulas GPUs use here; tests run both)."""
@@ -96,30 +97,36 @@ class ContextSplit:
 
 def apply_context_parallel(model: nn.Module, *, mesh: DeviceMesh, mode: str = "ring",
                            balanced: bool = True) -> ContextSplit | None:
-    """Swap every attention's core for attention over the cp axis and make RoPE follow the split;
-    returns the split the runtime applies to each micro-batch (None at cp=1, a no-op)."""
+    """Swap every block's attention core (the seam its family's adapter names) for attention over
+    the cp axis and make RoPE follow the split; returns the split the runtime applies to each
+    micro-batch (None at cp=1, a no-op)."""
     cp_mesh = mesh["cp"]
     if cp_mesh.size() == 1:
         return None
+    adapter = adapter_with(model, "cp")
+    seam = adapter.attention
+    assert seam is not None, f"the {adapter.family} takes cp without an attention seam"
     split = ContextSplit(cp_mesh, balanced=balanced)
     attend = ring_attention if mode == "ring" else a2a_attention
-    for module in model.modules():
-        if isinstance(module, Attention):
-            if module.core is not causal_attention:
-                raise ValueError(f"context parallelism replaces causal attention; {type(module).__name__} "
-                                 "already has another core")
-            module.core = functools.partial(attend, split=split)
-            module.register_forward_pre_hook(functools.partial(_rope_at_positions, split=split))
+    for block in adapter.blocks_of(model):
+        module = block.get_submodule(seam.module)
+        if getattr(module, seam.core) is not causal_attention:
+            raise ValueError(f"context parallelism replaces causal attention; {type(module).__name__} "
+                             "already has another core")
+        setattr(module, seam.core, functools.partial(attend, split=split))
+        if seam.rope_arg is not None:
+            module.register_forward_pre_hook(functools.partial(_rope_at_positions, split=split, at=seam.rope_arg))
     return split
 
 
-def _rope_at_positions(module: nn.Module, args: tuple, *, split: ContextSplit) -> tuple | None:
-    """(x, rope tables) -> (x, the tables' rows at this rank's global positions)."""
-    x_BTD, rope = args
+def _rope_at_positions(module: nn.Module, args: tuple, *, split: ContextSplit, at: int) -> tuple | None:
+    """(x, ..., rope tables at position `at`, ...) -> the same with the tables' rows at this rank's
+    global positions."""
+    x_BTD, rope = args[0], args[at]
     if rope is None:
         return None
     index = split.mine(x_BTD.shape[1] * split.cp, rope[0].device)
-    return x_BTD, (rope[0].index_select(0, index), rope[1].index_select(0, index))
+    return (*args[:at], (rope[0].index_select(0, index), rope[1].index_select(0, index)), *args[at + 1:])
 
 
 # ----------------------------------------------------------------------------- ring attention

@@ -73,6 +73,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.mesh import replica_mesh
+from shoal.models.adapter import adapter_for
 from shoal.parallel.precision import PrecisionPolicy
 from shoal.parallel.zero import ZeroDataParallel
 from shoal.plan import Plan
@@ -142,7 +143,7 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan, choic
     reduces their gradients nor shards them, but hands them to the optimizer, the gradient norm
     and the state dicts like the others."""
     precision = PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce)
-    blocks = transformer_blocks(model)
+    blocks = blocks_of(model)
     choice = choice or choose_engine(plan, num_layers=len(blocks))
     if plan.offload and mesh["fsdp"].size() == 1:
         raise ValueError(f"offload=on needs fsdp > 1 (plan {plan}); valid: add fsdpN, or offload=off")
@@ -308,11 +309,16 @@ def _end_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
     """The embeddings and the head (final norm and classifier) as units of their own, each with
     whether backward needs it first. In the root they would stay gathered, with both tables' full
     gradients, for the whole step: for a large vocabulary they are most of the model. Tied
-    tables are one parameter and stay in the root (a parameter belongs to one unit)."""
-    def present(*names: str) -> list[nn.Module]:
+    tables are one parameter and stay in the root (a parameter belongs to one unit). The model's
+    adapter names them; a model of no known family has none."""
+    adapter = adapter_for(model)
+    if adapter is None:
+        return []
+
+    def present(names: tuple[str, ...]) -> list[nn.Module]:
         return [m for m in (getattr(model, n, None) for n in names) if isinstance(m, nn.Module)]
 
-    embeddings, head = present("tok_embeddings", "pos_embeddings"), present("norm", "output")
+    embeddings, head = present(adapter.embeddings), present(adapter.head)
     tied = {id(p) for m in embeddings for p in m.parameters()} & {id(p) for m in head for p in m.parameters()}
     if tied:
         return []
@@ -331,9 +337,13 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformer: the children of its largest ModuleList/ModuleDict
-    (shoal's `layers`, Hugging Face's `model.layers` or `transformer.h`), in order."""
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of `model`, in order: those its family's adapter names (shoal's
+    Transformer and Mixer: `layers`), or for a model of no known family the children of its
+    largest ModuleList/ModuleDict (Hugging Face's `model.layers` or `transformer.h`)."""
+    adapter = adapter_for(model)
+    if adapter is not None:
+        return adapter.blocks_of(model)
     best: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > len(best):
@@ -344,7 +354,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 def wrap_blocks(model: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> list[nn.Module]:
     """Replace every transformer block of `model` by `wrap(block)` in its parent (in place);
     returns the new blocks. Recompute and compile wrap blocks this way, before data parallelism."""
-    blocks = {id(b) for b in transformer_blocks(model)}
+    blocks = {id(b) for b in blocks_of(model)}
     wrapped = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -11,9 +11,9 @@
   block's matmul parameters, which set its FLOPs per token; the output head counts towards the
   last stage, the embedding lookup costs no FLOPs); `split` (the plan option) overrides it with the first
   layer of every stage but the first. The first stage keeps the embeddings, the last the final
-  norm and the head; a stage is the user's model with the other blocks removed by name (the
-  reference Transformer takes hidden states when it has no embedding and returns them when it
-  has no head), so no model code changes.
+  norm and the head (the model family's adapter names them, shoal.models.adapter); a stage is the
+  user's model with the other blocks removed by name (the reference Transformer takes hidden
+  states when it has no embedding and returns them when it has no head), so no model code changes.
 - The schedule (shoal.parallel.schedules): a pure table of F/B/W actions per rank.
 - The executor (`Pipeline.step`): runs this rank's actions in order over point-to-point sends
   on the pp group. Sends are non-blocking; a receive is waited for right before the action that
@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -43,14 +42,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.tensor.parallel import loss_parallel
 
+from shoal.models.adapter import adapter_with
 from shoal.parallel.schedules import Action, build_schedule, format_table, split_backward, stage_rank
 from shoal.parallel.vocab import is_vocab_sharded, local_value, vocab_parallel_loss
 from shoal.rules import split_refusal
-
-FIRST_ONLY = ("tok_embeddings", "pos_embeddings")
-"""Modules of shoal's Transformer that only the first stage keeps (None elsewhere)."""
-LAST_ONLY = ("norm", "output")
-"""Modules only the last stage keeps."""
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -59,12 +54,12 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def block_costs(model: nn.Module) -> list[float]:
-    """Per transformer block, the parameters of its matrices (2-D weights): a block's forward
-    FLOPs per token are twice that, plus attention scores, which are equal for every block.
-    The head's matrix is added to the last block's cost (it runs on the last stage)."""
-    blocks = list(cast(nn.ModuleDict, model.layers).values())
-    costs = [float(sum(p.numel() for p in b.parameters() if p.dim() == 2)) for b in blocks]
-    head = getattr(model, "output", None)
+    """Per block, the parameters of its matrices (2-D weights): a block's forward FLOPs per token
+    are twice that, plus attention scores, which are equal for every block. The classifier's
+    matrix is added to the last block's cost (it runs on the last stage)."""
+    adapter = adapter_with(model, "pp")
+    costs = [float(sum(p.numel() for p in b.parameters() if p.dim() == 2)) for b in adapter.blocks_of(model)]
+    head = getattr(model, adapter.classifier, None) if adapter.classifier else None
     if head is not None and costs:
         costs[-1] += float(head.weight.numel())
     return costs
@@ -106,11 +101,13 @@ def ranges_from_points(points: Sequence[int], num_layers: int, num_stages: int) 
 
 
 def tied_embeddings(model: nn.Module) -> list[str]:
-    """The first-stage modules (of FIRST_ONLY) whose parameters the last stage's modules share:
-    the input embedding tied to the head. The last stage keeps these too."""
-    head = {id(p) for name in LAST_ONLY if isinstance(m := getattr(model, name, None), nn.Module)
+    """The first-stage modules (the adapter's `embeddings`) whose parameters the last stage's
+    modules (its `head`) share: the input embedding tied to the classifier. The last stage keeps
+    these too."""
+    adapter = adapter_with(model, "pp")
+    head = {id(p) for name in adapter.head if isinstance(m := getattr(model, name, None), nn.Module)
             for p in m.parameters()}
-    return [name for name in FIRST_ONLY if isinstance(m := getattr(model, name, None), nn.Module)
+    return [name for name in adapter.embeddings if isinstance(m := getattr(model, name, None), nn.Module)
             and any(id(p) in head for p in m.parameters())]
 
 
@@ -118,15 +115,16 @@ def keep_stage(model: nn.Module, layers: range, *, first: bool, last: bool) -> n
     """`model` (in place) reduced to the blocks in `layers` (keys keep their global numbers, so
     parameter names stay the whole model's), with the embeddings only on the first stage (and a
     tied one on the last, for its head) and the final norm and head only on the last."""
-    blocks = cast(nn.ModuleDict, model.layers)
+    adapter = adapter_with(model, "pp")
+    blocks = adapter.block_container(model)
     for key in list(blocks.keys()):
         if int(key) not in layers:
             del blocks[key]
     tied = tied_embeddings(model) if last else []
-    for name in () if first else FIRST_ONLY:
+    for name in () if first else adapter.embeddings:
         if getattr(model, name, None) is not None and name not in tied:
             setattr(model, name, None)
-    for name in () if last else LAST_ONLY:
+    for name in () if last else adapter.head:
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
     return model
@@ -137,7 +135,7 @@ def build_stages(model: nn.Module, *, rank: int, num_ranks: int, vpp: int,
     """This rank's stages {stage index: module}, and every stage's layers. With one stage per
     rank the module is `model` itself, reduced; with `vpp` chunks each is a reduced copy."""
     num_stages = num_ranks * vpp
-    blocks = list(cast(nn.ModuleDict, model.layers).keys())
+    blocks = list(adapter_with(model, "pp").block_container(model).keys())
     assert num_stages <= len(blocks), "shoal.rules refuses more stages than blocks"
     ranges = ranges_from_points(split, len(blocks), num_stages) if split else \
         split_layers(block_costs(model), num_stages)
@@ -215,7 +213,8 @@ class Pipeline:
                 last[a.stage] = i  # the action after which a stage's gradients are complete
         self._final = set(last.values())
         if self.split and 0 in self.stages:
-            _split_first_block(self.modules[0], self._embedded)
+            stage = self.modules[0]
+            _split_first_block(adapter_with(stage, "pp").blocks_of(stage)[0], self._embedded)
 
     def watch(self, progress: Callable[[], None]) -> None:
         """Call `progress` whenever this rank moves on to another action or wait (`where` changes):
@@ -432,12 +431,11 @@ def _forward_only(stages: dict[int, nn.Module], num_micro: int) -> list[Action]:
     return [Action("F", s, m) for s in sorted(stages) for m in range(num_micro)]
 
 
-def _split_first_block(stage: nn.Module, embedded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _split_first_block(first: nn.Module, embedded: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Split backward on the first stage: its input is token ids, so the input-gradient pass
-    stops at the first block's input instead. A pre-hook hands the first block a leaf copy of
-    the embedding output, and leaves (embedding output, leaf) in `embedded[0]` for the step to
-    take; the W pass then carries the leaf's gradient through the embedding."""
-    first = next(iter(cast(nn.ModuleDict, stage.layers).values()))
+    stops at the input of its first block, `first`, instead. A pre-hook hands that block a leaf
+    copy of the embedding output, and leaves (embedding output, leaf) in `embedded[0]` for the
+    step to take; the W pass then carries the leaf's gradient through the embedding."""
 
     def hook(module: nn.Module, args: tuple) -> tuple | None:
         if not torch.is_grad_enabled() or not args[0].requires_grad:
@@ -453,12 +451,13 @@ def merged_view(stages: dict[int, nn.Module]) -> nn.Module:
     """One module holding all of this rank's stages' submodules under the whole model's names
     (shared, not copied): what the optimizer, state dicts and checkpoints see when a rank runs
     several chunks (vpp > 1)."""
+    blocks = adapter_with(next(iter(stages.values())), "pp").blocks
     view, layers = nn.Module(), nn.ModuleDict()
     for s in sorted(stages):
         for name, child in stages[s].named_children():
-            if name == "layers":
-                layers.update(child)  # type: ignore[arg-type]  # a ModuleDict (`layers`), which update takes
+            if name == blocks:
+                layers.update(child)  # type: ignore[arg-type]  # the adapter's ModuleDict of blocks, which update takes
             elif name not in view._modules:
                 view.add_module(name, child)
-    view.add_module("layers", layers)
+    view.add_module(blocks, layers)
     return view

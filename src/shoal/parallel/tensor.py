@@ -16,7 +16,8 @@ on one rank, the others contribute zeros to the reduction). The output classifie
 vocabulary-parallel: its logits stay sharded on the vocabulary dim (a DTensor, Shard(-1)) and
 the loss is computed across shards by `shoal.parallel.vocab` (DTensor's loss_parallel), never gathering them.
 
-The plan is data: a dict from module-name pattern to a DTensor ParallelStyle, applied with
+The plan is data: the model family's adapter (shoal.models.adapter) names a style for each
+module-name pattern, this module turns the names into DTensor ParallelStyles, applied with
 `parallelize_module` to the unmodified model (shoal's Transformer infers local head counts
 from tensor shapes). Every parameter of a tp model ends up a DTensor on mesh["tp"] (modules
 that every rank runs whole get `ReplicateParallel`), so the gradient norm, the optimizer and
@@ -35,7 +36,7 @@ Shape legend: B batch, T sequence (T/t when sequence-sharded), D model dim, V vo
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +53,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from shoal.models.adapter import ModelAdapter, adapter_with
+from shoal.moe.layer import MoELayer
+from shoal.parallel.expert import MoETensorParallel
 from shoal.plan import Plan
 
 TPPlan = Mapping[str, ParallelStyle]
@@ -151,71 +155,75 @@ def _output_to_local(_module: nn.Module, output: Any, _mesh: DeviceMesh) -> Any:
 # ----------------------------------------------------------------------------- the plan
 
 
-def transformer_tp_plan(model: nn.Module, *, sp: bool = True) -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan for shoal's Transformer: module-name pattern -> style.
+def tensor_plan(model: nn.Module, *, sp: bool = True) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of `model`'s family (its adapter's, shoal.models.adapter):
+    module-name pattern -> style, each MoE layer in its block's slot given `MoETensorParallel`.
 
     Residual stream between sublayers: sequence-sharded local tensors (B, T/t, D) with sp,
     full replicated ones without. Each attention/MLP input is a replicated DTensor, so that the
     gradients of wq, wk and wv (w1, w3) add up as partial sums before one reduction in backward.
     """
-    seq = Shard(1) if sp else Replicate()  # layout of the residual stream
-    plan: dict[str, ParallelStyle] = {}
-    if sp:
-        plan[""] = CheckSequenceShardable()
-    embeddings = getattr(model, "tok_embeddings", None)
-    if embeddings is not None:
-        output = getattr(model, "output", None)
-        config = getattr(model, "config", None)
-        if (output is not None and output.weight is embeddings.weight) or getattr(config, "tie_embeddings", False):
-            # Tied: the table is the classifier's too, sharded by rows (vocabulary) on both sides (a
-            # pipeline's first stage too, whose copy of the table must shard as the last stage's).
-            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-        else:
-            # By columns: DTensor's backward of a row-sharded lookup has no sharded rule and gives
-            # every rank the whole (V, D) gradient (Replicate); a column shard's gradient is its own
-            # (V, D/t) columns. The output is gathered (or re-split by sequence), fewer bytes than
-            # the row shard's reduction.
-            plan["tok_embeddings"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if getattr(model, "pos_embeddings", None) is not None:
-        plan["pos_embeddings"] = ShardedPositions() if sp else ReplicateParallel()
-    norm = SequenceParallel() if sp else ReplicateParallel()
-    plan.update({
-        "layers.*.attention_norm": norm,
-        "layers.*.attention": PrepareModuleInput(
-            input_layouts=(seq, None), desired_input_layouts=(Replicate(), None), use_local_output=False),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
-        "layers.*.ffn_norm": norm,
-        "layers.*.feed_forward": PrepareModuleInput(
-            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
-    })
-    if any(getattr(getattr(block, "attention", None), "q_norm", None) is not None for block in _blocks(model)):
-        plan["layers.*.attention.q_norm"] = HeadShardedNorm()  # Qwen3's per-head norms
-        plan["layers.*.attention.k_norm"] = HeadShardedNorm()
-    if any(getattr(getattr(block, "feed_forward", None), "w3", None) is not None for block in _blocks(model)):
-        plan["layers.*.feed_forward.w3"] = ColwiseParallel()  # SwiGLU's gate
-    if getattr(model, "norm", None) is not None:
-        plan["norm"] = norm
-    if getattr(model, "output", None) is not None:
-        # Logits stay vocabulary-sharded DTensors: the loss reads them shard by shard.
-        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    adapter = adapter_with(model, "tp")
+    assert adapter.tp_plan is not None, f"the {adapter.family} takes tp without a plan"
+    styles = _styles(sp)
+    plan: dict[str, ParallelStyle] = {"": CheckSequenceShardable()} if sp else {}
+    for pattern, name in _with_moe_slots(adapter.tp_plan(model), model, adapter).items():
+        plan[pattern] = styles[name]()
     return plan
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(model, "layers", None)
-    return list(layers.children()) if layers is not None else []
+def _styles(sp: bool) -> dict[str, Callable[[], ParallelStyle]]:
+    """The ParallelStyle of each style name of shoal.models.adapter.TP_STYLES (and "moe")."""
+    seq = Shard(1) if sp else Replicate()  # layout of the residual stream
+    norm = SequenceParallel if sp else ReplicateParallel
+    return {
+        # By rows (vocabulary-parallel): the tied classifier's split, on both sides.
+        "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        # By columns: DTensor's backward of a row-sharded lookup has no sharded rule and gives every
+        # rank the whole (V, D) gradient (Replicate); a column shard's gradient is its own (V, D/t)
+        # columns. The output is gathered (or re-split by sequence), fewer bytes than the row
+        # shard's reduction.
+        "embedding": lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "positions": ShardedPositions if sp else ReplicateParallel,
+        "residual_norm": norm,
+        "attention_input": lambda: PrepareModuleInput(
+            input_layouts=(seq, None), desired_input_layouts=(Replicate(), None), use_local_output=False),
+        "ffn_input": lambda: PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False),
+        "colwise": ColwiseParallel,
+        "rowwise": lambda: RowwiseParallel(output_layouts=seq),
+        "head_norm": HeadShardedNorm,
+        # Logits stay vocabulary-sharded DTensors: the loss reads them shard by shard.
+        "vocab_head": lambda: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "moe": lambda: MoETensorParallel(sp=sp),
+    }
+
+
+def _with_moe_slots(plan: dict[str, str], model: nn.Module, adapter: ModelAdapter) -> dict[str, str]:
+    """`plan` with each block's MoE slot that holds an MoE layer given the style "moe", and the
+    dense MLP's patterns for that slot kept for the other blocks only (named one by one)."""
+    keys = list(adapter.block_container(model).keys())
+    for slot in adapter.moe_slots:
+        moe = [k for k in keys if isinstance(model.get_submodule(f"{adapter.blocks}.{k}.{slot}"), MoELayer)]
+        if not moe:
+            continue
+        dense = [k for k in keys if k not in moe]
+        prefix = f"{adapter.blocks}.*.{slot}"
+        expanded: dict[str, str] = {}
+        for pattern, name in plan.items():
+            if pattern.startswith(prefix):
+                expanded.update({pattern.replace("*", k, 1): name for k in dense})
+            else:
+                expanded[pattern] = name
+        plan = expanded | {f"{adapter.blocks}.{k}.{slot}": "moe" for k in moe}
+    return plan
 
 
 def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
                           tp_plan: TPPlan | None = None) -> nn.Module:
     """Shard `model` over mesh["tp"] (in place; returns it). A no-op when tp has size 1.
 
-    `tp_plan` overrides the default plan for shoal's Transformer (`transformer_tp_plan`).
+    `tp_plan` overrides the plan of the model's family (`tensor_plan(model)`, from its adapter).
     Parameters shared between modules (tied input/output embeddings) stay shared: both sides
     are sharded the same way (rows of the (V, D) table), and are tied again afterwards.
     """
@@ -224,7 +232,7 @@ def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
         return model
     assert plan.tp == tp_mesh.size(), f"plan tp={plan.tp} on a mesh whose tp axis has {tp_mesh.size()} ranks"
     shared = _shared_parameters(model)
-    parallelize_module(model, tp_mesh, dict(tp_plan or transformer_tp_plan(model, sp=bool(plan.sp))))
+    parallelize_module(model, tp_mesh, dict(tp_plan or tensor_plan(model, sp=bool(plan.sp))))
     _tie_again(model, shared)
     return model
 
