@@ -68,3 +68,30 @@ def _tp_dispatches(plan: str, num_layers: int) -> int:
     micro = split_micro(*batches[0], 1)
     runtime.forward_backward(micro)  # warm-up: first calls initialise what later ones skip
     return counts.dtensor_dispatches(lambda: runtime.forward_backward(micro))
+
+
+def test_loss_logit_copies():
+    """shoal.planner.memory.LOSS_LOGIT_COPIES, recounted: the peak of live tensors over a head
+    matmul and the runtime's cross-entropy, forward and backward, above the weights and gradients
+    held before, in fp32 copies of the logits (the hidden states and weights are < 1% of a copy,
+    so the count is read to the nearest quarter), in fp32 and with bf16 logits."""
+    import torch
+
+    from shoal.planner.memory import LOSS_LOGIT_COPIES
+    from shoal.runtime import cross_entropy_sum
+    from shoal.train.memory import TensorPeak
+
+    N, D, V = 256, 16, 20000
+    copy_mb = N * V * 4 / 2**20
+    gen = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, V, (N,), generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        h = torch.randn(N, D, generator=gen).to(dtype).requires_grad_()
+        w = torch.randn(V, D, generator=gen).to(dtype).requires_grad_()
+        w.grad = torch.zeros_like(w)
+        held_mb = (2 * h.numel() + 2 * w.numel()) * h.element_size() / 2**20
+        with TensorPeak(h, w) as peak:
+            cross_entropy_sum(h @ w.T, targets).backward()
+        assert peak.peak_mb is not None, "torch's MemTracker did not count this step"
+        copies = (peak.peak_mb - held_mb) / copy_mb
+        assert abs(copies - LOSS_LOGIT_COPIES) < 0.25, (dtype, copies)

@@ -77,9 +77,16 @@ def head_norm_elements(cfg: ModelConfig, *, tp: int, sp: bool) -> float:
     return norm_elements(cfg) / (tp if sp else 1)
 
 
+LOSS_LOGIT_COPIES = 3
+"""fp32 copies of the logits (tokens x vocabulary) alive at once at the loss's peak, in its backward:
+the log-softmax output cross-entropy saved, the gradient arriving at it and the gradient it hands to
+the logits (the 16-bit logits the head produced are freed before that). tests/test_planner_counts.py
+recounts it from the live tensors of a cross-entropy forward and backward."""
+
+
 def logits_bytes(cfg: ModelConfig, tokens: float, *, tp: int) -> float:
-    """The last stage's logits and their gradient in fp32 for the loss (vocabulary-sharded by tp)."""
-    return 2 * 4.0 * tokens * cfg.vocab_size / tp
+    """The last stage's logits at the loss's peak, LOSS_LOGIT_COPIES fp32 copies (vocabulary-sharded by tp)."""
+    return LOSS_LOGIT_COPIES * 4.0 * tokens * cfg.vocab_size / tp
 
 
 def in_flight(sched: str, *, pp: int, micro: int, vpp: int) -> float:
