@@ -185,6 +185,26 @@ def test_experts_keep_their_identity_across_sharded_and_tp_layouts(pools, tmp_pa
     _resume_chain(pools, tmp_path, LAYOUTS)
 
 
+# ----------------------------------------------------------------------------- transformers' pooled router loss
+
+# output_router_logits=true in a Mixtral / Qwen2-MoE config: dropless, one load-balancing loss pooled
+# over every layer and token of a forward. The weight is large so that statistics left per rank
+# (each rank pooling its own tokens) show far above the tolerance in the routers' gradients.
+POOLED = MOE.replace(capacity_factor=0.0, aux_loss_pooled=True, aux_loss_coef=0.5)
+
+
+@pytest.mark.parametrize("plan, micro", [("dp2", 1), ("fsdp2", 1), ("fsdp2,zero=1", 1), ("ep2", 1), ("tp2", 1),
+                                         ("tp2", 2)])
+def test_pooled_router_loss_matches_single_process(pools, plan, micro):
+    """Each rank pools its tokens' expert counts with the other data ranks' (one all-reduce) and
+    differentiates its own router probabilities against them (shoal.moe.collect.pooled_loss): the
+    one-process loss over the whole forward, and its gradients. tp ranks route the same tokens: no
+    pooling over tp. With accumulation (tp2, 2 micro-batches) each micro-batch pools its own tokens,
+    as the one-process reference does."""
+    c = case(plan=plan, model=POOLED, steps=3, num_micro=micro)
+    check_parity(pools(2).run(run_parallel, c), c)
+
+
 # ----------------------------------------------------------------------------- MoE in a pipeline
 
 @pytest.mark.parametrize("plan, router, world, micro", [
