@@ -193,16 +193,18 @@ def test_experts_keep_their_identity_across_sharded_and_tp_layouts(pools, tmp_pa
 POOLED = MOE.replace(capacity_factor=0.0, aux_loss_pooled=True, aux_loss_coef=0.5)
 
 
-@pytest.mark.parametrize("plan, micro", [("dp2", 1), ("fsdp2", 1), ("fsdp2,zero=1", 1), ("ep2", 1), ("tp2", 1),
-                                         ("tp2", 2)])
-def test_pooled_router_loss_matches_single_process(pools, plan, micro):
+@pytest.mark.parametrize("plan, world, micro", [
+    ("dp2", 2, 1), ("fsdp2", 2, 1), ("fsdp2,zero=1", 2, 1), ("ep2", 2, 1), ("tp2", 2, 1), ("tp2", 2, 2),
+    ("dp2,tp2", 4, 1), ("fsdp2,ep2,tp2", 4, 1),
+])
+def test_pooled_router_loss_matches_single_process(pools, plan, world, micro):
     """Each rank pools its tokens' expert counts with the other data ranks' (one all-reduce) and
     differentiates its own router probabilities against them (shoal.moe.collect.pooled_loss): the
     one-process loss over the whole forward, and its gradients. tp ranks route the same tokens: no
     pooling over tp. With accumulation (tp2, 2 micro-batches) each micro-batch pools its own tokens,
     as the one-process reference does."""
     c = case(plan=plan, model=POOLED, steps=3, num_micro=micro)
-    check_parity(pools(2).run(run_parallel, c), c)
+    check_parity(pools(world).run(run_parallel, c), c)
 
 
 # ----------------------------------------------------------------------------- MoE in a pipeline
