@@ -266,7 +266,10 @@ same order. A plan that routed differently (per micro-batch, as before routing g
     # kept short: CLI runs are slow
     pytest.param(["--set", "num_prototypes=2", "--set", "norm_topk=false"], ["one process", "ep2"],
                  marks=pytest.mark.slow),  # the prototype router's parity runs in-process above
-], ids=["top2", "prototypes2"])
+    # transformers' pooled router loss, dropless; without accumulation (which changes its pools)
+    pytest.param(["--set", "aux_loss_pooled=true", "--set", "aux_loss_coef=0.5", "--set", "capacity_factor=0"],
+                 ["one process", "ep2", "dp2"], marks=pytest.mark.slow),  # in-process parity above
+], ids=["top2", "prototypes2", "pooled"])
 def test_tiny_moe_losses_do_not_depend_on_the_plan(tmp_path, router, runs):
     """`shoal train --model tiny-moe` (capacity 1.25) under ep2, dp2 and with micro-batch accumulation
     writes the losses of one process into metrics.jsonl."""
