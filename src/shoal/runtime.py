@@ -18,7 +18,8 @@ private, and attaches nothing to the user's modules.
   the schedule): gradients reduced over the data ranks on the last one only (`no_sync()` for
   loops of one's own), the gradients of tied embeddings summed over the first and last
   stages (pp), fp16 loss scaling, the vocabulary-parallel loss, the cp split
-  (`local_batches`), the MoE layers' auxiliary losses (their load figures in `moe_stats`), then
+  (`local_batches`), the MoE layers' auxiliary losses (a loss pooled over the forward's tokens,
+  `aux_loss_pooled`, pooled over the data ranks; their load figures in `moe_stats`), then
   tensor parallelism's partial gradients and the expert gradients reduced once. `eval_loss` is
   its forward-only twin. `grad_norm()` (fp16: unscales first, reports an overflow) and
   `clip_grads_(max_norm, norm)` work on the engine's shards; `global_mean(value)` averages over
