@@ -123,7 +123,7 @@ def pooled_loss(calls: list[tuple[MoELayer, tuple[torch.Tensor, torch.Tensor, in
     rows = sum(n for _, (_, _, n) in calls)
     counts_E = torch.stack([c for _, (c, _, _) in calls]).sum(0)
     probs_E = torch.stack([p for _, (_, p, _) in calls]).sum(0)
-    if pool is None:
+    if pool is None:  # one data rank: the one-process sums, bit for bit (tests/test_hf_families.py)
         counts_E, probs_E = counts_E / rows, probs_E / rows
         return layer.aux_loss_coef * layer.num_experts * (counts_E * probs_E).sum()
     total, ranks = pool
