@@ -217,8 +217,11 @@ def test_router_loss_with_output_router_logits_equals_transformers(name, tmp_pat
 
 
 def test_pooled_router_loss_is_refused_where_it_would_be_split():
-    """The pooled loss needs every layer and token of the batch in one place: other plans and
-    gradient accumulation are refused in one line naming the way out."""
+    """The pooled loss runs wherever each forward's tokens can be pooled over the ranks that see
+    them (tests/test_moe_parallel.py checks it against one process): refused under pp (a stage's
+    backward would need the later stages' counts) and with accumulation over several data ranks
+    (a forward pools every rank's micro-batch, which no one-process run pools), in one line
+    naming the way out."""
     from shoal import rules
     from shoal.models import ModelConfig
     from shoal.plan import Plan
@@ -226,9 +229,14 @@ def test_pooled_router_loss_is_refused_where_it_would_be_split():
 
     cfg = ModelConfig(num_layers=2, dim=64, num_heads=4, vocab_size=128, num_experts=4, top_k=2,
                       capacity_factor=0.0, aux_loss_pooled=True)
-    for plan, world in (("dp2", 2), ("ep2", 2), ("pp2", 2)):
+    for plan, world in (("pp2", 2), ("dp2,pp2", 4)):
         message = one_line_error(rules.resolve, Plan.parse(plan), world_size=world, model=cfg)
-        assert "aux_loss_pooled" in message and "valid: one process" in message, message
-    message = one_line_error(rules.resolve, Plan.parse("dp1"), world_size=1, model=cfg, global_batch=8, micro_batch=2)
-    assert "--micro-batch 2" in message
-    rules.resolve(Plan.parse("dp1"), world_size=1, model=cfg, global_batch=8)  # one process: runs
+        assert "aux_loss_pooled" in message and "pp=2" in message and "valid: no pp" in message, message
+    for plan, world in (("dp2", 2), ("fsdp2", 2), ("ep2", 2), ("dp2,tp2", 4)):
+        message = one_line_error(rules.resolve, Plan.parse(plan), world_size=world, model=cfg, global_batch=8,
+                                 micro_batch=2)
+        assert "--micro-batch 2 on 2 data ranks" in message and "valid: no --micro-batch" in message, message
+        rules.resolve(Plan.parse(plan), world_size=world, model=cfg, global_batch=8)  # no accumulation: runs
+        rules.resolve(Plan.parse(plan), world_size=world, model=cfg, global_batch=8, micro_batch=4)  # one pass
+    for plan, world in (("dp1", 1), ("tp2", 2)):  # one data rank: accumulation runs too
+        rules.resolve(Plan.parse(plan), world_size=world, model=cfg, global_batch=8, micro_batch=2)

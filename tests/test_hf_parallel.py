@@ -29,6 +29,10 @@ FAMILIES = {
                               ffn_dim=32, qkv_bias=True, norm_topk=False, num_shared_experts=1, shared_ffn_dim=48,
                               shared_gate=True),
 }
+# output_router_logits=true: transformers' load-balancing loss pooled over every layer and token of a
+# forward (shoal's aux_loss_pooled), weighted 0.5 so that a loss pooled per rank shows.
+for _name in ("mixtral", "qwen2_moe"):
+    FAMILIES[f"{_name}_router_loss"] = FAMILIES[_name].replace(aux_loss_pooled=True, aux_loss_coef=0.5)
 
 
 @pytest.mark.parametrize("family, plan", [
@@ -36,6 +40,8 @@ FAMILIES = {
     ("qwen3", "fsdp2"), ("mistral", "fsdp2"), ("llama3", "fsdp2"),
     ("yarn", "cp2"), ("llama3", "cp2,cp_mode=a2a"), ("mixtral", "ep2"),
     ("qwen2_moe", "tp2"), ("qwen2_moe", "ep2"), ("qwen2_moe", "fsdp2"),
+    ("mixtral_router_loss", "dp2"), ("mixtral_router_loss", "ep2"), ("qwen2_moe_router_loss", "tp2"),
+    ("qwen2_moe_router_loss", "fsdp2"),
 ])
 def test_family_under_plan_matches_single_process(pools, family, plan):
     c = case(plan=plan, model=FAMILIES[family], steps=2)

@@ -185,6 +185,28 @@ def test_experts_keep_their_identity_across_sharded_and_tp_layouts(pools, tmp_pa
     _resume_chain(pools, tmp_path, LAYOUTS)
 
 
+# ----------------------------------------------------------------------------- transformers' pooled router loss
+
+# output_router_logits=true in a Mixtral / Qwen2-MoE config: dropless, one load-balancing loss pooled
+# over every layer and token of a forward. The weight is large so that statistics left per rank
+# (each rank pooling its own tokens) show far above the tolerance in the routers' gradients.
+POOLED = MOE.replace(capacity_factor=0.0, aux_loss_pooled=True, aux_loss_coef=0.5)
+
+
+@pytest.mark.parametrize("plan, world, micro", [
+    ("dp2", 2, 1), ("fsdp2", 2, 1), ("fsdp2,zero=1", 2, 1), ("ep2", 2, 1), ("tp2", 2, 1), ("tp2", 2, 2),
+    ("dp2,tp2", 4, 1), ("fsdp2,ep2,tp2", 4, 1),
+])
+def test_pooled_router_loss_matches_single_process(pools, plan, world, micro):
+    """Each rank pools its tokens' expert counts with the other data ranks' (one all-reduce) and
+    differentiates its own router probabilities against them (shoal.moe.collect.pooled_loss): the
+    one-process loss over the whole forward, and its gradients. tp ranks route the same tokens: no
+    pooling over tp. With accumulation (tp2, 2 micro-batches) each micro-batch pools its own tokens,
+    as the one-process reference does."""
+    c = case(plan=plan, model=POOLED, steps=3, num_micro=micro)
+    check_parity(pools(world).run(run_parallel, c), c)
+
+
 # ----------------------------------------------------------------------------- MoE in a pipeline
 
 @pytest.mark.parametrize("plan, router, world, micro", [
@@ -244,7 +266,10 @@ same order. A plan that routed differently (per micro-batch, as before routing g
     # kept short: CLI runs are slow
     pytest.param(["--set", "num_prototypes=2", "--set", "norm_topk=false"], ["one process", "ep2"],
                  marks=pytest.mark.slow),  # the prototype router's parity runs in-process above
-], ids=["top2", "prototypes2"])
+    # transformers' pooled router loss, dropless; without accumulation (which changes its pools)
+    pytest.param(["--set", "aux_loss_pooled=true", "--set", "aux_loss_coef=0.5", "--set", "capacity_factor=0"],
+                 ["one process", "ep2", "dp2"], marks=pytest.mark.slow),  # in-process parity above
+], ids=["top2", "prototypes2", "pooled"])
 def test_tiny_moe_losses_do_not_depend_on_the_plan(tmp_path, router, runs):
     """`shoal train --model tiny-moe` (capacity 1.25) under ep2, dp2 and with micro-batch accumulation
     writes the losses of one process into metrics.jsonl."""

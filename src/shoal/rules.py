@@ -318,12 +318,18 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
         return f"ep={plan.ep} needs a Mixture-of-Experts model; this one has num_experts=0"
     if not model.num_experts:
         return None
-    accumulates = facts.micro_batch is not None and facts.micro_batch < (facts.global_batch or facts.micro_batch + 1)
-    if model.aux_loss_pooled and (facts.world_size > 1 or accumulates):
-        return (f"aux_loss_pooled (transformers' router loss over every layer and token at once) runs in one process "
-                f"without accumulation in this version; plan {plan} on {facts.world_size} process(es)"
-                f"{', --micro-batch ' + str(facts.micro_batch) if accumulates else ''}; valid: one process and no "
-                "--micro-batch, or aux_loss_pooled=false (each layer's own loss)")
+    if model.aux_loss_pooled and plan.pp > 1:
+        return (f"aux_loss_pooled (transformers' router loss pooled over every layer) with pp={plan.pp}: each stage "
+                "starts backward from its own output, before the later stages' expert counts that its loss "
+                "needs are known; valid: no pp, or aux_loss_pooled=false (each layer's own loss)")
+    ranks = plan.data_ranks * plan.cp  # the ranks that see other tokens of each micro-batch
+    local = facts.global_batch // plan.data_ranks if facts.global_batch else None
+    accumulates = facts.micro_batch is not None and local is not None and facts.micro_batch < local
+    if model.aux_loss_pooled and accumulates and ranks > 1:
+        return (f"aux_loss_pooled with --micro-batch {facts.micro_batch} on {ranks} data ranks: each forward pools "
+                f"a micro-batch of every rank ({ranks} x {facts.micro_batch} sequences), which no one-process run "
+                "pools, so the loss curve would not be one process's; valid: no --micro-batch, one data rank "
+                "(tp), or aux_loss_pooled=false")
     if model.share_moe and plan.fsdp > 1:
         return (f"fsdp={plan.fsdp} with share_moe (WideNet): the one shared MoE layer sits in every block's shard "
                 "unit; valid: dp axes, or share_moe=false")

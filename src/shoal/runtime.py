@@ -18,7 +18,8 @@ private, and attaches nothing to the user's modules.
   the schedule): gradients reduced over the data ranks on the last one only (`no_sync()` for
   loops of one's own), the gradients of tied embeddings summed over the first and last
   stages (pp), fp16 loss scaling, the vocabulary-parallel loss, the cp split
-  (`local_batches`), the MoE layers' auxiliary losses (their load figures in `moe_stats`), then
+  (`local_batches`), the MoE layers' auxiliary losses (a loss pooled over the forward's tokens,
+  `aux_loss_pooled`, pooled over the data ranks; their load figures in `moe_stats`), then
   tensor parallelism's partial gradients and the expert gradients reduced once. `eval_loss` is
   its forward-only twin. `grad_norm()` (fp16: unscales first, reports an overflow) and
   `clip_grads_(max_norm, norm)` work on the engine's shards; `global_mean(value)` averages over
@@ -94,6 +95,13 @@ class Runtime:
         self._engine = engine
         # The loss is averaged over every rank that sees other tokens: data ranks and cp ranks.
         self._data_groups = reduction_groups(mesh, ("dp", "fsdp", "cp")) if mesh is not None else []
+        if self._data_groups:
+            # A load-balancing loss pooled over the forward's tokens pools them over these ranks too.
+            # Not over tp: every tp rank routes the same (gathered) tokens (shoal.parallel.expert).
+            ranks = 1
+            for group in self._data_groups:
+                ranks *= dist.get_world_size(group)
+            self._moe.pool_over(self._sum_over_data, ranks)
         precision = (PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce) if plan
                      else PrecisionPolicy())
         self.loss_scaler: LossScaler | None = LossScaler() if precision.loss_scaling else None
@@ -202,6 +210,14 @@ class Runtime:
             count = count.to(device)
         factor = ranks / count.clamp(min=1).double()  # a batch without targets: loss 0, no gradient
         return lambda output, targets: cross_entropy_sum(output, targets) * factor.float()
+
+    def _sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` (no gradient) summed over the ranks that see other tokens, on its device."""
+        assert self.mesh is not None
+        summed = value.to(self.mesh.device_type)  # NCCL reduces only GPU tensors
+        for group in self._data_groups:
+            dist.all_reduce(summed, group=group)
+        return summed.to(value.device)
 
     def _after_backward(self) -> None:
         """Partial tp gradients reduced once, the expert gradients' reduction (ep, or tp on an MoE

@@ -106,8 +106,9 @@ class ModelConfig:
     """The load-balancing loss as transformers' Mixtral and Qwen2-MoE take it (output_router_logits):
     one loss over every MoE layer's tokens at once, E * sum_e C_e P_e with C_e the share of all
     rows' top-k choices that went to e (summing to k) and P_e its mean probability, pooled over the
-    layers (shoal.moe.collect); false: each layer's own loss, summed. One process only (pooling
-    over every layer and token needs them all in one place; shoal.rules refuses the rest)."""
+    layers (shoal.moe.collect); false: each layer's own loss, summed. The pool is one forward: the
+    micro-batch's tokens on every data rank (with accumulation, a mean over micro-batches, as the
+    HF Trainer takes it). Not under pp, nor with accumulation over several data ranks (shoal.rules)."""
     share_moe: bool = False
     """WideNet: every MoE layer is one shared layer (its weights), each block keeping its norms."""
     doc_eos_id: int = -1

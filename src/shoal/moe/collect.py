@@ -6,6 +6,11 @@ each call counts). The runtime adds `take_loss()` to each micro-batch's training
 max over experts, summed over the step's micro-batches), the coefficient of variation of the
 routed counts, the dropped fraction and the two losses (means over calls), and each expert's
 share of the kept tokens (the load heatmap's column for this step).
+
+A load-balancing loss pooled over layers (`aux_loss_pooled`, transformers' Mixtral and Qwen2-MoE)
+pools one forward's tokens: a micro-batch's, on every rank that sees other tokens of it (with
+accumulation the runtime takes the mean of the micro-batches' losses, as the HF Trainer does). Where
+ranks split the tokens, the runtime hands the collector a sum over those ranks (`pool_over`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ import torch
 from torch import nn
 
 from shoal.moe.layer import MoELayer
+
+Total = Callable[[torch.Tensor], torch.Tensor]
+"""A tensor summed over the ranks that see other tokens of the batch (no autograd): set by the
+runtime, since this package imports nothing distributed."""
 
 FIGURES = ("tokens_min", "tokens_mean", "tokens_max", "load_cv", "dropped", "aux_loss", "z_loss")
 """The per-layer figures of `take_stats`, in order."""
@@ -36,6 +45,7 @@ class MoECollector:
         self._pooled: list[tuple[MoELayer, tuple[torch.Tensor, torch.Tensor, int]]] = []  # see pooled_loss
         self._calls: dict[str, list[dict[str, torch.Tensor]]] = {}
         self._attach: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._pool: tuple[Total, int] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.names)
@@ -51,6 +61,11 @@ class MoECollector:
             yield
         finally:
             self._attach = None
+
+    def pool_over(self, total: Total, ranks: int) -> None:
+        """Pool the load-balancing loss over the `ranks` ranks that see other tokens of each forward
+        (data ranks: they average their gradients); `total` sums a tensor over them. See pooled_loss."""
+        self._pool = (total, ranks)
 
     def _called(self, module: nn.Module, _args: Any, out: Any) -> Any:
         assert isinstance(module, MoELayer)
@@ -74,7 +89,7 @@ class MoECollector:
         losses, self._losses = self._losses, []
         pooled, self._pooled = self._pooled, []
         if pooled:
-            losses.append(pooled_loss(pooled))
+            losses.append(pooled_loss(pooled, self._pool))
         return torch.stack(losses).sum() if losses else None
 
     def take_stats(self) -> dict[str, torch.Tensor]:
@@ -92,16 +107,31 @@ class MoECollector:
         return out
 
 
-def pooled_loss(calls: list[tuple[MoELayer, tuple[torch.Tensor, torch.Tensor, int]]]) -> torch.Tensor:
+def pooled_loss(calls: list[tuple[MoELayer, tuple[torch.Tensor, torch.Tensor, int]]],
+                pool: tuple[Total, int] | None = None) -> torch.Tensor:
     """aux_loss_coef * E * sum_e C_e P_e over the calls' layers at once, as transformers' Mixtral
     and Qwen2-MoE take it (`load_balancing_loss_func`): C_e the choices of expert e over all layers'
     rows (tokens) divided by the rows, P_e the summed router probabilities of e divided by the rows.
-    Gradients reach P only, as in the per-layer loss."""
+    Gradients reach P only, as in the per-layer loss.
+
+    `pool` = (total, R): the forward's tokens are split over R ranks that average their gradients.
+    The choices and rows are summed over them (one small all-reduce, no autograd: C is a count);
+    each rank returns R * coef * E * sum_e C_e P_e^mine, P^mine its own summed probabilities over
+    the global rows. The R ranks' values sum to R times the one-process loss, and d/dP of the loss
+    is coef * E * C_e / rows, a global figure: the ranks' averaged gradients are one process's."""
     layer = calls[0][0]
     rows = sum(n for _, (_, _, n) in calls)
-    counts_E = torch.stack([c for _, (c, _, _) in calls]).sum(0) / rows
-    probs_E = torch.stack([p for _, (_, p, _) in calls]).sum(0) / rows
-    return layer.aux_loss_coef * layer.num_experts * (counts_E * probs_E).sum()
+    counts_E = torch.stack([c for _, (c, _, _) in calls]).sum(0)
+    probs_E = torch.stack([p for _, (_, p, _) in calls]).sum(0)
+    if pool is None:  # one data rank: the one-process sums, bit for bit (tests/test_hf_families.py)
+        counts_E, probs_E = counts_E / rows, probs_E / rows
+        return layer.aux_loss_coef * layer.num_experts * (counts_E * probs_E).sum()
+    total, ranks = pool
+    packed = torch.cat([counts_E.double(), torch.full((1,), rows, dtype=torch.float64, device=counts_E.device)])
+    packed = total(packed)
+    global_rows = packed[-1].to(probs_E.dtype)
+    counts_E, probs_E = packed[:-1].to(counts_E.dtype) / global_rows, probs_E / global_rows
+    return ranks * layer.aux_loss_coef * layer.num_experts * (counts_E * probs_E).sum()
 
 
 def _short(name: str) -> str:
