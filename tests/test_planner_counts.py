@@ -95,3 +95,31 @@ def test_loss_logit_copies():
         assert peak.peak_mb is not None, "torch's MemTracker did not count this step"
         copies = (peak.peak_mb - held_mb) / copy_mb
         assert abs(copies - LOSS_LOGIT_COPIES) < 0.25, (dtype, copies)
+
+
+def test_accumulated_table_gradient():
+    """The planner's accumulation term (shoal.planner.estimate._memory): an embedding table's
+    gradient peaks at two tables beside its weight when micro-batches accumulate (the next
+    micro-batch's gradient made whole, then added), one with a single micro-batch; and the planner
+    charges a stage the larger of that table and the loss's logits (they are not held at once)."""
+    import torch
+    from torch import nn
+
+    from shoal.planner.estimate import Workload, estimate
+    from shoal.planner.hardware import parse_cluster
+    from shoal.train.memory import TensorPeak
+
+    table = nn.Embedding(20000, 32)
+    one_mb = table.weight.numel() * 4 / 2**20
+    tokens = torch.randint(0, 20000, (2, 64), generator=torch.Generator().manual_seed(0))
+    for micro, tables in ((1, 2), (3, 3)):
+        table.weight.grad = None
+        with TensorPeak(table.weight) as peak:
+            for _ in range(micro):
+                table(tokens).sum().backward()
+        assert peak.peak_mb is not None and abs(peak.peak_mb / one_mb - tables) < 0.05, (micro, peak.peak_mb / one_mb)
+
+    cfg = TINY.replace(vocab_size=100000, dim=512, max_seq_len=32)  # a table (205 MB) above the logits (38 MB)
+    plan = Plan.parse("pp2,mb=4").resolve(2, "cpu")
+    mem = estimate(plan, Workload(model=cfg, global_batch=4, seq_len=32), parse_cluster("2xcpu")).memory
+    assert mem["accumulation"] > 0 and mem["logits"] + mem["accumulation"] == cfg.vocab_size * cfg.dim * 4, mem
