@@ -53,9 +53,11 @@ def run_cell(pools: dict[int, WorkerPool], family: str, plan: str) -> dict:
 def table(cells: dict[str, dict], families: list[str], plans: list[str]) -> str:
     """Markdown: a row per family, a column per plan; refusals as footnotes."""
     reasons: list[str] = []
-    lines = ["| family | " + " | ".join(f"`{p}`" for p in plans) + " |", "|---" * (len(plans) + 1) + "|"]
+    lines = ["| family | max abs gradient | " + " | ".join(f"`{p}`" for p in plans) + " |",
+             "|---" * (len(plans) + 2) + "|"]
     for family in families:
-        row = []
+        scales = [c["largest_grad"] for p in plans if "largest_grad" in (c := cells.get(f"{family}|{p}", {}))]
+        row = [f"{max(scales):.1e}" if scales else ""]
         for plan in plans:
             cell = cells.get(f"{family}|{plan}")
             if cell is None:

@@ -403,14 +403,15 @@ def check_parity(results: list[dict[str, Any]], case: ParityCase) -> None:
 def parity_diffs(results: list[dict[str, Any]], case: ParityCase) -> dict[str, float]:
     """The largest absolute differences of `results` (every rank's run_parallel) from the
     single-process float32 run of `case`: the losses of every step and the gradients of the first
-    (a report's figures; `check_parity` is the test)."""
+    (a report's figures; `check_parity` is the test); and, for scale, the largest gradient entry."""
     ref32, _ = references(case)
     loss = grad = 0.0
     for res in results:
         loss = max(loss, max(abs(a - b) for a, b in zip(res["losses"], ref32["losses"], strict=True)))
         for name, g in res["grads"].items():
             grad = max(grad, (g.double() - ref32["grads"][name].double()).abs().max().item())
-    return {"loss": loss, "grad": grad}
+    largest = max(g.abs().max().item() for g in ref32["grads"].values())
+    return {"loss": loss, "grad": grad, "largest_grad": largest}
 
 
 def assert_trained_close(final: dict[str, torch.Tensor], ref32: dict[str, Any], ref64: dict[str, Any], *,
