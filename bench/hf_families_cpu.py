@@ -47,10 +47,14 @@ def steps(hf_model: torch.nn.Module, model: torch.nn.Module, tokens: torch.Tenso
         hf_model.zero_grad(set_to_none=True)
         hf_model(tokens, labels=tokens).loss.backward()
 
+    # As transformers' loss (and shoal's trainer, which is given them): the next tokens, the last
+    # position's target ignored, so that the logits are not sliced (a copy of B x T x V floats).
+    targets = torch.cat((tokens[:, 1:], torch.full_like(tokens[:, :1], -100)), dim=1)
+
     def shoal_step() -> None:
         model.zero_grad(set_to_none=True)
         logits = model(tokens)
-        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
 
     return {"transformers": hf_step, "shoal": shoal_step}
 

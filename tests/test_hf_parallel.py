@@ -3,56 +3,85 @@ run (check_parity's tolerances, shoal/testing.py), and an axis a feature cannot 
 one line. The single process itself equals transformers' model (tests/test_hf_families.py), so
 these close the chain family -> one process -> plan.
 
-The configs are what shoal.from_hf makes of each family's tiny config (tests/test_hf.py checks
-that mapping); the rotary theta is small so that the scalings change many angles.
+The configs are shoal.testing.HF_FAMILIES: what shoal.from_hf makes of each family's tiny config.
+Here runs the CI's share of the family x plan matrix; `python -m bench.hf_matrix` runs all of it
+and writes the table of docs/hf_matrix.md.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from shoal import rules
-from shoal.models import ModelConfig
 from shoal.plan import Plan
-from shoal.testing import case, check_parity, run_parallel
+from shoal.testing import HF_FAMILIES, HF_PLANS, case, check_parity, hf_case, one_line_error, run_parallel
 
-BASE = ModelConfig(num_layers=2, dim=64, num_heads=4, num_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=32,
-                   rope_theta=500.0)
-FAMILIES = {
-    "llama3": BASE.replace(rope_type="llama3", rope_factor=8.0, rope_original_max_len=8),
-    "yarn": BASE.replace(rope_type="yarn", rope_factor=4.0, rope_original_max_len=8),
-    "mistral": BASE.replace(sliding_window=4),  # sequences of 16: four windows
-    "qwen2": BASE.replace(qkv_bias=True, tie_embeddings=True),
-    "qwen3": BASE.replace(qk_norm=True, head_size=32),
-    "mixtral": BASE.replace(num_experts=4, top_k=2, capacity_factor=0.0, aux_loss_coef=0.0, z_loss_coef=0.0),
-    "qwen2_moe": BASE.replace(num_experts=4, top_k=2, capacity_factor=0.0, aux_loss_coef=0.0, z_loss_coef=0.0,
-                              ffn_dim=32, qkv_bias=True, norm_topk=False, num_shared_experts=1, shared_ffn_dim=48,
-                              shared_gate=True),
-}
+FAMILIES = HF_FAMILIES
+LLAMA = ("llama3", "yarn", "linear", "dynamic")  # one family, its rotary scalings
+
+MATRIX = [
+    ("qwen3", "tp2"), ("qwen2", "tp2"), ("mistral", "tp2"), ("mixtral", "tp2"), ("qwen2_moe", "tp2"),
+    ("gpt2", "pp2"), ("mixtral", "pp2"),
+    ("qwen2", "pp2,sched=zb"), ("llama3", "pp2,sched=zb"),
+    ("mistral", "fsdp2,zero=1"), ("qwen2_moe", "fsdp2,zero=1"),
+    ("gpt2", "fsdp2,zero=2"), ("yarn", "fsdp2,zero=2"),
+    ("qwen3", "fsdp2"), ("mistral", "fsdp2"), ("llama3", "fsdp2"), ("qwen2_moe", "fsdp2"),
+    ("yarn", "cp2"), ("qwen2", "cp2"),
+    ("llama3", "cp2,cp_mode=a2a"), ("qwen3", "cp2,cp_mode=a2a"),
+    ("mixtral", "ep2"), ("qwen2_moe", "ep2"),
+    ("mixtral", "fsdp2,ep2"), ("qwen2_moe", "fsdp2,ep2"),
+    ("gpt2", "fsdp2,tp2"), ("qwen2_moe", "fsdp2,tp2"),
+    ("qwen3", "tp2,pp2"), ("llama3", "tp2,pp2"),
+]
+"""The CI's share of the family x plan matrix (bench/hf_matrix.py runs all of it, docs/hf_matrix.md):
+every family under at least three plans, every plan under at least two families, each feature
+where it meets an axis (a tied head under pp and tp, GPT-2's learned positions on the first stage,
+q/k norms and qkv biases split over tp, a gated shared expert under fsdp,tp)."""
+
+
+def test_matrix_covers_every_family_and_plan():
+    family_of = {name: "llama" if name in LLAMA else name for name in FAMILIES}
+    plans_of: dict[str, set[str]] = {f: set() for f in family_of.values()}
+    families_of: dict[str, set[str]] = {p: set() for p in HF_PLANS}
+    for name, plan in MATRIX:
+        plans_of[family_of[name]].add(plan)
+        families_of[plan].add(family_of[name])
+    assert all(len(p) >= 3 for p in plans_of.values()), plans_of
+    assert all(len(f) >= 2 for f in families_of.values()), families_of
+
+
+@pytest.mark.parametrize("family, plan", MATRIX)
+def test_family_under_plan_matches_single_process(pools, family, plan):
+    c = hf_case(family, plan)
+    check_parity(pools(HF_PLANS[plan]).run(run_parallel, c), c)
+
+
 # output_router_logits=true: transformers' load-balancing loss pooled over every layer and token of a
 # forward (shoal's aux_loss_pooled), weighted 0.5 so that a loss pooled per rank shows.
-for _name in ("mixtral", "qwen2_moe"):
-    FAMILIES[f"{_name}_router_loss"] = FAMILIES[_name].replace(aux_loss_pooled=True, aux_loss_coef=0.5)
+ROUTER_LOSS = {name: FAMILIES[name].replace(aux_loss_pooled=True, aux_loss_coef=0.5)
+               for name in ("mixtral", "qwen2_moe")}
 
 
-@pytest.mark.parametrize("family, plan", [
-    ("qwen3", "tp2"), ("qwen2", "tp2"), ("mistral", "tp2,sp=off"), ("mixtral", "tp2"),
-    ("qwen3", "fsdp2"), ("mistral", "fsdp2"), ("llama3", "fsdp2"),
-    ("yarn", "cp2"), ("llama3", "cp2,cp_mode=a2a"), ("mixtral", "ep2"),
-    ("qwen2_moe", "tp2"), ("qwen2_moe", "ep2"), ("qwen2_moe", "fsdp2"),
-    ("mixtral_router_loss", "dp2"), ("mixtral_router_loss", "ep2"), ("qwen2_moe_router_loss", "tp2"),
-    ("qwen2_moe_router_loss", "fsdp2"),
-])
-def test_family_under_plan_matches_single_process(pools, family, plan):
-    c = case(plan=plan, model=FAMILIES[family], steps=2)
+@pytest.mark.parametrize("family, plan", [("mixtral", "dp2"), ("mixtral", "ep2"), ("qwen2_moe", "tp2"),
+                                          ("qwen2_moe", "fsdp2")])
+def test_router_loss_under_plan_matches_single_process(pools, family, plan):
+    c = case(plan=plan, model=ROUTER_LOSS[family], steps=2)
     check_parity(pools(2).run(run_parallel, c), c)
 
 
-def test_sliding_window_refuses_context_parallelism():
-    with pytest.raises(ValueError) as info:
-        rules.resolve(Plan.parse("cp2"), world_size=2, model=FAMILIES["mistral"], seq_len=16)
-    message = str(info.value)
-    assert "sliding_window=4" in message and "valid: no cp" in message and "\n" not in message, message
+def test_sliding_window_without_sequence_parallelism_matches_single_process(pools):
+    c = case(plan="tp2,sp=off", model=FAMILIES["mistral"], steps=2)
+    check_parity(pools(2).run(run_parallel, c), c)
+
+
+@pytest.mark.parametrize("family, plan, words", [
+    ("mistral", "cp2", ["sliding_window=4", "valid: no cp"]),
+    ("gpt2", "cp2,cp_mode=a2a", ["pos_emb='learned'", "RoPE only", "valid: a RoPE model"]),
+    ("mixtral", "cp2", ["num_experts=4", "valid: dp, fsdp, tp, pp and ep"]),
+    ("qwen2", "fsdp2,ep2", ["ep=2 needs a Mixture-of-Experts model"]),
+])
+def test_a_feature_an_axis_cannot_take_is_refused_in_one_line(family, plan, words):
+    message = one_line_error(hf_case, family, plan)
+    assert all(w in message for w in words), message
 
 
 def _init_under(plan_text: str, folder: str, tokens) -> dict:

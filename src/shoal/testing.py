@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import MixerConfig, ModelConfig, build_model
 from shoal.moe.collect import MoECollector
@@ -177,6 +178,28 @@ def full_tensors(source: Runtime | nn.Module, *, grads: bool = False) -> dict[st
 # ----------------------------------------------------------------------------- parity cases
 
 SMALL = ModelConfig(num_layers=2, dim=64, num_heads=8, num_kv_heads=4, ffn_dim=128, vocab_size=128, max_seq_len=64)
+
+_HF_BASE = ModelConfig(num_layers=2, dim=64, num_heads=4, num_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=32,
+                       rope_theta=500.0)
+_HF_MOE = dict(num_experts=4, top_k=2, capacity_factor=0.0, aux_loss_coef=0.0, z_loss_coef=0.0)
+HF_FAMILIES: dict[str, ModelConfig] = {
+    "llama3": _HF_BASE.replace(rope_type="llama3", rope_factor=8.0, rope_original_max_len=8),
+    "yarn": _HF_BASE.replace(rope_type="yarn", rope_factor=4.0, rope_original_max_len=8),
+    "linear": _HF_BASE.replace(rope_type="linear", rope_factor=4.0),
+    "dynamic": _HF_BASE.replace(rope_type="dynamic", rope_factor=2.0),
+    "mistral": _HF_BASE.replace(sliding_window=4),  # sequences of 16: four windows
+    "qwen2": _HF_BASE.replace(qkv_bias=True, tie_embeddings=True),
+    "qwen3": _HF_BASE.replace(qk_norm=True, head_size=32),
+    "gpt2": _HF_BASE.replace(num_kv_heads=None, ffn_dim=256, norm="layernorm", activation="gelu", pos_emb="learned",
+                             bias=True, tie_embeddings=True),
+    "mixtral": _HF_BASE.replace(**_HF_MOE),
+    "qwen2_moe": _HF_BASE.replace(**_HF_MOE, ffn_dim=32, qkv_bias=True, norm_topk=False, num_shared_experts=1,
+                                  shared_ffn_dim=48, shared_gate=True),
+}
+"""Tiny shapes of what shoal.from_hf makes of each Hugging Face family's config (tests/test_hf.py
+checks that mapping; tests/test_hf_families.py checks each against transformers' model): the
+parallel tests' and bench/hf_matrix.py's families. The rotary theta is small so that the scalings
+change many angles; dynamic equals the default rotary within max_seq_len, as in transformers."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -377,6 +400,20 @@ def check_parity(results: list[dict[str, Any]], case: ParityCase) -> None:
         assert_trained_close(res["final_params"], ref32, ref64, what=f"rank {rank} final params")
 
 
+def parity_diffs(results: list[dict[str, Any]], case: ParityCase) -> dict[str, float]:
+    """The largest absolute differences of `results` (every rank's run_parallel) from the
+    single-process float32 run of `case`: the losses of every step and the gradients of the first
+    (a report's figures; `check_parity` is the test); and, for scale, the largest gradient entry."""
+    ref32, _ = references(case)
+    loss = grad = 0.0
+    for res in results:
+        loss = max(loss, max(abs(a - b) for a, b in zip(res["losses"], ref32["losses"], strict=True)))
+        for name, g in res["grads"].items():
+            grad = max(grad, (g.double() - ref32["grads"][name].double()).abs().max().item())
+    largest = max(g.abs().max().item() for g in ref32["grads"].values())
+    return {"loss": loss, "grad": grad, "largest_grad": largest}
+
+
 def assert_trained_close(final: dict[str, torch.Tensor], ref32: dict[str, Any], ref64: dict[str, Any], *,
                          what: str = "final params") -> None:
     """Parameters after several AdamW steps against the references' `final_params` (see
@@ -431,3 +468,21 @@ def _only(values: dict[str, Any], names: set[str]) -> dict[str, Any]:
 def case(**kwargs: Any) -> ParityCase:
     """A ParityCase with overrides (a short name for tests)."""
     return dataclasses.replace(ParityCase(), **kwargs)
+
+
+HF_PLANS: dict[str, int] = {
+    "tp2": 2, "pp2": 2, "pp2,sched=zb": 2, "fsdp2,zero=1": 2, "fsdp2,zero=2": 2, "fsdp2": 2, "cp2": 2,
+    "cp2,cp_mode=a2a": 2, "ep2": 2, "fsdp2,tp2": 4, "tp2,pp2": 4, "fsdp2,ep2": 2,
+}
+"""The plans every Hugging Face family is asked to take (issue 25), each with its process count:
+every axis alone (pp2 runs 1f1b; fsdp2 is ZeRO-3; cp2 is ring attention) and three two-axis plans."""
+
+
+def hf_case(family: str, plan: str, *, world_size: int | None = None) -> ParityCase:
+    """The parity case of one of HF_FAMILIES under `plan` (two steps; under pp the reference
+    accumulates over the plan's micro-batches, as the pipeline does); the one-line ValueError of
+    shoal.rules if the family cannot take the plan."""
+    c = case(plan=plan, model=HF_FAMILIES[family], steps=2)
+    resolved = rules.resolve(Plan.parse(plan), world_size=world_size or HF_PLANS[plan], model=c.model,
+                             global_batch=c.global_batch, seq_len=c.seq_len)
+    return dataclasses.replace(c, num_micro=resolved.micro_batches if resolved.pp > 1 else 1)

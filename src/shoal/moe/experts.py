@@ -31,6 +31,9 @@ On CPU torch's grouped_mm is itself a loop of matmuls, and it also wants 16-byte
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Weights = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None",
+                "torch.Tensor | None"]
+"""(w1, w2, w3, b1, b2, b3): the stacked weights (the padded and grouped paths) or one expert's."""
 
 
 class Experts(nn.Module):
@@ -99,18 +102,26 @@ class Experts(nn.Module):
             return self._loop(tokens_MD, tokens_per_expert)
         raise ValueError(f"Experts.path={self.path!r}; valid: {', '.join(PATHS)}")
 
-    def _mlp(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        h = linear(x, self.w1, self.b1)
-        h = F.gelu(h, approximate="tanh") if self.w3 is None else F.silu(h) * linear(x, self.w3, self.b3)
-        return linear(h, self.w2, self.b2)
+    def _weights(self) -> Weights:
+        return self.w1, self.w2, self.w3, self.b1, self.b2, self.b3
+
+    @staticmethod
+    def _mlp(linear: Linear, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        w1, w2, w3, b1, b2, b3 = weights
+        h = linear(x, w1, b1)
+        h = F.gelu(h, approximate="tanh") if w3 is None else F.silu(h) * linear(x, w3, b3)
+        return linear(h, w2, b2)
 
     def _loop(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         counts = counts_E.tolist()  # host sync on CUDA: the split sizes
+        # Each stacked weight split into its experts once (unbind): indexing w[e] per expert would
+        # write, in backward, every expert's gradient into zeros the size of the whole stack and add
+        # those E tensors up (E times the stack's memory traffic, per matrix and layer).
+        split = [None if w is None else w.to(x_MD.dtype).unbind(0) for w in self._weights()]
         outputs = []
         for e, x_e in enumerate(x_MD[:sum(counts)].split(counts)):
-            def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, e: int = e) -> torch.Tensor:
-                return F.linear(x, w[e].to(x.dtype), None if b is None else b[e].to(x.dtype))
-            outputs.append(self._mlp(linear, x_e))
+            mine = tuple(None if w is None else w[e] for w in split)
+            outputs.append(self._mlp(F.linear, x_e, mine))  # type: ignore[arg-type]  # w1, w2: never None
         # The tail in the products' dtype (autocast may have changed it), so cat keeps that dtype.
         outputs.append(outputs[-1].new_zeros(x_MD.shape[0] - sum(counts), x_MD.shape[1]))
         return torch.cat(outputs)
@@ -130,7 +141,7 @@ class Experts(nn.Module):
             y = torch.bmm(x, w.to(x.dtype).transpose(1, 2))
             return y if b is None else y + b.to(x.dtype)[:, None, :]
 
-        y_ECD = self._mlp(linear, x_ECD)
+        y_ECD = self._mlp(linear, x_ECD, self._weights())
         expert_M, valid_M = _row_experts(counts_E, M)
         slot_M = torch.arange(M, device=x_MD.device) - first_row_E[expert_M]
         y_MD = y_ECD.reshape(E * C, D)[(expert_M * C + slot_M).clamp(0, E * C - 1)]
@@ -151,7 +162,7 @@ class Experts(nn.Module):
                 y = y + b.to(x.dtype)[expert_M]
             return torch.where(valid_M1, y, 0)
 
-        return self._mlp(linear, x_MD)
+        return self._mlp(linear, x_MD, self._weights())
 
 
 def _row_experts(counts_E: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
