@@ -14,7 +14,7 @@ multiplied by, for every `rope_type` Hugging Face configs use on the families sh
 The arithmetic follows transformers' float32 order, so the tables are the same numbers.
 Plain PyTorch: no distributed imports.
 
-Shape legend: T positions, E/2 rotated pairs per head.
+Shape legend: T positions, E/2 rotated pairs per head, E features per head.
 """
 
 from __future__ import annotations
@@ -98,3 +98,11 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     if scale == 1.0:
         return angles_TE.cos(), angles_TE.sin()
     return angles_TE.cos() * scale, angles_TE.sin() * scale
+
+
+def rotation_rows(cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables (T, E/2) as whole rows (T, E) that rotate a head's adjacent pairs (x1, x2) to
+    (x1 c - x2 s, x2 c + x1 s) as x * cos_rows + (x2, x1) * sin_rows: cos repeated per pair, sin
+    signed (-s, s) per pair (shoal.models.transformer.apply_rope). Built once, as the model's
+    buffers, so that no forward makes (and autograd keeps) copies of its own."""
+    return cos_TE.repeat_interleave(2, dim=-1), torch.stack((-sin_TE, sin_TE), dim=-1).flatten(-2)

@@ -20,7 +20,7 @@ from torch import nn
 
 from shoal.models.config import ModelConfig
 from shoal.models.init import InitSpec
-from shoal.models.rope import rope_tables
+from shoal.models.rope import rope_tables, rotation_rows
 from shoal.moe.layer import MoELayer
 
 
@@ -31,15 +31,14 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 def apply_rope(x_BTHE: torch.Tensor, cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> torch.Tensor:
-    """Rotate queries or keys; the tables are (T, E/2), or (B, T, E/2) for positions per sequence."""
+    """Rotate queries or keys by the rotation rows (shoal.models.rope.rotation_rows), (T, E), or
+    (B, T, E) for positions per sequence."""
     # Rotate in at least float32 (16-bit inputs lose the angle's precision); float64 stays float64.
     x = x_BTHE.to(torch.promote_types(x_BTHE.dtype, torch.float32))
     # Pair (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), written as x * (c, c) + (x2, x1) * (-s, s) over
     # whole contiguous rows: the same products and sums (so the same bits) as the pairwise formula,
     # without strided halves and the stack that joins them (twice the multiplications' time on CPU).
-    cos = cos_TE.repeat_interleave(2, dim=-1)
-    sin = torch.stack((-sin_TE, sin_TE), dim=-1).flatten(-2)
-    cos, sin = (t[None, :, None, :] if t.dim() == 2 else t[:, :, None, :] for t in (cos, sin))
+    cos, sin = (t[None, :, None, :] if t.dim() == 2 else t[:, :, None, :] for t in (cos_TE, sin_TE))
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (x * cos + swapped * sin).type_as(x_BTHE)
 
@@ -211,8 +210,8 @@ class Transformer(nn.Module):
         self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        if cfg.pos_emb == "rope":
-            cos, sin = rope_tables(cfg)
+        if cfg.pos_emb == "rope":  # rotation rows (T, E): shoal.models.rope.rotation_rows
+            cos, sin = rotation_rows(*rope_tables(cfg))
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
@@ -251,7 +250,7 @@ class Transformer(nn.Module):
         """Recompute the buffers that are not parameters (the rotary tables), on their device:
         after building on the meta device they hold no values."""
         if hasattr(self, "rope_cos"):
-            cos, sin = rope_tables(self.config)
+            cos, sin = rotation_rows(*rope_tables(self.config))
             self.get_buffer("rope_cos").copy_(cos)
             self.get_buffer("rope_sin").copy_(sin)
 

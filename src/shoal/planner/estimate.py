@@ -42,7 +42,7 @@ from shoal.rules import choose_engine, micro_batches
 OPTIMIZER_BYTES = 28 + 4 * 2
 """Bytes an Adam step moves per parameter: read weight, gradient, two moments (16), write the weight
 and the moments (12), and read the gradient twice for the clipping norm and the scaling (8)."""
-OPS_PER_BLOCK = {False: 49, True: 13}
+OPS_PER_BLOCK = {False: 42, True: 13}
 """Host ops of one dense block's forward (each with its backward, the unit calibration times),
 eager and compiled, on a CPU, the one device whose host time the estimate charges: every call
 into the dispatcher, views at half (the norms, attention with RoPE and grouped-query heads, the
