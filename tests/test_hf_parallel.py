@@ -108,7 +108,7 @@ def _init_under(plan_text: str, folder: str, tokens) -> dict:
 
 
 @pytest.mark.parametrize("family, plan", [("gpt2", "tp2"), ("qwen3", "tp2"), ("mixtral", "ep2"),
-                                          ("qwen2_moe", "tp2"), ("qwen2", "fsdp2")])
+                                          ("qwen2_moe", "tp2"), ("qwen2", "fsdp2"), ("mistral", "fsdp2")])
 def test_init_from_transformers_folder_under_plan(pools, tmp_path, family, plan):
     """`--init` of a folder transformers wrote (two shards) under a plan gives transformers' logits
     (tolerance as tests/test_hf_families.py: rtol = atol = 1e-5)."""
