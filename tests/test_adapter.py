@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shoal.models import Mixer, MixerConfig, ModelConfig, Transformer
-from shoal.models.adapter import AXES, MIXER, TP_STYLES, TRANSFORMER, adapter_for, adapter_with
+from shoal.models.adapter import AXES, MIXER, TP_STYLES, TRANSFORMER, adapter_for, adapter_of_config, adapter_with
 from shoal.models.transformer import causal_attention
 from shoal.moe.layer import MoELayer
 from shoal.parallel.data import blocks_of
@@ -166,3 +166,27 @@ def test_the_parallel_layer_names_no_attribute_of_a_model_family(path):
         if isinstance(node, ast.ImportFrom) and node.module in ("shoal.models.transformer", "shoal.models.mixer"):
             # the plain causal kernel is a kernel (a2a attention runs it on whole sequences), not a seam
             assert [a.name for a in node.names] == ["causal_attention"], f"{path.name} imports {node.module}"
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS))
+def test_the_weight_map_is_the_adapters_and_names_every_parameter_once(name):
+    """The Transformer adapter's weight map lists every parameter of the model under exactly one
+    Hugging Face tensor (a stacked expert tensor under one per expert), and the round trip through
+    it is the identity; the Mixer, which has no Hugging Face layout, says so in one line."""
+    cfg = TRANSFORMERS[name]
+    if name == "moe":
+        cfg = cfg.replace(moe_every=1, capacity_factor=0.0)  # Mixtral's layout: an MoE FFN in every block
+    if name == "gpt2":
+        cfg = cfg.replace(num_kv_heads=None)  # GPT-2 has no grouped-query attention
+    model = _build(cfg)
+    weight_map = adapter_of_config(cfg).weight_map()
+    assert adapter_of_config(cfg) is adapter_for(model) is TRANSFORMER
+    parts = [p for entry in weight_map.hf_layout(cfg) for p in dict.fromkeys(entry.parts)]
+    expected = {k for k in model.state_dict() if not (cfg.tie_embeddings and k == "output.weight")}
+    assert set(parts) == expected
+    state = model.state_dict()
+    back = weight_map.hf_to_shoal(weight_map.shoal_to_hf(state, cfg), cfg)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    assert adapter_of_config(MIXERS["sparse"]) is MIXER
+    message = one_line_error(MIXER.weight_map)
+    assert message.startswith("the image Mixer (Sparse-MLP) has no Hugging Face weight layout")

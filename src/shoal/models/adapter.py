@@ -10,10 +10,10 @@ torch, so shoal.rules can ask it which axes a family takes.
 Two families today:
 - `TRANSFORMER`, shoal's Transformer, and with it every Hugging Face family shoal computes (Llama,
   Mistral, Qwen2/3, Mixtral, Qwen2-MoE, GPT-2): those are the same module tree under different
-  config flags, so they share one adapter. Their weight names to and from Hugging Face differ per
-  family and live beside the model in shoal.models.hf_weights (`hf_layout(cfg)`, chosen by
-  `hf_family(cfg)`), which export and `--init` read; the parallel layer never needs them.
-- `MIXER`, the image Mixer and Sparse-MLP: data axes and ep only.
+  config flags, so they share one adapter. Their weight names and layouts to and from Hugging
+  Face (one layout per family, chosen by the config: `hf_family(cfg)`) are the adapter's
+  `weight_map()`, which export, `--init` and `shoal.from_hf` ask; the parallel layer never does.
+- `MIXER`, the image Mixer and Sparse-MLP: data axes and ep only; no Hugging Face layout.
 
 A user's own module has no adapter: it trains under the data axes (dp, fsdp), its blocks found
 by shape (shoal.parallel.data.blocks_of), and an axis that needs an adapter says so in one line.
@@ -21,8 +21,10 @@ by shape (shoal.parallel.data.blocks_of), and an axis that needs an adapter says
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -84,6 +86,11 @@ class ModelAdapter:
     tp_plan: Callable[[Any], dict[str, str]] | None = None
     """model -> {module-name pattern: style name of TP_STYLES}, for the modules the model holds
     (a pipeline stage holds some only); `*` in a pattern stands for any block's key."""
+    weights: str | None = None
+    """The module that maps the family's weight names and layouts to and from Hugging Face's, by
+    the model's config (as shoal.models.hf_weights does: `hf_family`, `hf_layout`, `shoal_to_hf`,
+    `hf_to_shoal`, `hf_config`, `check_llama`, and `SLICE_LAYOUTS` for reading slices of files);
+    a name, imported by `weight_map()` on first use since it needs torch. None: no such layout."""
 
     def __post_init__(self) -> None:
         assert self.axes <= set(AXES), f"{self.family}: axes {sorted(self.axes)} outside {AXES}"
@@ -103,6 +110,13 @@ class ModelAdapter:
     def blocks_of(self, model: nn.Module) -> list[nn.Module]:
         """`model`'s blocks, in order."""
         return list(self.block_container(model).values())
+
+    def weight_map(self) -> ModuleType:
+        """The family's Hugging Face weight map (see `weights`); a one-line ValueError if it has none."""
+        if self.weights is None:
+            raise ValueError(f"the {self.family} has no Hugging Face weight layout; valid: shoal's own names "
+                             "(shoal export without --hf), or a Transformer family")
+        return importlib.import_module(self.weights)
 
 
 def _transformer_tp_plan(model: Any) -> dict[str, str]:
@@ -152,6 +166,7 @@ TRANSFORMER = ModelAdapter(
     moe_slots=("feed_forward",),
     attention=AttentionSeam(module="attention", core="core", rope_arg=1),
     tp_plan=_transformer_tp_plan,
+    weights="shoal.models.hf_weights",
 )
 """shoal's Transformer (shoal/models/transformer.py) and the Hugging Face families built as one.
 A pipeline stage boundary carries the residual stream, hidden states (B, T, D): the model takes
@@ -181,6 +196,13 @@ def adapter_for(model: nn.Module) -> ModelAdapter | None:
     if isinstance(model, Mixer):
         return MIXER
     return None
+
+
+def adapter_of_config(config: Any) -> ModelAdapter:
+    """The adapter of the family a model config builds (shoal.models ModelConfig or MixerConfig)."""
+    from shoal.models.mixer_config import MixerConfig
+
+    return MIXER if isinstance(config, MixerConfig) else TRANSFORMER
 
 
 def adapter_with(model: nn.Module, axis: str) -> ModelAdapter:

@@ -1,7 +1,7 @@
 """`shoal.from_hf(path)`: a Hugging Face model folder as shoal's own Transformer, weights loaded.
 
 The config maps through shoal.models.hf (refusing in one line what shoal does not compute
-exactly), the weights through shoal.models.hf_weights; single-file and sharded safetensors
+exactly), the weights through the Transformer adapter's weight map; single-file and sharded safetensors
 folders (model.safetensors, or model.safetensors.index.json and its shards) both read.
 Plain PyTorch: no distributed imports.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from shoal.models.adapter import TRANSFORMER
 from shoal.models.hf import config_from_hf
-from shoal.models.hf_weights import hf_to_shoal
 from shoal.models.transformer import Transformer
 
 
@@ -42,5 +42,5 @@ def from_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transfor
     `shoal.parallelize` takes it like any model."""
     cfg = config_from_hf(path)
     model = Transformer(cfg)
-    model.load_state_dict(hf_to_shoal(load_hf_state(path), cfg))
+    model.load_state_dict(TRANSFORMER.weight_map().hf_to_shoal(load_hf_state(path), cfg))
     return model.to(dtype)

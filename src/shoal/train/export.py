@@ -11,11 +11,12 @@ tensors (safetensors maps the file, nothing is copied twice) and keeps its own s
 
 Names are the model's own parameter names without wrapper prefixes ("layers.0.attention.wq.weight").
 Only weights travel: optimizer state stays in the checkpoint. With `hf=True` the export is a
-Hugging Face folder instead (model.safetensors in the names and layout of the model's family,
-see shoal.models.hf_weights, plus config.json) that `transformers` loads directly; `import_weights`
-reads such folders back. When the run's tokens came from a Hugging Face tokenizer folder (`--tokenizer`,
-or the manifest of the prepared `--data`), its files are copied into the folder too, so that
-`AutoTokenizer.from_pretrained` reads it beside the model (the byte tokenizer has no files).
+Hugging Face folder instead (model.safetensors in the names and layout of the model's family, by
+its adapter's weight map (shoal.models.adapter), plus config.json) that `transformers` loads
+directly; `import_weights` reads such folders back. When the run's tokens came from a Hugging
+Face tokenizer folder (`--tokenizer`, or the manifest of the prepared `--data`), its files are
+copied into the folder too, so that `AutoTokenizer.from_pretrained` reads it beside the model (the
+byte tokenizer has no files).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,17 +35,8 @@ from safetensors import SafetensorError  # the library's own spelling
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from shoal.models.adapter import TRANSFORMER, adapter_of_config
 from shoal.models.config import ModelConfig
-from shoal.models.hf_weights import (
-    HFTensor,
-    check_llama,
-    hf_config,
-    hf_layout,
-    hf_to_shoal,
-    is_hf_state,
-    shoal_to_hf,
-    to_hf_tensor,
-)
 from shoal.runtime import Runtime
 from shoal.train.safe_load import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
 from shoal.train.safetensors_stream import write_streaming
@@ -65,7 +58,8 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
         tokenizer = _checkpoint_tokenizer(checkpoint)
     extra_files = tokenizer_files(tokenizer) if hf else []  # before any tensor is written
     if cfg is not None:
-        check_llama(cfg)  # before reading any tensor
+        weight_map = adapter_of_config(cfg).weight_map()
+        weight_map.check_llama(cfg)  # before reading any tensor
     try:
         meta = SafeReader(str(checkpoint)).read_metadata()
     except UnsafeCheckpointError as exc:
@@ -78,7 +72,7 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
               if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
     if not stored:
         raise ValueError(f"checkpoint {checkpoint} holds no '{MODEL_KEY}.*' tensors; is it a shoal checkpoint?")
-    layout = hf_layout(cfg) if cfg is not None else []
+    layout = weight_map.hf_layout(cfg) if cfg is not None else []
     needed = [p for t in layout for p in t.parts] if cfg is not None else list(stored)
     missing = [k for k in needed if k not in stored]
     if missing:
@@ -102,14 +96,14 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
                for t in layout]
     folder = _hf_folder(out)
     _stream(folder / "model.safetensors", entries,
-            lambda hf: to_hf_tensor(by_hf[hf], [fetch(p) for p in by_hf[hf].parts], cfg), info)
+            lambda hf: weight_map.to_hf_tensor(by_hf[hf], [fetch(p) for p in by_hf[hf].parts], cfg), info)
     _write_hf_config(folder, cfg)
     _copy_files(extra_files, folder)
     return folder
 
 
-def _hf_shape(entry: HFTensor, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """The shape of a Hugging Face tensor made of parts of these shapes (see HFTensor)."""
+def _hf_shape(entry: Any, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of a Hugging Face tensor made of parts of these shapes (an HFTensor of the weight map)."""
     if entry.expert is not None:  # one expert's slice of a stacked tensor
         shapes = [s[1:] for s in shapes]
     shape = list(shapes[0][::-1] if entry.transpose else shapes[0])
@@ -133,7 +127,7 @@ def export_model(runtime: Runtime, out: Path | str, *, metadata: dict[str, str] 
     files of the tokenizer folder `tokenizer` copied in when one is given."""
     cfg = _live_model_config(runtime) if hf else None
     if cfg is not None:
-        check_llama(cfg)  # every rank raises alike, before any collective
+        adapter_of_config(cfg).weight_map().check_llama(cfg)  # every rank raises alike, before any collective
     extra_files = tokenizer_files(tokenizer) if hf else []
     weights = runtime.full_weights()
     if rank() != 0:
@@ -159,8 +153,9 @@ def import_weights(path: Path | str, *, runtime: Runtime, strict: bool = True) -
         weights = load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"weights file {path} cannot be read as safetensors: {exc}") from None
-    if is_hf_state(weights):  # a transformers family's layout
-        weights = hf_to_shoal(weights, _live_model_config(runtime))
+    if TRANSFORMER.weight_map().is_hf_state(weights):  # a transformers family's layout
+        cfg = _live_model_config(runtime)
+        weights = adapter_of_config(cfg).weight_map().hf_to_shoal(weights, cfg)
     try:
         runtime.load_full_weights(weights, strict=strict)
     except ValueError as exc:
@@ -169,7 +164,8 @@ def import_weights(path: Path | str, *, runtime: Runtime, strict: bool = True) -
 
 def _write_hf(weights: dict[str, torch.Tensor], out: Path, cfg: ModelConfig, metadata: dict[str, str]) -> Path:
     """Folder `out` with model.safetensors (transformers' names) and config.json; returns the folder."""
-    _write(shoal_to_hf(weights, cfg), _hf_folder(out) / "model.safetensors", metadata)
+    _write(adapter_of_config(cfg).weight_map().shoal_to_hf(weights, cfg), _hf_folder(out) / "model.safetensors",
+           metadata)
     _write_hf_config(out, cfg)
     return out
 
@@ -182,7 +178,8 @@ def _hf_folder(out: Path) -> Path:
 
 def _write_hf_config(out: Path, cfg: ModelConfig) -> None:
     tmp = out / f".config.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(hf_config(cfg), indent=2) + "\n", encoding="utf-8")
+    config = adapter_of_config(cfg).weight_map().hf_config(cfg)
+    tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     _usual_permissions(tmp)
     os.replace(tmp, out / "config.json")
 

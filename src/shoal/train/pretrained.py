@@ -1,11 +1,11 @@
 """Pretrained weights into any plan (`shoal train --init PATH`): each rank reads only its slices.
 
 PATH is a Hugging Face folder of safetensors (one `model.safetensors`, or shards listed in
-`model.safetensors.index.json`) in a layout shoal maps (shoal/models/hf_weights.py
-`SLICE_LAYOUTS`), or what `shoal export` writes (shoal's own names): a .safetensors file, or a
-folder of them. `open_pretrained` checks the files against the model from their headers alone
-(names, shapes, dtypes; no tensor data), so the launcher runs it before any worker starts and
-refuses bad input in one line. The object it returns is the `WeightSource` that
+`model.safetensors.index.json`) in a layout shoal maps (the `SLICE_LAYOUTS` of the model
+adapter's weight map, shoal/models/hf_weights.py), or what `shoal export` writes (shoal's own
+names): a .safetensors file, or a folder of them. `open_pretrained` checks the files against the
+model from their headers alone (names, shapes, dtypes; no tensor data), so the launcher runs it
+before any worker starts and refuses bad input in one line. The object it returns is the `WeightSource` that
 `parallelize(..., weights=...)` fills each rank's shards from while materializing
 (shoal/parallel/materialize.py): a rank asks for the box of each parameter it holds (its
 tensor/sharded-data rows and columns, its pipeline stage's layers, its experts) and safetensors'
@@ -31,7 +31,8 @@ import torch
 from safetensors import safe_open
 
 from shoal.models import ModelConfig, Transformer
-from shoal.models.hf_weights import SLICE_LAYOUTS, Box, OpenKey, SliceLayout, read_box
+from shoal.models.adapter import adapter_of_config
+from shoal.models.hf_weights import Box, OpenKey, SliceLayout, read_box
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
@@ -132,7 +133,8 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
         for key, entry in _read_header(file).items():
             headers[key], key_files[key] = entry, file
     _check_index(path, key_files)
-    layout = next((lay for lay in SLICE_LAYOUTS if lay.marker in headers), SHOAL)
+    layouts = adapter_of_config(cfg).weight_map().SLICE_LAYOUTS
+    layout = next((lay for lay in layouts if lay.marker in headers), SHOAL)
     try:
         layout.check(cfg)
     except ValueError as exc:
