@@ -218,10 +218,10 @@ def test_router_loss_with_output_router_logits_equals_transformers(name, tmp_pat
 
 def test_pooled_router_loss_is_refused_where_it_would_be_split():
     """The pooled loss runs wherever each forward's tokens can be pooled over the ranks that see
-    them (tests/test_moe_parallel.py checks it against one process): refused under pp (a stage's
-    backward would need the later stages' counts) and with accumulation over several data ranks
-    (a forward pools every rank's micro-batch, which no one-process run pools), in one line
-    naming the way out."""
+    them, pipeline stages included (tests/test_moe_parallel.py checks it against one process):
+    refused with accumulation over several data ranks, by --micro-batch or by a pipeline's
+    micro-batches (a forward pools every rank's micro-batch, which no one-process run pools), in
+    one line naming the way out."""
     from shoal import rules
     from shoal.models import ModelConfig
     from shoal.plan import Plan
@@ -229,9 +229,13 @@ def test_pooled_router_loss_is_refused_where_it_would_be_split():
 
     cfg = ModelConfig(num_layers=2, dim=64, num_heads=4, vocab_size=128, num_experts=4, top_k=2,
                       capacity_factor=0.0, aux_loss_pooled=True)
-    for plan, world in (("pp2", 2), ("dp2,pp2", 4)):
-        message = one_line_error(rules.resolve, Plan.parse(plan), world_size=world, model=cfg)
-        assert "aux_loss_pooled" in message and "pp=2" in message and "valid: no pp" in message, message
+    rules.resolve(Plan.parse("pp2"), world_size=2, model=cfg, global_batch=8)  # stages pool their counts
+    rules.resolve(Plan.parse("pp2,sched=zb"), world_size=2, model=cfg, global_batch=8)
+    rules.resolve(Plan.parse("dp2,pp2,mb=1"), world_size=4, model=cfg, global_batch=8)  # one pass per step
+    for plan, world in (("dp2,pp2", 4), ("fsdp2,pp2,mb=2", 4)):
+        message = one_line_error(rules.resolve, Plan.parse(plan), world_size=world, model=cfg, global_batch=8)
+        assert "aux_loss_pooled" in message and "micro-batches on 2 data ranks" in message, message
+        assert "valid: mb=1" in message, message
     for plan, world in (("dp2", 2), ("fsdp2", 2), ("ep2", 2), ("dp2,tp2", 4)):
         message = one_line_error(rules.resolve, Plan.parse(plan), world_size=world, model=cfg, global_batch=8,
                                  micro_batch=2)
