@@ -244,3 +244,18 @@ def test_pooled_router_loss_is_refused_where_it_would_be_split():
         rules.resolve(Plan.parse(plan), world_size=world, model=cfg, global_batch=8, micro_batch=4)  # one pass
     for plan, world in (("dp1", 1), ("tp2", 2)):  # one data rank: accumulation runs too
         rules.resolve(Plan.parse(plan), world_size=world, model=cfg, global_batch=8, micro_batch=2)
+
+
+def test_shoal_plan_prices_a_pooled_router_loss_in_a_pipeline(capsys):
+    """`shoal plan` asks the same rules: it prices pp2 (1f1b and zb) for a pooled router loss, and
+    its search ranks pipeline plans for it."""
+    import json
+
+    from shoal.cli import main
+
+    model = ["--model", "tiny-moe", "--set", "aux_loss_pooled=true", "--set", "capacity_factor=0"]
+    for plan in ("pp2", "pp2,sched=zb"):
+        assert main(["plan", *model, "--cluster", "2xH100", "--plan", plan]) == 0
+        assert "pp2,mb=4" in capsys.readouterr().out
+    assert main(["plan", *model, "--cluster", "8xH100", "--top", "200", "--json"]) == 0
+    assert any("pp" in p["plan"] for p in json.loads(capsys.readouterr().out))
