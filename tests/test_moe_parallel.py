@@ -218,6 +218,7 @@ POOLED_PP = POOLED.replace(num_layers=4)
 @pytest.mark.parametrize("plan, world, micro", [
     ("pp2,mb=4", 2, 4), ("pp2,mb=4,sched=zb", 2, 4), ("dp2,pp2,mb=1", 4, 1),
     ("pp2,sched=interleaved,vpp=2,mb=2", 2, 2),  # a rank's last forward of a micro-batch: its second chunk's
+    ("pp2,mb=2,ac=full", 2, 2),  # recomputed blocks: the losses' autograd nodes save no tensors
 ])
 def test_pooled_router_loss_in_a_pipeline_matches_single_process(pools, plan, world, micro):
     """The one-process loss curve, gradients and steps (check_parity's rounding bounds: the pooled
