@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shoal.testing import case, parallel_setup
+from shoal.models import ModelConfig
+from shoal.testing import SMALL, case, parallel_setup
 from shoal.train.step import split_micro, train_step
 
 
@@ -35,13 +36,13 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def host_reads_in_a_step(plan: str) -> list[str]:
+def host_reads_in_a_step(plan: str, model: ModelConfig = SMALL, num_micro: int = 1) -> list[str]:
     """Run two steps of `plan` on this rank; the host reads of the second (the first creates
     lazy state: optimizer moments, FSDP2's buffers)."""
-    runtime, optimizer, batches = parallel_setup(case(plan=plan))
-    train_step(runtime, optimizer, split_micro(*batches[0], 1), grad_clip=1.0)
+    runtime, optimizer, batches = parallel_setup(case(plan=plan, model=model))
+    train_step(runtime, optimizer, split_micro(*batches[0], num_micro), grad_clip=1.0)
     with HostReads() as mode:
-        result = train_step(runtime, optimizer, split_micro(*batches[1], 1), grad_clip=1.0)
+        result = train_step(runtime, optimizer, split_micro(*batches[1], num_micro), grad_clip=1.0)
     assert torch.isfinite(result.loss) and result.stepped
     return mode.reads
 
@@ -49,7 +50,6 @@ def host_reads_in_a_step(plan: str) -> list[str]:
 def test_a_step_never_reads_the_device_in_one_process():
     from shoal.models import Transformer
     from shoal.parallelize import parallelize
-    from shoal.testing import SMALL
 
     runtime = parallelize(Transformer(SMALL))
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-3)
@@ -63,6 +63,14 @@ def test_a_step_never_reads_the_device_in_one_process():
 @pytest.mark.parametrize("plan", ["dp2", "fsdp2", "fsdp2,zero=1", "tp2", "dp2,precision=bf16", "dp2,ac=selective"])
 def test_a_parallel_step_never_reads_the_device(pools, plan):
     assert pools(2).run(host_reads_in_a_step, plan) == [[], []]
+
+
+def test_a_pipeline_step_with_a_pooled_router_loss_never_reads_the_device(pools):
+    """Each micro-batch's expert counts are summed over the stages by an all-reduce that forward
+    starts and backward waits for, on the device."""
+    pooled = SMALL.replace(num_layers=4, num_experts=4, top_k=2, ffn_dim=64, capacity_factor=0.0,
+                           aux_loss_pooled=True, aux_loss_coef=0.5)
+    assert pools(2).run(host_reads_in_a_step, "pp2,mb=4", pooled, 4) == [[], []]
 
 
 def test_fp16_reads_once_for_its_overflow_check(pools):
@@ -99,7 +107,6 @@ def test_a_gpu_step_does_not_synchronise():
     """On a GPU, torch itself checks: sync debug mode "error" raises at any synchronising call."""
     from shoal.models import Transformer
     from shoal.parallelize import parallelize
-    from shoal.testing import SMALL
     from shoal.train.optim import OptimConfig, build_optimizer
 
     runtime = parallelize(Transformer(SMALL).cuda())

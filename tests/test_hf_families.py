@@ -218,10 +218,10 @@ def test_router_loss_with_output_router_logits_equals_transformers(name, tmp_pat
 
 def test_pooled_router_loss_is_refused_where_it_would_be_split():
     """The pooled loss runs wherever each forward's tokens can be pooled over the ranks that see
-    them (tests/test_moe_parallel.py checks it against one process): refused under pp (a stage's
-    backward would need the later stages' counts) and with accumulation over several data ranks
-    (a forward pools every rank's micro-batch, which no one-process run pools), in one line
-    naming the way out."""
+    them, pipeline stages included (tests/test_moe_parallel.py checks it against one process):
+    refused with accumulation over several data ranks, by --micro-batch or by a pipeline's
+    micro-batches (a forward pools every rank's micro-batch, which no one-process run pools), in
+    one line naming the way out."""
     from shoal import rules
     from shoal.models import ModelConfig
     from shoal.plan import Plan
@@ -229,9 +229,13 @@ def test_pooled_router_loss_is_refused_where_it_would_be_split():
 
     cfg = ModelConfig(num_layers=2, dim=64, num_heads=4, vocab_size=128, num_experts=4, top_k=2,
                       capacity_factor=0.0, aux_loss_pooled=True)
-    for plan, world in (("pp2", 2), ("dp2,pp2", 4)):
-        message = one_line_error(rules.resolve, Plan.parse(plan), world_size=world, model=cfg)
-        assert "aux_loss_pooled" in message and "pp=2" in message and "valid: no pp" in message, message
+    rules.resolve(Plan.parse("pp2"), world_size=2, model=cfg, global_batch=8)  # stages pool their counts
+    rules.resolve(Plan.parse("pp2,sched=zb"), world_size=2, model=cfg, global_batch=8)
+    rules.resolve(Plan.parse("dp2,pp2,mb=1"), world_size=4, model=cfg, global_batch=8)  # one pass per step
+    for plan, world in (("dp2,pp2", 4), ("fsdp2,pp2,mb=2", 4)):
+        message = one_line_error(rules.resolve, Plan.parse(plan), world_size=world, model=cfg, global_batch=8)
+        assert "aux_loss_pooled" in message and "micro-batches on 2 data ranks" in message, message
+        assert "valid: mb=1" in message, message
     for plan, world in (("dp2", 2), ("fsdp2", 2), ("ep2", 2), ("dp2,tp2", 4)):
         message = one_line_error(rules.resolve, Plan.parse(plan), world_size=world, model=cfg, global_batch=8,
                                  micro_batch=2)
@@ -240,3 +244,18 @@ def test_pooled_router_loss_is_refused_where_it_would_be_split():
         rules.resolve(Plan.parse(plan), world_size=world, model=cfg, global_batch=8, micro_batch=4)  # one pass
     for plan, world in (("dp1", 1), ("tp2", 2)):  # one data rank: accumulation runs too
         rules.resolve(Plan.parse(plan), world_size=world, model=cfg, global_batch=8, micro_batch=2)
+
+
+def test_shoal_plan_prices_a_pooled_router_loss_in_a_pipeline(capsys):
+    """`shoal plan` asks the same rules: it prices pp2 (1f1b and zb) for a pooled router loss, and
+    its search ranks pipeline plans for it."""
+    import json
+
+    from shoal.cli import main
+
+    model = ["--model", "tiny-moe", "--set", "aux_loss_pooled=true", "--set", "capacity_factor=0"]
+    for plan in ("pp2", "pp2,sched=zb"):
+        assert main(["plan", *model, "--cluster", "2xH100", "--plan", plan]) == 0
+        assert "pp2,mb=4" in capsys.readouterr().out
+    assert main(["plan", *model, "--cluster", "8xH100", "--top", "200", "--json"]) == 0
+    assert any("pp" in p["plan"] for p in json.loads(capsys.readouterr().out))

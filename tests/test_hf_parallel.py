@@ -62,9 +62,12 @@ ROUTER_LOSS = {name: FAMILIES[name].replace(aux_loss_pooled=True, aux_loss_coef=
 
 
 @pytest.mark.parametrize("family, plan", [("mixtral", "dp2"), ("mixtral", "ep2"), ("qwen2_moe", "tp2"),
-                                          ("qwen2_moe", "fsdp2")])
+                                          ("qwen2_moe", "fsdp2"), ("mixtral", "pp2")])
 def test_router_loss_under_plan_matches_single_process(pools, family, plan):
-    c = case(plan=plan, model=ROUTER_LOSS[family], steps=2)
+    """Under pp2 (1f1b, 4 micro-batches) the reference accumulates over the same micro-batches,
+    each pooling its own tokens over both stages' layers."""
+    resolved = Plan.parse(plan).resolve(2)
+    c = case(plan=plan, model=ROUTER_LOSS[family], steps=2, num_micro=resolved.micro_batches if resolved.pp > 1 else 1)
     check_parity(pools(2).run(run_parallel, c), c)
 
 

@@ -207,6 +207,56 @@ def test_pooled_router_loss_matches_single_process(pools, plan, world, micro):
     check_parity(pools(world).run(run_parallel, c), c)
 
 
+# Under pp each stage's layers pool with the other stages' (shoal.moe.collect.micro_batch): every
+# stage sums a micro-batch's counts with the others' (one all-reduce, started after its forward of
+# it), and its backward differentiates its own layers' probabilities against them. Four layers: two
+# per stage, so that a stage also pools within itself. Over data ranks only one micro-batch per step
+# (mb=1): with more, a micro-batch would pool one of every rank's (shoal.rules refuses it).
+POOLED_PP = POOLED.replace(num_layers=4)
+
+
+@pytest.mark.parametrize("plan, world, micro", [
+    ("pp2,mb=4", 2, 4), ("pp2,mb=4,sched=zb", 2, 4), ("dp2,pp2,mb=1", 4, 1),
+    ("pp2,sched=interleaved,vpp=2,mb=2", 2, 2),  # a rank's last forward of a micro-batch: its second chunk's
+    ("pp2,mb=2,ac=full", 2, 2),  # recomputed blocks: the losses' autograd nodes save no tensors
+])
+def test_pooled_router_loss_in_a_pipeline_matches_single_process(pools, plan, world, micro):
+    """The one-process loss curve, gradients and steps (check_parity's rounding bounds: the pooled
+    gradient coef * E * C_e / rows**2 is computed from the same integer counts, summed exactly, and
+    rounded to float32 once, a few ulps from one process's; the backward through it is the same)."""
+    c = case(plan=plan, model=POOLED_PP, steps=3, num_micro=micro)
+    check_parity(pools(world).run(run_parallel, c), c)
+
+
+def test_pooled_router_loss_needs_every_stages_counts(monkeypatch):
+    """The pipeline test above would catch stages that pooled only their own layers' counts: a
+    one-process run whose loss pools each stage's layers apart has a first-stage router gradient
+    far outside check_parity's bound (the single-process float32 error x SLACK + FLOOR_ULPS ulps)
+    around the truth."""
+    import shoal.moe.collect as collect
+    from shoal.parallel.pipeline import block_costs, split_layers
+    from shoal.testing import FLOOR_ULPS, SLACK, U32, references, run_reference
+
+    c = case(plan="pp2,mb=4", model=POOLED_PP, steps=3, num_micro=4)  # the pipeline test's: its references
+    ref32, ref64 = references(c)
+    stages = split_layers(block_costs(c.build_model()), 2)
+    assert stages[0] == range(0, 2), stages
+    whole = collect.pooled_loss
+
+    def per_stage(calls, pool=None):  # one micro-batch's calls, in layer order
+        assert len(calls) == POOLED_PP.num_layers
+        return sum(whole(calls[layers.start:layers.stop], pool) for layers in stages)
+
+    monkeypatch.setattr(collect, "pooled_loss", per_stage)
+    apart = run_reference(c)["grads"]
+    name = "layers.0.feed_forward.router.gate.weight"
+    truth, single = ref64["grads"][name], (ref32["grads"][name] - ref64["grads"][name]).abs().max().item()
+    bound = SLACK * single + FLOOR_ULPS * U32 * truth.abs().max().item()
+    off = (apart[name].double() - truth).abs().max().item()
+    print(f"first-stage router gradient with stage-local counts: {off:.3g} off; bound {bound:.3g}")
+    assert off > 100 * bound, (off, bound)
+
+
 # ----------------------------------------------------------------------------- MoE in a pipeline
 
 @pytest.mark.parametrize("plan, router, world, micro", [

@@ -62,6 +62,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, experts=experts)
     assert plan.vpp is not None, "rules.resolve chose it"
     tied = tied_embeddings(model)
+    pooled = max((m.num_experts for m in model.modules() if isinstance(m, MoELayer) and m.aux_loss_pooled), default=0)
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
                           split=plan.split)
     choice = choose_engine(plan, num_layers=max(len(blocks_of(m)) for m in stages.values()))
@@ -82,7 +83,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     pipeline = Pipeline(stages, plan.sched, plan.micro_batches, mesh, layers, vpp=plan.vpp, sync=engine.no_sync,
                         modules=modules, reduce=engine.reduce_grads, tied=bool(tied))
     return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, pipeline=pipeline, experts=experts,
-                   tied=_tied(tied, engine, stages, mesh, plan.pp * plan.vpp))
+                   tied=_tied(tied, engine, stages, mesh, plan.pp * plan.vpp), pooled_experts=pooled)
 
 
 def _tied(modules: list[str], engine: DataEngine, stages: dict[int, nn.Module], mesh: DeviceMesh,

@@ -318,10 +318,6 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
         return f"ep={plan.ep} needs a Mixture-of-Experts model; this one has num_experts=0"
     if not model.num_experts:
         return None
-    if model.aux_loss_pooled and plan.pp > 1:
-        return (f"aux_loss_pooled (transformers' router loss pooled over every layer) with pp={plan.pp}: each stage "
-                "starts backward from its own output, before the later stages' expert counts that its loss "
-                "needs are known; valid: no pp, or aux_loss_pooled=false (each layer's own loss)")
     ranks = plan.data_ranks * plan.cp  # the ranks that see other tokens of each micro-batch
     local = facts.global_batch // plan.data_ranks if facts.global_batch else None
     accumulates = facts.micro_batch is not None and local is not None and facts.micro_batch < local
@@ -330,6 +326,10 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
                 f"a micro-batch of every rank ({ranks} x {facts.micro_batch} sequences), which no one-process run "
                 "pools, so the loss curve would not be one process's; valid: no --micro-batch, one data rank "
                 "(tp), or aux_loss_pooled=false")
+    if model.aux_loss_pooled and plan.pp > 1 and plan.micro_batches > 1 and ranks > 1:  # the same, by the pipeline
+        return (f"aux_loss_pooled with pp={plan.pp}'s mb={plan.micro_batches} micro-batches on {ranks} data ranks: "
+                f"each micro-batch pools one of every rank's, which no one-process run pools, so the loss curve "
+                "would not be one process's; valid: mb=1, one data rank (pp, tp), or aux_loss_pooled=false")
     if model.share_moe and plan.fsdp > 1:
         return (f"fsdp={plan.fsdp} with share_moe (WideNet): the one shared MoE layer sits in every block's shard "
                 "unit; valid: dp axes, or share_moe=false")

@@ -19,11 +19,11 @@ private, and attaches nothing to the user's modules.
   loops of one's own), the gradients of tied embeddings summed over the first and last
   stages (pp), fp16 loss scaling, the vocabulary-parallel loss, the cp split
   (`local_batches`), the MoE layers' auxiliary losses (a loss pooled over the forward's tokens,
-  `aux_loss_pooled`, pooled over the data ranks; their load figures in `moe_stats`), then
-  tensor parallelism's partial gradients and the expert gradients reduced once. `eval_loss` is
-  its forward-only twin. `grad_norm()` (fp16: unscales first, reports an overflow) and
-  `clip_grads_(max_norm, norm)` work on the engine's shards; `global_mean(value)` averages over
-  the data ranks; `data_rank` says which slice of each global batch is this rank's.
+  `aux_loss_pooled`, pooled over the data ranks and the pipeline's stages; their load figures in
+  `moe_stats`), then tensor parallelism's partial gradients and the expert gradients reduced
+  once. `eval_loss` is its forward-only twin. `grad_norm()` (fp16: unscales first, reports an
+  overflow) and `clip_grads_(max_norm, norm)` work on the engine's shards; `global_mean(value)`
+  averages over the data ranks; `data_rank` says which slice of each global batch is this rank's.
 - State: `state_dict(optimizer)` / `load_state_dict(...)` in DCP's format, so checkpoints
   reshard; `full_weights()` / `load_full_weights(...)` for export and import; `loss_scaler`,
   fp16's dynamic loss scale (None otherwise), which the trainer saves.
@@ -78,7 +78,10 @@ class Runtime:
     def __init__(self, engine: DataEngine, *, plan: Plan | None, mesh: DeviceMesh | None,
                  choice: EngineChoice | None, context: ContextSplit | None = None,
                  pipeline: Pipeline | None = None, experts: ExpertGrads | None = None,
-                 tied: TiedGrads | None = None) -> None:
+                 tied: TiedGrads | None = None, pooled_experts: int = 0) -> None:
+        """`pooled_experts` (pp): the experts per layer of a model whose MoE layers pool their
+        load-balancing loss over every layer (aux_loss_pooled), 0 for none; the whole model's, since
+        a stage may hold none of those layers and still takes part in pooling their counts."""
         self.plan, self.mesh = plan, mesh
         self._context = context  # cp > 1: this rank's slice of every sequence, taken from each micro-batch here
         self._pipeline = pipeline  # pp > 1: this rank's stages and schedule
@@ -102,6 +105,12 @@ class Runtime:
             for group in self._data_groups:
                 ranks *= dist.get_world_size(group)
             self._moe.pool_over(self._sum_over_data, ranks)
+        self._stage_group: dist.ProcessGroup | None = None
+        if pipeline is not None and mesh is not None and pooled_experts:
+            # Every stage and data rank: one sum of a micro-batch's counts (not over the pp group's
+            # point-to-point messages, whose order the schedule fixes). Collective: every rank.
+            self._stage_group = mesh["pp", "dp", "fsdp", "cp"]._flatten("pp_data").get_group()
+            self._moe.pool_over_stages(self._start_sum_over_stages, pooled_experts)
         precision = (PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce) if plan
                      else PrecisionPolicy())
         self.loss_scaler: LossScaler | None = LossScaler() if precision.loss_scaling else None
@@ -165,7 +174,7 @@ class Runtime:
             n = len(micro_batches)
             # Stages start backward from their outputs, so MoE losses ride on the layers' outputs.
             with self._moe.attached(lambda added: scale(added / n) if scale is not None else added / n):
-                pp_total = self._pipeline.step(local, share, scale=scale)
+                pp_total = self._pipeline.step(local, share, scale=scale, around=self._pooling_micro_batches())
             if self._tied is not None:
                 self._tied.sync()
             self._after_backward()
@@ -218,6 +227,29 @@ class Runtime:
         for group in self._data_groups:
             dist.all_reduce(summed, group=group)
         return summed.to(value.device)
+
+    def _pooling_micro_batches(self) -> Callable[[int, int], contextlib.AbstractContextManager[None]] | None:
+        """pp with a pooled load-balancing loss: around each stage forward, the micro-batch it is of
+        for the MoE collector; the sum of its counts starts after this rank's last stage's."""
+        if self._stage_group is None:
+            return None
+        assert self._pipeline is not None
+        last = max(self._pipeline.stages)  # this rank's last forward of each micro-batch: its last stage's
+        return lambda stage, micro: self._moe.micro_batch(micro, last=stage == last)
+
+    def _start_sum_over_stages(self, value: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start summing `value` (no gradient) over every stage and data rank, without waiting; the
+        returned call waits for the sum (on the device: no host synchronisation) and gives it on
+        `value`'s device."""
+        assert self.mesh is not None and self._stage_group is not None
+        summed = value.to(self.mesh.device_type)  # NCCL reduces only GPU tensors
+        work = dist.all_reduce(summed, group=self._stage_group, async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return summed.to(value.device)
+
+        return wait
 
     def _after_backward(self) -> None:
         """Partial tp gradients reduced once, the expert gradients' reduction (ep, or tp on an MoE

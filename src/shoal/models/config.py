@@ -108,7 +108,8 @@ class ModelConfig:
     rows' top-k choices that went to e (summing to k) and P_e its mean probability, pooled over the
     layers (shoal.moe.collect); false: each layer's own loss, summed. The pool is one forward: the
     micro-batch's tokens on every data rank (with accumulation, a mean over micro-batches, as the
-    HF Trainer takes it). Not under pp, nor with accumulation over several data ranks (shoal.rules)."""
+    HF Trainer takes it), on every pipeline stage. Not with accumulation over several data ranks
+    (--micro-batch, or a pipeline's mb > 1; shoal.rules)."""
     share_moe: bool = False
     """WideNet: every MoE layer is one shared layer (its weights), each block keeping its norms."""
     doc_eos_id: int = -1

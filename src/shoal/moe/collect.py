@@ -10,7 +10,9 @@ share of the kept tokens (the load heatmap's column for this step).
 A load-balancing loss pooled over layers (`aux_loss_pooled`, transformers' Mixtral and Qwen2-MoE)
 pools one forward's tokens: a micro-batch's, on every rank that sees other tokens of it (with
 accumulation the runtime takes the mean of the micro-batches' losses, as the HF Trainer does). Where
-ranks split the tokens, the runtime hands the collector a sum over those ranks (`pool_over`).
+ranks split the tokens, the runtime hands the collector a sum over those ranks (`pool_over`). Where
+pipeline stages split the layers, it hands it a sum over the stages that it starts once a rank's
+forwards of a micro-batch are done and that backward waits for (`pool_over_stages`, `micro_batch`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from shoal.moe.layer import MoELayer
 Total = Callable[[torch.Tensor], torch.Tensor]
 """A tensor summed over the ranks that see other tokens of the batch (no autograd): set by the
 runtime, since this package imports nothing distributed."""
+Started = Callable[[torch.Tensor], Callable[[], torch.Tensor]]
+"""Starts summing a tensor over the pipeline's stages and data ranks (no autograd) and returns the
+wait that gives the sum: set by the runtime."""
+Balance = tuple[torch.Tensor, torch.Tensor, int]
+"""An MoE layer's `balance`: (choices per expert, summed router probabilities per expert, rows)."""
 
 FIGURES = ("tokens_min", "tokens_mean", "tokens_max", "load_cv", "dropped", "aux_loss", "z_loss")
 """The per-layer figures of `take_stats`, in order."""
@@ -42,10 +49,13 @@ class MoECollector:
                 self.names[id(module)] = _short(name)
                 module.register_forward_hook(self._called)
         self._losses: list[torch.Tensor] = []
-        self._pooled: list[tuple[MoELayer, tuple[torch.Tensor, torch.Tensor, int]]] = []  # see pooled_loss
+        self._pooled: list[tuple[MoELayer, Balance]] = []  # see pooled_loss
         self._calls: dict[str, list[dict[str, torch.Tensor]]] = {}
         self._attach: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._pool: tuple[Total, int] | None = None
+        self._stages: tuple[Started, int] | None = None  # see pool_over_stages
+        self._open: dict[int, _Counts] = {}  # micro-batch -> its counts, until its sum starts
+        self._micro: _Counts | None = None  # the counts of the forward under way (micro_batch)
 
     def __bool__(self) -> bool:
         return bool(self.names)
@@ -56,16 +66,44 @@ class MoECollector:
         scale), rides on the layer's output instead of waiting for `take_loss`: backward through the
         output also differentiates it (`attach_loss`). For a pipeline, whose stages start backward
         from their outputs, never from one loss (Megatron-Core's MoEAuxLossAutoScaler)."""
-        self._attach = transform
+        self._attach, self._open = transform, {}
         try:
             yield
         finally:
-            self._attach = None
+            self._attach, self._open = None, {}
 
     def pool_over(self, total: Total, ranks: int) -> None:
         """Pool the load-balancing loss over the `ranks` ranks that see other tokens of each forward
         (data ranks: they average their gradients); `total` sums a tensor over them. See pooled_loss."""
         self._pool = (total, ranks)
+
+    def pool_over_stages(self, start: Started, num_experts: int) -> None:
+        """Under pp: pool the load-balancing loss of a micro-batch over the layers of every stage
+        (and the data ranks of `pool_over`). `start` begins summing a tensor over those ranks; every
+        rank calls it once per micro-batch, in micro-batch order (`micro_batch`), with the counts of
+        its own `num_experts`-expert layers (zeros where it has none)."""
+        self._stages = (start, num_experts)
+
+    @contextlib.contextmanager
+    def micro_batch(self, micro: int, *, last: bool) -> Iterator[None]:
+        """Within (under `attached` and `pool_over_stages`): a stage's forward of micro-batch
+        `micro`; its MoE layers' counts are that micro-batch's. `last`: this rank's last forward of
+        it, after which the sum over the stages starts (without waiting: backward waits for it).
+
+        Why the sum is there in time: a micro-batch's backward on any stage follows the last stage's
+        forward of it, which follows every stage's forward of it; and every stage runs its forwards
+        in micro-batch order, so every rank starts the sums in the same order."""
+        assert self._stages is not None, "pool_over_stages first"
+        counts = self._open.setdefault(micro, _Counts())
+        self._micro = counts
+        try:
+            yield
+        finally:
+            self._micro = None
+        if last:
+            start, num_experts = self._stages
+            counts.start(start, num_experts)
+            del self._open[micro]
 
     def _called(self, module: nn.Module, _args: Any, out: Any) -> Any:
         assert isinstance(module, MoELayer)
@@ -76,12 +114,31 @@ class MoECollector:
         if not torch.is_grad_enabled():
             return None
         if self._attach is not None:
-            assert not module.aux_loss_pooled, "shoal.rules refuses a pooled loss where stages attach losses"
-            return attach_loss(out, self._attach(module.added_loss()))
+            out = attach_loss(out, self._attach(module.added_loss()))
+            if module.aux_loss_pooled and module.balance is not None:
+                out = self._pool_later(out, module, module.balance)
+            return out
         self._losses.append(module.added_loss())
         if module.aux_loss_pooled and module.balance is not None:
             self._pooled.append((module, module.balance))
         return None
+
+    def _pool_later(self, out: torch.Tensor, module: MoELayer, balance: Balance) -> torch.Tensor:
+        """`out`, such that backward through it also differentiates `attached`'s transform of the
+        pooled loss w.r.t. this call's router probabilities, once its micro-batch's counts are summed
+        over the stages. d/dP_e of the pooled loss (pooled_loss) is coef * E * C_e / rows**2, with C
+        and rows over every layer of every stage and data rank; times the data ranks, whose
+        gradients the engines average. The transform (a micro-batch's share, a loss scale) is
+        linear: its factor is its value at 1."""
+        assert self._stages is not None and self._micro is not None, \
+            "a pipeline pools the load-balancing loss per micro-batch (Runtime.forward_backward)"
+        assert self._attach is not None
+        counts_E, probs_E, rows = balance
+        self._micro.add(counts_E, rows)
+        ranks = self._pool[1] if self._pool is not None else 1
+        one = torch.ones((), dtype=torch.float64, device=probs_E.device)
+        weight = self._attach(one) * (ranks * module.aux_loss_coef * module.num_experts)
+        return _PoolLater.apply(out, probs_E, self._micro, weight)
 
     def take_loss(self) -> torch.Tensor | None:
         """The sum of the added losses of the calls since the last take (None without any), with
@@ -107,7 +164,7 @@ class MoECollector:
         return out
 
 
-def pooled_loss(calls: list[tuple[MoELayer, tuple[torch.Tensor, torch.Tensor, int]]],
+def pooled_loss(calls: list[tuple[MoELayer, Balance]],
                 pool: tuple[Total, int] | None = None) -> torch.Tensor:
     """aux_loss_coef * E * sum_e C_e P_e over the calls' layers at once, as transformers' Mixtral
     and Qwen2-MoE take it (`load_balancing_loss_func`): C_e the choices of expert e over all layers'
@@ -160,16 +217,63 @@ class _AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(loss)
+        # No saved tensors: activation checkpointing recomputes the layer without this node.
+        ctx.loss = (loss.shape, loss.dtype, loss.device)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(loss)
+        shape, dtype, device = ctx.loss
+        return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
 def attach_loss(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """`y`, such that any backward through it also differentiates the scalar `loss` (as if it were
     added to the final loss)."""
     return _AttachLoss.apply(y, loss)
+
+
+class _Counts:
+    """One micro-batch's expert choices and rows on this rank's stages, then (`start`) their sum
+    over every stage and data rank, which the first backward that needs it waits for."""
+
+    def __init__(self) -> None:
+        self.counts_E: torch.Tensor | None = None
+        self.rows = 0
+        self._wait: Callable[[], torch.Tensor] | None = None
+        self._total: torch.Tensor | None = None
+
+    def add(self, counts_E: torch.Tensor, rows: int) -> None:
+        assert self._wait is None, "a micro-batch's counts after its sum started"
+        counts = counts_E.detach().double()
+        self.counts_E = counts if self.counts_E is None else self.counts_E + counts
+        self.rows += rows
+
+    def start(self, start: Started, num_experts: int) -> None:
+        counts_E = self.counts_E if self.counts_E is not None else torch.zeros(num_experts, dtype=torch.float64)
+        rows = torch.full((1,), self.rows, dtype=torch.float64, device=counts_E.device)
+        self._wait = start(torch.cat([counts_E, rows]))
+
+    def total(self) -> torch.Tensor:
+        """(choices per expert, rows) over every stage and data rank, float64; waits the first time."""
+        if self._total is None:
+            assert self._wait is not None, "backward of a micro-batch whose forwards have not all run"
+            self._total, self._wait = self._wait(), None
+        return self._total
+
+
+class _PoolLater(torch.autograd.Function):
+    """Forward: `y` unchanged. Backward: `y`'s gradient passed on, and weight * C_e / rows**2 for
+    the summed router probabilities `probs_E`, with (C, rows) the micro-batch's pooled counts."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, probs_E: torch.Tensor, counts: _Counts,
+                weight: torch.Tensor) -> torch.Tensor:
+        ctx.counts, ctx.weight, ctx.dtype = counts, weight, probs_E.dtype  # no saved tensors: recompute-safe
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        total = ctx.counts.total().to(ctx.weight.device)
+        counts_E, rows = total[:-1], total[-1]
+        return grad, (ctx.weight * counts_E / (rows * rows)).to(ctx.dtype), None, None

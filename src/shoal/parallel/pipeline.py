@@ -244,10 +244,12 @@ class Pipeline:
     # ------------------------------------------------------------------ one step
 
     def step(self, micro_batches: Sequence[Batch], loss_fn: Callable, *, scale: Callable | None = None,
-             train: bool = True) -> torch.Tensor:
+             train: bool = True,
+             around: Callable[[int, int], contextlib.AbstractContextManager[None]] | None = None) -> torch.Tensor:
         """Run the schedule over the micro-batches (train: forward and backward; else forward
         only, in micro-batch order). `loss_fn` gives a micro-batch's share of the step's loss
-        (Runtime.share). Returns the sum of the last stage's shares, zero on the other ranks."""
+        (Runtime.share). `around(stage, micro)`: what each training forward of a stage runs within
+        (the runtime's MoE pooling). Returns the sum of the last stage's shares, zero on the other ranks."""
         assert len(micro_batches) == self.num_micro or not train, "micro-batches differ from the schedule's"
         slots: dict[tuple[int, int], _Slot] = {}
         sends: list[dist.Work] = []
@@ -266,8 +268,9 @@ class Pipeline:
                 slot = slots[s, m] = _Slot(inputs=inputs if s > 0 and train else None)
                 if s > 0 and train:
                     inputs.requires_grad_(True)
-                with contextlib.nullcontext() if train else torch.no_grad():
-                    output = self.stages[s](inputs)
+                with around(s, m) if around is not None and train else contextlib.nullcontext():
+                    with contextlib.nullcontext() if train else torch.no_grad():
+                        output = self.stages[s](inputs)
                 if s == self.num_stages - 1:
                     with vocab_parallel_loss(output):
                         loss = loss_fn(output, micro_batches[m][1])
