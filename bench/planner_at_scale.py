@@ -29,7 +29,7 @@ def predict(run: PublishedRun) -> Estimate:
     """The cost model's estimate of one published run's step."""
     cluster = parse_cluster(run.cluster)
     work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
-                    fused_attention=run.fused_attention)
+                    fused_attention=run.fused_attention, selective_policy=run.selective_policy)
     # Priced as it ran, also where shoal's runtime would refuse the layout (tests/test_planner.py names it).
     plan = rules.fill(Plan.parse(run.plan), rules.Facts(world_size=cluster.world_size, device="cuda",
                                                         model=run.model, global_batch=run.global_batch,
