@@ -63,7 +63,8 @@ def test_hand_checked_numbers():
     assert a100.inter.bandwidth == 25e9  # 8 x HDR 200 Gb/s per 8 GPUs = 200e9 / 8 bytes/s each
     assert h100.inter.bandwidth == 50e9  # 8 x NDR 400 Gb/s per 8 GPUs
     assert v100.inter.bandwidth == 6.25e9  # 4 x EDR 100 Gb/s per 8 GPUs = 50 Gb/s each
-    assert a100.inter.achievable == pytest.approx(25e9 * 0.9)
+    assert a100.inter.achievable == pytest.approx(24e9)  # 192 GB/s of all-reduce bus bandwidth over 8 HDR NICs
+    assert h100.inter.achievable == pytest.approx(47e9)  # 46-48 GB/s per NDR NIC
     assert h100.flops("bf16") == pytest.approx(794.5e12)  # the measured maximum achievable matmul rate
     # A100: its measured maximum (271.2 of 312 TFLOP/s) at the clock it sustains (1200 of 1410 MHz)
     assert a100.flops("bf16") == pytest.approx(271.2e12 * 1200 / 1410)
@@ -140,7 +141,8 @@ latency_us = 20
         assert (cluster.num_nodes, cluster.per_node, cluster.world_size) == (2, 4, 8)
         assert (device.name, device.memory_bytes) == ("A100-custom", 40 * 2**30)
         assert device.peak_flops == {"fp32": 19.5e12, "bf16": 300e12, "fp16": 312e12}
-        assert cluster.inter == Link(name="RoCE 100 Gb/s", bandwidth=12.5e9, efficiency=0.9, latency=20e-6)
+        inherited = DEVICES["A100-80GB"].inter.efficiency  # the key left out comes from the base device
+        assert cluster.inter == Link(name="RoCE 100 Gb/s", bandwidth=12.5e9, efficiency=inherited, latency=20e-6)
         assert cluster.intra == DEVICES["A100-80GB"].intra and device.inter == cluster.inter
 
 

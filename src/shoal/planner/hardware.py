@@ -161,10 +161,11 @@ def _infiniband(kind: str, gbit_per_nic: int, nics_per_8_devices: int, efficienc
     return Link(name=f"InfiniBand {kind}", bandwidth=per_device, efficiency=efficiency, latency=10e-6)
 
 
-# Efficiencies: NVLink ~0.75-0.8 and InfiniBand ~0.85-0.9 are the bus bandwidth nccl-tests
+# Efficiencies: NVLink ~0.75-0.8 and InfiniBand ~0.85-0.96 are the bus bandwidth nccl-tests
 # all_reduce_perf reports at large sizes over the nominal per-direction figure on DGX systems
-# (8 x A100 NVLink 3: 230-250 GB/s of 300; docs.alayanew.com "NCCL-tests in practice", reference table);
-# matmul ~0.8 is what cuBLAS reaches on large square GEMMs. Older parts get the lower ends.
+# (8 x A100 NVLink 3: 230-250 GB/s of 300; docs.alayanew.com "NCCL-tests in practice", reference table;
+# InfiniBand: _IB_HDR, _IB_NDR below); matmul ~0.8 is what cuBLAS reaches on large square GEMMs. Older parts
+# get the lower ends.
 _NCCL = "efficiencies: nccl-tests all_reduce_perf bus bandwidth on DGX systems; matmul: large cuBLAS GEMMs"
 # A100 and H100 matmul efficiency: the Maximum Achievable Matmul FLOPS of a bf16 matmul over a search of
 # shapes (S. Bekman, ml-engineering, compute/accelerator/README.md, table "Maximum Achievable Matmul
@@ -192,9 +193,15 @@ _H100_SQUARE = ((1024, 176.62 * TERA), (2048, 676.59 * TERA), (4096, 788.72 * TE
 # github.com/NVIDIA/nccl-tests issue 212, 2024-05). All-reduce with NVLink SHARP reaches ~480 GB/s bus bandwidth
 # on 8 GPUs there, which the ring formulas here do not model.
 _NVLINK4_RING = 370 / 450
+# InfiniBand across nodes: the all-reduce bus bandwidth NCCL's engineers report measuring over a node's NICs. DGX A100,
+# 8 x HDR 200 Gb/s (25 GB/s each): "we measure 192GB/s AllReduce BusBW", 24 GB/s a NIC (github.com/NVIDIA/nccl issue
+# 812, 2023-03-31; likewise "24 (what we see ourselves in general on perfect setups)" of a 200 Gb/s NIC, nccl-tests
+# issue 160, 2023-08-01). DGX H100, 8 x NDR 400 Gb/s (50 GB/s each): "46-48GB/s per NIC" with NCCL_ALGO=RING
+# (nccl-tests issue 290, 2025-03-03), 47 taken. EDR (DGX-1) keeps the generic 0.85: no such figure was found.
+_IB_HDR, _IB_NDR = 24 / 25, 47 / 50
 _DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
-_DGX_A100_IB = _infiniband("HDR", 200, 8, 0.9)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
-_DGX_H100_IB = _infiniband("NDR", 400, 8, 0.9)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
+_DGX_A100_IB = _infiniband("HDR", 200, 8, _IB_HDR)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
+_DGX_H100_IB = _infiniband("NDR", 400, 8, _IB_NDR)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
 _A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
                              matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED, attention_efficiency=0.6,
                              sm_count=108, intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
