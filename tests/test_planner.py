@@ -588,7 +588,7 @@ def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
     assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True) == 2.0
     assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=False) == 5.0
     sel, none = _estimate("tp8,ac=selective", cluster="8xH100"), _estimate("tp8", cluster="8xH100")
-    per_block_elem = (none.time["compute_elementwise"] / 3 - 4 * 16 * 128 * 256 * 4 / 8 / 3350e9)
+    per_block_elem = (none.time["compute_elementwise"] / 3 - 4 * 16 * 128 * 256 * 4 / 8 / 2970e9)
     assert sel.time["recompute"] == pytest.approx(per_block_elem)  # the blocks' elementwise work, not the head's
     net = RingNetwork(parse_cluster("8xH100"))
     gather = net.time("all_gather", 8, 16 * 128 * TINY.dim * 2.0, stride=1)

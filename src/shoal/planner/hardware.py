@@ -242,8 +242,13 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec(name="A100-80GB", memory_bytes=80 * GiB, memory_bw=1800 * GB, **_A100,
                source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); measured HBM read bandwidth; DGX A100 data "
                       f"sheet; {_NCCL}"),
-    DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=3350 * GB, **_H100,
-               source=f"NVIDIA H100 SXM5 data sheet (dense); DGX H100 data sheet; {_NCCL}"),
+    # Memory bandwidth: STREAM Triad on an H100 80GB HBM3 SXM, 2.97 of the data sheet's 3.35 TB/s (copy 2.90); on an
+    # H200, 4.15 of 4.8 (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_H100_v5_results.md, "HBM
+    # Bandwidth", read from the copy in its fork samuel-bohman/AI-benchmarking-guide at 26d18e9, and
+    # ND_H200_v5_results.md). Triad, STREAM's reference kernel, was chosen before its effect was seen.
+    DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=2970 * GB, **_H100,
+               source=f"NVIDIA H100 SXM5 data sheet (dense); measured HBM3 Triad bandwidth; DGX H100 data sheet; "
+                      f"{_NCCL}"),
     # Meta's Grand Teton H100s (torchtitan's runs): HBM2e, 96 GB, the board held to 500 W. Bandwidth: an
     # HBM2e H100 measured 2.41 TB/s (Ujeniya et al. 2026, arXiv 2604.11391, section 3); its tensor cores
     # held to the clock a 500 W cap leaves them (_H100_500W_SUSTAINED).
@@ -251,8 +256,9 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
                **{**_H100, "sustained_clock": _H100_500W_SUSTAINED},
                source=f"H100 SXM5 compute (data sheet) at the 500 W SM clock and HBM2e bandwidth of arXiv "
                       f"2604.11391; {_NCCL}"),
-    DeviceSpec(name="H200", memory_bytes=141 * GiB, memory_bw=4800 * GB, **_H100,
-               source=f"NVIDIA H200 SXM data sheet (H100 compute, HBM3e); DGX H200 data sheet; {_NCCL}"),
+    DeviceSpec(name="H200", memory_bytes=141 * GiB, memory_bw=4150 * GB, **_H100,
+               source=f"NVIDIA H200 SXM data sheet (H100 compute); measured HBM3e Triad bandwidth; DGX H200 data "
+                      f"sheet; {_NCCL}"),
     _cpu(),
 ]}
 ALIASES: dict[str, str] = {"V100": "V100-32GB", "P100": "P100-16GB", "A100": "A100-80GB",
