@@ -267,3 +267,31 @@ def test_a100_memory_bandwidth_is_a_measured_kernels():
     """A streaming read kernel on an A100 80GB SXM reaches 1.80 TB/s of the data sheet's 2.04 (NVIDIA developer
     forum thread 339083): elementwise work is priced at that."""
     assert DEVICES["A100-80GB"].memory_bw == 1800e9
+
+
+def test_allreduce_curve_returns_the_published_bus_bandwidth_at_its_sizes():
+    """Azure AI-benchmarking-guide, ND H100 v5 / ND A100 v4, 8 GPUs: all-reduce bus bandwidth by buffer size. At a
+    measured size the time is 2(n-1)/n * size / busbw; between two, the bus bandwidth is linear in log2 of the size;
+    below 1 KiB the 1 KiB time (latency-bound); beyond 8 GiB the 8 GiB bandwidth."""
+    from shoal.planner.comm import RingNetwork, allreduce_curve_time
+
+    h100 = DEVICES["H100-80GB"].intra.allreduce_busbw
+    a100 = DEVICES["A100-80GB"].intra.allreduce_busbw
+    assert h100[0] == pytest.approx((1024, 0.07e9)) and h100[-1] == pytest.approx((2**33, 478.87e9))
+    assert a100[15] == pytest.approx((2**25, 132.77e9)) and len(h100) == len(a100) == 24  # "33M": 32 MiB
+    for size, busbw in h100:
+        assert allreduce_curve_time(h100, 8, size) == pytest.approx(2 * 7 / 8 * size / busbw)
+    middle = 2**25 * 2**0.5  # halfway in log2 between 32 MiB (295.53) and 64 MiB (361.78)
+    assert allreduce_curve_time(h100, 8, middle) == pytest.approx(1.75 * middle / ((295.53 + 361.78) / 2 * 1e9))
+    small = allreduce_curve_time(h100, 8, 1024)
+    assert allreduce_curve_time(h100, 8, 8) == small == pytest.approx(1.75 * 1024 / 0.07e9)
+    assert allreduce_curve_time(h100, 8, 2**34) == pytest.approx(1.75 * 2**34 / 478.87e9)
+    assert allreduce_curve_time(h100, 2, 2**30) == pytest.approx(1.0 * 2**30 / 466.35e9)  # fewer ranks, same busbw
+    assert allreduce_curve_time(h100, 1, 2**30) == 0.0
+    net = RingNetwork(parse_cluster("16xA100-80GB"))
+    assert net.time("all_reduce", 8, 2**30, stride=1) == pytest.approx(1.75 * 2**30 / 228.10e9)  # inside a node
+    inter = parse_cluster("16xA100-80GB").inter  # across nodes: the alpha-beta ring over InfiniBand
+    ring = 2 * (inter.latency + 2**30 / 2 / inter.achievable)
+    assert net.time("all_reduce", 2, 2**30, stride=8) == pytest.approx(ring)
+    with pytest.raises(ValueError, match="increasing size"):
+        Link(name="x", bandwidth=1e9, efficiency=1.0, latency=0.0, allreduce_busbw=((2048, 1e9), (1024, 2e9)))
