@@ -269,7 +269,8 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
                source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); DGX A100 data sheet; {_NCCL}"),
     # Memory bandwidth: what a streaming read kernel reaches on an A100 80GB SXM, 1.80 of the data sheet's
     # 2.04 TB/s (88%, Nsight Compute agreeing; NVIDIA developer forum, "Trouble to Reach Peak Bandwidth of A100",
-    # thread 339083, which cites a GTC talk whose best kernel reached ~90%), not the data-sheet figure.
+    # thread 339083, which cites a GTC talk whose best kernel reached ~90%), not the data-sheet figure. Cross-check,
+    # not used: STREAM Triad on an A100-SXM4-80GB, 1.70 TB/s (Azure AI-benchmarking-guide, ND_A100_v4_results.md).
     DeviceSpec(name="A100-80GB", memory_bytes=80 * GiB, memory_bw=1800 * GB, **_A100,
                source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); measured HBM read bandwidth; DGX A100 data "
                       f"sheet; {_NCCL}"),
