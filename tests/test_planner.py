@@ -15,7 +15,7 @@ from shoal.plan import Plan
 from shoal.plan_command import price
 from shoal.planner import compute, memory
 from shoal.planner.comm import RingNetwork, ring_time
-from shoal.planner.estimate import Workload, _bubble, estimate
+from shoal.planner.estimate import Workload, _bubble, _training_gemm_time, estimate
 from shoal.planner.hardware import parse_cluster
 from shoal.planner.search import search
 
@@ -540,6 +540,43 @@ def test_gathers_hide_only_behind_forward_by_hand():
     assert e.time["dp_sync_exposed"] == pytest.approx(want, rel=1e-6)
 
 
+def test_torchtitan_selective_policy_by_hand():
+    """torchtitan's per-op policy keeps every second weight product's output, counted in call order per block
+    (wq wk wv wo w1 w3 w2): wk, wo and w3 are rerun; wq, wv, w1, w2, the attention kernel's output and log-sum-exp
+    and the block's input are kept. TINY: D 128, 8 heads of 16, 4 KV heads (64 wide), F 384."""
+    assert [name for name, *_ in compute.block_matmuls(TINY)] == ["wq", "wk", "wv", "wo", "w1", "w3", "w2"]
+    assert compute.titan_recomputed_matmul(TINY, moe=False) == 2 * 128 * 64 + 2 * 128 * 128 + 2 * 128 * 384
+    assert compute.titan_recomputed_matmul(TINY, moe=True) == 2 * 128 * 64 + 2 * 128 * 128  # attention only
+    llama8b = get_preset("llama3-8b")  # wk 4096 x 1024, wo 4096 x 4096, w3 4096 x 14336 of 218.1M weights
+    share = compute.titan_recomputed_matmul(llama8b, moe=False) / compute.block_work(
+        llama8b, 0, seq_len=1, causal_skip=True, fused_attention=True).matmul
+    assert share == pytest.approx((4096 * 1024 + 4096 * 4096 + 4096 * 14336) / 218_103_808)
+    kw = dict(seq_len=128, fused_attention=True, ac="selective", policy="torchtitan-op")
+    # input 128 + wq 128 + wv 64 + w1 384 + w2 128 + attention output 128 and 8 log-sum-exps
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, **kw) == 128 + 128 + 64 + 384 + 128 + 136
+    # tp2 with sequence parallelism: w2's partial sum stays whole; two reduce-scatter outputs of D/2
+    assert memory.activation_elements(TINY, 0, tp=2, sp=True, **kw) == 64 + (128 + 64 + 384) / 2 + 128 + 68 + 128
+    assert compute.recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True,
+                              selective_matmul=1.5) == 3.5
+    with pytest.raises(ValueError, match="valid: shoal, torchtitan-op"):
+        Workload(model=TINY, global_batch=4, seq_len=128, selective_policy="every-other")
+
+
+def test_torchtitan_selective_policy_in_the_estimate():
+    """The estimate reruns the policy's share of the blocks' weight products (not the head's) and holds less."""
+    model, cluster = get_preset("llama3-8b"), parse_cluster("8xH100")
+    plan = Plan.parse("fsdp8,ac=selective,precision=bf16").resolve(8, "cuda")
+    shoal_way, titan = (estimate(plan, Workload(model=model, global_batch=16, seq_len=8192, selective_policy=policy),
+                                 cluster) for policy in ("shoal", "torchtitan-op"))
+    share = compute.titan_recomputed_matmul(model, moe=False) / compute.block_work(
+        model, 0, seq_len=1, causal_skip=True, fused_attention=True).matmul
+    tokens, device = 2 * 8192, cluster.device  # one micro-batch of 2 sequences on each rank
+    head_mm = (_training_gemm_time(device, tokens, model.vocab_size, model.dim) * compute.head_flops(model) * tokens
+               / device.flops("bf16"))
+    blocks_mm = shoal_way.time["compute_matmul"] / 3 - head_mm
+    assert titan.time["recompute"] - shoal_way.time["recompute"] == pytest.approx(share * blocks_mm, rel=1e-6)
+    assert titan.memory["activations"] < shoal_way.memory["activations"] / 2
+
 def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
     """shoal.parallel.recompute keeps matmul and fused-attention outputs and tensor-parallel reductions:
     backward reruns the elementwise ops (and unfused attention's score products), and under sequence
@@ -551,7 +588,7 @@ def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
     assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True) == 2.0
     assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=False) == 5.0
     sel, none = _estimate("tp8,ac=selective", cluster="8xH100"), _estimate("tp8", cluster="8xH100")
-    per_block_elem = (none.time["compute_elementwise"] / 3 - 4 * 16 * 128 * 256 * 4 / 8 / 3350e9)
+    per_block_elem = (none.time["compute_elementwise"] / 3 - 4 * 16 * 128 * 256 * 4 / 8 / 2970e9)
     assert sel.time["recompute"] == pytest.approx(per_block_elem)  # the blocks' elementwise work, not the head's
     net = RingNetwork(parse_cluster("8xH100"))
     gather = net.time("all_gather", 8, 16 * 128 * TINY.dim * 2.0, stride=1)

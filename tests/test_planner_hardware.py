@@ -63,13 +63,15 @@ def test_hand_checked_numbers():
     assert a100.inter.bandwidth == 25e9  # 8 x HDR 200 Gb/s per 8 GPUs = 200e9 / 8 bytes/s each
     assert h100.inter.bandwidth == 50e9  # 8 x NDR 400 Gb/s per 8 GPUs
     assert v100.inter.bandwidth == 6.25e9  # 4 x EDR 100 Gb/s per 8 GPUs = 50 Gb/s each
-    assert a100.inter.achievable == pytest.approx(25e9 * 0.9)
+    assert a100.inter.achievable == pytest.approx(24e9)  # 192 GB/s of all-reduce bus bandwidth over 8 HDR NICs
+    assert h100.inter.achievable == pytest.approx(47e9)  # 46-48 GB/s per NDR NIC
     assert h100.flops("bf16") == pytest.approx(794.5e12)  # the measured maximum achievable matmul rate
     # A100: its measured maximum (271.2 of 312 TFLOP/s) at the clock it sustains (1200 of 1410 MHz)
     assert a100.flops("bf16") == pytest.approx(271.2e12 * 1200 / 1410)
     assert a100.flops("fp32") == pytest.approx(19.5e12 * 271.2 / 312 * 1200 / 1410)  # tf32 off, PyTorch's default
     assert DEVICES["H200"].flops("bf16") == h100.flops("bf16")
-    assert DEVICES["H200"].memory_bw == 4.8e12 and DEVICES["A100-40GB"].memory_bw == 1555e9
+    assert DEVICES["H200"].memory_bw == 4.15e12 and DEVICES["A100-40GB"].memory_bw == 1555e9  # Triad; data sheet
+    assert h100.memory_bw == 2.97e12  # STREAM Triad on an H100 80GB HBM3
 
 
 def test_bf16_without_bf16_costs_as_fp16():
@@ -140,7 +142,8 @@ latency_us = 20
         assert (cluster.num_nodes, cluster.per_node, cluster.world_size) == (2, 4, 8)
         assert (device.name, device.memory_bytes) == ("A100-custom", 40 * 2**30)
         assert device.peak_flops == {"fp32": 19.5e12, "bf16": 300e12, "fp16": 312e12}
-        assert cluster.inter == Link(name="RoCE 100 Gb/s", bandwidth=12.5e9, efficiency=0.9, latency=20e-6)
+        inherited = DEVICES["A100-80GB"].inter.efficiency  # the key left out comes from the base device
+        assert cluster.inter == Link(name="RoCE 100 Gb/s", bandwidth=12.5e9, efficiency=inherited, latency=20e-6)
         assert cluster.intra == DEVICES["A100-80GB"].intra and device.inter == cluster.inter
 
 
@@ -264,3 +267,31 @@ def test_a100_memory_bandwidth_is_a_measured_kernels():
     """A streaming read kernel on an A100 80GB SXM reaches 1.80 TB/s of the data sheet's 2.04 (NVIDIA developer
     forum thread 339083): elementwise work is priced at that."""
     assert DEVICES["A100-80GB"].memory_bw == 1800e9
+
+
+def test_allreduce_curve_returns_the_published_bus_bandwidth_at_its_sizes():
+    """Azure AI-benchmarking-guide, ND H100 v5 / ND A100 v4, 8 GPUs: all-reduce bus bandwidth by buffer size. At a
+    measured size the time is 2(n-1)/n * size / busbw; between two, the bus bandwidth is linear in log2 of the size;
+    below 1 KiB the 1 KiB time (latency-bound); beyond 8 GiB the 8 GiB bandwidth."""
+    from shoal.planner.comm import RingNetwork, allreduce_curve_time
+
+    h100 = DEVICES["H100-80GB"].intra.allreduce_busbw
+    a100 = DEVICES["A100-80GB"].intra.allreduce_busbw
+    assert h100[0] == pytest.approx((1024, 0.07e9)) and h100[-1] == pytest.approx((2**33, 478.87e9))
+    assert a100[15] == pytest.approx((2**25, 132.77e9)) and len(h100) == len(a100) == 24  # "33M": 32 MiB
+    for size, busbw in h100:
+        assert allreduce_curve_time(h100, 8, size) == pytest.approx(2 * 7 / 8 * size / busbw)
+    middle = 2**25 * 2**0.5  # halfway in log2 between 32 MiB (295.53) and 64 MiB (361.78)
+    assert allreduce_curve_time(h100, 8, middle) == pytest.approx(1.75 * middle / ((295.53 + 361.78) / 2 * 1e9))
+    small = allreduce_curve_time(h100, 8, 1024)
+    assert allreduce_curve_time(h100, 8, 8) == small == pytest.approx(1.75 * 1024 / 0.07e9)
+    assert allreduce_curve_time(h100, 8, 2**34) == pytest.approx(1.75 * 2**34 / 478.87e9)
+    assert allreduce_curve_time(h100, 2, 2**30) == pytest.approx(1.0 * 2**30 / 466.35e9)  # fewer ranks, same busbw
+    assert allreduce_curve_time(h100, 1, 2**30) == 0.0
+    net = RingNetwork(parse_cluster("16xA100-80GB"))
+    assert net.time("all_reduce", 8, 2**30, stride=1) == pytest.approx(1.75 * 2**30 / 228.10e9)  # inside a node
+    inter = parse_cluster("16xA100-80GB").inter  # across nodes: the alpha-beta ring over InfiniBand
+    ring = 2 * (inter.latency + 2**30 / 2 / inter.achievable)
+    assert net.time("all_reduce", 2, 2**30, stride=8) == pytest.approx(ring)
+    with pytest.raises(ValueError, match="increasing size"):
+        Link(name="x", bandwidth=1e9, efficiency=1.0, latency=0.0, allreduce_busbw=((2048, 1e9), (1024, 2e9)))

@@ -13,6 +13,7 @@ reduce-scatter's input, all-to-all's input on one rank, a point-to-point message
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +39,26 @@ def ring_time(kind: str, n: int, nbytes: float, *, bandwidth: float, latency: fl
     return factor * ((n - 1) * latency + (n - 1) / n * nbytes / bandwidth)
 
 
+def allreduce_curve_time(curve: tuple[tuple[int, float], ...], n: int, nbytes: float) -> float:
+    """Seconds of an all-reduce of `nbytes` over `n` ranks from a measured bus bandwidth by buffer size (Link.
+    allreduce_busbw: busbw = algbw * 2(n-1)/n, so time = 2(n-1)/n * nbytes / busbw): the bus bandwidth linear in
+    log2 of the size between measured sizes; below the smallest, the smallest's time (a smaller buffer is no
+    faster: latency-bound); beyond the largest, the largest's bandwidth."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = 2.0 * (n - 1) / n
+    (first, first_rate), (last, last_rate) = curve[0], curve[-1]
+    if nbytes <= first:
+        return factor * first / first_rate
+    if nbytes >= last:
+        return factor * nbytes / last_rate
+    for (s0, r0), (s1, r1) in zip(curve, curve[1:]):
+        if nbytes <= s1:
+            t = (math.log2(nbytes) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+            return factor * nbytes / (r0 + t * (r1 - r0))
+    raise AssertionError("unreachable: nbytes lies within the curve")
+
+
 class Network(Protocol):
     """Prices one collective over a group of `n` ranks spaced `stride` apart in rank order."""
 
@@ -52,6 +73,8 @@ class RingNetwork:
 
     def time(self, kind: str, n: int, nbytes: float, *, stride: int) -> float:
         link = self.cluster.link(n, stride)
+        if kind == "all_reduce" and link.allreduce_busbw:
+            return allreduce_curve_time(link.allreduce_busbw, n, nbytes)
         return ring_time(kind, n, nbytes, bandwidth=link.achievable, latency=link.latency)
 
 

@@ -137,16 +137,54 @@ def attention_backward_multiplier(*, fused_kernel: bool) -> float:
     return FUSED_BACKWARD if fused_kernel else 2.0
 
 
-def recomputed(ac: str, *, matmul: float, attention: float, elementwise: float, fused_attention: bool) -> float:
+SELECTIVE_POLICIES = ("shoal", "torchtitan-op")
+"""What `ac=selective` keeps, by the trainer that runs it: shoal's policy (shoal.parallel.recompute: the output of
+every weight product and of the attention kernel) or torchtitan's per-op policy (`titan_recomputed_matmul`)."""
+
+
+def block_matmuls(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
+    """A dense block's weight products in the order its forward calls them, as (name, input width, output width,
+    column-parallel): attention's wq, wk, wv, then wo; a SwiGLU FFN's w1, then w3, then w2 (`w2(silu(w1(x)) *
+    w3(x))`: Python evaluates w1 first); a GELU FFN's w1, then w2. Under tensor parallelism a column-parallel
+    product's output is split over the ranks; a row-parallel one (wo, w2) produces the whole width on every rank,
+    a partial sum before its reduction."""
+    D, q, kv = cfg.dim, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    F = cfg.ffn_dim
+    ffn = ([("w1", D, F, True), ("w3", D, F, True)] if cfg.activation == "swiglu" else [("w1", D, F, True)])
+    return (("wq", D, q, True), ("wk", D, kv, True), ("wv", D, kv, True), ("wo", q, D, False),
+            *ffn, ("w2", F, D, False))
+
+
+def titan_saves(index: int) -> bool:
+    """Whether torchtitan's per-op selective recompute keeps the output of a block's `index`-th weight product
+    (counting from 1 in call order): its policy (github.com/pytorch/torchtitan, `_custom_policy` in
+    torchtitan/parallelisms/parallelize_llama.py at 9dec370, 2024-12, and unchanged in
+    torchtitan/models/llama3/parallelize_llama.py at 820504e, 2025-06) saves the outputs of aten.mm, the SDPA
+    kernels and tensor parallelism's reduce-scatters, "except every second mm", counted afresh in each block's
+    checkpointed forward; every other op is recomputed."""
+    return index % 2 == 1
+
+
+def titan_recomputed_matmul(cfg: ModelConfig, *, moe: bool) -> float:
+    """Forward FLOPs per token of the weight products torchtitan's per-op selective recompute reruns: every second
+    one of `block_matmuls` (Llama's wk, wo and w3: 0.365 of an 8B block's). In an MoE block only the attention
+    projections are counted (its experts are not a plain aten.mm)."""
+    products = block_matmuls(cfg)[:4] if moe else block_matmuls(cfg)
+    return sum(2.0 * d_in * d_out for i, (_, d_in, d_out, _) in enumerate(products, 1) if not titan_saves(i))
+
+
+def recomputed(ac: str, *, matmul: float, attention: float, elementwise: float, fused_attention: bool,
+               selective_matmul: float = 0.0) -> float:
     """The forward work backward reruns, of a block's matmul, attention-core and elementwise work (in any one
     unit: FLOPs or seconds). Full recompute reruns all of it. Selective recompute runs shoal's policy
     (shoal.parallel.recompute: the outputs of matmuls and of the fused attention kernel are kept, every other
     op is recomputed): the elementwise ops, and unfused attention's score products with them (batched
-    products the policy does not keep)."""
+    products the policy does not keep); plus `selective_matmul`, the part of `matmul` a policy that keeps
+    fewer products reruns (torchtitan's: `titan_recomputed_matmul`)."""
     if ac == "full":
         return matmul + attention + elementwise
     if ac == "selective":
-        return elementwise + (0.0 if fused_attention else attention)
+        return elementwise + selective_matmul + (0.0 if fused_attention else attention)
     return 0.0
 
 

@@ -94,6 +94,14 @@ class Workload:
     """Attention in one kernel that skips masked blocks and keeps no scores (FlashAttention, which
     PyTorch's SDPA runs and shoal calls); False for the unfused QK^T / softmax / AV of trainers before
     it (Megatron-LM until 2022), which computes and stores the whole T x T score matrix."""
+    selective_policy: str = "shoal"
+    """What `ac=selective` keeps (compute.SELECTIVE_POLICIES): shoal's policy, or "torchtitan-op" for a run
+    of torchtitan's per-op selective recompute, which keeps every second weight product's output only."""
+
+    def __post_init__(self) -> None:
+        if self.selective_policy not in compute.SELECTIVE_POLICIES:
+            raise ValueError(f"selective_policy {self.selective_policy!r} is not valid; "
+                             f"valid: {', '.join(compute.SELECTIVE_POLICIES)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +161,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     b = local // micro  # sequences per micro-batch
     net = network or RingNetwork(cluster)
     engine = choose_engine(plan, num_layers=cfg.num_layers)
-    cost = _Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention)
+    cost = _Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention,
+                  policy=work.selective_policy)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
     stages = [(0, first, plan.pp == 1), (cfg.num_layers - last, cfg.num_layers, True)]
     per_stage = [cost.stage(lo, hi, head=head) for lo, hi, head in stages]
@@ -232,8 +241,8 @@ class _Costs:
     """Per-rank costs of one micro-batch under one plan (the pieces `estimate` adds up)."""
 
     def __init__(self, plan: Plan, cfg: ModelConfig, cluster: Cluster, net: Network, *, tokens: float,
-                 seq_len: int, fused: bool) -> None:
-        self.fused = fused
+                 seq_len: int, fused: bool, policy: str = "shoal") -> None:
+        self.fused, self.policy = fused, policy
         self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
         self.rate = cluster.device.flops(_dtype(plan, cluster))
         # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate; a fused kernel at its published
@@ -262,6 +271,10 @@ class _Costs:
         self.work = {moe: compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=seq_len,
                                              causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
                      for moe in (False, True)}
+        # The share of a block's weight-product work selective recompute reruns (none under shoal's policy).
+        self.selective_share = {moe: (compute.titan_recomputed_matmul(cfg, moe=moe) / self.work[moe].matmul
+                                      if policy == "torchtitan-op" and plan.ac == "selective" else 0.0)
+                                for moe in (False, True)}
 
     def head_in_blocks(self) -> float:
         dense = self.work[False]
@@ -280,8 +293,10 @@ class _Costs:
         assert p.vpp is not None, "estimates are of resolved plans"
         moe = self._moe_count(lo, hi)
         blocks = [(self.work[True], moe), (self.work[False], hi - lo - moe)]
-        mm = (self.mm_scale[True] * blocks[0][0].matmul * moe
-              + self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe)) * T / tp / self.rate
+        mm_moe = self.mm_scale[True] * blocks[0][0].matmul * moe * T / tp / self.rate
+        mm_dense = self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe) * T / tp / self.rate
+        mm = mm_moe + mm_dense
+        selective_mm = self.selective_share[True] * mm_moe + self.selective_share[False] * mm_dense
         attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate
         elem = sum(w.elementwise * n for w, n in blocks) * T * self.bytes / tp / self.mem_bw
         block_elem = elem
@@ -289,7 +304,8 @@ class _Costs:
             mm += self.head_scale * compute.head_flops(self.cfg) * T / tp / self.rate
             elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
         recompute = compute.recomputed(p.ac, matmul=mm, attention=attn, fused_attention=self.fused,
-                                       elementwise=elem if p.ac == "full" else block_elem)  # the head: full only
+                                       elementwise=elem if p.ac == "full" else block_elem,  # the head: full only
+                                       selective_matmul=selective_mm)
         if self.on_cpu and p.ac == "selective":  # the calibrated CPU model keeps the accounting it was checked with
             recompute = attn
         ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
@@ -514,12 +530,13 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     worst: dict[str, float] = {}
     per_block = {moe: memory.activation_elements(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg),
                                                  seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=plan.ac,
-                                                 fused_attention=cost.fused) for moe in (False, True)}
+                                                 fused_attention=cost.fused, policy=cost.policy)
+                 for moe in (False, True)}
     for lo, hi, head in stages:
         moe = cost._moe_count(lo, hi)
         act = per_block[True] * moe + per_block[False] * (hi - lo - moe)
         held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)  # type: ignore[arg-type]  # resolved
-        if plan.ac == "full":  # the block being recomputed holds its full activations
+        if plan.ac == "full" or any(cost.selective_share.values()):  # the block being recomputed holds all of its
             held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
                                                fused_attention=cost.fused) * tokens * cost.bytes
         logits = memory.logits_bytes(cfg, tokens, tp=plan.tp) if head else 0.0

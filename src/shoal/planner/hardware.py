@@ -41,8 +41,18 @@ class Link:
     efficiency: float  # fraction of `bandwidth` large collectives reach (nccl-tests bus bw / nominal)
     latency: float  # seconds per message step (alpha)
     name: str  # "NVLink 3", "InfiniBand HDR", "gloo (calibrated)"
+    allreduce_busbw: tuple[tuple[int, float], ...] = ()
+    """Measured all-reduce bus bandwidth by buffer size, (bytes, bytes/s) smallest first, as nccl-tests reports it
+    (busbw = algbw * 2(n-1)/n) on one node's devices: where given, an all-reduce on this link is priced from it
+    (shoal.planner.comm.allreduce_curve_time), whatever algorithm NCCL picks at that size; other collectives, and
+    links without one, by the alpha-beta ring."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "allreduce_busbw", tuple(tuple(p) for p in self.allreduce_busbw))
+        sizes = [size for size, _ in self.allreduce_busbw]
+        if sizes != sorted(set(sizes)) or any(not (size > 0 and rate > 0) for size, rate in self.allreduce_busbw):
+            raise ValueError(f"link {self.name!r}: allreduce_busbw needs positive (bytes, bytes/s) pairs by "
+                             f"increasing size, got {self.allreduce_busbw}")
         if not self.bandwidth > 0:
             raise ValueError(f"link {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth}")
         if not 0 < self.efficiency <= 1:
@@ -149,11 +159,13 @@ class DeviceSpec:
         return rate, rate
 
 
-def _nvlink(generation: int, total_gbs: float, efficiency: float) -> Link:
+def _nvlink(generation: int, total_gbs: float, efficiency: float,
+            allreduce: tuple[tuple[int, float], ...] = ()) -> Link:
     # NVLink data sheets add both directions together; a Link is one direction. Latency: 5 us a ring step, so a
     # 2-rank all-reduce of a few bytes (2 steps) takes 10 us, as nccl-tests measured on two A100-SXM4-40GB
     # (all_reduce_perf, 32 B: 10.14 us; github.com/NVIDIA/nccl issue 583, 2021-10).
-    return Link(name=f"NVLink {generation}", bandwidth=total_gbs / 2 * GB, efficiency=efficiency, latency=5e-6)
+    return Link(name=f"NVLink {generation}", bandwidth=total_gbs / 2 * GB, efficiency=efficiency, latency=5e-6,
+                allreduce_busbw=allreduce)
 
 
 def _infiniband(kind: str, gbit_per_nic: int, nics_per_8_devices: int, efficiency: float) -> Link:
@@ -161,10 +173,11 @@ def _infiniband(kind: str, gbit_per_nic: int, nics_per_8_devices: int, efficienc
     return Link(name=f"InfiniBand {kind}", bandwidth=per_device, efficiency=efficiency, latency=10e-6)
 
 
-# Efficiencies: NVLink ~0.75-0.8 and InfiniBand ~0.85-0.9 are the bus bandwidth nccl-tests
+# Efficiencies: NVLink ~0.75-0.8 and InfiniBand ~0.85-0.96 are the bus bandwidth nccl-tests
 # all_reduce_perf reports at large sizes over the nominal per-direction figure on DGX systems
-# (8 x A100 NVLink 3: 230-250 GB/s of 300; docs.alayanew.com "NCCL-tests in practice", reference table);
-# matmul ~0.8 is what cuBLAS reaches on large square GEMMs. Older parts get the lower ends.
+# (8 x A100 NVLink 3: 230-250 GB/s of 300; docs.alayanew.com "NCCL-tests in practice", reference table;
+# InfiniBand: _IB_HDR, _IB_NDR below); matmul ~0.8 is what cuBLAS reaches on large square GEMMs. Older parts
+# get the lower ends.
 _NCCL = "efficiencies: nccl-tests all_reduce_perf bus bandwidth on DGX systems; matmul: large cuBLAS GEMMs"
 # A100 and H100 matmul efficiency: the Maximum Achievable Matmul FLOPS of a bf16 matmul over a search of
 # shapes (S. Bekman, ml-engineering, compute/accelerator/README.md, table "Maximum Achievable Matmul
@@ -190,17 +203,42 @@ _H100_SQUARE = ((1024, 176.62 * TERA), (2048, 676.59 * TERA), (4096, 788.72 * TE
 # H100 NVLink 4 within a node: 370 GB/s of bus bandwidth for ring collectives (all-gather, reduce-scatter, or
 # all-reduce with NCCL_ALGO=RING) of the 450 GB/s line rate, ~20% protocol overhead (S. Jeaugey, NCCL maintainer,
 # github.com/NVIDIA/nccl-tests issue 212, 2024-05). All-reduce with NVLink SHARP reaches ~480 GB/s bus bandwidth
-# on 8 GPUs there, which the ring formulas here do not model.
+# on 8 GPUs there (_H100_NVLS_ALLREDUCE below measures it).
 _NVLINK4_RING = 370 / 450
+
+
+def _busbw(gbs: tuple[float, ...]) -> tuple[tuple[int, float], ...]:
+    """(bytes, bytes/s) pairs from GB/s at buffers of 1 KiB, 2 KiB, ... doubling."""
+    return tuple((2 ** (10 + i), rate * GB) for i, rate in enumerate(gbs))
+
+
+# NCCL all-reduce bus bandwidth (GB/s) against buffer size on the 8 GPUs of one node, nccl-tests in place, buffers
+# of 1 KiB to 8 GiB doubling (the page labels them 1K, 2K, ..., 65K, 132K, ..., 1G .. 8G), NCCL 2.18.5: Azure's
+# github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md (8 x A100-SXM4-80GB, NVLink 3 through
+# NVSwitch; the page calls the algorithm NVLS, which the A100 lacks: NCCL's default) and ND_H100_v5_results.md (8 x
+# H100 80GB HBM3, NVLink SHARP; read from the fork samuel-bohman/AI-benchmarking-guide at 26d18e9), section "NCCL
+# Bandwidth". The H100's peak, 479 GB/s, is NVLink SHARP's ~480 (issue 212 above). A group of fewer than 8 ranks of
+# a node is priced from the same curve.
+_A100_ALLREDUCE = _busbw((0.04, 0.08, 0.17, 0.33, 0.67, 1.37, 2.70, 5.15, 10.11, 19.24, 36.22, 53.54, 71.43, 89.99,
+                          109.22, 132.77, 166.63, 174.18, 213.87, 221.58, 228.10, 230.22, 230.48, 231.58))
+_H100_NVLS_ALLREDUCE = _busbw((0.07, 0.14, 0.27, 0.53, 0.95, 1.71, 2.72, 5.40, 10.86, 21.35, 43.70, 81.93, 128.73,
+                               172.13, 234.45, 295.53, 361.78, 400.61, 423.38, 438.46, 466.35, 472.36, 475.54, 478.87))
+# InfiniBand across nodes: the all-reduce bus bandwidth NCCL's engineers report measuring over a node's NICs. DGX A100,
+# 8 x HDR 200 Gb/s (25 GB/s each): "we measure 192GB/s AllReduce BusBW", 24 GB/s a NIC (github.com/NVIDIA/nccl issue
+# 812, 2023-03-31; likewise "24 (what we see ourselves in general on perfect setups)" of a 200 Gb/s NIC, nccl-tests
+# issue 160, 2023-08-01). DGX H100, 8 x NDR 400 Gb/s (50 GB/s each): "46-48GB/s per NIC" with NCCL_ALGO=RING
+# (nccl-tests issue 290, 2025-03-03), 47 taken. EDR (DGX-1) keeps the generic 0.85: no such figure was found.
+_IB_HDR, _IB_NDR = 24 / 25, 47 / 50
 _DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
-_DGX_A100_IB = _infiniband("HDR", 200, 8, 0.9)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
-_DGX_H100_IB = _infiniband("NDR", 400, 8, 0.9)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
+_DGX_A100_IB = _infiniband("HDR", 200, 8, _IB_HDR)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
+_DGX_H100_IB = _infiniband("NDR", 400, 8, _IB_NDR)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
 _A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
                              matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED, attention_efficiency=0.6,
-                             sm_count=108, intra=_nvlink(3, 600, 0.78), inter=_DGX_A100_IB)
+                             sm_count=108, intra=_nvlink(3, 600, 0.78, _A100_ALLREDUCE), inter=_DGX_A100_IB)
 _H100: dict[str, Any] = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                              matmul_efficiency=_MAMF_H100, gemm_square=_H100_SQUARE, attention_efficiency=0.35,
-                             attention_table="FA2-H100", sm_count=132, intra=_nvlink(4, 900, _NVLINK4_RING),
+                             attention_table="FA2-H100", sm_count=132,
+                             intra=_nvlink(4, 900, _NVLINK4_RING, _H100_NVLS_ALLREDUCE),
                              inter=_DGX_H100_IB)
 
 
@@ -231,12 +269,18 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
                source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); DGX A100 data sheet; {_NCCL}"),
     # Memory bandwidth: what a streaming read kernel reaches on an A100 80GB SXM, 1.80 of the data sheet's
     # 2.04 TB/s (88%, Nsight Compute agreeing; NVIDIA developer forum, "Trouble to Reach Peak Bandwidth of A100",
-    # thread 339083, which cites a GTC talk whose best kernel reached ~90%), not the data-sheet figure.
+    # thread 339083, which cites a GTC talk whose best kernel reached ~90%), not the data-sheet figure. Cross-check,
+    # not used: STREAM Triad on an A100-SXM4-80GB, 1.70 TB/s (Azure AI-benchmarking-guide, ND_A100_v4_results.md).
     DeviceSpec(name="A100-80GB", memory_bytes=80 * GiB, memory_bw=1800 * GB, **_A100,
                source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); measured HBM read bandwidth; DGX A100 data "
                       f"sheet; {_NCCL}"),
-    DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=3350 * GB, **_H100,
-               source=f"NVIDIA H100 SXM5 data sheet (dense); DGX H100 data sheet; {_NCCL}"),
+    # Memory bandwidth: STREAM Triad on an H100 80GB HBM3 SXM, 2.97 of the data sheet's 3.35 TB/s (copy 2.90); on an
+    # H200, 4.15 of 4.8 (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_H100_v5_results.md, "HBM
+    # Bandwidth", read from the copy in its fork samuel-bohman/AI-benchmarking-guide at 26d18e9, and
+    # ND_H200_v5_results.md). Triad, STREAM's reference kernel, was chosen before its effect was seen.
+    DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=2970 * GB, **_H100,
+               source=f"NVIDIA H100 SXM5 data sheet (dense); measured HBM3 Triad bandwidth; DGX H100 data sheet; "
+                      f"{_NCCL}"),
     # Meta's Grand Teton H100s (torchtitan's runs): HBM2e, 96 GB, the board held to 500 W. Bandwidth: an
     # HBM2e H100 measured 2.41 TB/s (Ujeniya et al. 2026, arXiv 2604.11391, section 3); its tensor cores
     # held to the clock a 500 W cap leaves them (_H100_500W_SUSTAINED).
@@ -244,8 +288,9 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
                **{**_H100, "sustained_clock": _H100_500W_SUSTAINED},
                source=f"H100 SXM5 compute (data sheet) at the 500 W SM clock and HBM2e bandwidth of arXiv "
                       f"2604.11391; {_NCCL}"),
-    DeviceSpec(name="H200", memory_bytes=141 * GiB, memory_bw=4800 * GB, **_H100,
-               source=f"NVIDIA H200 SXM data sheet (H100 compute, HBM3e); DGX H200 data sheet; {_NCCL}"),
+    DeviceSpec(name="H200", memory_bytes=141 * GiB, memory_bw=4150 * GB, **_H100,
+               source=f"NVIDIA H200 SXM data sheet (H100 compute); measured HBM3e Triad bandwidth; DGX H200 data "
+                      f"sheet; {_NCCL}"),
     _cpu(),
 ]}
 ALIASES: dict[str, str] = {"V100": "V100-32GB", "P100": "P100-16GB", "A100": "A100-80GB",
@@ -354,7 +399,10 @@ def parse_cluster(text: str) -> Cluster:
 # TOML key in friendly units -> (field, base units per friendly unit); None: a string, not a field for `base`.
 _TOP_KEYS = ("nodes", "per_node", "device", "intra", "inter")
 _LINK_KEYS = {"name": ("name", None), "bandwidth_gbs": ("bandwidth", GB),
-              "efficiency": ("efficiency", 1.0), "latency_us": ("latency", US)}
+              "efficiency": ("efficiency", 1.0), "latency_us": ("latency", US),
+              "allreduce_busbw_gbs": ("allreduce_busbw", "pairs_gb")}
+_PAIRS = {"pairs": TERA, "pairs_gb": GB}
+"""Keys holding [[size, rate], ...] lists, by the unit of their rate: TFLOP/s (GEMM sizes) or GB/s (buffer bytes)."""
 _DEVICE_KEYS = {"base": (None, None), "name": ("name", None), "source": ("source", None),
                 **{f"peak_tflops_{d}": (d, TERA) for d in DTYPES},
                 "matmul_efficiency": ("matmul_efficiency", 1.0), "sustained_clock": ("sustained_clock", 1.0),
@@ -383,10 +431,10 @@ def _read_table(table: object, keys: dict, where: str) -> dict:
         if key not in keys:
             raise ValueError(f"{where}: unknown key {key!r}; valid: {', '.join(keys)}")
         field, scale = keys[key]
-        if scale == "pairs":  # [[size, TFLOP/s], ...]
+        if scale in _PAIRS:  # [[size, rate], ...]
             if not (isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)):
-                raise ValueError(f"{where}: {key} must be a list of [size, TFLOP/s] pairs, got {value!r}")
-            out[field] = tuple((int(size), rate * TERA) for size, rate in value)
+                raise ValueError(f"{where}: {key} must be a list of [size, rate] pairs, got {value!r}")
+            out[field] = tuple((int(size), rate * _PAIRS[scale]) for size, rate in value)
         elif scale is None:
             if not isinstance(value, str):
                 raise ValueError(f"{where}: {key} must be a string, got {value!r}")
@@ -402,7 +450,8 @@ def _read_table(table: object, keys: dict, where: str) -> dict:
 
 def _link_from(table: object, base: Link | None, where: str) -> Link:
     fields = {**(dataclasses.asdict(base) if base else {}), **_read_table(table, _LINK_KEYS, where)}
-    missing = [k for k, (f, _) in _LINK_KEYS.items() if f not in fields]
+    required = [f.name for f in dataclasses.fields(Link) if f.default is dataclasses.MISSING]
+    missing = [k for k, (f, _) in _LINK_KEYS.items() if f in required and f not in fields]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)} (no base device to take them from)")
     return Link(**fields)
@@ -452,8 +501,8 @@ def dump_cluster(cluster: Cluster) -> str:
     profile). The cluster's links are written as the device's."""
     def table(values: dict, keys: dict) -> list[str]:
         def text(value: object, scale: object) -> str:
-            if scale == "pairs":
-                return json.dumps([[size, rate / TERA] for size, rate in value])  # type: ignore[attr-defined]  # pairs
+            if scale in _PAIRS:
+                return json.dumps([[size, rate / _PAIRS[scale]] for size, rate in value])  # type: ignore[attr-defined]  # pairs
             # the key tables pair each field with its scale: a number scales a number
             return json.dumps(value) if scale in (None, 1) else repr(_scale(value, scale, True))  # type: ignore[arg-type]  # see above
 

@@ -24,7 +24,10 @@ FA2_H100: dict[str, dict[int, tuple[float, ...]]] = {
     "backward": {64: (198, 238, 264, 279, 287, 291), 128: (214, 260, 291, 310, 318, 322)},
 }
 """The paper prints no causal backward for FlashAttention-2: a causal backward is priced at the non-causal one,
-which is optimistic by at most the forward's causal gap (10% at 8K with head dim 128, figure 5b against 5e)."""
+which is optimistic by at most the forward's causal gap (10% at 8K with head dim 128, figure 5b against 5e).
+Cross-check, not used: Azure's AI-benchmarking-guide (Azure_Results/ND_H100_v5_results.md, "Flash Attention 2.0")
+measured 327.9 TFLOP/s at head dim 128, batch 2, length 8192 on an H100 80GB; this table gives 322 (causal) to 331
+(not) forward and backward together at that shape."""
 
 ATTENTION_TABLES = {"FA2-H100": FA2_H100}
 """Tables by the name a DeviceSpec's `attention_table` gives."""

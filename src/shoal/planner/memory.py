@@ -33,7 +33,7 @@ def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
 
 
 def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, sp: bool, ac: str,
-                        fused_attention: bool) -> float:
+                        fused_attention: bool, policy: str = "shoal") -> float:
     """Elements block `index` keeps for backward per token on one tensor-parallel rank.
 
     Counted the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -50,7 +50,8 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
         projection's input: 4F for SwiGLU, 2F for GELU.
     Tensor parallelism splits heads and FFN columns by tp; sequence parallelism also splits the
     norms' tensors. Selective recompute drops the softmax probabilities; full recompute keeps only
-    the block's input (the recomputed block's own tensors are counted once, in `transient`)."""
+    the block's input (the recomputed block's own tensors are counted once, in `transient`).
+    Selective recompute under torchtitan's per-op `policy` keeps less: `titan_selective_elements`."""
     D, width = cfg.dim, compute.ffn_width(cfg, index)  # shared experts at their own width
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
@@ -62,9 +63,25 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     scores = 0 if fused_attention else cfg.num_heads * seq_len
     if ac == "full":
         return D / (tp if sp else 1)
+    if ac == "selective" and policy == "torchtitan-op" and not moe:
+        return titan_selective_elements(cfg, tp=tp, sp=sp)
     if ac == "selective":
         scores = 0
     return replicated / (tp if sp else 1) + (split + scores) / tp
+
+
+def titan_selective_elements(cfg: ModelConfig, *, tp: int, sp: bool) -> float:
+    """Elements a dense block keeps per token on one tensor-parallel rank under torchtitan's per-op selective
+    recompute (compute.titan_saves): the checkpointed block's input; the outputs of the weight products it
+    saves (Llama's wq, wv, w1 and w2: a column-parallel one's split by tp, a row-parallel one's whole, as its
+    partial sum is); the attention kernel's output and log-sum-exp per head; under sequence parallelism the
+    two reduce-scatters' outputs. Everything else is recomputed in backward, one block at a time."""
+    kept: float = cfg.dim / (tp if sp else 1)
+    for i, (_, _, d_out, column) in enumerate(compute.block_matmuls(cfg), 1):
+        if compute.titan_saves(i):
+            kept += d_out / tp if column else d_out
+    kept += (cfg.num_heads * cfg.head_dim + cfg.num_heads) / tp
+    return kept + (2 * cfg.dim / tp if tp > 1 and sp else 0.0)
 
 
 def norm_elements(cfg: ModelConfig) -> float:

@@ -39,6 +39,9 @@ class PublishedRun:
     fused_attention: bool = True
     """False for trainers that ran attention unfused (QK^T, softmax, AV as separate kernels):
     Megatron-LM and its forks before FlashAttention (2022)."""
+    selective_policy: str = "shoal"
+    """What the trainer's selective recompute keeps (shoal.planner.compute.SELECTIVE_POLICIES): "torchtitan-op"
+    for torchtitan's runs, which use its per-op policy (selective_ac_option 'op' in its llama3 8B train config)."""
     checked: bool = True
     """False where a number the prediction needs was not stated by the source or could not be re-read
     in it here (recalled, assumed, or a precision shoal cannot express); `note` says which."""
@@ -273,7 +276,7 @@ _TT_2506 = ("https://github.com/pytorch/torchtitan benchmarks/asyncTP_llama3_h10
 _TORCHTITAN = (
     PublishedRun(
         name="torchtitan Llama 3.1 8B, FSDP on 8 H100",
-        model=PRESETS["llama3-8b"], cluster="8xH100-96GB-500W",
+        selective_policy="torchtitan-op", model=PRESETS["llama3-8b"], cluster="8xH100-96GB-500W",
         plan="fsdp8,ac=selective,precision=bf16,compile=off",
         global_batch=16, seq_len=8192, micro_batch_size=2,
         reported=5762, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=5762,
@@ -283,7 +286,7 @@ _TORCHTITAN = (
     ),
     PublishedRun(
         name="torchtitan Llama 3.1 8B, FSDP + compile on 8 H100",
-        model=PRESETS["llama3-8b"], cluster="8xH100-96GB-500W",
+        selective_policy="torchtitan-op", model=PRESETS["llama3-8b"], cluster="8xH100-96GB-500W",
         plan="fsdp8,ac=selective,precision=bf16,compile=on",
         global_batch=16, seq_len=8192, micro_batch_size=2,
         reported=6667, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=6667,
@@ -292,7 +295,7 @@ _TORCHTITAN = (
     ),
     PublishedRun(
         name="torchtitan Llama 3.1 8B, FSDP + compile on 128 H100",
-        model=PRESETS["llama3-8b"], cluster="128xH100-96GB-500W",
+        selective_policy="torchtitan-op", model=PRESETS["llama3-8b"], cluster="128xH100-96GB-500W",
         plan="fsdp128,ac=selective,precision=bf16,compile=on",
         global_batch=256, seq_len=8192, micro_batch_size=2,
         reported=6514, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=6514,
@@ -302,7 +305,7 @@ _TORCHTITAN = (
     ),
     PublishedRun(
         name="torchtitan Llama 3.1 8B, FSDP8 x TP8 + compile on 64 H100",
-        model=PRESETS["llama3-8b"], cluster="64xH100-96GB-500W",
+        selective_policy="torchtitan-op", model=PRESETS["llama3-8b"], cluster="64xH100-96GB-500W",
         plan="fsdp8,tp8,ac=selective,precision=bf16,compile=on",
         global_batch=96, seq_len=8192, micro_batch_size=12,
         reported=4378, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=4378,
