@@ -48,6 +48,13 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp"] if mesh["cp"].size() == 1 else mesh["dp", "cp"]._flatten("dp_cp")
 
 
+def stages_and_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Every pipeline stage and every rank that sees other tokens (pp x dp x fsdp x cp), flattened
+    into one axis (`_flatten`, as in replica_mesh): the ranks that pool a micro-batch's MoE counts
+    over all of a model's layers. Collective the first time: every rank calls it."""
+    return mesh["pp", "dp", "fsdp", "cp"]._flatten("pp_data")
+
+
 def reduction_groups(mesh: DeviceMesh, axes: tuple[str, ...] = ("dp", "fsdp")) -> list[dist.ProcessGroup]:
     """The process groups of the named mesh axes that have more than one rank. Slicing a mesh
     builds a sub-mesh from its rank table each time: look the groups up once, not every step."""

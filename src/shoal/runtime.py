@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from shoal.mesh import all_reduce_mean, data_rank, reduction_groups
+from shoal.mesh import all_reduce_mean, data_rank, reduction_groups, stages_and_data_mesh
 from shoal.moe.collect import MoECollector
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
@@ -109,7 +109,7 @@ class Runtime:
         if pipeline is not None and mesh is not None and pooled_experts:
             # Every stage and data rank: one sum of a micro-batch's counts (not over the pp group's
             # point-to-point messages, whose order the schedule fixes). Collective: every rank.
-            self._stage_group = mesh["pp", "dp", "fsdp", "cp"]._flatten("pp_data").get_group()
+            self._stage_group = stages_and_data_mesh(mesh).get_group()
             self._moe.pool_over_stages(self._start_sum_over_stages, pooled_experts)
         precision = (PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce) if plan
                      else PrecisionPolicy())

@@ -106,3 +106,8 @@ def rotation_rows(cos_TE: torch.Tensor, sin_TE: torch.Tensor) -> tuple[torch.Ten
     signed (-s, s) per pair (shoal.models.transformer.apply_rope). Built once, as the model's
     buffers, so that no forward makes (and autograd keeps) copies of its own."""
     return cos_TE.repeat_interleave(2, dim=-1), torch.stack((-sin_TE, sin_TE), dim=-1).flatten(-2)
+
+
+def rope_rows(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cfg`'s rotation rows (T, E), cos and signed sin: what a Transformer keeps as buffers."""
+    return rotation_rows(*rope_tables(cfg))

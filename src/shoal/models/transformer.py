@@ -20,7 +20,7 @@ from torch import nn
 
 from shoal.models.config import ModelConfig
 from shoal.models.init import InitSpec
-from shoal.models.rope import rope_tables, rotation_rows
+from shoal.models.rope import rope_rows
 from shoal.moe.layer import MoELayer
 
 
@@ -211,7 +211,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if cfg.pos_emb == "rope":  # rotation rows (T, E): shoal.models.rope.rotation_rows
-            cos, sin = rotation_rows(*rope_tables(cfg))
+            cos, sin = rope_rows(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
@@ -250,7 +250,7 @@ class Transformer(nn.Module):
         """Recompute the buffers that are not parameters (the rotary tables), on their device:
         after building on the meta device they hold no values."""
         if hasattr(self, "rope_cos"):
-            cos, sin = rotation_rows(*rope_tables(self.config))
+            cos, sin = rope_rows(self.config)
             self.get_buffer("rope_cos").copy_(cos)
             self.get_buffer("rope_sin").copy_(sin)
 

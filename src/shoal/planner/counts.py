@@ -74,14 +74,14 @@ def block_ops(cfg: ModelConfig, *, device: str = "cpu", compiled: bool = False, 
     compiled (torch.compile of the block, as compile=on runs it), the kernels its forward launches:
     on a GPU every kernel on the device, on a CPU the compiled graph's calls (inductor's C++
     kernels, profiled, and the library kernels it calls: matmuls, attention)."""
-    from shoal.models.rope import rope_tables, rotation_rows
+    from shoal.models.rope import rope_rows
     from shoal.models.transformer import Block
 
     torch.manual_seed(0)
     index = next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), 0)
     block = Block(cfg, index).to(device=device, dtype=dtype)
     x = torch.randn(batch, seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
-    rope = tuple(t.to(device) for t in rotation_rows(*rope_tables(cfg))) if cfg.pos_emb == "rope" else None
+    rope = tuple(t.to(device) for t in rope_rows(cfg)) if cfg.pos_emb == "rope" else None
     if not compiled:
         block(x, rope)  # warm-up: first calls initialise what later ones skip
         return host_ops(lambda: block(x, rope))
