@@ -510,6 +510,15 @@ def _dense_index(cfg: ModelConfig) -> int:
     return next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), 0)
 
 
+def fsdp_table_bytes(cfg: ModelConfig, *, tp: int, param_bytes: float, grad_bytes: float,
+                     reduce_bytes: float) -> float:
+    """An FSDP2 table unit (the embeddings, or the head) at its backward: the table gathered whole, its
+    unsharded gradient and the reduce-scatter's input (torch's FSDP2 copies the unsharded gradients into one
+    flat buffer of the reduce dtype before reducing, `foreach_reduce`), each a (V, D/tp) table. Counted from
+    the live tensors of a dry run: tests/test_planner_counts.py."""
+    return cfg.vocab_size * cfg.dim / tp * (param_bytes + grad_bytes + reduce_bytes)
+
+
 def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bucket: int, params: float,
             experts: float, micro: int, stages: list[tuple[int, int, bool]]) -> dict[str, float]:
     """The busiest device's memory terms in bytes."""
@@ -549,6 +558,11 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     transient = 0.0
     if kind == "fsdp2" and zero == 3:
         transient = 2 * bucket * layer * cost.bytes + bucket * layer * 4  # gathered units, one unit's grads
+        # The embedding table and the classifier are units of their own (parallel/data.py), each gathered whole:
+        # in its backward a table's unit holds three (V, D/tp) tables at once, its gathered weight, its unsharded
+        # gradient and the reduce-scatter's input, which outweigh any block's unit once the vocabulary is large.
+        transient = max(transient, fsdp_table_bytes(cfg, tp=plan.tp, param_bytes=pb, grad_bytes=gb,
+                                                    reduce_bytes=4 if plan.reduce == "fp32" else 2))
         if micro > 1:
             transient += params * 4  # unsharded gradients accumulate while the sync waits
     elif kind == "ddp":
