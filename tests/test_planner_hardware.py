@@ -295,3 +295,31 @@ def test_allreduce_curve_returns_the_published_bus_bandwidth_at_its_sizes():
     assert net.time("all_reduce", 2, 2**30, stride=8) == pytest.approx(ring)
     with pytest.raises(ValueError, match="increasing size"):
         Link(name="x", bandwidth=1e9, efficiency=1.0, latency=0.0, allreduce_busbw=((2048, 1e9), (1024, 2e9)))
+
+
+def test_ring_collectives_across_nodes_add_the_nics_of_a_groups_ranks_in_a_node():
+    """NCCL spreads a ring collective's channels over every NIC of a node (nccl issues 812, 412, 569; comm.rail_link):
+    a group with g ranks in each node runs across nodes at g NICs' bandwidth, at most the node's NVLink. By hand, on
+    DGX A100s (HDR: 25 GB/s a NIC at 24/25; NVLink 3: 300 GB/s at 0.78): 8 ranks a node, min(8 * 24, 234) = 192 GB/s,
+    issue 812's measured bus bandwidth; 4 ranks a node (stride 2), 96; 1 (stride 8), 24. On DGX H100s (NDR: 47 GB/s
+    a NIC) 8 ranks a node reach min(8 * 47, 370) = 370, the NVLink ring's. All-to-all and point-to-point traffic
+    keeps one NIC a rank."""
+    from shoal.planner.comm import RingNetwork, members_per_node, rail_link, ring_time
+
+    assert [members_per_node(16, s, 8) for s in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert members_per_node(3, 1, 8) == 3
+    a100 = parse_cluster("32xA100-80GB")
+    assert rail_link(a100.inter, a100.intra, 8).achievable == pytest.approx(192e9)
+    assert rail_link(a100.inter, a100.intra, 4).achievable == pytest.approx(96e9)
+    assert rail_link(a100.inter, a100.intra, 1).achievable == pytest.approx(24e9)
+    assert rail_link(a100.inter, a100.intra, 16).achievable == pytest.approx(234e9)  # the NVLink caps it
+    h100 = parse_cluster("32xH100-80GB")
+    assert rail_link(h100.inter, h100.intra, 8).achievable == pytest.approx(370e9)
+    assert rail_link(h100.inter, h100.intra, 2).achievable == pytest.approx(94e9)
+    net, size, alpha = RingNetwork(a100), 2**30, 10e-6
+    assert net.time("all_gather", 32, size, stride=1) == pytest.approx(31 * alpha + 31 / 32 * size / 192e9)
+    assert net.time("reduce_scatter", 16, size, stride=2) == pytest.approx(15 * alpha + 15 / 16 * size / 96e9)
+    assert net.time("all_reduce", 4, size, stride=8) == pytest.approx(2 * (3 * alpha + 3 / 4 * size / 24e9))
+    assert net.time("all_to_all", 32, size, stride=1) == pytest.approx(
+        ring_time("all_to_all", 32, size, bandwidth=24e9, latency=alpha))
+    assert net.time("send_recv", 2, size, stride=8) == pytest.approx(alpha + size / 24e9)
