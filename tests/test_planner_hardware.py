@@ -323,3 +323,13 @@ def test_ring_collectives_across_nodes_add_the_nics_of_a_groups_ranks_in_a_node(
     assert net.time("all_to_all", 32, size, stride=1) == pytest.approx(
         ring_time("all_to_all", 32, size, bandwidth=24e9, latency=alpha))
     assert net.time("send_recv", 2, size, stride=8) == pytest.approx(alpha + size / 24e9)
+
+
+def test_jean_zay_a100s_cross_nodes_on_four_omni_path_links():
+    """BLOOM's nodes (model card, 'Hardware'): 8 A100 80GB on NVLink, 4 Omni-Path 100 Gb/s links a node, so 100 / 8 *
+    4 / 8 = 6.25 GB/s a GPU nominal, 0.85 of it achieved (EDR's generic figure): 5.3125 GB/s; the rest is the
+    A100-80GB's."""
+    opa, a100 = DEVICES["A100-80GB-OPA"], DEVICES["A100-80GB"]
+    assert opa.inter.bandwidth == pytest.approx(6.25e9) and opa.inter.achievable == pytest.approx(5.3125e9)
+    assert opa.intra == a100.intra and opa.flops("bf16") == a100.flops("bf16") and opa.memory_bw == a100.memory_bw
+    assert parse_cluster("48x8xA100-80GB-OPA").world_size == 384

@@ -232,6 +232,12 @@ _IB_HDR, _IB_NDR = 24 / 25, 47 / 50
 _DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
 _DGX_A100_IB = _infiniband("HDR", 200, 8, _IB_HDR)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
 _DGX_H100_IB = _infiniband("NDR", 400, 8, _IB_NDR)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
+# Jean Zay's A100 80GB nodes (BLOOM-176B's run): 8 GPUs on NVLink and 4 Omni-Path links per node ("8 GPUs per node
+# Using NVLink 4 inter-gpu connects, 4 OmniPath links"; "Inter-node connect: Omni-Path Architecture (OPA)", the BLOOM
+# model card, huggingface.co/bigscience/bloom, section "Hardware"; the same in bigscience/bloomz's card), 100 Gb/s
+# each (Intel Omni-Path 100 series). No NCCL measurement over Omni-Path was found: EDR's generic 0.85 (the same
+# 100 Gb/s class) and InfiniBand's per-step latency.
+_JEAN_ZAY_OPA = Link(name="Omni-Path 100", bandwidth=100 / 8 * GB * 4 / 8, efficiency=0.85, latency=10e-6)
 _A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
                              matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED, attention_efficiency=0.6,
                              sm_count=108, intra=_nvlink(3, 600, 0.78, _A100_ALLREDUCE), inter=_DGX_A100_IB)
@@ -274,6 +280,9 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec(name="A100-80GB", memory_bytes=80 * GiB, memory_bw=1800 * GB, **_A100,
                source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); measured HBM read bandwidth; DGX A100 data "
                       f"sheet; {_NCCL}"),
+    DeviceSpec(name="A100-80GB-OPA", memory_bytes=80 * GiB, memory_bw=1800 * GB, **{**_A100, "inter": _JEAN_ZAY_OPA},
+               source=f"A100-80GB's figures; across nodes 4 Omni-Path 100 Gb/s links per 8 GPUs (Jean Zay, BLOOM's "
+                      f"model card); {_NCCL}"),
     # Memory bandwidth: STREAM Triad on an H100 80GB HBM3 SXM, 2.97 of the data sheet's 3.35 TB/s (copy 2.90); on an
     # H200, 4.15 of 4.8 (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_H100_v5_results.md, "HBM
     # Bandwidth", read from the copy in its fork samuel-bohman/AI-benchmarking-guide at 26d18e9, and

@@ -183,14 +183,17 @@ _BLOOM = PublishedRun(fused_attention=False,
     model=ModelConfig(num_layers=70, dim=14336, num_heads=112, ffn_dim=4 * 14336, vocab_size=250880,
                       max_seq_len=2048, norm="layernorm", activation="gelu", pos_emb="rope", bias=True,
                       tie_embeddings=False),
-    cluster="48x8xA100-80GB",
+    cluster="48x8xA100-80GB-OPA",
     plan="fsdp8,zero=1,tp4,pp12,mb=128,sched=1f1b,ac=full,precision=bf16,sp=off",
     global_batch=2048, seq_len=2048, micro_batch_size=2,
     reported=149.77, unit="tflops_per_gpu_hw", tokens_per_s_per_device=104.3,
     source=("https://github.com/bigscience-workshop/bigscience train/tr11-176B-ml/README.md ('Important checkpoints': "
             "iteration 85376 log line, end of epoch one, 2022-06-28) and tr11-176B-ml.slurm; chronicles.md "
             "gives 149-150 TFLOPs at full batch"),
-    note=("Megatron-DeepSpeed, 48 nodes x 8 A100 80GB (Jean Zay). Log line: 104.70 s/iteration, 19.561 "
+    note=("Megatron-DeepSpeed, 48 nodes x 8 A100 80GB (Jean Zay), each node with 4 Omni-Path 100 Gb/s links, not "
+          "a DGX A100's 8 HDR InfiniBand NICs (BLOOM model card, huggingface.co/bigscience/bloom, 'Hardware': '8 "
+          "GPUs per node Using NVLink 4 inter-gpu connects, 4 OmniPath links'; recorded as shoal's A100-80GB-OPA "
+          "device). Log line: 104.70 s/iteration, 19.561 "
           "samples/s, 149.77 TFLOPs, global batch 2048. tokens/s/GPU = 19.561*2048/384 = 104.3 (from "
           "samples/s directly). The TFLOPs are hardware FLOPs (README 'Throughput': activation "
           "checkpointing, 4*2 coefficient; the exact Megatron eq. 3 with V=250,880 gives 149.76 for "
