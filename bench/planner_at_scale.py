@@ -33,7 +33,8 @@ def predict(run: PublishedRun, *, allreduce_curves: bool = True) -> Estimate:
     if not allreduce_curves:
         cluster = dataclasses.replace(cluster, intra=dataclasses.replace(cluster.intra, allreduce_busbw=()))
     work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
-                    fused_attention=run.fused_attention, selective_policy=run.selective_policy)
+                    fused_attention=run.fused_attention, selective_policy=run.selective_policy,
+                    data_engine=run.data_engine)
     # Priced as it ran, also where shoal's runtime would refuse the layout (tests/test_planner.py names it).
     plan = rules.fill(Plan.parse(run.plan), rules.Facts(world_size=cluster.world_size, device="cuda",
                                                         model=run.model, global_batch=run.global_batch,

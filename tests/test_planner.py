@@ -593,3 +593,31 @@ def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
     net = RingNetwork(parse_cluster("8xH100"))
     gather = net.time("all_gather", 8, 16 * 128 * TINY.dim * 2.0, stride=1)
     assert sel.time["tp_comm"] - none.time["tp_comm"] == pytest.approx(TINY.num_layers * 2 * gather)
+
+
+def test_a_deepspeed_pipeline_run_reduces_and_gathers_once_a_step_beside_no_compute():
+    """DeepSpeed's TrainSchedule reduces gradients, and at ZeRO-1 gathers the updated weights, once a step after the
+    last backward (estimate.deepspeed_engine): shoal's FSDP2 runs fsdp2,zero=1 under tp by gathering every
+    micro-batch, DeepSpeed once; and none of it hides. On 2 nodes of 8 A100s, tp2 x pp2 x fsdp4 with 8 micro-batches:
+    an eighth of FSDP2's gather traffic, the same one reduce-scatter (zero=1), all of it exposed."""
+    from shoal.planner.estimate import deepspeed_engine
+    from shoal.rules import choose_engine
+
+    c = parse_cluster("16xA100-80GB")
+    plan = Plan.parse("fsdp4,zero=1,tp2,pp2,mb=8").resolve(16, "cuda")
+    shoal_engine = choose_engine(plan, num_layers=TINY.num_layers)
+    assert shoal_engine.kind == "fsdp2"
+    engine = deepspeed_engine(plan, shoal_engine)
+    assert (engine.kind, engine.zero, engine.units) == ("zero", 1, shoal_engine.units)
+    replicated = Plan.parse("tp2,pp2,mb=8").resolve(16, "cuda")
+    assert deepspeed_engine(replicated, choose_engine(replicated, num_layers=4)) == choose_engine(replicated,
+                                                                                                  num_layers=4)
+    with pytest.raises(ValueError, match="ZeRO-1 at most"):
+        deepspeed_engine(Plan.parse("fsdp4,zero=2,tp2,pp2").resolve(16, "cuda"), shoal_engine)
+    with pytest.raises(ValueError, match="data_engine"):
+        Workload(model=TINY, global_batch=16, seq_len=128, data_engine="megatron")
+    ds = estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine="deepspeed-pipe"), c)
+    shoal = estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128), c)
+    assert shoal.traffic["fsdp_all_gather"] == pytest.approx(8 * ds.traffic["fsdp_all_gather"])  # 8 micro-batches
+    assert ds.traffic["fsdp_reduce_scatter"] == pytest.approx(shoal.traffic["fsdp_reduce_scatter"])  # zero=1: once
+    assert ds.time["dp_sync_exposed"] == pytest.approx(sum(ds.traffic.values()))  # nothing hides
