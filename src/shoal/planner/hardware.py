@@ -169,6 +169,12 @@ def _nvlink(generation: int, total_gbs: float, efficiency: float,
 
 
 def _infiniband(kind: str, gbit_per_nic: int, nics_per_8_devices: int, efficiency: float) -> Link:
+    # Latency: 10 us a ring step. Cross-check, not fitted: nccl-tests all_reduce_perf of 8 B between two A100-SXM4-80GB
+    # in two nodes over HDR InfiniBand took 19.90 us out of place, 18.96 in place, two ring steps (github.com/NVIDIA/
+    # nccl-tests issue 150, 2023-06-29). That a ring's latency grows with its rank count, so mid-sized buffers lose
+    # bandwidth as nodes are added while the largest do not, is what NCCL's engineers describe (nccl issue 1712,
+    # 2025-05-19) and what the alpha-beta ring prices; NCCL's trees for small all-reduces over many nodes (8 B over
+    # 256 A100s in 32 nodes: 63 us, nccl issue 652) are not modelled: the ring charges such a call (n-1) steps.
     per_device = gbit_per_nic / 8 * GB * nics_per_8_devices / 8
     return Link(name=f"InfiniBand {kind}", bandwidth=per_device, efficiency=efficiency, latency=10e-6)
 
