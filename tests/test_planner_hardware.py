@@ -203,7 +203,12 @@ def test_gemm_factor_by_hand():
     assert h100.gemm_factor(side, side, side) == pytest.approx((676.59 + 788.72) / 2 / 797.51)
     assert h100.gemm_factor(2**15, 2**15, 2**15) == 1.0
     assert h100.gemm_factor(64, 64, 64) == pytest.approx(176.62 / 797.51)
-    assert DEVICES["A100-80GB"].gemm_factor(64, 64, 64) == pytest.approx(1 / 108)  # no table: one 64 x 64 tile
+    assert DEVICES["V100-32GB"].gemm_factor(64, 64, 64) == pytest.approx(1 / 80)  # no table: one 64 x 64 tile
+    a100 = DEVICES["A100-80GB"]  # Azure's cuBLASLt table: 1024 119.4, 2048 221.8, 4096 228.0, 8192 253.7, 16384 256.5
+    assert a100.gemm_factor(4096, 4096, 4096) == pytest.approx(228.0 / 256.5)
+    assert a100.gemm_factor(side, side, side) == pytest.approx((221.8 + 228.0) / 2 / 256.5)
+    assert a100.gemm_factor(2**15, 2**15, 2**15) == 1.0
+    assert a100.gemm_factor(64, 64, 64) == pytest.approx(119.4 / 256.5)
     assert DEVICES["cpu"].gemm_factor(64, 64, 64) == 1.0  # neither table nor SM count: every GEMM at the large rate
 
 
@@ -218,8 +223,8 @@ def test_tile_and_wave_quantization_by_hand():
     assert kernels.tile_efficiency(2048, 128, 108, (64, 64)) == pytest.approx(64 / 108)
     assert kernels.quantization_efficiency(2048, 128, 108) == pytest.approx(64 / 108)  # 64 x 64 is the best tile
     assert kernels.quantization_efficiency(108 * 256, 128, 108) == 1.0  # one full wave of 256 x 128 tiles
-    a100 = DEVICES["A100-80GB"]
-    assert a100.gemm_factor(2048, 128, 4096) == pytest.approx(64 / 108)  # no square table: quantization
+    v100 = DEVICES["V100-32GB"]  # no square table: quantization, 64 x 64 tiles, 32 x 2 = 64 of 80 SMs
+    assert v100.gemm_factor(2048, 128, 4096) == pytest.approx(64 / 80)
     assert DEVICES["H100-80GB"].gemm_factor(2048, 128, 4096) == DEVICES["H100-80GB"].gemm_factor(4096, 2048, 128)
     with pytest.raises(ValueError, match="sms >= 1"):
         kernels.tile_efficiency(10, 10, 0, (64, 64))
