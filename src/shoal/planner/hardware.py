@@ -309,12 +309,14 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=2970 * GB, **_H100,
                source=f"NVIDIA H100 SXM5 data sheet (dense); measured HBM3 Triad bandwidth; DGX H100 data sheet; "
                       f"{_NCCL}"),
-    # Meta's Grand Teton H100s (torchtitan's runs): HBM2e, 96 GB, the board held to 500 W. Bandwidth: an
-    # HBM2e H100 measured 2.41 TB/s (Ujeniya et al. 2026, arXiv 2604.11391, section 3); its tensor cores
-    # held to the clock a 500 W cap leaves them (_H100_500W_SUSTAINED).
+    # Meta's Grand Teton H100s (torchtitan's runs): HBM2e, 96 GB, the board held to 500 W. Bandwidth: 2.41 TB/s, the
+    # HBM2e H100's figure as Ujeniya et al. 2026 (arXiv 2604.11391, section 3) list it beside the H200's 4.89, and
+    # torchtitan's benchmark page's "2.4 TB/sec peak": a peak, not a streaming measurement (none was found for this
+    # part; the HBM3 H100's Triad reaches 0.887 of its sheet), so elementwise work is priced optimistically here.
+    # Its tensor cores held to the clock a 500 W cap leaves them (_H100_500W_SUSTAINED).
     DeviceSpec(name="H100-96GB-500W", memory_bytes=96 * GiB, memory_bw=2410 * GB,
                **{**_H100, "sustained_clock": _H100_500W_SUSTAINED},
-               source=f"H100 SXM5 compute (data sheet) at the 500 W SM clock and HBM2e bandwidth of arXiv "
+               source=f"H100 SXM5 compute (data sheet) at the 500 W SM clock and the HBM2e peak bandwidth of arXiv "
                       f"2604.11391; {_NCCL}"),
     DeviceSpec(name="H200", memory_bytes=141 * GiB, memory_bw=4150 * GB, **_H100,
                source=f"NVIDIA H200 SXM data sheet (H100 compute); measured HBM3e Triad bandwidth; DGX H200 data "
