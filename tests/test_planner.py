@@ -417,7 +417,7 @@ def test_every_published_run_is_a_plan_shoal_accepts():
         assert (reason is not None) == (run.plan in not_run), (run.plan, reason)
         assert reason is None or reason.startswith("sched=interleaved runs with pp, tp and cp only")
         work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
-                        fused_attention=run.fused_attention)
+                        fused_attention=run.fused_attention, data_engine=run.data_engine)
         assert estimate(plan, work, cluster, micro_batch=run.micro_batch_size if plan.pp == 1 else None).step_time_s > 0
         assert run.tokens_per_s_per_device > 0 and run.source.startswith("http")
 

@@ -102,11 +102,13 @@ class RingNetwork:
     GPU group's ring collectives at its ranks' NICs together (`rail_link`)."""
 
     cluster: Cluster
+    rails: bool = True
+    """False: every rank crosses nodes on its own NIC share, whatever the collective (to show what rails move)."""
 
     def time(self, kind: str, n: int, nbytes: float, *, stride: int) -> float:
         c = self.cluster
         link = c.link(n, stride)
-        if link is c.inter and c.device_type == "cuda" and kind in RAIL_KINDS:  # NCCL's rings over every NIC
+        if self.rails and link is c.inter and c.device_type == "cuda" and kind in RAIL_KINDS:  # rings over every NIC
             link = rail_link(c.inter, c.intra, members_per_node(n, stride, c.per_node))
         if kind == "all_reduce" and link.allreduce_busbw:
             return allreduce_curve_time(link.allreduce_busbw, n, nbytes)
