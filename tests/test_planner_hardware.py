@@ -313,6 +313,7 @@ def test_ring_collectives_across_nodes_add_the_nics_of_a_groups_ranks_in_a_node(
 
     assert [members_per_node(16, s, 8) for s in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
     assert members_per_node(3, 1, 8) == 3
+    assert members_per_node(8, 3, 8) == 3  # ranks 0, 3, 6 of the first node
     a100 = parse_cluster("32xA100-80GB")
     assert rail_link(a100.inter, a100.intra, 8).achievable == pytest.approx(192e9)
     assert rail_link(a100.inter, a100.intra, 4).achievable == pytest.approx(96e9)

@@ -65,10 +65,11 @@ RAIL_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def members_per_node(n: int, stride: int, per_node: int) -> int:
-    """Ranks of an aligned group of `n` ranks spaced `stride` apart that share one node of `per_node` devices."""
+    """Ranks of an aligned group of `n` ranks spaced `stride` apart (the first at a node's first device) that share
+    one node of `per_node` devices."""
     if n < 1 or stride < 1 or per_node < 1:
         raise ValueError(f"need n, stride and per_node >= 1, got {n}, {stride}, {per_node}")
-    return max(1, min(n, per_node // stride))
+    return min(n, -(-per_node // stride))
 
 
 def rail_link(inter: Link, intra: Link, members: int) -> Link:
