@@ -190,24 +190,17 @@ def test_one_device_compute_by_hand():
     e = _estimate("dp1", cluster="1xA100-80GB")
     tokens = 16 * 128
     clock = 1200 / 1410  # the A100's sustained clock (hardware.py)
-    rate = 271.2e12 * clock  # its measured large-GEMM rate, reached by shapes that fill its 108 SMs
-    # It has no square-GEMM table: each product runs at the tile and wave quantization of its output, the best
-    # cuBLAS tile (kernels.GEMM_TILES) by hand. 2048 x 128: 64 x 64 tiles, 32 x 2 = 64 of 108 slots; 2048 x 256:
-    # 128 x 64 tiles, 64 of 108; 2048 x 384: 128 x 64, 16 x 6 = 96 of 108; 256 x 128: 64 x 64, 8 of 108;
-    # 128 x 128: 4 of 108; 384 x 128: 12 of 108. A weight (n, k) runs forward (2048 x n), input gradient
-    # (2048 x k) and weight gradient (k x n) products, equal in FLOPs.
-    slots = {(2048, 128): 64, (2048, 256): 64, (2048, 384): 96, (256, 128): 8, (128, 128): 4, (384, 128): 12}
-
-    def time_factor(n: int, k: int) -> float:
-        outputs = [(2048, n), (2048, k), (max(n, k), min(n, k))]
-        return sum(108 / slots[o] for o in outputs) / 3
-
+    rate = 271.2e12 * clock  # its measured large-GEMM rate
+    # Its square-GEMM table (Azure's cuBLASLt, 1024: 119.4 .. 16384: 256.5 TFLOP/s) prices each product at the rate
+    # of a square GEMM of the same work: every product here is smaller than 1024^3 (the largest, 2048 x 384 x 128,
+    # is 465^3), so all run at the table's smallest, 119.4 / 256.5 of the large rate.
+    slow = 256.5 / 119.4
     weights = [(256, 128), (128, 128), (384, 128), (384, 128), (128, 384)]  # Q/K/V, output, SwiGLU's three
-    block = sum(2 * n * k * time_factor(n, k) for n, k in weights)
-    per_token = 4 * block + 2 * 128 * 256 * time_factor(256, 128)  # 4 blocks and the head (vocab 256)
+    block = sum(2 * n * k for n, k in weights)
+    per_token = (4 * block + 2 * 128 * 256) * slow  # 4 blocks and the head (vocab 256)
     assert e.time["compute_matmul"] == pytest.approx(3 * tokens * per_token / rate)
     # FlashAttention's backward recomputes the scores: 2.5 forwards' FLOPs (compute.FUSED_BACKWARD), 3.5 in all
-    assert e.time["compute_attention"] == pytest.approx(3.5 * tokens * 4 * 32_768 / (312e12 * 0.6 * clock))
+    assert e.time["compute_attention"] == pytest.approx(3.5 * tokens * 4 * 32_768 / (179.5e12 * clock))
     assert sum(e.time.values()) == pytest.approx(e.step_time_s)
     assert e.tokens_per_s == pytest.approx(tokens / e.step_time_s)
 
@@ -424,7 +417,7 @@ def test_every_published_run_is_a_plan_shoal_accepts():
         assert (reason is not None) == (run.plan in not_run), (run.plan, reason)
         assert reason is None or reason.startswith("sched=interleaved runs with pp, tp and cp only")
         work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
-                        fused_attention=run.fused_attention)
+                        fused_attention=run.fused_attention, data_engine=run.data_engine)
         assert estimate(plan, work, cluster, micro_batch=run.micro_batch_size if plan.pp == 1 else None).step_time_s > 0
         assert run.tokens_per_s_per_device > 0 and run.source.startswith("http")
 
@@ -593,3 +586,31 @@ def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
     net = RingNetwork(parse_cluster("8xH100"))
     gather = net.time("all_gather", 8, 16 * 128 * TINY.dim * 2.0, stride=1)
     assert sel.time["tp_comm"] - none.time["tp_comm"] == pytest.approx(TINY.num_layers * 2 * gather)
+
+
+def test_a_deepspeed_pipeline_run_reduces_and_gathers_once_a_step_beside_no_compute():
+    """DeepSpeed's TrainSchedule reduces gradients, and at ZeRO-1 gathers the updated weights, once a step after the
+    last backward (estimate.deepspeed_engine): shoal's FSDP2 runs fsdp2,zero=1 under tp by gathering every
+    micro-batch, DeepSpeed once; and none of it hides. On 2 nodes of 8 A100s, tp2 x pp2 x fsdp4 with 8 micro-batches:
+    an eighth of FSDP2's gather traffic, the same one reduce-scatter (zero=1), all of it exposed."""
+    from shoal.planner.estimate import deepspeed_engine
+    from shoal.rules import choose_engine
+
+    c = parse_cluster("16xA100-80GB")
+    plan = Plan.parse("fsdp4,zero=1,tp2,pp2,mb=8").resolve(16, "cuda")
+    shoal_engine = choose_engine(plan, num_layers=TINY.num_layers)
+    assert shoal_engine.kind == "fsdp2"
+    engine = deepspeed_engine(plan, shoal_engine)
+    assert (engine.kind, engine.zero, engine.units) == ("zero", 1, shoal_engine.units)
+    replicated = Plan.parse("tp2,pp2,mb=8").resolve(16, "cuda")
+    assert deepspeed_engine(replicated, choose_engine(replicated, num_layers=4)) == choose_engine(replicated,
+                                                                                                  num_layers=4)
+    with pytest.raises(ValueError, match="ZeRO-1 at most"):
+        deepspeed_engine(Plan.parse("fsdp4,zero=2,tp2,pp2").resolve(16, "cuda"), shoal_engine)
+    with pytest.raises(ValueError, match="data_engine"):
+        Workload(model=TINY, global_batch=16, seq_len=128, data_engine="megatron")
+    ds = estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine="deepspeed-pipe"), c)
+    shoal = estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128), c)
+    assert shoal.traffic["fsdp_all_gather"] == pytest.approx(8 * ds.traffic["fsdp_all_gather"])  # 8 micro-batches
+    assert ds.traffic["fsdp_reduce_scatter"] == pytest.approx(shoal.traffic["fsdp_reduce_scatter"])  # zero=1: once
+    assert ds.time["dp_sync_exposed"] == pytest.approx(sum(ds.traffic.values()))  # nothing hides

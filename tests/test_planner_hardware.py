@@ -203,7 +203,12 @@ def test_gemm_factor_by_hand():
     assert h100.gemm_factor(side, side, side) == pytest.approx((676.59 + 788.72) / 2 / 797.51)
     assert h100.gemm_factor(2**15, 2**15, 2**15) == 1.0
     assert h100.gemm_factor(64, 64, 64) == pytest.approx(176.62 / 797.51)
-    assert DEVICES["A100-80GB"].gemm_factor(64, 64, 64) == pytest.approx(1 / 108)  # no table: one 64 x 64 tile
+    assert DEVICES["V100-32GB"].gemm_factor(64, 64, 64) == pytest.approx(1 / 80)  # no table: one 64 x 64 tile
+    a100 = DEVICES["A100-80GB"]  # Azure's cuBLASLt table: 1024 119.4, 2048 221.8, 4096 228.0, 8192 253.7, 16384 256.5
+    assert a100.gemm_factor(4096, 4096, 4096) == pytest.approx(228.0 / 256.5)
+    assert a100.gemm_factor(side, side, side) == pytest.approx((221.8 + 228.0) / 2 / 256.5)
+    assert a100.gemm_factor(2**15, 2**15, 2**15) == 1.0
+    assert a100.gemm_factor(64, 64, 64) == pytest.approx(119.4 / 256.5)
     assert DEVICES["cpu"].gemm_factor(64, 64, 64) == 1.0  # neither table nor SM count: every GEMM at the large rate
 
 
@@ -218,8 +223,8 @@ def test_tile_and_wave_quantization_by_hand():
     assert kernels.tile_efficiency(2048, 128, 108, (64, 64)) == pytest.approx(64 / 108)
     assert kernels.quantization_efficiency(2048, 128, 108) == pytest.approx(64 / 108)  # 64 x 64 is the best tile
     assert kernels.quantization_efficiency(108 * 256, 128, 108) == 1.0  # one full wave of 256 x 128 tiles
-    a100 = DEVICES["A100-80GB"]
-    assert a100.gemm_factor(2048, 128, 4096) == pytest.approx(64 / 108)  # no square table: quantization
+    v100 = DEVICES["V100-32GB"]  # no square table: quantization, 64 x 64 tiles, 32 x 2 = 64 of 80 SMs
+    assert v100.gemm_factor(2048, 128, 4096) == pytest.approx(64 / 80)
     assert DEVICES["H100-80GB"].gemm_factor(2048, 128, 4096) == DEVICES["H100-80GB"].gemm_factor(4096, 2048, 128)
     with pytest.raises(ValueError, match="sms >= 1"):
         kernels.tile_efficiency(10, 10, 0, (64, 64))
@@ -295,3 +300,42 @@ def test_allreduce_curve_returns_the_published_bus_bandwidth_at_its_sizes():
     assert net.time("all_reduce", 2, 2**30, stride=8) == pytest.approx(ring)
     with pytest.raises(ValueError, match="increasing size"):
         Link(name="x", bandwidth=1e9, efficiency=1.0, latency=0.0, allreduce_busbw=((2048, 1e9), (1024, 2e9)))
+
+
+def test_ring_collectives_across_nodes_add_the_nics_of_a_groups_ranks_in_a_node():
+    """NCCL spreads a ring collective's channels over every NIC of a node (nccl issues 812, 412, 569; comm.rail_link):
+    a group with g ranks in each node runs across nodes at g NICs' bandwidth, at most the node's NVLink. By hand, on
+    DGX A100s (HDR: 25 GB/s a NIC at 24/25; NVLink 3: 300 GB/s at 0.78): 8 ranks a node, min(8 * 24, 234) = 192 GB/s,
+    issue 812's measured bus bandwidth; 4 ranks a node (stride 2), 96; 1 (stride 8), 24. On DGX H100s (NDR: 47 GB/s
+    a NIC) 8 ranks a node reach min(8 * 47, 370) = 370, the NVLink ring's. All-to-all and point-to-point traffic
+    keeps one NIC a rank."""
+    from shoal.planner.comm import RingNetwork, members_per_node, rail_link, ring_time
+
+    assert [members_per_node(16, s, 8) for s in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert members_per_node(3, 1, 8) == 3
+    assert members_per_node(8, 3, 8) == 3  # ranks 0, 3, 6 of the first node
+    a100 = parse_cluster("32xA100-80GB")
+    assert rail_link(a100.inter, a100.intra, 8).achievable == pytest.approx(192e9)
+    assert rail_link(a100.inter, a100.intra, 4).achievable == pytest.approx(96e9)
+    assert rail_link(a100.inter, a100.intra, 1).achievable == pytest.approx(24e9)
+    assert rail_link(a100.inter, a100.intra, 16).achievable == pytest.approx(234e9)  # the NVLink caps it
+    h100 = parse_cluster("32xH100-80GB")
+    assert rail_link(h100.inter, h100.intra, 8).achievable == pytest.approx(370e9)
+    assert rail_link(h100.inter, h100.intra, 2).achievable == pytest.approx(94e9)
+    net, size, alpha = RingNetwork(a100), 2**30, 10e-6
+    assert net.time("all_gather", 32, size, stride=1) == pytest.approx(31 * alpha + 31 / 32 * size / 192e9)
+    assert net.time("reduce_scatter", 16, size, stride=2) == pytest.approx(15 * alpha + 15 / 16 * size / 96e9)
+    assert net.time("all_reduce", 4, size, stride=8) == pytest.approx(2 * (3 * alpha + 3 / 4 * size / 24e9))
+    assert net.time("all_to_all", 32, size, stride=1) == pytest.approx(
+        ring_time("all_to_all", 32, size, bandwidth=24e9, latency=alpha))
+    assert net.time("send_recv", 2, size, stride=8) == pytest.approx(alpha + size / 24e9)
+
+
+def test_jean_zay_a100s_cross_nodes_on_four_omni_path_links():
+    """BLOOM's nodes (model card, 'Hardware'): 8 A100 80GB on NVLink, 4 Omni-Path 100 Gb/s links a node, so 100 / 8 *
+    4 / 8 = 6.25 GB/s a GPU nominal, 0.85 of it achieved (EDR's generic figure): 5.3125 GB/s; the rest is the
+    A100-80GB's."""
+    opa, a100 = DEVICES["A100-80GB-OPA"], DEVICES["A100-80GB"]
+    assert opa.inter.bandwidth == pytest.approx(6.25e9) and opa.inter.achievable == pytest.approx(5.3125e9)
+    assert opa.intra == a100.intra and opa.flops("bf16") == a100.flops("bf16") and opa.memory_bw == a100.memory_bw
+    assert parse_cluster("48x8xA100-80GB-OPA").world_size == 384

@@ -13,11 +13,12 @@ reduce-scatter's input, all-to-all's input on one rank, a point-to-point message
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from shoal.planner.hardware import Cluster
+from shoal.planner.hardware import Cluster, Link
 from shoal.planner.profile import Profile, collective_time
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast", "ring")
@@ -59,6 +60,37 @@ def allreduce_curve_time(curve: tuple[tuple[int, float], ...], n: int, nbytes: f
     raise AssertionError("unreachable: nbytes lies within the curve")
 
 
+RAIL_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+"""The collectives NCCL runs as rings (or trees) laid once per channel, its channels spread over every NIC of a node."""
+
+
+def members_per_node(n: int, stride: int, per_node: int) -> int:
+    """Ranks of an aligned group of `n` ranks spaced `stride` apart (the first at a node's first device) that share
+    one node of `per_node` devices."""
+    if n < 1 or stride < 1 or per_node < 1:
+        raise ValueError(f"need n, stride and per_node >= 1, got {n}, {stride}, {per_node}")
+    return min(n, -(-per_node // stride))
+
+
+def rail_link(inter: Link, intra: Link, members: int) -> Link:
+    """The network as a ring collective across nodes sees it when `members` ranks of the group sit in each node.
+
+    NCCL lays one ring per channel and spreads its channels over the node's NICs, so each ring crosses between
+    nodes once and the group's ranks in a node add up their NICs' bandwidth, up to what the NVLink inside the
+    node carries: a DGX A100's 8 HDR NICs (24 GB/s each measured) give 192 GB/s of all-reduce bus bandwidth across
+    nodes (S. Jeaugey's team, github.com/NVIDIA/nccl issue 812, 2023-03-31: "we measure 192GB/s AllReduce BusBW");
+    "you can add more NICs and you should get more bandwidth, up to 160GB/s which is the NVLink intra-node
+    bandwidth" of an 8 x A800 node (sjeaugey, nccl issue 412, 2023-04-24); "AllReduce ... will form multiple
+    rings so that it can utilize all the available NICs" (nccl-tests issue 277, 2024-12-19). Measured on DGX-2
+    V100s with NCCL_ALGO=Ring, a 1.6 GB all-reduce over 8 GPUs took 363, 173 and 132 ms with 1, 2 and 4 GPUs
+    (and NICs) in each node (nccl issue 569, 2021-09-18). So: `members` times the per-device link, at most the
+    node's own link (`intra`'s achievable bandwidth); the latency stays the network's."""
+    if members < 1:
+        raise ValueError(f"members must be >= 1, got {members}")
+    achievable = min(members * inter.achievable, intra.achievable)
+    return dataclasses.replace(inter, bandwidth=achievable / inter.efficiency)
+
+
 class Network(Protocol):
     """Prices one collective over a group of `n` ranks spaced `stride` apart in rank order."""
 
@@ -67,12 +99,18 @@ class Network(Protocol):
 
 @dataclass(frozen=True)
 class RingNetwork:
-    """A cluster's links priced by the ring formulas: a group runs at its slowest link's speed."""
+    """A cluster's links priced by the ring formulas: a group runs at its slowest link's speed; across nodes a
+    GPU group's ring collectives at its ranks' NICs together (`rail_link`)."""
 
     cluster: Cluster
+    rails: bool = True
+    """False: every rank crosses nodes on its own NIC share, whatever the collective (to show what rails move)."""
 
     def time(self, kind: str, n: int, nbytes: float, *, stride: int) -> float:
-        link = self.cluster.link(n, stride)
+        c = self.cluster
+        link = c.link(n, stride)
+        if self.rails and link is c.inter and c.device_type == "cuda" and kind in RAIL_KINDS:  # rings over every NIC
+            link = rail_link(c.inter, c.intra, members_per_node(n, stride, c.per_node))
         if kind == "all_reduce" and link.allreduce_busbw:
             return allreduce_curve_time(link.allreduce_busbw, n, nbytes)
         return ring_time(kind, n, nbytes, bandwidth=link.achievable, latency=link.latency)

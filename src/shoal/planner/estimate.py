@@ -37,7 +37,7 @@ from shoal.plan import DEVICE_DEFAULTS, Plan
 from shoal.planner import compute, memory
 from shoal.planner.comm import Network, RingNetwork
 from shoal.planner.hardware import Cluster
-from shoal.rules import choose_engine, micro_batches
+from shoal.rules import EngineChoice, choose_engine, micro_batches
 
 OPTIMIZER_BYTES = 28 + 4 * 2
 """Bytes an Adam step moves per parameter: read weight, gradient, two moments (16), write the weight
@@ -82,6 +82,25 @@ RESERVED_BYTES = 2**30
 on current GPUs; PyTorch "Understanding CUDA memory usage" notes). None on a CPU."""
 
 
+DATA_ENGINES = ("shoal", "deepspeed-pipe")
+
+
+def deepspeed_engine(plan: Plan, engine: EngineChoice) -> EngineChoice:
+    """The data engine of a DeepSpeed pipeline-engine run of `plan` (shoal's choice for it: `engine`).
+
+    DeepSpeed's TrainSchedule issues ReduceTiedGrads, ReduceGrads and OptimizerStep once, at the end of the batch,
+    after the last micro-batch's backward (github.com/microsoft/DeepSpeed, deepspeed/runtime/pipe/schedule.py,
+    TrainSchedule.steps, "Model step at the end of the batch"): a sharded plan's gradients are reduced and, at
+    ZeRO-1, its updated weights gathered once a step, which is shoal's ZeRO-1 engine's traffic (kind "zero"),
+    and nothing overlaps them (estimate passes no compute window). A replicated plan keeps its one all-reduce.
+    DeepSpeed's pipeline engine runs no ZeRO stage above 1."""
+    if plan.fsdp == 1:
+        return engine
+    if plan.zero != 1:
+        raise ValueError(f"DeepSpeed's pipeline engine runs ZeRO-1 at most, got zero={plan.zero}")
+    return dataclasses.replace(engine, kind="zero", zero=1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Workload:
     """What one training step does, whatever the plan: the model and the global batch."""
@@ -97,8 +116,14 @@ class Workload:
     selective_policy: str = "shoal"
     """What `ac=selective` keeps (compute.SELECTIVE_POLICIES): shoal's policy, or "torchtitan-op" for a run
     of torchtitan's per-op selective recompute, which keeps every second weight product's output only."""
+    data_engine: str = "shoal"
+    """Who runs the data axes (DATA_ENGINES): shoal's own engine for the plan (shoal.rules.choose_engine), or
+    "deepspeed-pipe" for a run of DeepSpeed's pipeline engine, which reduces gradients (and at ZeRO-1 gathers
+    the updated weights) once a step, after the last micro-batch's backward, beside no compute (deepspeed_engine)."""
 
     def __post_init__(self) -> None:
+        if self.data_engine not in DATA_ENGINES:
+            raise ValueError(f"data_engine {self.data_engine!r} is not valid; valid: {', '.join(DATA_ENGINES)}")
         if self.selective_policy not in compute.SELECTIVE_POLICIES:
             raise ValueError(f"selective_policy {self.selective_policy!r} is not valid; "
                              f"valid: {', '.join(compute.SELECTIVE_POLICIES)}")
@@ -161,6 +186,9 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     b = local // micro  # sequences per micro-batch
     net = network or RingNetwork(cluster)
     engine = choose_engine(plan, num_layers=cfg.num_layers)
+    step_end = work.data_engine == "deepspeed-pipe"
+    if step_end:
+        engine = deepspeed_engine(plan, engine)
     cost = _Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention,
                   policy=work.selective_policy)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
@@ -177,7 +205,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
         params, experts = max(cost.params_per_rank(first, head=False, embedding=True),
                               cost.params_per_rank(last, head=True), key=sum)
     grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
-                                           units=_units(engine.kind, engine.units, params), fwd=fwd, bwd=bwd)
+                                           units=_units(engine.kind, engine.units, params),
+                                           fwd=0.0 if step_end else fwd, bwd=0.0 if step_end else bwd)
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts

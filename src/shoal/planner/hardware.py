@@ -169,6 +169,12 @@ def _nvlink(generation: int, total_gbs: float, efficiency: float,
 
 
 def _infiniband(kind: str, gbit_per_nic: int, nics_per_8_devices: int, efficiency: float) -> Link:
+    # Latency: 10 us a ring step. Cross-check, not fitted: nccl-tests all_reduce_perf of 8 B between two A100-SXM4-80GB
+    # in two nodes over HDR InfiniBand took 19.90 us out of place, 18.96 in place, two ring steps (github.com/NVIDIA/
+    # nccl-tests issue 150, 2023-06-29). That a ring's latency grows with its rank count, so mid-sized buffers lose
+    # bandwidth as nodes are added while the largest do not, is what NCCL's engineers describe (nccl issue 1712,
+    # 2025-05-19) and what the alpha-beta ring prices; NCCL's trees for small all-reduces over many nodes (8 B over
+    # 256 A100s in 32 nodes: 63 us, nccl issue 652) are not modelled: the ring charges such a call (n-1) steps.
     per_device = gbit_per_nic / 8 * GB * nics_per_8_devices / 8
     return Link(name=f"InfiniBand {kind}", bandwidth=per_device, efficiency=efficiency, latency=10e-6)
 
@@ -232,9 +238,28 @@ _IB_HDR, _IB_NDR = 24 / 25, 47 / 50
 _DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
 _DGX_A100_IB = _infiniband("HDR", 200, 8, _IB_HDR)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
 _DGX_H100_IB = _infiniband("NDR", 400, 8, _IB_NDR)  # DGX H100/H200: 8 x NDR 400 Gb/s per 8 GPUs
+# Jean Zay's A100 80GB nodes (BLOOM-176B's run): 8 GPUs on NVLink and 4 Omni-Path links per node ("8 GPUs per node
+# Using NVLink 4 inter-gpu connects, 4 OmniPath links"; "Inter-node connect: Omni-Path Architecture (OPA)", the BLOOM
+# model card, huggingface.co/bigscience/bloom, section "Hardware"; the same in bigscience/bloomz's card), 100 Gb/s
+# each (Intel Omni-Path 100 series). No NCCL measurement over Omni-Path was found: EDR's generic 0.85 (the same
+# 100 Gb/s class) and InfiniBand's per-step latency.
+_JEAN_ZAY_OPA = Link(name="Omni-Path 100", bandwidth=100 / 8 * GB * 4 / 8, efficiency=0.85, latency=10e-6)
+# A100 square GEMMs, TFLOP/s by size: cuBLASLt, fp16 (the A100's bf16 rate), random inputs, 10,000 warm-up
+# iterations, on an A100-SXM4-80GB (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md,
+# "GEMM CuBLASLt"): used, as the H100's table is, for each product's rate relative to the largest. Its absolute level
+# (256.5, 0.82 of peak, after a long warm-up) is above what the A100's constants give a large GEMM (MAMF's 271.2 at
+# the 1200 MHz a sustained FlashAttention load holds: 230.8); the constants are kept, as for the H100, and the gap
+# is left open.
+_A100_SQUARE = ((1024, 119.4 * TERA), (2048, 221.8 * TERA), (4096, 228.0 * TERA), (8192, 253.7 * TERA),
+                (16384, 256.5 * TERA))
+# A100 FlashAttention-2, forward and backward together, head dim 64, batch 2, length 8192, no causal mask: 179.5
+# TFLOP/s, 0.575 of the 312 peak (the same Azure page, "Flash Attention 2.0"; the script runs FlashAttention's
+# benchmark_flash_attention.py, whose first block is causal=False, headdim=64). One shape: no table by shape yet.
+_FA2_A100 = 179.5 / 312
 _A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
-                             matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED, attention_efficiency=0.6,
-                             sm_count=108, intra=_nvlink(3, 600, 0.78, _A100_ALLREDUCE), inter=_DGX_A100_IB)
+                             matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED,
+                             attention_efficiency=_FA2_A100, gemm_square=_A100_SQUARE, sm_count=108,
+                             intra=_nvlink(3, 600, 0.78, _A100_ALLREDUCE), inter=_DGX_A100_IB)
 _H100: dict[str, Any] = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
                              matmul_efficiency=_MAMF_H100, gemm_square=_H100_SQUARE, attention_efficiency=0.35,
                              attention_table="FA2-H100", sm_count=132,
@@ -274,6 +299,9 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec(name="A100-80GB", memory_bytes=80 * GiB, memory_bw=1800 * GB, **_A100,
                source=f"NVIDIA A100 SXM4 data sheet (dense, tf32 off); measured HBM read bandwidth; DGX A100 data "
                       f"sheet; {_NCCL}"),
+    DeviceSpec(name="A100-80GB-OPA", memory_bytes=80 * GiB, memory_bw=1800 * GB, **{**_A100, "inter": _JEAN_ZAY_OPA},
+               source=f"A100-80GB's figures; across nodes 4 Omni-Path 100 Gb/s links per 8 GPUs (Jean Zay, BLOOM's "
+                      f"model card); {_NCCL}"),
     # Memory bandwidth: STREAM Triad on an H100 80GB HBM3 SXM, 2.97 of the data sheet's 3.35 TB/s (copy 2.90); on an
     # H200, 4.15 of 4.8 (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_H100_v5_results.md, "HBM
     # Bandwidth", read from the copy in its fork samuel-bohman/AI-benchmarking-guide at 26d18e9, and
@@ -281,12 +309,14 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=2970 * GB, **_H100,
                source=f"NVIDIA H100 SXM5 data sheet (dense); measured HBM3 Triad bandwidth; DGX H100 data sheet; "
                       f"{_NCCL}"),
-    # Meta's Grand Teton H100s (torchtitan's runs): HBM2e, 96 GB, the board held to 500 W. Bandwidth: an
-    # HBM2e H100 measured 2.41 TB/s (Ujeniya et al. 2026, arXiv 2604.11391, section 3); its tensor cores
-    # held to the clock a 500 W cap leaves them (_H100_500W_SUSTAINED).
+    # Meta's Grand Teton H100s (torchtitan's runs): HBM2e, 96 GB, the board held to 500 W. Bandwidth: 2.41 TB/s, the
+    # HBM2e H100's figure as Ujeniya et al. 2026 (arXiv 2604.11391, section 3) list it beside the H200's 4.89, and
+    # torchtitan's benchmark page's "2.4 TB/sec peak": a peak, not a streaming measurement (none was found for this
+    # part; the HBM3 H100's Triad reaches 0.887 of its sheet), so elementwise work is priced optimistically here.
+    # Its tensor cores held to the clock a 500 W cap leaves them (_H100_500W_SUSTAINED).
     DeviceSpec(name="H100-96GB-500W", memory_bytes=96 * GiB, memory_bw=2410 * GB,
                **{**_H100, "sustained_clock": _H100_500W_SUSTAINED},
-               source=f"H100 SXM5 compute (data sheet) at the 500 W SM clock and HBM2e bandwidth of arXiv "
+               source=f"H100 SXM5 compute (data sheet) at the 500 W SM clock and the HBM2e peak bandwidth of arXiv "
                       f"2604.11391; {_NCCL}"),
     DeviceSpec(name="H200", memory_bytes=141 * GiB, memory_bw=4150 * GB, **_H100,
                source=f"NVIDIA H200 SXM data sheet (H100 compute); measured HBM3e Triad bandwidth; DGX H200 data "

@@ -42,6 +42,9 @@ class PublishedRun:
     selective_policy: str = "shoal"
     """What the trainer's selective recompute keeps (shoal.planner.compute.SELECTIVE_POLICIES): "torchtitan-op"
     for torchtitan's runs, which use its per-op policy (selective_ac_option 'op' in its llama3 8B train config)."""
+    data_engine: str = "shoal"
+    """Who ran the data axes (shoal.planner.estimate.DATA_ENGINES): "deepspeed-pipe" for Megatron-DeepSpeed's
+    runs, whose pipeline engine reduces (and at ZeRO-1 gathers) once a step after the last backward."""
     checked: bool = True
     """False where a number the prediction needs was not stated by the source or could not be re-read
     in it here (recalled, assumed, or a precision shoal cannot express); `note` says which."""
@@ -152,14 +155,15 @@ _MTNLG_NOTE = (
     "from the published iteration time. tp8 pp35 per the paper; dp = GPUs/280. Full activation "
     "checkpointing is implied by the FLOP convention (Megatron-DeepSpeed 3D parallel). Not pinned "
     "down: micro-batch size, pipeline schedule (DeepSpeed pipeline engine), ZeRO stage of the data-"
-    "parallel axis, and the 16-bit type (bf16 recorded). mb = 1920/dp (one sequence per micro-"
-    "batch) is NOT from the source, only there so the plan is complete. Vocab: GPT-2 BPE (50,257); recorded as 51,200, "
-    "the size Megatron pads it to at tp=8 (multiple of 128*tp). " + _UNTIED
+    "parallel axis, and the 16-bit type (bf16 recorded). The data axis is priced as DeepSpeed's pipeline "
+    "engine runs it: one all-reduce a step after the last backward, beside no compute. mb = 1920/dp (one "
+    "sequence per micro-batch) is NOT from the source, only there so the plan is complete. Vocab: GPT-2 BPE "
+    "(50,257); recorded as 51,200, the size Megatron pads it to at tp=8 (multiple of 128*tp). " + _UNTIED
 )
 
 
 def _mtnlg(nodes: int, t: float, tflops: float, tokens: float) -> PublishedRun:
-    return PublishedRun(fused_attention=False,
+    return PublishedRun(fused_attention=False, data_engine="deepspeed-pipe",
         name=f"MT-NLG 530B on {nodes * 8} A100",
         model=_gpt(105, 20480, 128, 51200, 2048, pp=35),
         cluster=f"{nodes * 8}xA100-80GB",
@@ -178,25 +182,30 @@ _MTNLG = (
 )
 
 # --- BLOOM-176B (BigScience tr11) --------------------------------------------------------------
-_BLOOM = PublishedRun(fused_attention=False,
+_BLOOM = PublishedRun(fused_attention=False, data_engine="deepspeed-pipe",
     name="BLOOM-176B (BigScience tr11) on 384 A100",
     model=ModelConfig(num_layers=70, dim=14336, num_heads=112, ffn_dim=4 * 14336, vocab_size=250880,
                       max_seq_len=2048, norm="layernorm", activation="gelu", pos_emb="rope", bias=True,
                       tie_embeddings=False),
-    cluster="48x8xA100-80GB",
+    cluster="48x8xA100-80GB-OPA",
     plan="fsdp8,zero=1,tp4,pp12,mb=128,sched=1f1b,ac=full,precision=bf16,sp=off",
     global_batch=2048, seq_len=2048, micro_batch_size=2,
     reported=149.77, unit="tflops_per_gpu_hw", tokens_per_s_per_device=104.3,
     source=("https://github.com/bigscience-workshop/bigscience train/tr11-176B-ml/README.md ('Important checkpoints': "
             "iteration 85376 log line, end of epoch one, 2022-06-28) and tr11-176B-ml.slurm; chronicles.md "
             "gives 149-150 TFLOPs at full batch"),
-    note=("Megatron-DeepSpeed, 48 nodes x 8 A100 80GB (Jean Zay). Log line: 104.70 s/iteration, 19.561 "
+    note=("Megatron-DeepSpeed, 48 nodes x 8 A100 80GB (Jean Zay), each node with 4 Omni-Path 100 Gb/s links, not "
+          "a DGX A100's 8 HDR InfiniBand NICs (BLOOM model card, huggingface.co/bigscience/bloom, 'Hardware': '8 "
+          "GPUs per node Using NVLink 4 inter-gpu connects, 4 OmniPath links'; recorded as shoal's A100-80GB-OPA "
+          "device). Log line: 104.70 s/iteration, 19.561 "
           "samples/s, 149.77 TFLOPs, global batch 2048. tokens/s/GPU = 19.561*2048/384 = 104.3 (from "
           "samples/s directly). The TFLOPs are hardware FLOPs (README 'Throughput': activation "
           "checkpointing, 4*2 coefficient; the exact Megatron eq. 3 with V=250,880 gives 149.76 for "
           "104.70 s). Plan from the slurm script: TP=4, PP=12, DP=8, MBS=2 (so 128 micro-batches per "
           "pipeline per step), --checkpoint-activations, --bf16, BF16_Optimizer = ZeRO stage 1 "
-          "(recorded as fsdp8,zero=1); DeepSpeed's pipeline engine runs a 1F1B-style schedule. Shape: "
+          "(recorded as fsdp8,zero=1, run as DeepSpeed's pipeline engine runs it: one reduction and one gather "
+          "a step, after the last backward, not shoal's FSDP2 gathering every micro-batch); DeepSpeed's pipeline "
+          "engine runs a 1F1B-style schedule. Shape: "
           "ALiBi positions (no position parameters; recorded as pos_emb=rope, the parameter-free choice "
           "shoal has) plus an extra embedding LayerNorm; vocab padded to 250,880. " + _UNTIED),
 )
