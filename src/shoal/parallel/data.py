@@ -302,6 +302,10 @@ def _fully_shard(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh,
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=not keep_full, **kwargs)
     for unit, needed_first in _end_units(model):
         fully_shard(unit, reshard_after_forward=not (keep_full or needed_first), **kwargs)
+        if not (keep_full or needed_first) and all(isinstance(m, nn.Embedding) for m in unit):
+            # A lookup's backward needs the indices, not the table: gathering it again would hold one
+            # more (V, D) table beside its gradient and the reduce-scatter's input.
+            cast(FSDPModule, unit[0]).set_unshard_in_backward(False)  # the unit's modules share one state
     fully_shard(model, reshard_after_forward=False, **kwargs)  # the root is needed first in backward
 
 
