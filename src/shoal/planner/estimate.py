@@ -79,7 +79,10 @@ et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Di
 (arXiv 2507.03114, abstract: 18.9% on average, 40.0% at most). Charged on the communication time hidden."""
 RESERVED_BYTES = 2**30
 """Device memory no tensor can use: the CUDA context, cuBLAS workspaces and NCCL buffers (~1 GiB
-on current GPUs; PyTorch "Understanding CUDA memory usage" notes). None on a CPU."""
+on current GPUs; PyTorch "Understanding CUDA memory usage" notes)."""
+CPU_PROCESS_BYTES = 300 * 2**20
+"""Host memory a CPU process holds before any model: Python, torch and a gloo group (every `shoal train
+--dry-run` reports it as the baseline; 301 MB on the 2-core machines shoal is tested on)."""
 
 
 DATA_ENGINES = ("shoal", "deepspeed-pipe")
@@ -220,7 +223,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     mem = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro, stages)
     peak = sum(mem.values()) * memory.FRAGMENTATION
     on_cpu = cluster.device_type == "cpu"
-    usable = cluster.device.memory_bytes - (0 if on_cpu else RESERVED_BYTES)
+    usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)
     tokens = work.global_batch * S
     flops = _model_flops(cfg, S) * tokens / step / plan.world_size
     return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step,
@@ -577,7 +580,7 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
         if plan.ac == "full" or any(cost.selective_share.values()):  # the block being recomputed holds all of its
             held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
                                                fused_attention=cost.fused) * tokens * cost.bytes
-        logits = memory.logits_bytes(cfg, tokens, tp=plan.tp) if head else 0.0
+        logits = memory.logits_bytes(cfg, tokens, tp=plan.tp, logit_bytes=int(cost.bytes)) if head else 0.0
         if head:
             held += memory.head_norm_elements(cfg, tp=plan.tp, sp=bool(plan.sp)) * tokens * cost.bytes
         accumulated = max(0.0, table - logits)
@@ -596,5 +599,23 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
             transient += params * 4  # unsharded gradients accumulate while the sync waits
     elif kind == "ddp":
         transient = params * gb  # DDP's bucket copies of the gradients
+    # The optimizer step holds the model states and its own temporaries, after the backward's are freed: a
+    # stage holds the larger of the two (as with the accumulated table above), so only the excess is a term.
+    step = optimizer_step_bytes(cfg, tp=plan.tp, ep=plan.ep, shards=shards if zero >= 1 else 1, on_cpu=cost.on_cpu)
     return {"parameters": dense[0] + expert[0], "gradients": dense[1] + expert[1],
-            "optimizer": dense[2] + expert[2], **worst, "transient": transient}
+            "optimizer": dense[2] + expert[2], **worst, "transient": transient,
+            "optimizer_step": max(0.0, step - sum(worst.values()) - transient)}
+
+
+def optimizer_step_bytes(cfg: ModelConfig, *, tp: int, ep: int, shards: int, on_cpu: bool) -> float:
+    """The temporaries of an AdamW step beside the model states. On GPUs shoal takes torch's fused AdamW,
+    which keeps none. On CPUs torch steps one tensor at a time (it has no foreach kernels there), and
+    `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two temporaries of the tensor's size at once: two fp32
+    copies of the largest tensor this rank's optimizer steps (an embedding table, an FFN matrix or a stack of
+    experts, split by tp, ep and the ZeRO shards). Measured: tests/test_planner_counts.py."""
+    if not on_cpu:
+        return 0.0
+    largest = max(cfg.vocab_size * cfg.dim, compute.ffn_width(cfg, _dense_index(cfg)) * cfg.dim)
+    if cfg.num_experts:
+        largest = max(largest, cfg.num_experts / ep * cfg.ffn_dim * cfg.dim)
+    return 2 * 4.0 * largest / tp / shards
