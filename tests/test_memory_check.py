@@ -11,7 +11,7 @@ from shoal import cli, rules
 from shoal.models.config import get_preset
 from shoal.plan import Plan
 from shoal.planner import fit
-from shoal.planner.estimate import Workload, estimate
+from shoal.planner.estimate import CPU_PROCESS_BYTES, Workload, estimate
 
 
 def _resolved(text: str, work: Workload, world: int) -> Plan:
@@ -30,8 +30,9 @@ def test_refusal_names_the_need_the_machine_and_plans_that_fit():
     assert fit.memory_refusal(_resolved("fsdp2", work, 2), work, cluster) is None
     line = fit.memory_refusal(_resolved("dp2", work, 2), work, cluster)
     assert line is not None and "\n" not in line
-    assert line.startswith(f"plan dp2 needs about {fit._gb(dp2.mem_per_device_bytes)} GB per process")
-    assert f"this machine has {fit._gb(machine // 2 * 2)} GB; plans that fit: " in line
+    each = dp2.mem_per_device_bytes + CPU_PROCESS_BYTES  # with the interpreter's share
+    assert line.startswith(f"plan dp2 needs about {fit._gb(each)} GB per process (Python and torch included)")
+    assert f"this machine has {fit._gb(machine // 2 * 2)} GB free; plans that fit: " in line
     named = line.split("plans that fit: ")[1].split(", ")
     assert named and len(set(named)) == len(named) and "dp2" not in named
     for text in named:  # each named plan fits by the same model
@@ -70,3 +71,20 @@ def test_giant_presets_are_refused_on_this_kind_of_machine(model, capsys):
     assert cli.main(["train", "--model", model, "--device", "cpu", "--nproc", "2", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("shoal: error: plan dp2 needs about") and "no plan fits" in err and "\n" not in err
+
+
+def test_the_check_counts_what_the_machine_has_free_and_each_process_baseline(monkeypatch):
+    """On CPUs the check prices a plan against the memory free now (other jobs may hold the rest),
+    each process charged the interpreter's baseline besides the planner's terms."""
+    from shoal.auto_plan import memory_cluster
+    from shoal.planner import hardware
+
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(fit, "available_memory_bytes", lambda: 8 * 2**30)
+    cluster = memory_cluster(2, "cpu")
+    assert cluster is not None and cluster.device.memory_bytes == 4 * 2**30
+    work = Workload(model=get_preset("tiny"), global_batch=4, seq_len=128)
+    need = estimate(_resolved("dp2", work, 2), work, cluster).mem_per_device_bytes
+    tight = fit.cpu_cluster(2, local=2, memory_bytes=int(2 * (need + CPU_PROCESS_BYTES / 2)))
+    assert not estimate(_resolved("dp2", work, 2), work, tight).fits  # the terms fit, not with the baseline
+    assert hardware.available_memory_bytes() > 0

@@ -13,19 +13,20 @@ import dataclasses
 
 from shoal import rules
 from shoal.plan import Plan
-from shoal.planner.estimate import Estimate, Workload, estimate
-from shoal.planner.hardware import DEVICES, Cluster, host_memory_bytes
+from shoal.planner.estimate import CPU_PROCESS_BYTES, Estimate, Workload, estimate
+from shoal.planner.hardware import DEVICES, Cluster, available_memory_bytes, host_memory_bytes
 from shoal.planner.search import search, structures, variants
 
 GB = 1e9
 
 
 def cpu_cluster(world_size: int, *, local: int, memory_bytes: int | None = None) -> Cluster:
-    """`world_size` CPU processes, `local` to a machine, sharing its memory (`memory_bytes`:
-    the machine's; default this one's)."""
+    """`world_size` CPU processes, `local` to a machine, sharing its memory (`memory_bytes`: the
+    machine's; default what this one has free now, which other jobs on it may have taken)."""
     local = max(1, min(local, world_size))
     base = DEVICES["cpu"]
-    device = dataclasses.replace(base, memory_bytes=(memory_bytes or host_memory_bytes()) // local, per_node=local)
+    free = memory_bytes or min(host_memory_bytes(), available_memory_bytes())
+    device = dataclasses.replace(base, memory_bytes=free // local, per_node=local)
     return Cluster(device=device, num_nodes=max(1, world_size // local), per_node=local, intra=base.intra,
                    inter=base.inter)
 
@@ -43,9 +44,10 @@ def memory_refusal(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch:
     text = need.plan_text
     if cpu:
         local = cluster.per_node
-        what = (f"plan {text} needs about {_gb(need.mem_per_device_bytes)} GB per process, "
-                f"{_gb(need.mem_per_device_bytes * local)} GB for its {local} process(es) on this machine; "
-                f"this machine has {_gb(have * local)} GB")
+        each = need.mem_per_device_bytes + CPU_PROCESS_BYTES
+        what = (f"plan {text} needs about {_gb(each)} GB per process (Python and torch included), "
+                f"{_gb(each * local)} GB for its {local} process(es) on this machine; "
+                f"this machine has {_gb(have * local)} GB free")
     else:
         what = (f"plan {text} needs about {_gb(need.mem_per_device_bytes)} GB per device; this machine's GPUs "
                 f"have {_gb(have)} GB")

@@ -336,6 +336,18 @@ def host_memory_bytes() -> int:
     return DEVICES["cpu"].memory_bytes
 
 
+def available_memory_bytes() -> int:
+    """What this machine can still give: the kernel's MemAvailable (free memory plus what it can reclaim),
+    less nothing; its physical memory where /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return host_memory_bytes()
+
+
 def get_device(name: str) -> DeviceSpec:
     """The spec for a device name or alias, case-insensitively."""
     key = _LOOKUP.get(name.strip().lower())
