@@ -1,0 +1,72 @@
+"""The planner's memory model against `shoal train --dry-run`, plan by plan (issue 24's table).
+
+Each row is one `shoal train --dry-run` in its own launch: its busiest rank's peak of live tensor
+bytes in the measured (second) step beside the sum of the planner's terms, and its resident peak
+above the interpreter's baseline beside the planner's total (terms plus the fragmentation margin).
+Goal: within 15%. A plan the memory check refuses (it would not fit this machine's free memory)
+is reported with its one-line refusal instead: the check runs before any worker, so nothing is
+allocated.
+
+    python -m bench.memory_model                  # `small` and the 512M model (vocab 500,000, dim 512)
+    python -m bench.memory_model --models small   # the small preset only (about 3 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from bench.common import report
+
+MODELS: dict[str, list[str]] = {
+    "small": ["--model", "small"],
+    "512M": ["--set", "vocab_size=500000", "--set", "dim=512", "--global-batch", "4"],
+}
+"""The models of the table: the small preset at its defaults, and `tiny` with a 500,000-token vocabulary
+and dim 512 (512M parameters, ~2 GB in fp32, dominated by its two tables) at global batch 4."""
+
+PLANS = [("dp1", 1), ("dp2", 2), ("fsdp2", 2), ("fsdp4", 4), ("tp2", 2), ("pp2", 2), ("tp4", 4)]
+
+_LIVE = re.compile(r"step peak of live tensors, busiest rank: (\d+) MB; the planner's terms, (\d+) MB")
+_RESIDENT = re.compile(r"step peak above the baseline, busiest rank: (\d+) MB; the planner's (\d+) MB")
+
+
+def dry_run(model: list[str], plan: str, nproc: int) -> dict[str, Any]:
+    """One dry run's figures, or its refusal."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run([sys.executable, "-m", "shoal", "train", *model, "--plan", plan, "--nproc", str(nproc),
+                               "--dry-run", "--out", out], capture_output=True, text=True, env=env)
+    text = done.stdout + done.stderr
+    live, resident = _LIVE.search(text), _RESIDENT.search(text)
+    if done.returncode != 0 or live is None or resident is None:
+        errors = [line for line in text.splitlines() if line.startswith("shoal: error:")]
+        refusal = errors[0] if errors else f"rc {done.returncode}"
+        return {"refused or failed": refusal.removeprefix("shoal: error: ")[:160]}
+    measured, priced = (int(g) for g in live.groups())
+    above, total = (int(g) for g in resident.groups())
+    return {"live MB": measured, "terms MB": priced, "terms error": f"{100 * (priced - measured) / measured:+.0f}%",
+            "resident MB": above, "total MB": total, "total error": f"{100 * (total - above) / above:+.0f}%"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = parser.parse_args()
+    rows = []
+    for name in args.models:
+        for plan, nproc in PLANS:
+            row = {"model": name, "plan": plan, **dry_run(MODELS[name], plan, nproc)}
+            print(row, flush=True)
+            rows.append(row)
+    report("memory_model", rows, notes="live: the busiest rank's peak of live tensor bytes in the measured step; "
+           "resident: its resident peak above the interpreter's baseline; errors are planner / measured - 1")
+
+
+if __name__ == "__main__":
+    main()
