@@ -147,7 +147,7 @@ def test_distill_refuses_bad_input_and_writes_nothing(tmp_path, capsys, case):
     extra, names = {"dense": ([], ["num_experts=0", "valid"]),
                     "no-checkpoint": ([], [str(teacher), "no complete checkpoint"]),
                     "shape": (["--set", "ffn_dim=40"], ["ffn_dim=40", "ffn_dim=48", "valid"]),
-                    "k": (["--gather", "topk", "--gather-k", "7"], ["--gather-k 7", "1..4"])}[case]
+                    "k": (["--gather", "top-experts", "--gather-k", "7"], ["--gather-k 7", "1..4"])}[case]
     assert_user_error(capsys, argv + extra, *names)
     assert not out.exists()
 

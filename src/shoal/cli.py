@@ -484,10 +484,12 @@ def _add_distill_parser(sub: Any) -> None:
     distill.add_argument("--teacher", metavar="RUN_DIR", help="the trained MoE run folder (its newest checkpoint "
                          "that verifies, written under any plan) (required for a new run)")
     distill.add_argument("--gather", default="svd", help="how the dense FFN starts from the experts: sum, mean, "
-                         "topk (the k experts the router uses most, averaged), svd (each expert's top-k singular "
-                         "components, averaged) or none (random initialisation) [svd]")
-    distill.add_argument("--gather-k", type=int, metavar="K", help="topk: experts kept [the teacher's top_k]; svd: "
-                         "singular components kept per expert [min(ffn_dim, dim) // num_experts]")
+                         "topk (each expert's K largest-magnitude entries, summed), svd (each expert's top-r "
+                         "singular components, summed), top-experts (the k experts the router uses most, averaged) "
+                         "or none (random initialisation) [svd]")
+    distill.add_argument("--gather-k", type=int, metavar="K", help="topk: entries kept per expert matrix "
+                         "[ceil(ffn_dim x dim / num_experts)]; svd: singular components kept per expert "
+                         "[min(ffn_dim, dim) // num_experts]; top-experts: experts kept [the teacher's top_k]")
     distill.add_argument("--kd-temperature", type=float, default=1.0, metavar="T",
                          help="softmax temperature of the distillation term [1.0]")
     distill.add_argument("--kd-alpha", type=float, default=0.5, metavar="A",
