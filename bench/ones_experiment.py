@@ -9,7 +9,8 @@ Per seed, each run is `python -m shoal train` / `python -m shoal distill` in its
   dense     tiny-moe's shape with num_experts=0 (the student's shape), TEACHER_STEPS steps, and again
             with TEACHER_STEPS + STUDENT_STEPS steps (the students' attention and embeddings have had
             that many: the equal-steps reference)
-  student   shoal distill --gather {sum, mean, topk, svd, none}, STUDENT_STEPS steps, KD defaults
+  student   shoal distill --gather {sum, mean, topk, svd, top-experts, none}, STUDENT_STEPS steps, KD
+            defaults
 Reported per run: the held-out loss (the trainer's eval over EVAL_BATCHES global batches) at the
 end and, for students, right after gathering (before any distillation step); the share of the
 MoE's benefit a student keeps, (L_dense - L_student) / (L_dense - L_teacher) (the paper's
@@ -17,6 +18,10 @@ MoE's benefit a student keeps, (L_dense - L_student) / (L_dense - L_teacher) (th
 (global batch x seq_len) batch, one thread, median of repeats interleaved teacher/student.
 
     python -m bench.ones_experiment [--seeds 0 1 2] [--fresh]
+
+Resumable: a run found finished (bench_run.json, same command) is reused, and one interrupted
+part-way is continued from its checkpoints (`--resume`), so the same command picks up where a
+cut-off invocation stopped.
 """
 
 from __future__ import annotations
@@ -40,9 +45,9 @@ from shoal.train.distill import STUDENT_INIT, load_teacher
 from shoal.train.metrics import read_metrics
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-TEACHER_STEPS, STUDENT_STEPS, BATCH, SEQ, EVAL_BATCHES = 60, 30, 8, 32, 4
-"""The scale that fit a loaded 2-core machine (about 25 minutes a seed); --teacher-steps and
---student-steps change the first two."""
+TEACHER_STEPS, STUDENT_STEPS, BATCH, SEQ, EVAL_BATCHES = 1000, 250, 8, 32, 32
+"""The scale that fit three seeds into about 75 minutes of a loaded 2-core machine (docs/ones_distill.md);
+--teacher-steps and --student-steps change the first two."""
 COMMON = ["--nproc", "1", "--global-batch", str(BATCH), "--seq-len", str(SEQ), "--eval-batches", str(EVAL_BATCHES),
           "--log-every", "10"]
 
@@ -93,21 +98,28 @@ def _checkpoint(run: Path) -> Path:
     return path
 
 
+def _resume(py: list[str], command: str, run_dir: Path, steps: int) -> list[str]:
+    return py + [command, "--resume", str(run_dir), "--steps", str(steps)]
+
+
 def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_steps: int) -> list[dict[str, Any]]:
     py = [sys.executable, "-m", "shoal"]
     seed_flags = ["--seed", str(seed)]
     teacher_dir = out / f"seed{seed}" / "teacher"
     teacher, t_wall = train_run("teacher", py + ["train", "--model", "tiny-moe", "--steps", str(teacher_steps),
                                 "--eval-every", str(teacher_steps), "--out", str(teacher_dir), *COMMON, *seed_flags],
-                                teacher_dir, fresh=fresh, keep_checkpoints=True)
+                                teacher_dir, fresh=fresh, keep_checkpoints=True,
+                                resume=_resume(py, "train", teacher_dir, teacher_steps))
     dense_dir = out / f"seed{seed}" / "dense"
     dense, d_wall = train_run("dense", py + ["train", "--model", "tiny-moe", "--set", "num_experts=0", "--steps",
                               str(teacher_steps), "--eval-every", str(teacher_steps), "--out", str(dense_dir), *COMMON,
-                              *seed_flags], dense_dir, fresh=fresh)
+                              *seed_flags], dense_dir, fresh=fresh,
+                              resume=_resume(py, "train", dense_dir, teacher_steps))
     long_dir, total = out / f"seed{seed}" / "dense_long", teacher_steps + student_steps
     dense_long, l_wall = train_run("dense_long", py + ["train", "--model", "tiny-moe", "--set", "num_experts=0",
                                    "--steps", str(total), "--eval-every", str(total), "--out", str(long_dir), *COMMON,
-                                   *seed_flags], long_dir, fresh=fresh)
+                                   *seed_flags], long_dir, fresh=fresh,
+                                   resume=_resume(py, "train", long_dir, total))
     teacher_cfg = get_preset("tiny-moe")
     l_teacher, l_dense = _eval_loss(teacher), _eval_loss(dense)
     rows = [{"seed": seed, "run": "teacher (tiny-moe)", "steps": teacher_steps, "held_out": l_teacher,
@@ -121,7 +133,8 @@ def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_step
         run_dir = out / f"seed{seed}" / f"student_{method}"
         student, s_wall = train_run(method, py + ["distill", "--teacher", str(teacher), "--gather", method,
                                     "--steps", str(student_steps), "--eval-every", str(student_steps),
-                                    "--out", str(run_dir), *COMMON, *seed_flags], run_dir, fresh=fresh)
+                                    "--out", str(run_dir), *COMMON, *seed_flags], run_dir, fresh=fresh,
+                                    resume=_resume(py, "distill", run_dir, student_steps))
         loss = _eval_loss(student)
         start = initial_loss(student, student_config(teacher_cfg), seed)
         rows.append({"seed": seed, "run": f"student, gather {method}", "steps": student_steps, "held_out": loss,
@@ -140,22 +153,26 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = list(dict.fromkeys(r["run"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labelled = False
     for i, name in enumerate(runs):
         values = [r["held_out"] for r in rows if r["run"] == name]
-        ax.bar(i, statistics.median(values), color="tab:red" if "teacher" in name else
+        ax.bar(i, statistics.median(values), color="tab:red" if name.startswith("teacher") else
                "tab:gray" if "dense" in name else "tab:blue")
         ax.scatter([i] * len(values), values, color="black", s=10, zorder=3)
         starts = [r["held_out_at_start"] for r in rows if r["run"] == name and r.get("held_out_at_start")]
         if starts:
             ax.scatter([i] * len(starts), starts, marker="x", color="tab:orange", zorder=3,
-                       label="before distillation" if i == 3 else None)
-    ax.set_xticks(range(len(runs)), [r.replace("student, gather ", "") for r in runs], rotation=20)
+                       label=None if labelled else "before distillation")
+            labelled = True
+    names = [r.replace("student, gather ", "student: ").replace("dense, data only", "dense")
+             .replace(", teacher + student steps", " (T+S steps)") for r in runs]
+    ax.set_xticks(range(len(runs)), names, rotation=25, ha="right")
     ax.set_ylabel("held-out loss (nats/byte)")
-    low = min(r["held_out"] for r in rows)
-    ax.set_ylim(low - 0.3, max(r["held_out"] for r in rows) + 0.3)
+    values = [r["held_out"] for r in rows] + [r["held_out_at_start"] for r in rows if r.get("held_out_at_start")]
+    ax.set_ylim(min(values) - 0.1, max(values) + 0.1)
     ax.set_title("OneS on the built-in corpus: median over seeds (bars), each seed (dots)")
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
@@ -163,8 +180,12 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 def table(rows: list[dict[str, Any]]) -> str:
     """A markdown table of the medians over seeds, one line per run (docs/ones_distill.md)."""
     def med(name: str, key: str) -> str:
+        """The median over seeds and, with several, their range."""
         values = [r[key] for r in rows if r["run"] == name and r.get(key) is not None]
-        return f"{statistics.median(values):.3f}" if values else "-"
+        if not values:
+            return "-"
+        spread = f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else ""
+        return f"{statistics.median(values):.3f}{spread}"
 
     lines = ["| run | steps | parameters | held-out loss | at start | MoE benefit kept | forward tokens/s |",
              "|---|---|---|---|---|---|---|"]
@@ -174,7 +195,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {name} | {first['steps']} | {first['params_M']:.2f}M | {med(name, 'held_out')} | "
                      f"{med(name, 'held_out_at_start')} | {med(name, 'moe_benefit_kept')} | {speed:,.0f} |")
     seeds = sorted({r["seed"] for r in rows})
-    return "\n".join(lines) + f"\n\nMedians over seeds {', '.join(map(str, seeds))}."
+    return "\n".join(lines) + f"\n\nMedians over seeds {', '.join(map(str, seeds))} (in brackets: lowest-highest seed)."
 
 
 def main() -> None:
