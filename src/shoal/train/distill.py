@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from shoal.models import ModelConfig, Transformer
@@ -147,6 +148,8 @@ class DistillTrainer(Trainer):
 
     def __init__(self, job: Job, device: torch.device) -> None:
         assert job.distill is not None
+        if dist.is_initialized():  # under torchrun rank 0 wrote the student's start as it joined: wait for it
+            dist.barrier()
         super().__init__(job, device)
         self.spec = job.distill
         checkpoint = Path(self.spec.checkpoint)
