@@ -201,22 +201,26 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/ones_experiment"))
+    parser.add_argument("--out", type=Path, help="the runs' folder [runs/<name>, the name as below]")
     parser.add_argument("--fresh", action="store_true", help="retrain runs found finished")
     parser.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS, help="teacher and dense model steps")
     parser.add_argument("--student-steps", type=int, default=STUDENT_STEPS, help="distillation steps per student")
     parser.add_argument("--table", action="store_true", help="print the saved rows' markdown table and exit")
     args = parser.parse_args()
+    # Another budget than the default's keeps its own runs, results and plot, named by its steps.
+    default = (args.teacher_steps, args.student_steps) == (TEACHER_STEPS, STUDENT_STEPS)
+    name = "ones_experiment" if default else f"ones_experiment_{args.teacher_steps}_{args.student_steps}"
+    figure = DOCS / ("ones_distill.png" if default else f"ones_distill_{args.teacher_steps}_{args.student_steps}.png")
     if args.table:
-        print(table(json.loads((RESULTS / "ones_experiment_rows.json").read_text())))
+        print(table(json.loads((RESULTS / f"{name}_rows.json").read_text())))
         return
     rows: list[dict[str, Any]] = []
     for seed in args.seeds:
-        rows += run_seed(seed, args.out, args.fresh, args.teacher_steps, args.student_steps)
-        report("ones_experiment", rows, notes=f"teacher/dense {args.teacher_steps} steps, students "
+        rows += run_seed(seed, args.out or Path("runs") / name, args.fresh, args.teacher_steps, args.student_steps)
+        report(name, rows, notes=f"teacher/dense {args.teacher_steps} steps, students "
                f"{args.student_steps} distillation steps, batch {BATCH} x {SEQ} tokens, one CPU process each")
-        plot(rows, DOCS / "ones_distill.png")  # after every seed: a cut-off run leaves what it finished
-        (RESULTS / "ones_experiment_rows.json").write_text(json.dumps(rows, indent=1))
+        plot(rows, figure)  # after every seed: a cut-off run leaves what it finished
+        (RESULTS / f"{name}_rows.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
