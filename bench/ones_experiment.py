@@ -178,24 +178,33 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """A markdown table of the medians over seeds, one line per run (docs/ones_distill.md)."""
-    def med(name: str, key: str) -> str:
+    """A markdown table of the medians over seeds, one line per run (docs/ones_distill.md): held-out
+    loss, its gaps to the same seed's teacher and equal-steps dense model, the MoE benefit kept."""
+    def loss_of(seed: int, prefix: str) -> float:
+        return next(r["held_out"] for r in rows if r["seed"] == seed and r["run"].startswith(prefix))
+
+    gaps = [{**r, "vs_teacher": r["held_out"] - loss_of(r["seed"], "teacher"),
+             "vs_long": r["held_out"] - loss_of(r["seed"], "dense, data only, teacher")} for r in rows]
+
+    def med(name: str, key: str, sign: str = "") -> str:
         """The median over seeds and, with several, their range."""
-        values = [r[key] for r in rows if r["run"] == name and r.get(key) is not None]
+        values = [r[key] for r in gaps if r["run"] == name and r.get(key) is not None]
         if not values:
             return "-"
-        spread = f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else ""
-        return f"{statistics.median(values):.3f}{spread}"
+        spread = f" ({min(values):{sign}.3f} to {max(values):{sign}.3f})" if len(values) > 1 else ""
+        return f"{statistics.median(values):{sign}.3f}{spread}"
 
-    lines = ["| run | steps | parameters | held-out loss | at start | MoE benefit kept | forward tokens/s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | steps | parameters | held-out loss | minus teacher's | minus dense T+S's | at start | "
+             "MoE benefit kept | forward tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["run"] for r in rows):
         first = next(r for r in rows if r["run"] == name)
         speed = statistics.median(r["forward_tok_s"] for r in rows if r["run"] == name)
         lines.append(f"| {name} | {first['steps']} | {first['params_M']:.2f}M | {med(name, 'held_out')} | "
-                     f"{med(name, 'held_out_at_start')} | {med(name, 'moe_benefit_kept')} | {speed:,.0f} |")
+                     f"{med(name, 'vs_teacher', '+')} | {med(name, 'vs_long', '+')} | "
+                     f"{med(name, 'held_out_at_start')} | {med(name, 'moe_benefit_kept', '+')} | {speed:,.0f} |")
     seeds = sorted({r["seed"] for r in rows})
-    return "\n".join(lines) + f"\n\nMedians over seeds {', '.join(map(str, seeds))} (in brackets: lowest-highest seed)."
+    return "\n".join(lines) + (f"\n\nMedians over seeds {', '.join(map(str, seeds))} (in brackets: lowest to highest "
+                               "seed).")
 
 
 def main() -> None:
