@@ -146,33 +146,50 @@ def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_step
     return rows
 
 
+def _short(run: str) -> str:
+    return (run.replace("student, gather ", "student: ").replace("dense, data only", "dense")
+            .replace(", teacher + student steps", " (T+S steps)"))
+
+
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    """Left: held-out loss at the end of every run but the randomly initialised student, each seed a
+    dot, the median a bar, the teacher's and the equal-steps dense model's medians as lines. Right:
+    each student's held-out loss before and after distillation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def losses(name: str, key: str = "held_out") -> list[float]:
+        return [r[key] for r in rows if r["run"] == name and r.get(key) is not None]
+
     runs = list(dict.fromkeys(r["run"] for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    labelled = False
-    for i, name in enumerate(runs):
-        values = [r["held_out"] for r in rows if r["run"] == name]
-        ax.bar(i, statistics.median(values), color="tab:red" if name.startswith("teacher") else
-               "tab:gray" if "dense" in name else "tab:blue")
-        ax.scatter([i] * len(values), values, color="black", s=10, zorder=3)
-        starts = [r["held_out_at_start"] for r in rows if r["run"] == name and r.get("held_out_at_start")]
-        if starts:
-            ax.scatter([i] * len(starts), starts, marker="x", color="tab:orange", zorder=3,
-                       label=None if labelled else "before distillation")
-            labelled = True
-    names = [r.replace("student, gather ", "student: ").replace("dense, data only", "dense")
-             .replace(", teacher + student steps", " (T+S steps)") for r in runs]
-    ax.set_xticks(range(len(runs)), names, rotation=25, ha="right")
-    ax.set_ylabel("held-out loss (nats/byte)")
-    values = [r["held_out"] for r in rows] + [r["held_out_at_start"] for r in rows if r.get("held_out_at_start")]
-    ax.set_ylim(min(values) - 0.1, max(values) + 0.1)
-    ax.set_title("OneS on the built-in corpus: median over seeds (bars), each seed (dots)")
-    ax.legend(loc="best")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), width_ratios=[3, 2])
+    shown = [name for name in runs if name != "student, gather none"]
+    for i, name in enumerate(shown):
+        color = "tab:red" if name.startswith("teacher") else "tab:gray" if "dense" in name else "tab:blue"
+        left.scatter([i] * len(losses(name)), losses(name), color=color, s=18, zorder=3)
+        left.hlines(statistics.median(losses(name)), i - 0.3, i + 0.3, color=color, lw=2)
+    for name, color in ((runs[0], "tab:red"), ("dense, data only, teacher + student steps", "tab:gray")):
+        if losses(name):
+            left.axhline(statistics.median(losses(name)), color=color, ls="--", lw=0.8)
+    left.set_xticks(range(len(shown)), [_short(n) for n in shown], rotation=30, ha="right")
+    left.set_ylabel("held-out loss (nats/byte)")
+    left.set_title("at the end (dots: seeds; bars: median)")
+    students = [name for name in runs if name.startswith("student")]
+    for i, name in enumerate(students):
+        right.scatter([i] * len(losses(name, "held_out_at_start")), losses(name, "held_out_at_start"),
+                      marker="x", color="tab:orange", zorder=3, label="before distillation" if i == 0 else None)
+        right.scatter([i] * len(losses(name)), losses(name), color="tab:blue", s=18, zorder=3,
+                      label="after distillation" if i == 0 else None)
+    right.set_xticks(range(len(students)), [_short(n).replace("student: ", "") for n in students], rotation=30,
+                     ha="right")
+    right.set_title("students: gathered start and end")
+    right.legend(loc="best")
+    steps = {r["run"]: r["steps"] for r in rows}
+    fig.suptitle(f"OneS on the built-in corpus: tiny-moe teacher {steps[runs[0]]} steps, students "
+                 f"{steps.get('student, gather none', '?')} distillation steps, seeds "
+                 f"{', '.join(str(s) for s in sorted({r['seed'] for r in rows}))}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
@@ -214,14 +231,17 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="retrain runs found finished")
     parser.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS, help="teacher and dense model steps")
     parser.add_argument("--student-steps", type=int, default=STUDENT_STEPS, help="distillation steps per student")
-    parser.add_argument("--table", action="store_true", help="print the saved rows' markdown table and exit")
+    parser.add_argument("--table", action="store_true", help="print the saved rows' markdown table, redraw "
+                        "their plot and exit")
     args = parser.parse_args()
     # Another budget than the default's keeps its own runs, results and plot, named by its steps.
     default = (args.teacher_steps, args.student_steps) == (TEACHER_STEPS, STUDENT_STEPS)
     name = "ones_experiment" if default else f"ones_experiment_{args.teacher_steps}_{args.student_steps}"
     figure = DOCS / ("ones_distill.png" if default else f"ones_distill_{args.teacher_steps}_{args.student_steps}.png")
     if args.table:
-        print(table(json.loads((RESULTS / f"{name}_rows.json").read_text())))
+        saved = json.loads((RESULTS / f"{name}_rows.json").read_text())
+        print(table(saved))
+        plot(saved, figure)
         return
     rows: list[dict[str, Any]] = []
     for seed in args.seeds:
