@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import RESULTS, measure_pair, report, train_run
+from bench.common import RESULTS, RUN_RECORD, measure_pair, report, train_run
 from shoal.models import ModelConfig, Transformer, get_preset
 from shoal.moe.gather import GATHERS, student_config
 from shoal.train.config import RunConfig
@@ -102,45 +102,59 @@ def _resume(py: list[str], command: str, run_dir: Path, steps: int) -> list[str]
     return py + [command, "--resume", str(run_dir), "--steps", str(steps)]
 
 
-def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_steps: int) -> list[dict[str, Any]]:
+def _finished(command: list[str], run_dir: Path) -> bool:
+    record = run_dir / RUN_RECORD
+    return record.is_file() and json.loads(record.read_text())["command"][1:] == command[1:]
+
+
+def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_steps: int,
+             collect: bool = False) -> list[dict[str, Any]]:
+    """The seed's rows, training what is not finished; `collect`: train nothing, the finished runs' rows."""
     py = [sys.executable, "-m", "shoal"]
     seed_flags = ["--seed", str(seed)]
-    teacher_dir = out / f"seed{seed}" / "teacher"
-    teacher, t_wall = train_run("teacher", py + ["train", "--model", "tiny-moe", "--steps", str(teacher_steps),
-                                "--eval-every", str(teacher_steps), "--out", str(teacher_dir), *COMMON, *seed_flags],
-                                teacher_dir, fresh=fresh, keep_checkpoints=True,
-                                resume=_resume(py, "train", teacher_dir, teacher_steps))
-    dense_dir = out / f"seed{seed}" / "dense"
-    dense, d_wall = train_run("dense", py + ["train", "--model", "tiny-moe", "--set", "num_experts=0", "--steps",
-                              str(teacher_steps), "--eval-every", str(teacher_steps), "--out", str(dense_dir), *COMMON,
-                              *seed_flags], dense_dir, fresh=fresh,
-                              resume=_resume(py, "train", dense_dir, teacher_steps))
-    long_dir, total = out / f"seed{seed}" / "dense_long", teacher_steps + student_steps
-    dense_long, l_wall = train_run("dense_long", py + ["train", "--model", "tiny-moe", "--set", "num_experts=0",
-                                   "--steps", str(total), "--eval-every", str(total), "--out", str(long_dir), *COMMON,
-                                   *seed_flags], long_dir, fresh=fresh,
-                                   resume=_resume(py, "train", long_dir, total))
     teacher_cfg = get_preset("tiny-moe")
-    l_teacher, l_dense = _eval_loss(teacher), _eval_loss(dense)
+    student_M = student_config(teacher_cfg).num_params() / 1e6
+
+    def run(name: str, command: list[str], run_dir: Path, steps: int, **kw: Any) -> tuple[Path, float] | None:
+        if collect and not _finished(py + command, run_dir):
+            return None
+        return train_run(name, py + command, run_dir, fresh=fresh, resume=_resume(py, command[0], run_dir, steps),
+                         **kw)
+
+    teacher_dir = out / f"seed{seed}" / "teacher"
+    teacher = run("teacher", ["train", "--model", "tiny-moe", "--steps", str(teacher_steps), "--eval-every",
+                              str(teacher_steps), "--out", str(teacher_dir), *COMMON, *seed_flags],
+                  teacher_dir, teacher_steps, keep_checkpoints=True)
+    dense_dir = out / f"seed{seed}" / "dense"
+    dense = run("dense", ["train", "--model", "tiny-moe", "--set", "num_experts=0", "--steps", str(teacher_steps),
+                          "--eval-every", str(teacher_steps), "--out", str(dense_dir), *COMMON, *seed_flags],
+                dense_dir, teacher_steps)
+    long_dir, total = out / f"seed{seed}" / "dense_long", teacher_steps + student_steps
+    dense_long = run("dense_long", ["train", "--model", "tiny-moe", "--set", "num_experts=0", "--steps", str(total),
+                                    "--eval-every", str(total), "--out", str(long_dir), *COMMON, *seed_flags],
+                     long_dir, total)
+    if teacher is None or dense is None or dense_long is None:
+        return []  # collecting: the students' measures need all three
+    l_teacher, l_dense = _eval_loss(teacher[0]), _eval_loss(dense[0])
     rows = [{"seed": seed, "run": "teacher (tiny-moe)", "steps": teacher_steps, "held_out": l_teacher,
-             "params_M": teacher_cfg.num_params() / 1e6, "wall_s": t_wall},
+             "params_M": teacher_cfg.num_params() / 1e6, "wall_s": teacher[1]},
             {"seed": seed, "run": "dense, data only", "steps": teacher_steps, "held_out": l_dense,
-             "params_M": student_config(teacher_cfg).num_params() / 1e6, "wall_s": d_wall},
+             "params_M": student_M, "wall_s": dense[1]},
             {"seed": seed, "run": "dense, data only, teacher + student steps", "steps": total,
-             "held_out": _eval_loss(dense_long), "params_M": student_config(teacher_cfg).num_params() / 1e6,
-             "wall_s": l_wall}]
+             "held_out": _eval_loss(dense_long[0]), "params_M": student_M, "wall_s": dense_long[1]}]
     for method in GATHERS:
         run_dir = out / f"seed{seed}" / f"student_{method}"
-        student, s_wall = train_run(method, py + ["distill", "--teacher", str(teacher), "--gather", method,
-                                    "--steps", str(student_steps), "--eval-every", str(student_steps),
-                                    "--out", str(run_dir), *COMMON, *seed_flags], run_dir, fresh=fresh,
-                                    resume=_resume(py, "distill", run_dir, student_steps))
-        loss = _eval_loss(student)
-        start = initial_loss(student, student_config(teacher_cfg), seed)
+        student = run(method, ["distill", "--teacher", str(teacher[0]), "--gather", method, "--steps",
+                               str(student_steps), "--eval-every", str(student_steps), "--out", str(run_dir), *COMMON,
+                               *seed_flags], run_dir, student_steps)
+        if student is None:
+            continue
+        loss = _eval_loss(student[0])
+        start = initial_loss(student[0], student_config(teacher_cfg), seed)
         rows.append({"seed": seed, "run": f"student, gather {method}", "steps": student_steps, "held_out": loss,
                      "held_out_at_start": start, "moe_benefit_kept": (l_dense - loss) / (l_dense - l_teacher),
-                     "params_M": student_config(teacher_cfg).num_params() / 1e6, "wall_s": s_wall})
-    rates = speed(teacher, teacher_cfg)
+                     "params_M": student_M, "wall_s": student[1]})
+    rates = speed(teacher[0], teacher_cfg)
     for row in rows:
         row["forward_tok_s"] = rates["teacher"] if row["run"].startswith("teacher") else rates["student"]
     return rows
@@ -211,12 +225,14 @@ def table(rows: list[dict[str, Any]]) -> str:
         spread = f" ({min(values):{sign}.3f} to {max(values):{sign}.3f})" if len(values) > 1 else ""
         return f"{statistics.median(values):{sign}.3f}{spread}"
 
-    lines = ["| run | steps | parameters | held-out loss | minus teacher's | minus dense T+S's | at start | "
-             "MoE benefit kept | forward tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | steps | seeds | parameters | held-out loss | minus teacher's | minus dense T+S's | at start | "
+             "MoE benefit kept | forward tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["run"] for r in rows):
         first = next(r for r in rows if r["run"] == name)
         speed = statistics.median(r["forward_tok_s"] for r in rows if r["run"] == name)
-        lines.append(f"| {name} | {first['steps']} | {first['params_M']:.2f}M | {med(name, 'held_out')} | "
+        seeds_run = len([r for r in rows if r["run"] == name])
+        lines.append(f"| {name} | {first['steps']} | {seeds_run} | {first['params_M']:.2f}M | "
+                     f"{med(name, 'held_out')} | "
                      f"{med(name, 'vs_teacher', '+')} | {med(name, 'vs_long', '+')} | "
                      f"{med(name, 'held_out_at_start')} | {med(name, 'moe_benefit_kept', '+')} | {speed:,.0f} |")
     seeds = sorted({r["seed"] for r in rows})
@@ -231,6 +247,8 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="retrain runs found finished")
     parser.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS, help="teacher and dense model steps")
     parser.add_argument("--student-steps", type=int, default=STUDENT_STEPS, help="distillation steps per student")
+    parser.add_argument("--collect", action="store_true", help="train nothing: the rows, plot and results of the "
+                        "runs found finished (an experiment cut off part-way through a seed)")
     parser.add_argument("--table", action="store_true", help="print the saved rows' markdown table, redraw "
                         "their plot and exit")
     args = parser.parse_args()
@@ -245,7 +263,8 @@ def main() -> None:
         return
     rows: list[dict[str, Any]] = []
     for seed in args.seeds:
-        rows += run_seed(seed, args.out or Path("runs") / name, args.fresh, args.teacher_steps, args.student_steps)
+        rows += run_seed(seed, args.out or Path("runs") / name, args.fresh, args.teacher_steps, args.student_steps,
+                         collect=args.collect)
         report(name, rows, notes=f"teacher/dense {args.teacher_steps} steps, students "
                f"{args.student_steps} distillation steps, batch {BATCH} x {SEQ} tokens, one CPU process each")
         plot(rows, figure)  # after every seed: a cut-off run leaves what it finished
