@@ -216,6 +216,11 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     gaps = [{**r, "vs_teacher": r["held_out"] - loss_of(r["seed"], "teacher"),
              "vs_long": r["held_out"] - loss_of(r["seed"], "dense, data only, teacher")} for r in rows]
+    # The share is defined only where the teacher beat the dense model of the student's shape.
+    for r in gaps:
+        if r.get("moe_benefit_kept") is not None and loss_of(r["seed"], "teacher") >= loss_of(r["seed"], "dense"):
+            r["moe_benefit_kept"] = None
+    undefined = sorted({r["seed"] for r in rows if loss_of(r["seed"], "teacher") >= loss_of(r["seed"], "dense")})
 
     def med(name: str, key: str, sign: str = "") -> str:
         """The median over seeds and, with several, their range."""
@@ -224,6 +229,12 @@ def table(rows: list[dict[str, Any]]) -> str:
             return "-"
         spread = f" ({min(values):{sign}.3f} to {max(values):{sign}.3f})" if len(values) > 1 else ""
         return f"{statistics.median(values):{sign}.3f}{spread}"
+
+    def share(name: str) -> str:
+        if not name.startswith("student"):
+            return "-"
+        return med(name, "moe_benefit_kept", "+") if any(r["run"] == name and r.get("moe_benefit_kept") is not None
+                                                          for r in gaps) else "undefined"
 
     lines = ["| run | steps | seeds | parameters | held-out loss | minus teacher's | minus dense T+S's | at start | "
              "MoE benefit kept | forward tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -234,10 +245,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {name} | {first['steps']} | {seeds_run} | {first['params_M']:.2f}M | "
                      f"{med(name, 'held_out')} | "
                      f"{med(name, 'vs_teacher', '+')} | {med(name, 'vs_long', '+')} | "
-                     f"{med(name, 'held_out_at_start')} | {med(name, 'moe_benefit_kept', '+')} | {speed:,.0f} |")
+                     f"{med(name, 'held_out_at_start')} | {share(name)} | {speed:,.0f} |")
     seeds = sorted({r["seed"] for r in rows})
+    note = (f" MoE benefit kept: undefined in seed(s) {', '.join(map(str, undefined))}, where the teacher's held-out "
+            "loss was not below the dense model's (the share's denominator L_dense - L_teacher <= 0)."
+            if undefined else "")
     return "\n".join(lines) + (f"\n\nMedians over seeds {', '.join(map(str, seeds))} (in brackets: lowest to highest "
-                               "seed).")
+                               f"seed).{note}")
 
 
 def main() -> None:
