@@ -60,9 +60,9 @@ def gather(stack: torch.Tensor, method: str, *, k: int | None = None,
            usage: torch.Tensor | None = None) -> torch.Tensor:
     """One expert tensor stacked over E experts (E, ...) -> one tensor (...) by `method`.
 
-    k is topk's entries kept per expert matrix, svd's rank kept per expert, top-experts' number of
-    experts (None: the defaults above); top-experts needs `usage` (E,), the router's share of
-    assignments per expert. A bias (E, N) is summed by topk and svd."""
+    k is topk's entries kept per expert matrix or svd's rank kept per expert (None: the defaults
+    above), or top-experts' number of experts, which needs k and `usage` (E,), the router's share
+    of assignments per expert. A bias (E, N) is summed by topk and svd."""
     E = stack.shape[0]
     work = stack.double()  # the sums and the SVD in float64: gathering adds no rounding of its own
     if method == "sum":
