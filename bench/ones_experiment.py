@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,7 @@ def _finished(command: list[str], run_dir: Path) -> bool:
 
 
 def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_steps: int,
-             collect: bool = False) -> list[dict[str, Any]]:
+             collect: bool = False, gathers: Sequence[str] = GATHERS) -> list[dict[str, Any]]:
     """The seed's rows, training what is not finished; `collect`: train nothing, the finished runs' rows."""
     py = [sys.executable, "-m", "shoal"]
     seed_flags = ["--seed", str(seed)]
@@ -142,7 +143,7 @@ def run_seed(seed: int, out: Path, fresh: bool, teacher_steps: int, student_step
              "params_M": student_M, "wall_s": dense[1]},
             {"seed": seed, "run": "dense, data only, teacher + student steps", "steps": total,
              "held_out": _eval_loss(dense_long[0]), "params_M": student_M, "wall_s": dense_long[1]}]
-    for method in GATHERS:
+    for method in gathers:
         run_dir = out / f"seed{seed}" / f"student_{method}"
         student = run(method, ["distill", "--teacher", str(teacher[0]), "--gather", method, "--steps",
                                str(student_steps), "--eval-every", str(student_steps), "--out", str(run_dir), *COMMON,
@@ -261,6 +262,8 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="retrain runs found finished")
     parser.add_argument("--teacher-steps", type=int, default=TEACHER_STEPS, help="teacher and dense model steps")
     parser.add_argument("--student-steps", type=int, default=STUDENT_STEPS, help="distillation steps per student")
+    parser.add_argument("--gathers", nargs="+", choices=GATHERS, default=list(GATHERS),
+                        help="the students' gathering methods, in the order they are trained [all]")
     parser.add_argument("--collect", action="store_true", help="train nothing: the rows, plot and results of the "
                         "runs found finished (an experiment cut off part-way through a seed)")
     parser.add_argument("--table", action="store_true", help="print the saved rows' markdown table, redraw "
@@ -278,7 +281,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for seed in args.seeds:
         rows += run_seed(seed, args.out or Path("runs") / name, args.fresh, args.teacher_steps, args.student_steps,
-                         collect=args.collect)
+                         collect=args.collect, gathers=args.gathers)
         report(name, rows, notes=f"teacher/dense {args.teacher_steps} steps, students "
                f"{args.student_steps} distillation steps, batch {BATCH} x {SEQ} tokens, one CPU process each")
         plot(rows, figure)  # after every seed: a cut-off run leaves what it finished
