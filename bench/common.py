@@ -131,25 +131,43 @@ def _fmt(value: Any) -> str:
 
 RUN_RECORD = "bench_run.json"
 """The command and wall time of a finished `shoal train` run, beside the run's own files."""
+PARTIAL_RECORD = "bench_partial.json"
+"""The command and wall time so far of a started `shoal train` run (train_run's `resume`)."""
 
 
 def train_run(name: str, command: list[str], run_dir: Path, *, fresh: bool,
-              keep_checkpoints: bool = False) -> tuple[Path, float]:
+              keep_checkpoints: bool = False, resume: list[str] | None = None) -> tuple[Path, float]:
     """Run `command` (a `shoal train` writing into `run_dir`), or find it finished by the same
     command (the interpreter's path may differ); (run folder, wall seconds). Checkpoints are
     removed afterwards unless `keep_checkpoints` (a teacher to distil from): an experiment reads
-    metrics.jsonl, and they are the largest files."""
-    record_path = run_dir / RUN_RECORD
+    metrics.jsonl, and they are the largest files. `resume`: the command that continues an
+    interrupted run of `command` from its checkpoints (its `--resume run_dir --steps N`), run
+    instead when `run_dir` holds an unfinished run of it; the wall time is then the sum of both."""
+    record_path, partial_path = run_dir / RUN_RECORD, run_dir / PARTIAL_RECORD
     if not fresh and record_path.is_file():
         record = json.loads(record_path.read_text())
         if record["command"][1:] == command[1:]:
             print(f"{name}: finished run found in {run_dir}", flush=True)
             return run_dir, record["wall_s"]
-    shutil.rmtree(run_dir, ignore_errors=True)
-    print(f"{name}: training ({' '.join(command[1:])})", flush=True)
+    earlier, run = 0.0, command
+    if not fresh and resume is not None and partial_path.is_file() and (run_dir / "checkpoints").is_dir():
+        partial = json.loads(partial_path.read_text())
+        if partial["command"][1:] == command[1:]:
+            earlier, run = float(partial["wall_s"]), resume
+            print(f"{name}: resuming the interrupted run in {run_dir}", flush=True)
+    if run is command:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+    print(f"{name}: training ({' '.join(run[1:])})", flush=True)
     start = time.perf_counter()
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - start
+    partial_path.write_text(json.dumps({"command": command, "wall_s": earlier}))
+    with subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            output = proc.communicate()[0]
+        finally:  # interrupted: record the time spent, for the resumed run's wall time
+            partial_path.write_text(json.dumps({"command": command, "wall_s": earlier + time.perf_counter() - start}))
+    done = subprocess.CompletedProcess(run, proc.returncode, output)
+    wall = earlier + time.perf_counter() - start
     if done.returncode:
         sys.exit(f"{name}: shoal train failed ({done.returncode}):\n{done.stdout[-3000:]}")
     if not keep_checkpoints:

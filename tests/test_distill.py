@@ -147,9 +147,43 @@ def test_distill_refuses_bad_input_and_writes_nothing(tmp_path, capsys, case):
     extra, names = {"dense": ([], ["num_experts=0", "valid"]),
                     "no-checkpoint": ([], [str(teacher), "no complete checkpoint"]),
                     "shape": (["--set", "ffn_dim=40"], ["ffn_dim=40", "ffn_dim=48", "valid"]),
-                    "k": (["--gather", "topk", "--gather-k", "7"], ["--gather-k 7", "1..4"])}[case]
+                    "k": (["--gather", "top-experts", "--gather-k", "7"], ["--gather-k 7", "1..4"])}[case]
     assert_user_error(capsys, argv + extra, *names)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["no-out", "nproc"])
+def test_distill_under_torchrun_refuses_what_torchrun_decides(tmp_path, capsys, monkeypatch, case):
+    teacher = _teacher_run(tmp_path / "teacher", SMALL_MOE)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)  # this process as torchrun's rank 0 of 2 (no process group yet)
+    out = tmp_path / "student"
+    extra, names = {"no-out": ([], ["--out DIR", "torchrun"]),
+                    "nproc": (["--out", str(out), "--nproc", "3"], ["--nproc 3", "2 processes"])}[case]
+    assert_user_error(capsys, ["distill", "--teacher", str(teacher), *extra], *names)
+    assert not out.exists()
+
+
+@pytest.mark.slow  # one torchrun launch of 2 workers: about 20 s on a loaded 2-core machine
+def test_distill_runs_under_torchrun(tmp_path):
+    """torchrun's ranks each validate, rank 0 alone gathers and writes the student's start, the
+    workers wait for it (DistillTrainer) and train under fsdp2."""
+    import os
+    import subprocess
+    import sys
+
+    teacher = _teacher_run(tmp_path / "teacher", SMALL_MOE)
+    out = tmp_path / "student"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "shoal",
+                           "distill", "--teacher", str(teacher), "--out", str(out), "--gather", "topk", "--plan",
+                           "fsdp2", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--eval-every", "2",
+                           "--eval-batches", "1", "--log-every", "1"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads((out / "distill.json").read_text())["gather"] == "topk"
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
 
 
 @pytest.mark.slow  # two launches of a worker: about a minute on a loaded 2-core machine

@@ -9,7 +9,18 @@ import torch
 
 from shoal.models import Transformer
 from shoal.models.config import PRESETS, ModelConfig
-from shoal.moe.gather import check_fits, default_k, gather, student_config, student_weights, top_experts, truncated
+from shoal.moe.gather import (
+    check_fits,
+    default_entries,
+    default_k,
+    default_rank,
+    gather,
+    largest_entries,
+    student_config,
+    student_weights,
+    top_experts,
+    truncated,
+)
 from shoal.testing import one_line_error
 
 # Three "experts" of a 2x2 matrix each: diagonal, so their singular values are visible.
@@ -27,30 +38,58 @@ def test_mean_is_the_average_over_experts():
     assert torch.equal(gather(STACK, "mean"), torch.tensor([[4 / 3, 0.0], [0.0, 7 / 3]]))
 
 
-def test_topk_averages_the_most_used_experts():
-    # usage 0.2, 0.5, 0.3: k=2 keeps experts 1 and 2, k=1 expert 1 alone, k=3 all (= mean)
-    assert top_experts(USAGE, 2).tolist() == [1, 2]
-    assert torch.equal(gather(STACK, "topk", k=2, usage=USAGE), torch.tensor([[0.5, 0.0], [0.0, 3.0]]))
-    assert torch.equal(gather(STACK, "topk", k=1, usage=USAGE), STACK[1])
-    assert torch.allclose(gather(STACK, "topk", k=3, usage=USAGE), gather(STACK, "mean"))
+def test_topk_sums_each_experts_largest_entries():
+    # K = 1: each expert keeps its one entry of largest magnitude: 3 at (0,0), 2 at (1,1), 4 at (1,1)
+    assert torch.equal(gather(STACK, "topk", k=1), torch.tensor([[3.0, 0.0], [0.0, 6.0]]))
+    # K = 2 keeps both diagonals; expert 2's tie (two zeros) keeps the lower index: still the sum
+    assert torch.equal(gather(STACK, "topk", k=2), gather(STACK, "sum"))
+    # the default K = ceil(4 / 3) = 2
+    assert torch.equal(gather(STACK, "topk"), gather(STACK, "topk", k=2))
+    # signs: magnitude decides, the kept entry keeps its sign
+    signed = torch.tensor([[[-5.0, 1.0], [2.0, -3.0]], [[0.5, -4.0], [1.0, 0.0]]])
+    assert torch.equal(gather(signed, "topk", k=2), torch.tensor([[-5.0, -4.0], [1.0, -3.0]]))
 
 
-def test_svd_averages_each_experts_top_singular_components():
-    # rank 1 keeps each expert's largest singular value: diag(3,0), diag(0,2), diag(0,4) -> mean
-    assert torch.allclose(gather(STACK, "svd", k=1), torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
-    # full rank is the plain mean
-    assert torch.allclose(gather(STACK, "svd", k=2), gather(STACK, "mean"))
-    # a general matrix: the mean of torch's own rank-r reconstructions (Eckart-Young)
+def test_topk_against_its_formula_and_reduces_to_sum():
     gen = torch.Generator().manual_seed(0)
     stack = torch.randn(4, 6, 5, generator=gen, dtype=torch.float64)
-    expected = torch.stack([_rank_r(w, 2) for w in stack]).mean(0)
+    expected = torch.zeros(6, 5, dtype=torch.float64)
+    for w in stack:  # TopK(W_e): zero every entry below the K-th largest magnitude
+        threshold = w.abs().flatten().sort(descending=True).values[7 - 1]
+        expected += torch.where(w.abs() >= threshold, w, torch.zeros_like(w))
+    assert torch.equal(gather(stack, "topk", k=7), expected)
+    assert torch.equal(largest_entries(stack, 7).ne(0).flatten(1).sum(1), torch.full((4,), 7))
+    assert torch.allclose(gather(stack, "topk", k=30), gather(stack, "sum"), rtol=0, atol=0)
+    assert default_entries(stack) == 8  # ceil(30 / 4)
+
+
+def test_top_experts_averages_the_most_used_experts():
+    # usage 0.2, 0.5, 0.3: k=2 keeps experts 1 and 2, k=1 expert 1 alone, k=3 all (= mean)
+    assert top_experts(USAGE, 2).tolist() == [1, 2]
+    assert torch.equal(gather(STACK, "top-experts", k=2, usage=USAGE), torch.tensor([[0.5, 0.0], [0.0, 3.0]]))
+    assert torch.equal(gather(STACK, "top-experts", k=1, usage=USAGE), STACK[1])
+    assert torch.allclose(gather(STACK, "top-experts", k=3, usage=USAGE), gather(STACK, "mean"))
+
+
+def test_svd_sums_each_experts_top_singular_components():
+    # rank 1 keeps each expert's largest singular value: diag(3,0), diag(0,2), diag(0,4) -> sum
+    assert torch.allclose(gather(STACK, "svd", k=1), torch.tensor([[3.0, 0.0], [0.0, 6.0]]))
+    # full rank is the plain sum
+    assert torch.allclose(gather(STACK, "svd", k=2), gather(STACK, "sum"))
+    # a general matrix: the sum of torch's own rank-r reconstructions (Eckart-Young)
+    gen = torch.Generator().manual_seed(0)
+    stack = torch.randn(4, 6, 5, generator=gen, dtype=torch.float64)
+    expected = torch.stack([_rank_r(w, 2) for w in stack]).sum(0)
     assert torch.allclose(gather(stack, "svd", k=2), expected, atol=1e-12)
+    assert torch.allclose(gather(stack, "svd", k=5), gather(stack, "sum"), atol=1e-12)
     assert torch.linalg.matrix_rank(truncated(stack, 2)[0]) == 2
+    assert default_rank(stack) == 1  # min(6, 5) // 4
 
 
-def test_svd_averages_bias_vectors():
+@pytest.mark.parametrize("method", ["svd", "topk"])
+def test_svd_and_topk_sum_bias_vectors(method):
     biases = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    assert torch.equal(gather(biases, "svd", k=1), torch.tensor([2.0, 3.0]))
+    assert torch.equal(gather(biases, method, k=1), torch.tensor([4.0, 6.0]))
 
 
 def _rank_r(w: torch.Tensor, r: int) -> torch.Tensor:
@@ -79,7 +118,8 @@ def test_default_student_and_k():
     moe = PRESETS["tiny-moe"]
     student = student_config(moe)
     assert student.num_experts == 0 and student.ffn_dim == moe.ffn_dim and student.dim == moe.dim
-    assert default_k("topk", moe) == moe.top_k
+    assert default_k("topk", moe) == -(-moe.ffn_dim * moe.dim // moe.num_experts)
+    assert default_k("top-experts", moe) == moe.top_k
     assert default_k("svd", moe) == min(moe.ffn_dim, moe.dim) // moe.num_experts
     assert default_k("mean", moe) is None
 
@@ -87,10 +127,12 @@ def test_default_student_and_k():
 @pytest.mark.parametrize("method, sets, k, names", [
     ("svd", ["ffn_dim=100"], None, ["ffn_dim=100", "ffn_dim=24", "--gather none"]),
     ("mean", ["dim=32"], None, ["dim=32", "dim=16"]),
-    ("topk", [], 5, ["--gather-k 5", "1..4"]),
+    ("top-experts", [], 5, ["--gather-k 5", "1..4"]),
     ("svd", [], 17, ["--gather-k 17", "1..16"]),
-    ("sum", [], 2, ["--gather-k 2", "topk or svd"]),
-    ("avg", [], None, ["'avg'", "sum, mean, topk, svd, none"]),
+    ("topk", [], 385, ["--gather-k 385", "1..384"]),
+    ("topk", [], 0, ["--gather-k 0", "1..384"]),
+    ("sum", [], 2, ["--gather-k 2", "topk, svd or top-experts"]),
+    ("avg", [], None, ["'avg'", "sum, mean, topk, svd, top-experts, none"]),
 ])
 def test_refuses_what_gathering_cannot_fill(method, sets, k, names):
     message = one_line_error(check_fits, TEACHER, student_config(TEACHER, sets), method, k)

@@ -266,12 +266,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
     from shoal.train.runs import Job, default_run_dir, with_model
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
-    if under_torchrun() and flags.get("max_restarts"):
-        raise UserError("--max-restarts under torchrun: give torchrun --max-restarts N (and shoal --out DIR), "
-                        "torchrun restarts the workers")
-    if under_torchrun() and "nproc" in flags and flags["nproc"] != int(os.environ["WORLD_SIZE"]):
-        raise UserError(f"--nproc {flags['nproc']} but torchrun started {os.environ['WORLD_SIZE']} processes; "
-                        "leave --nproc out under torchrun")
+    _check_torchrun_flags(flags)
     if args.resume is not None and ("init" in flags or "init_ignore" in flags):
         raise UserError("--init cannot be combined with --resume: a resumed run continues from its checkpoint; "
                         "valid: --init for a new run, --resume DIR to continue one")
@@ -313,6 +308,18 @@ def prepare_job(args: argparse.Namespace) -> Any:
         _check_fresh_out(Path(run_dir))
     return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None, resume_from=resume_from, device=device,
                prediction=prediction)
+
+
+def _check_torchrun_flags(flags: dict[str, Any]) -> None:
+    """Under torchrun, refuse the flags that torchrun's own settings replace."""
+    from shoal.launch import under_torchrun
+
+    if under_torchrun() and flags.get("max_restarts"):
+        raise UserError("--max-restarts under torchrun: give torchrun --max-restarts N (and shoal --out DIR), "
+                        "torchrun restarts the workers")
+    if under_torchrun() and "nproc" in flags and flags["nproc"] != int(os.environ["WORLD_SIZE"]):
+        raise UserError(f"--nproc {flags['nproc']} but torchrun started {os.environ['WORLD_SIZE']} processes; "
+                        "leave --nproc out under torchrun")
 
 
 def _auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
@@ -484,10 +491,12 @@ def _add_distill_parser(sub: Any) -> None:
     distill.add_argument("--teacher", metavar="RUN_DIR", help="the trained MoE run folder (its newest checkpoint "
                          "that verifies, written under any plan) (required for a new run)")
     distill.add_argument("--gather", default="svd", help="how the dense FFN starts from the experts: sum, mean, "
-                         "topk (the k experts the router uses most, averaged), svd (each expert's top-k singular "
-                         "components, averaged) or none (random initialisation) [svd]")
-    distill.add_argument("--gather-k", type=int, metavar="K", help="topk: experts kept [the teacher's top_k]; svd: "
-                         "singular components kept per expert [min(ffn_dim, dim) // num_experts]")
+                         "topk (each expert's K largest-magnitude entries, summed), svd (each expert's top-r "
+                         "singular components, summed), top-experts (the k experts the router uses most, averaged) "
+                         "or none (random initialisation) [svd]")
+    distill.add_argument("--gather-k", type=int, metavar="K", help="topk: entries kept per expert matrix "
+                         "[ceil(ffn_dim x dim / num_experts)]; svd: singular components kept per expert "
+                         "[min(ffn_dim, dim) // num_experts]; top-experts: experts kept [the teacher's top_k]")
     distill.add_argument("--kd-temperature", type=float, default=1.0, metavar="T",
                          help="softmax temperature of the distillation term [1.0]")
     distill.add_argument("--kd-alpha", type=float, default=0.5, metavar="A",
@@ -511,7 +520,9 @@ def _distill(args: argparse.Namespace) -> int:
 
 def prepare_distill(args: argparse.Namespace) -> Any:
     """Validate a `shoal distill` command, then write the student's starting weights and settings
-    into its run folder; returns the Job the workers run (ValueError, nothing written, if wrong)."""
+    into its run folder; returns the Job the workers run (ValueError, nothing written, if wrong).
+    Under torchrun every rank validates and rank 0 alone writes (the workers wait for it: see
+    DistillTrainer); the run folder must then be named (--out), as the ranks share it."""
     import dataclasses
 
     from shoal.launch import resolve_device, under_torchrun
@@ -521,13 +532,14 @@ def prepare_distill(args: argparse.Namespace) -> Any:
     from shoal.train.kd import DistillConfig
     from shoal.train.runs import Job, default_run_dir
 
-    if under_torchrun():
-        raise UserError("shoal distill starts its own workers; run it without torchrun (--nproc N)")
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "resume", *_DISTILL_ONLY)}
+    _check_torchrun_flags(flags)
     if args.resume is not None:
         return _resume_distill(args, flags)
     if args.teacher is None:
         raise UserError("--teacher RUN_DIR is required: the trained MoE run to distil (or --resume DIR)")
+    if under_torchrun() and flags.get("out") is None:
+        raise UserError("shoal distill under torchrun needs --out DIR: every rank must name the same run folder")
     teacher_run, teacher = teacher_config(Path(args.teacher))
     student = student_config(teacher, getattr(args, "set", []))
     check_fits(teacher, student, args.gather, args.gather_k)
@@ -544,7 +556,8 @@ def prepare_distill(args: argparse.Namespace) -> Any:
         cfg, _ = _auto_plan(cfg, device)
     validate(cfg, device)
     _check_fresh_out(run_dir)
-    write_student(run_dir, cfg, spec, teacher)  # everything checked: the first write
+    if os.environ.get("RANK", "0") == "0":
+        write_student(run_dir, cfg, spec, teacher)  # everything checked: the first write
     return Job(config=cfg, run_dir=str(run_dir), device=device, distill=spec)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from shoal.models import ModelConfig, Transformer
@@ -42,7 +43,7 @@ DISTILL_FILE = "distill.json"
 STUDENT_INIT = "student_init.safetensors"
 """The gathered starting weights in a student's run folder."""
 USAGE_BATCHES = 4
-"""Training batches the teacher routes to measure its experts' usage (topk gathering)."""
+"""Training batches the teacher routes to measure its experts' usage (top-experts gathering)."""
 
 
 def load_teacher(checkpoint: str | Path, model: ModelConfig, device: torch.device | None = None) -> Runtime:
@@ -74,7 +75,7 @@ def router_usage(teacher: Runtime, cfg: RunConfig, batches: int = USAGE_BATCHES)
 
 def write_student_init(teacher: Runtime, cfg: RunConfig, spec: DistillConfig, out: Path) -> Path:
     """Gather the teacher's experts into the student's starting weights; write them to `out`."""
-    usage = router_usage(teacher, cfg) if spec.gather == "topk" else None
+    usage = router_usage(teacher, cfg) if spec.gather == "top-experts" else None
     full = {name: tensor.detach().cpu() for name, tensor in teacher.full_weights().items()}
     weights = student_weights(full, spec.gather, k=spec.gather_k, usage=usage)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out), metadata={"format": "pt"})
@@ -147,6 +148,8 @@ class DistillTrainer(Trainer):
 
     def __init__(self, job: Job, device: torch.device) -> None:
         assert job.distill is not None
+        if dist.is_initialized():  # under torchrun rank 0 wrote the student's start as it joined: wait for it
+            dist.barrier()
         super().__init__(job, device)
         self.spec = job.distill
         checkpoint = Path(self.spec.checkpoint)

@@ -31,7 +31,8 @@ class DistillConfig:
     gather: str
     """How the student started (shoal.moe.gather.GATHERS)."""
     gather_k: int | None = None
-    """topk: experts kept; svd: singular components kept per expert; None for the others."""
+    """topk: entries kept per expert matrix; svd: singular components kept per expert; top-experts:
+    experts kept; None for the others."""
     temperature: float = 1.0
     """T: both distributions are softened as softmax(logits / T)."""
     alpha: float = 0.5
