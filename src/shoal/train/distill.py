@@ -146,6 +146,8 @@ def distill(teacher: str | Path, *, out: str | Path, gather: str = "svd", gather
 class DistillTrainer(Trainer):
     """A Trainer whose loss is the distillation loss against a teacher that runs beside it."""
 
+    command = "distill"
+
     def __init__(self, job: Job, device: torch.device) -> None:
         assert job.distill is not None
         if dist.is_initialized():  # under torchrun rank 0 wrote the student's start as it joined: wait for it

@@ -61,6 +61,9 @@ class Trainer:
     """The loss of a micro-batch (Runtime.forward_backward); None: next-token cross-entropy.
     A subclass that sets one prepares its targets in `step_targets` (shoal.train.distill)."""
 
+    command = "train"
+    """The `shoal` command that continues a stopped run of this trainer."""
+
     def __init__(self, job: Job, device: torch.device) -> None:
         cfg = job.config
         self.prediction = job.prediction
@@ -221,7 +224,7 @@ class Trainer:
         print(format_summary(summary) + f"\n  run folder {self.run_dir}", flush=True)
         if self.stopped_by:
             print(f"shoal: stopped by {self.stopped_by} after step {last}, with its checkpoint; "
-                  f"continue with: shoal train --resume {self.run_dir}", flush=True)
+                  f"continue with: shoal {self.command} --resume {self.run_dir}", flush=True)
         return summary
 
     def train_one(self, s: int) -> StepResult:
