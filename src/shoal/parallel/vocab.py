@@ -12,9 +12,10 @@ works on gloo; it must be active around the loss *and* its backward.
 Logits that are not sharded take a cross-entropy of our own (`_SumCrossEntropy`) instead of torch's:
 torch's keeps three (N, V) tensors at its backward's peak (the saved log-softmax, the gradient
 arriving at it, the gradient it hands back), which with a large vocabulary outweighs the whole rest
-of a step's activations. Ours keeps the logits and a log-sum-exp per row and, when the caller hands
-the logits over (the runtime does), writes the gradient softmax - one_hot into their storage: one
-(N, V) tensor, as Megatron-LM's vocabulary-parallel cross-entropy does with its softmax.
+of a step's activations. Ours keeps only the logits (the log-softmax is taken again in backward, a
+block of rows at a time) and, when the caller hands the logits over (the runtime does), writes the
+gradient softmax - one_hot into their storage: one (N, V) tensor, as Megatron-LM's vocabulary-parallel
+cross-entropy does with its softmax.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def cross_entropy_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, con
 
 
 ROWS_ELEMENTS = 1 << 22
-"""How many logits (rows x vocabulary) one piece of the log-sum-exp or the gradient works on at a
-time: its temporary stays 16 MB in fp32, however large the vocabulary or the batch."""
+"""How many logits (rows x vocabulary) one block of the log-softmax or the gradient works on at a
+time: its temporaries stay 16 MB each in fp32, however large the vocabulary or the batch."""
 
 
 class _SumCrossEntropy(torch.autograd.Function):
@@ -108,6 +109,7 @@ class _SumCrossEntropy(torch.autograd.Function):
                                              _pieces(index_N1, logits_NV), _pieces(picked_N1, logits_NV)):
             log_probs = torch.log_softmax(piece, dim=-1)
             upstream = torch.zeros_like(log_probs).scatter_(1, index, value)
+            # the kernel torch's autograd runs for log_softmax's backward, so the gradient's bits are torch's
             into.copy_(torch._log_softmax_backward_data(upstream, log_probs, -1, piece.dtype))
         return out_NV, None, None
 
