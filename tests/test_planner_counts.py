@@ -71,30 +71,81 @@ def _tp_dispatches(plan: str, num_layers: int) -> int:
 
 
 def test_loss_logit_copies():
-    """shoal.planner.memory.LOSS_LOGIT_COPIES, recounted: the peak of live tensors over a head
-    matmul and the runtime's cross-entropy, forward and backward, above the weights and gradients
-    held before, in fp32 copies of the logits (the hidden states and weights are < 1% of a copy,
-    so the count is read to the nearest quarter), in fp32 and with bf16 logits."""
+    """shoal.planner.memory.CONSUMED_LOGIT_COPIES, recounted: the peak of live tensors over a head matmul
+    and the runtime's cross-entropy, forward and backward, above the weights and gradients held before,
+    in fp32 copies of the logits (the hidden states and weights are < 1% of a copy, so the count is read
+    to the nearest quarter), the logits handed over and held meanwhile as the runtime does, with the
+    cross-entropy's block temporaries (blocks as large as the logits, and tiny ones), fp32 and bf16; and
+    LOSS_LOGIT_COPIES, torch's cross-entropy as loss_parallel runs it on each vocabulary shard under tp."""
     import torch
+    import torch.nn.functional as F
 
-    from shoal.planner.memory import LOSS_LOGIT_COPIES
-    from shoal.runtime import cross_entropy_sum
+    from shoal.parallel import vocab
+    from shoal.planner.memory import CONSUMED_LOGIT_COPIES, LOSS_LOGIT_COPIES, LOSS_PIECE_ELEMENTS
     from shoal.train.memory import TensorPeak
 
+    assert vocab.ROWS_ELEMENTS == LOSS_PIECE_ELEMENTS
     N, D, V = 256, 16, 20000
     copy_mb = N * V * 4 / 2**20
     gen = torch.Generator().manual_seed(0)
     targets = torch.randint(0, V, (N,), generator=gen)
     for dtype in (torch.float32, torch.bfloat16):
+        for rows in (vocab.ROWS_ELEMENTS, 1 << 12):
+            h = torch.randn(N, D, generator=gen).to(dtype).requires_grad_()
+            w = torch.randn(V, D, generator=gen).to(dtype).requires_grad_()
+            w.grad = torch.zeros_like(w)
+            held_mb = (2 * h.numel() + 2 * w.numel()) * h.element_size() / 2**20
+            saved, vocab.ROWS_ELEMENTS = vocab.ROWS_ELEMENTS, rows
+            try:
+                with TensorPeak(h, w) as peak:
+                    logits = h @ w.T
+                    vocab.cross_entropy_sum(logits, targets, consume=True).backward()
+                    del logits
+            finally:
+                vocab.ROWS_ELEMENTS = saved
+            assert peak.peak_mb is not None, "torch's MemTracker did not count this step"
+            copies = (peak.peak_mb - held_mb) / copy_mb
+            during, after = CONSUMED_LOGIT_COPIES[dtype.itemsize]
+            want = max(during + 3 * min(N * V, rows) * 4 / 2**20 / copy_mb, after)
+            assert abs(copies - want) < 0.25, (rows, dtype, copies, want)
+        # torch's cross-entropy, which DTensor's loss_parallel runs on each vocabulary shard under tp
         h = torch.randn(N, D, generator=gen).to(dtype).requires_grad_()
         w = torch.randn(V, D, generator=gen).to(dtype).requires_grad_()
         w.grad = torch.zeros_like(w)
         held_mb = (2 * h.numel() + 2 * w.numel()) * h.element_size() / 2**20
         with TensorPeak(h, w) as peak:
-            cross_entropy_sum(h @ w.T, targets).backward()
-        assert peak.peak_mb is not None, "torch's MemTracker did not count this step"
-        copies = (peak.peak_mb - held_mb) / copy_mb
-        assert abs(copies - LOSS_LOGIT_COPIES) < 0.25, (dtype, copies)
+            F.cross_entropy((h @ w.T).float(), targets, reduction="sum").backward()
+        assert peak.peak_mb is not None
+        assert abs((peak.peak_mb - held_mb) / copy_mb - LOSS_LOGIT_COPIES[dtype.itemsize]) < 0.25, dtype
+
+
+def test_runtime_cross_entropy_is_torchs():
+    """The runtime's cross-entropy (shoal.parallel.vocab) is torch's F.cross_entropy(reduction="sum"),
+    bit for bit, loss and gradient, whatever its blocks, with ignored targets, fp32 and bf16 logits,
+    writing into the logits or not."""
+    import torch
+    import torch.nn.functional as F
+
+    from shoal.parallel import vocab
+
+    gen = torch.Generator().manual_seed(0)
+    for rows in (vocab.ROWS_ELEMENTS, 64, 1000):
+        for n, v, consume, dtype in ((7, 11, False, torch.float32), (300, 5000, True, torch.float32),
+                                     (64, 1000, False, torch.bfloat16), (513, 257, True, torch.float32),
+                                     (0, 5, True, torch.float32)):
+            x = (3 * torch.randn(n, v, generator=gen)).to(dtype)
+            t = torch.randint(0, v, (n,), generator=gen)
+            t[1:n:3] = vocab.IGNORE
+            ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+            saved, vocab.ROWS_ELEMENTS = vocab.ROWS_ELEMENTS, rows
+            try:
+                loss = vocab.cross_entropy_sum(ours * 1.0, t, consume=consume)
+                (0.37 * loss).backward()
+            finally:
+                vocab.ROWS_ELEMENTS = saved
+            ref = F.cross_entropy(theirs.float(), t, ignore_index=vocab.IGNORE, reduction="sum")
+            (0.37 * ref).backward()
+            assert torch.equal(loss, ref) and torch.equal(ours.grad, theirs.grad), (rows, n, v, consume, dtype)
 
 
 def test_accumulated_table_gradient():

@@ -218,7 +218,7 @@ class Runtime:
                 ranks *= dist.get_world_size(group)
             count = count.to(device)
         factor = ranks / count.clamp(min=1).double()  # a batch without targets: loss 0, no gradient
-        return lambda output, targets: cross_entropy_sum(output, targets) * factor.float()
+        return lambda output, targets: cross_entropy_sum(output, targets, consume=True) * factor.float()
 
     def _sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
         """`value` (no gradient) summed over the ranks that see other tokens, on its device."""

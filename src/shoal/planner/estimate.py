@@ -580,7 +580,7 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
         if plan.ac == "full" or any(cost.selective_share.values()):  # the block being recomputed holds all of its
             held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
                                                fused_attention=cost.fused) * tokens * cost.bytes
-        logits = memory.logits_bytes(cfg, tokens, tp=plan.tp) if head else 0.0
+        logits = memory.logits_bytes(cfg, tokens, tp=plan.tp, logit_bytes=int(cost.bytes)) if head else 0.0
         if head:
             held += memory.head_norm_elements(cfg, tp=plan.tp, sp=bool(plan.sp)) * tokens * cost.bytes
         accumulated = max(0.0, table - logits)

@@ -94,16 +94,35 @@ def head_norm_elements(cfg: ModelConfig, *, tp: int, sp: bool) -> float:
     return norm_elements(cfg) / (tp if sp else 1)
 
 
-LOSS_LOGIT_COPIES = 3
-"""fp32 copies of the logits (tokens x vocabulary) alive at once at the loss's peak, in its backward:
-the log-softmax output cross-entropy saved, the gradient arriving at it and the gradient it hands to
-the logits (the 16-bit logits the head produced are freed before that). tests/test_planner_counts.py
-recounts it from the live tensors of a cross-entropy forward and backward."""
+LOSS_LOGIT_COPIES = {4: 3.0, 2: 3.0}
+"""fp32-sized copies of vocabulary-sharded logits (tokens x vocabulary / tp) at the loss's peak under tensor
+parallelism, by the logits' bytes per element, where DTensor's loss_parallel takes torch's cross-entropy:
+the log-softmax output it saved, the gradient arriving at it and the gradient it hands to the logits.
+tests/test_planner_counts.py recounts it from the live tensors of torch's cross-entropy, forward and
+backward (the tp2 dry run of a 500,000-token vocabulary measured 2.99 copies a shard above its states)."""
+
+CONSUMED_LOGIT_COPIES = {4: (1.0, 1.0), 2: (1.5, 2.0)}
+"""fp32-sized copies of plain logits at the loss's backward, by the logits' bytes per element, with the
+runtime's own cross-entropy (shoal.parallel.vocab), which writes the gradient into the fp32 logits it is
+handed: (while it works through the blocks of rows, after). fp32 logits are one tensor throughout;
+16-bit logits are held (half a copy) beside their fp32 copy that becomes the gradient (one), and then the
+16-bit gradient handed back (half). Recounted in tests/test_planner_counts.py."""
+
+LOSS_PIECE_ELEMENTS = 1 << 22
+"""shoal.parallel.vocab.ROWS_ELEMENTS (a test holds them equal): the logits one block of the runtime's
+cross-entropy works on; its backward keeps three fp32 temporaries of a block (the block's log-softmax, the
+gradient arriving at it, the gradient it gives) beside the logits."""
 
 
-def logits_bytes(cfg: ModelConfig, tokens: float, *, tp: int) -> float:
-    """The last stage's logits at the loss's peak, LOSS_LOGIT_COPIES fp32 copies (vocabulary-sharded by tp)."""
-    return LOSS_LOGIT_COPIES * 4.0 * tokens * cfg.vocab_size / tp
+def logits_bytes(cfg: ModelConfig, tokens: float, *, tp: int, logit_bytes: int = 4) -> float:
+    """The last stage's logits at the loss's peak: LOSS_LOGIT_COPIES fp32 copies of the vocabulary-sharded
+    logits under tp, else CONSUMED_LOGIT_COPIES of the plain ones (`logit_bytes` per element as the head
+    makes them) with, while it works through its blocks, the runtime's cross-entropy's three temporaries."""
+    elements = tokens * cfg.vocab_size / tp
+    if tp > 1:
+        return LOSS_LOGIT_COPIES[2 if logit_bytes <= 2 else 4] * 4.0 * elements
+    during, after = CONSUMED_LOGIT_COPIES[2 if logit_bytes <= 2 else 4]
+    return max(during * 4.0 * elements + 3 * 4.0 * min(elements, LOSS_PIECE_ELEMENTS), after * 4.0 * elements)
 
 
 def in_flight(sched: str, *, pp: int, micro: int, vpp: int) -> float:
