@@ -337,8 +337,8 @@ def host_memory_bytes() -> int:
 
 
 def available_memory_bytes() -> int:
-    """What this machine can still give: the kernel's MemAvailable (free memory plus what it can reclaim),
-    less nothing; its physical memory where /proc/meminfo does not say."""
+    """What this machine can still give: the kernel's MemAvailable (free memory plus what it can reclaim);
+    its physical memory where /proc/meminfo does not say."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
