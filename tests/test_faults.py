@@ -252,12 +252,11 @@ def test_pipeline_failures_name_the_stage_and_micro_batch(tmp_path):
     record("kill@forward:rank=1:step=4 under pp2", run, line, lost=None, exact=None)
 
 
-def test_watchdog_reads_other_threads_stacks_without_frame_objects():
-    """The watchdog's view of where a rank is comes from faulthandler's dump of every thread (not
-    sys._current_frames, whose f_back walk crashed CPython 3.11 in a tp2,pp2 run): a thread
-    blocked in a torch.distributed call is named by that call, and one inside torch's backward
-    is in the backward."""
-    import tempfile
+def test_watchdog_reads_a_threads_stack():
+    """The watchdog's view of where a rank is comes from the main thread's stack, read under the
+    interpreter's thread-list lock (sys._current_frames; faulthandler's unlocked walk of every
+    thread crashed on a thread state being created): a thread blocked in a torch.distributed call
+    is named by that call, and one inside torch's backward is in the backward."""
     import threading
 
     from shoal.train import watchdog
@@ -269,15 +268,14 @@ def test_watchdog_reads_other_threads_stacks_without_frame_objects():
     waiting = threading.Thread(target=fake["backward"], args=(fake["all_reduce"], release))
     waiting.start()
     try:
-        with tempfile.TemporaryFile() as dump:
-            time.sleep(0.1)
-            stacks = watchdog._thread_stacks(dump.fileno())
-            assert threading.get_ident() in stacks and waiting.ident in stacks
-            stack = stacks[waiting.ident]
-            assert watchdog._collective(stack) == "all_reduce"
-            assert watchdog._step_part(stack) == "backward"
-            assert watchdog._collective(stacks[threading.get_ident()]) is None
-            assert watchdog._step_part(stacks[threading.get_ident()]) == "forward"
+        time.sleep(0.1)
+        stack = watchdog._stack_of(waiting.ident)
+        assert watchdog._collective(stack) == "all_reduce"
+        assert watchdog._step_part(stack) == "backward"
+        mine = watchdog._stack_of(threading.get_ident())
+        assert mine and watchdog._collective(mine) is None
+        assert watchdog._step_part(mine) == "forward"
+        assert watchdog._stack_of(None) == []
     finally:
         release.set()
         waiting.join()

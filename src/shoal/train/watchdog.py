@@ -7,7 +7,7 @@ Two parts, from one setting (`hang_timeout`):
 - Every rank runs a daemon thread that adds one to its counter in a key-value store and writes
   where the rank is: at once when the loop enters a phase (a step, evaluation, a checkpoint
   write), and every beat (0.25 s, longer in large worlds to spare the store) with the phase
-  refined from the Python stacks of its threads (forward, backward, optimizer step, and the
+  refined from the main thread's Python stack (forward, backward, optimizer step, and the
   torch.distributed collective it waits in). When a collective fails, `diagnose` reads every
   counter twice, a few beats apart: a counter that did not move belongs to a rank that stopped
   answering, and its last report says where it was then (within a beat of when it stopped).
@@ -24,13 +24,11 @@ slowest step seen, at least FLOOR_S.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
-import re
 import signal
 import socket
-import tempfile
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -79,7 +77,6 @@ class Watchdog:
         self._store = _store(self.world)
         self.beat_s = min(5.0, max(BEAT_S, self.world / 100))
         self._main = threading.main_thread().ident
-        self._stacks = tempfile.TemporaryFile()  # where faulthandler writes the threads' stacks (_thread_stacks)
         self._stop, self._moved = threading.Event(), threading.Event()
         self._last_where = "start-up"
         self.detail: Callable[[], str | None] = lambda: None
@@ -118,8 +115,6 @@ class Watchdog:
         self._stop.set()
         self._moved.set()
         self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self._stacks.close()
 
     # ---------------------------------------------------------------- the diagnosis
     def diagnose(self, error: BaseException, waited_s: float) -> HangError:
@@ -187,13 +182,11 @@ class Watchdog:
 
     def _where(self) -> str:
         """The phase refined from the threads' stacks: forward/backward/optimizer, and the collective."""
-        threads = _thread_stacks(self._stacks.fileno())
-        stacks = [threads[self._main]] if self._main in threads else []
-        stacks += [f for ident, f in threads.items() if ident not in (self._main, threading.get_ident())]
-        collective = next((c for c in map(_collective, stacks) if c), None)
+        stack = _stack_of(self._main)
+        collective = _collective(stack)
         phase = self.phase
-        if phase == "step" and stacks:
-            phase = _step_part(stacks[0])
+        if phase == "step" and stack:
+            phase = _step_part(stack)
         detail = self.detail() if phase in ("forward", "backward", "evaluation") else None
         if detail:
             phase = f"{phase}, {detail}"
@@ -262,32 +255,23 @@ def last_words(store: Any, run_id: str, rank: int, attempts: int) -> str | None:
 
 Stack = list[tuple[str, str]]
 """A thread's stack as (file, function) pairs, innermost first."""
-_FRAME_LINE = re.compile(r'^  File "(.*)", line \S+ in (\S+)$')
-_THREAD_LINE = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 
 
-def _thread_stacks(fd: int) -> dict[int, Stack]:
-    """Thread ident -> its stack, as faulthandler prints them into the file `fd` (rewritten each call).
+def _stack_of(ident: int | None) -> Stack:
+    """The stack of thread `ident` (innermost 100 frames), empty if it has none.
 
-    Not sys._current_frames(): walking another running thread's frames from Python (f_back) now and
-    then crashes CPython 3.11 (cpython#99110, #111363). It did here, once in two 150-step tp2,pp2
-    runs, while the main thread waited in a functional collective under DTensor's dispatch.
-    faulthandler reads the interpreter's frames in C without making frame objects (it is what
-    prints the stacks of a crash); it keeps the innermost 100 frames of each thread."""
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    faulthandler.dump_traceback(fd, all_threads=True)
-    size = os.lseek(fd, 0, os.SEEK_END)
-    os.lseek(fd, 0, os.SEEK_SET)
-    text = os.read(fd, size).decode("utf-8", "replace")
-    stacks: dict[int, Stack] = {}
-    current: Stack | None = None
-    for line in text.splitlines():
-        if (thread := _THREAD_LINE.match(line)) is not None:
-            current = stacks.setdefault(int(thread.group(1), 16), [])
-        elif current is not None and (frame := _FRAME_LINE.match(line)) is not None:
-            current.append((frame.group(1), frame.group(2)))
-    return stacks
+    Not faulthandler.dump_traceback(all_threads=True), which this used before: it walks the
+    interpreter's list of thread states without its lock, and a thread state that another thread
+    is creating at that moment (a C++ thread entering Python) is in the list before it is
+    initialised. Reading it crashed 1 run in 5-10 of the default `shoal train` (SIGSEGV in
+    faulthandler's dump_traceback, the thread state's frame pointer NULL; seen in a core dump).
+    sys._current_frames() takes that lock, and only the one thread's own frames are read after."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    stack: Stack = []
+    while frame is not None and len(stack) < 100:
+        stack.append((frame.f_code.co_filename, frame.f_code.co_name))
+        frame = frame.f_back
+    return stack
 
 
 def _collective(stack: Stack) -> str | None:
