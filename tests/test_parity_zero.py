@@ -21,8 +21,13 @@ GROUPS = {
         case(plan="fsdp2,zero=2", num_micro=2), case(plan="fsdp2,zero=2", model=GPT_SMALL),
         case(plan="fsdp2,offload=on", num_micro=2), case(plan="fsdp2,zero=1,offload=on", num_micro=2),
         # FSDP units of several blocks (zero=1/2 default to 2, the whole SMALL model) and of one.
-        case(plan="fsdp2,bucket=2", num_micro=2), case(plan="fsdp2,zero=2,bucket=1")],
+        case(plan="fsdp2,bucket=2", num_micro=2), case(plan="fsdp2,zero=2,bucket=1"),
+        # The classifier gathered by FSDP2, and split by vocabulary and never gathered (either may be
+        # the default for SMALL: shoal.rules), with gradient accumulation.
+        case(plan="fsdp2,vocab=gathered"), case(plan="fsdp2,vocab=sharded", num_micro=2)],
     4: [case(plan="fsdp4,zero=1", num_micro=2), case(plan="fsdp4,zero=2"), case(plan="fsdp4"),
+        # A vocabulary that 4 does not divide: rows 33, 33, 33, 31 (the all-to-all pads the last).
+        case(plan="fsdp4,vocab=sharded", model=SMALL.replace(vocab_size=130)),
         case(plan="dp2,fsdp2"), case(plan="dp2,fsdp2,zero=1", num_micro=2), case(plan="dp2,fsdp2,zero=2"),
         # ZeRO-1 over a tensor-parallel model.
         case(plan="fsdp2,tp2,zero=1", num_micro=2)],
@@ -108,3 +113,40 @@ def test_offload_and_bucket_need_fsdp():
             Plan.parse(text)
     with pytest.raises(ValueError, match="bucket='0'.*needs a whole number"):
         Plan.parse("fsdp2,bucket=0")
+
+
+def test_sharded_vocab_tables_are_never_gathered(pools):
+    """vocab=sharded: while the embedding and the classifier run, each holds only this rank's rows of its
+    table (a Shard(0) DTensor), and its gradient is that shard; vocab=gathered: FSDP2 hands them the
+    whole tables."""
+    shard, whole = ("DTensor", (64, 64), (64, 64)), ("Parameter", (128, 64), (64, 64))
+    assert pools(2).run(_tables_while_they_run) == [{"sharded": [shard, shard], "gathered": [whole, whole]}] * 2
+
+
+def _tables_while_they_run():
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from shoal.parallelize import parallelize
+    from shoal.testing import cached_mesh
+
+    out = {}
+    for vocab in ("sharded", "gathered"):
+        plan = Plan.parse(f"fsdp2,vocab={vocab}").resolve(2)
+        c = case(plan=str(plan))
+        runtime = parallelize(c.build_model(), plan, cached_mesh(plan))
+        model = runtime.parts[0]
+        seen: dict = {}
+        for name in ("tok_embeddings", "output"):
+            getattr(model, name).register_forward_pre_hook(lambda m, args, name=name, seen=seen:
+                                                           seen.update({name: m.weight}))
+        runtime(c.batches()[0][0][:2]).sum().backward()
+        out[vocab] = []
+        for name in ("tok_embeddings", "output"):
+            weight = seen[name]
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            grad = getattr(model, name).weight.grad
+            out[vocab].append((type(weight).__name__, tuple(local.shape), tuple(grad.to_local().shape)))
+        del runtime, model, seen, weight, local, grad
+        torch.distributed.barrier()
+    return out

@@ -188,19 +188,72 @@ def test_fsdp_table_unit(pools):
 
     for vocab in (50000, 100000):
         cfg = TINY.replace(vocab_size=vocab, dim=64)
-        measured = pools(2).run(_fsdp_step_peak, cfg)
-        plan = Plan.parse("fsdp2").resolve(2, "cpu")
+        measured = pools(2).run(_fsdp_step_peak, cfg, "fsdp2,vocab=gathered")
+        plan = Plan.parse("fsdp2,vocab=gathered").resolve(2, "cpu")
         terms = estimate(plan, Workload(model=cfg, global_batch=2, seq_len=16), memory_cluster(2, "cpu")).memory
         priced = sum(terms.values()) / 2**20
         assert all(m <= priced <= 1.15 * m for m in measured), (vocab, priced, measured)
 
 
-def _fsdp_step_peak(cfg: object) -> float:
+def test_sharded_vocab_tables(pools):
+    """The planner's terms for vocab=sharded (shoal/parallel/sharded_vocab.py: no table gathered, the
+    classifier's backward holding SHARDED_LOGIT_COPIES of the logits) against the peak of live tensors
+    of a real fsdp2 step at 50k and 100k words, within the goal's 15% above it."""
+    from shoal.auto_plan import memory_cluster
+    from shoal.planner.estimate import Workload, estimate
+
+    for vocab in (50000, 100000):
+        cfg = TINY.replace(vocab_size=vocab, dim=64)
+        measured = pools(2).run(_fsdp_step_peak, cfg, "fsdp2,vocab=sharded")
+        plan = Plan.parse("fsdp2,vocab=sharded").resolve(2, "cpu")
+        terms = estimate(plan, Workload(model=cfg, global_batch=2, seq_len=16), memory_cluster(2, "cpu")).memory
+        priced = sum(terms.values()) / 2**20
+        assert all(m <= priced <= 1.15 * m for m in measured), (vocab, priced, measured)
+
+
+def test_sharded_logit_copies(pools):
+    """shoal.planner.memory.SHARDED_LOGIT_COPIES, recounted: the peak of live tensors over the sharded
+    classifier and the runtime's cross-entropy, forward and backward, above the weights and gradients
+    held before, in fp32 copies of this rank's (T, V) logits (hidden states and table shards are < 1% of
+    a copy; the cross-entropy's 16 MB blocks are a fifth of one, so the count is read to the nearest
+    quarter)."""
+    from shoal.planner.memory import SHARDED_LOGIT_COPIES
+
+    for copies in pools(2).run(_sharded_logits_peak):
+        assert abs(copies - SHARDED_LOGIT_COPIES) < 0.25, copies
+
+
+def _sharded_logits_peak() -> float:
+    import torch
+    from torch import nn
+
+    from shoal.parallel import vocab
+    from shoal.parallel.sharded_vocab import shard_classifier
+    from shoal.train.memory import TensorPeak
+
+    T, D, V = 512, 16, 40000
+    mesh = cached_mesh(Plan.parse("fsdp2").resolve(dist.get_world_size()))["fsdp"]
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    linear = nn.Linear(D, V, bias=False)
+    weight = shard_classifier(linear, mesh)
+    weight.grad = torch.zeros_like(weight)
+    h = torch.randn(T, D, generator=gen, requires_grad=True)
+    targets = torch.randint(0, V, (T,), generator=gen)
+    held_mb = (2 * h.numel() + 2 * weight.to_local().numel()) * 4 / 2**20
+    with TensorPeak(h, weight) as peak:
+        logits = linear(h)
+        vocab.cross_entropy_sum(logits, targets, consume=True).backward()
+        del logits
+    assert peak.peak_mb is not None, "torch's MemTracker did not count this step"
+    return (peak.peak_mb - held_mb) / (T * V * 4 / 2**20)
+
+
+def _fsdp_step_peak(cfg: object, plan: str) -> float:
     from shoal.testing import case
     from shoal.train.memory import TensorPeak
     from shoal.train.step import train_step
 
-    runtime, optimizer, batches = parallel_setup(case(plan="fsdp2", model=cfg, global_batch=2, seq_len=16, steps=2))
+    runtime, optimizer, batches = parallel_setup(case(plan=plan, model=cfg, global_batch=2, seq_len=16, steps=2))
     train_step(runtime, optimizer, split_micro(*batches[0], 1))  # makes the optimizer state
     with TensorPeak(*runtime.parts, optimizer) as peak:
         train_step(runtime, optimizer, split_micro(*batches[1], 1))

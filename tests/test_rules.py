@@ -58,6 +58,38 @@ def test_sp_vpp_and_zero_defaults_follow_the_plan():
     assert resolve("fsdp2", facts(2))[0].zero == 3
 
 
+def test_vocab_is_sharded_where_the_table_outweighs_a_micro_batchs_logits():
+    """vocab=sharded (shoal/parallel/sharded_head.py) by default on fsdp-alone ZeRO-3 plans whose
+    classifier table (V x D) is at least one rank's micro-batch logits (T x V): D >= T."""
+    wide = TINY.replace(vocab_size=500_000, dim=512)
+    assert resolve("fsdp4", facts(4, wide, batch=4, seq=256))[0].vocab == "sharded"  # D 512 >= T 256
+    shown = str(resolve("fsdp4", facts(4, wide, batch=4, seq=256))[0])
+    assert shown == "fsdp4,vocab=sharded,precision=fp32,compile=off"
+    assert resolve("fsdp4", facts(4, wide, batch=16, seq=256))[0].vocab == "gathered"  # T 1024 > D
+    assert resolve("fsdp4", facts(4, wide, batch=16, seq=256, micro=1))[0].vocab == "sharded"  # T 256 per pass
+    llama = get_preset("llama3-8b")
+    assert resolve("fsdp8", facts(8, llama, batch=8, seq=8192, device="cuda"))[0].vocab == "gathered"
+    for text, world in (("dp2,fsdp2", 4), ("fsdp2,tp2", 4), ("fsdp2,pp2", 4), ("fsdp2,zero=2", 2),
+                        ("fsdp2,offload=on", 2)):
+        assert resolve(text, facts(world, wide, batch=4, seq=64))[0].vocab == "gathered", text
+    assert resolve("fsdp2", facts(2, wide.replace(tie_embeddings=True), batch=2, seq=64))[0].vocab == "gathered"
+    assert resolve("fsdp2,vocab=gathered", facts(2, wide, batch=2, seq=64))[0].vocab == "gathered"
+
+
+@pytest.mark.parametrize(("text", "world", "model", "words"), [
+    ("dp2,vocab=sharded", 2, TINY, "plan option vocab=sharded acts on the fsdp axis"),
+    ("dp2,fsdp2,vocab=sharded", 4, TINY, "vocab=sharded runs on plans of fsdp alone in this version, and plan "
+                                        "dp2,fsdp2,vocab=sharded,precision=fp32,compile=off has dp2"),
+    ("fsdp2,tp2,vocab=sharded", 4, TINY, "has tp2"),
+    ("fsdp2,zero=2,vocab=sharded", 2, TINY, "not with zero=2; valid: vocab=gathered"),
+    ("fsdp2,vocab=sharded", 2, TINY.replace(tie_embeddings=True), "ties it to the embedding table"),
+    ("fsdp2,vocab=maybe", 2, TINY, "plan option vocab='maybe' is not valid; valid: gathered, sharded"),
+])
+def test_sharded_vocab_refusals(text, world, model, words):
+    err = one_line_error(resolve, text, facts(world, model))
+    assert words in err, err
+
+
 # ----------------------------------------------------------------------------- refusals, one line each
 @pytest.mark.parametrize(("text", "world", "model", "words"), [
     ("fsdp2,pp2,sched=zb,zero=3", 4, TINY, "sched=zb does not run on FSDP2"),

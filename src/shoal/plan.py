@@ -40,10 +40,11 @@ _CHOICES = {
     "zero": ("1", "2", "3"),
     "offload": ("on", "off"),
     "compile": ("on", "off"),
+    "vocab": ("gathered", "sharded"),
 }
 _ON_OFF = ("sp", "offload", "compile")
-NEEDS_AXIS = {"zero": "fsdp", "bucket": "fsdp", "offload": "fsdp", "mb": "pp", "sched": "pp", "vpp": "pp",
-              "split": "pp", "cp_mode": "cp", "sp": "tp"}
+NEEDS_AXIS = {"zero": "fsdp", "bucket": "fsdp", "offload": "fsdp", "vocab": "fsdp", "mb": "pp", "sched": "pp",
+              "vpp": "pp", "split": "pp", "cp_mode": "cp", "sp": "tp"}
 """Options that act on one axis only: given without that axis they would do nothing, so they
 are refused (the other options act on every plan)."""
 
@@ -74,6 +75,11 @@ class Plan:
     offload: bool = False
     """Keep the fsdp shards (parameters, gradients, optimizer state) in CPU memory; the optimizer
     step runs on the CPU (FSDP2's CPUOffloadPolicy). Needs fsdp > 1."""
+    vocab: str | None = None
+    """How the fsdp axis holds the vocabulary tables (token embedding, classifier): gathered (FSDP2
+    units, each table gathered whole for forward and backward) or sharded (rows split over the fsdp
+    ranks, never gathered: the activations travel instead, shoal/parallel/sharded_vocab.py). None:
+    sharded where a table outweighs a micro-batch's logits on a plan of fsdp alone (shoal.rules)."""
     mb: int | None = None
     """Pipeline micro-batches per step. None: 2 x pp, or the valid count nearest it where 2 x pp
     does not divide the sequences each pipeline gets (shoal.rules)."""
@@ -117,7 +123,7 @@ class Plan:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"plan option {key}={value} needs a whole number >= 1")
-        for key in ("sched", "cp_mode", "ac", "precision", "reduce"):
+        for key in ("sched", "cp_mode", "ac", "precision", "reduce", "vocab"):
             value = getattr(self, key)
             if value is not None and value not in _CHOICES[key]:
                 raise ValueError(f"plan option {key}={value!r} is not valid; valid: {', '.join(_CHOICES[key])}")
@@ -177,12 +183,12 @@ class Plan:
             degree = getattr(self, axis)
             if degree is not None and (degree != 1 or (axis == "dp" and not parts and self._only_dp())):
                 parts.append(f"{axis}{degree}")
-        for key in ("zero", "bucket", "offload", "mb", "sched", "vpp", "split", "cp_mode", "sp", "ac", "precision",
-                    "reduce", "compile"):
+        for key in ("zero", "bucket", "offload", "vocab", "mb", "sched", "vpp", "split", "cp_mode", "sp", "ac",
+                    "precision", "reduce", "compile"):
             value = getattr(self, key)
             if value is None or value == _USUAL.get(key, getattr(_DEFAULT, key)):
                 continue
-            if key in ("zero", "bucket") and self.fsdp == 1:
+            if key in ("zero", "bucket", "vocab") and self.fsdp == 1:
                 continue
             shown = ("on" if value else "off") if key in _ON_OFF else value
             if key == "split":
@@ -260,7 +266,8 @@ class Plan:
                     3: "parameters, gradients and optimizer state"}[self.zero]
             lines.append(f"  sharded data: ZeRO-{self.zero}, {what} sharded {self.fsdp} ways"
                          + (f", {self.bucket} block(s) per gather/reduce unit" if self.bucket else "")
-                         + (", shards kept in CPU memory (optimizer step on the CPU)" if self.offload else ""))
+                         + (", shards kept in CPU memory (optimizer step on the CPU)" if self.offload else "")
+                         + (", the vocabulary tables' rows split, never gathered" if self.vocab == "sharded" else ""))
         if self.dp > 1 or self.data_ranks == 1:
             lines.append(f"  data: {self.dp} replica(s), each sees 1/{self.data_ranks} of every global batch")
         if self.ep > 1:
@@ -279,7 +286,7 @@ class Plan:
 
 
 _DEFAULT_OPTIONS: dict[str, object] | None = None  # None while the line below builds the default Plan
-_USUAL: dict[str, object] = {"zero": 3, "sp": True, "vpp": 1}
+_USUAL: dict[str, object] = {"zero": 3, "sp": True, "vpp": 1, "vocab": "gathered"}
 """The values options left out usually take (shoal.rules says when another is chosen): a resolved
 plan prints an option only where it differs from these."""
 _DEFAULT = Plan()

@@ -224,6 +224,8 @@ def _choose_defaults(plan: Plan, facts: Facts) -> tuple[Plan, list[str]]:
             zero = 2
             notes.append("zero=2: zero-bubble pipelines run on shoal's ZeRO-1/2 engine, not on FSDP2 (ZeRO-3)")
     plan = dataclasses.replace(plan, sp=sp, vpp=vpp, zero=zero)
+    if plan.vocab is None:
+        plan = dataclasses.replace(plan, vocab=default_vocab(plan, facts))
     if plan.mb is None and plan.pp > 1 and facts.global_batch is not None and \
             facts.global_batch % plan.data_ranks == 0:
         local = facts.global_batch // plan.data_ranks
@@ -272,6 +274,48 @@ def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
         return (f"tp={plan.tp} with sequence parallelism does not divide the sequence length {seq}; "
                 f"valid: tp in {_divisor_list(seq)}, or the plan option sp=off")
     return None
+
+
+def default_vocab(plan: Plan, facts: Facts) -> str:
+    """What a plan that leaves `vocab` out takes: sharded where `_sharded_vocab_pays`, else gathered (the
+    planner's search asks it again for each ZeRO stage and micro-batch size it prices)."""
+    return "sharded" if _sharded_vocab_pays(plan, facts) else "gathered"
+
+
+def _sharded_vocab_pays(plan: Plan, facts: Facts) -> bool:
+    """The vocabulary tables sharded by rows (shoal/parallel/sharded_vocab.py) where that can run and a
+    table (V x D) is at least a micro-batch's logits on one rank (T x V), i.e. D >= T: then a rank holds
+    the tables' shards instead of three gathered tables for one more logits buffer, and moves fewer bytes
+    (activations and logits instead of each table twice). Not known (no model, batch or sequence): gathered."""
+    model, seq = facts.text_model, facts.seq_len
+    if model is None or seq is None or facts.global_batch is None or _vocab_refusal(plan, model) is not None:
+        return False
+    sequences = facts.micro_batch or max(1, facts.global_batch // plan.data_ranks)
+    return model.dim >= sequences * seq
+
+
+def _vocab_refusal(plan: Plan, model: ModelConfig | None) -> str | None:
+    if plan.fsdp == 1:
+        return "vocab=sharded splits the vocabulary tables over the fsdp ranks; valid: add fsdpN"
+    others = [f"{axis}{getattr(plan, axis)}" for axis in ("dp", "tp", "pp", "cp", "ep") if getattr(plan, axis) != 1]
+    if others:
+        return (f"vocab=sharded runs on plans of fsdp alone in this version, and plan {plan} has "
+                f"{', '.join(others)}; valid: fsdp{plan.fsdp},vocab=sharded, or vocab=gathered")
+    if plan.zero != 3 or plan.offload:
+        what = "offload=on" if plan.offload else f"zero={plan.zero}"
+        return f"vocab=sharded runs beside FSDP2 at zero=3 without offload, not with {what}; valid: vocab=gathered"
+    if model is not None and model.tie_embeddings:
+        return ("vocab=sharded needs a classifier of its own, and this model ties it to the embedding table; "
+                "valid: vocab=gathered")
+    return None
+
+
+def _vocab_rule(plan: Plan, facts: Facts) -> str | None:
+    if plan.vocab != "sharded":
+        return None
+    if isinstance(facts.model, MixerConfig):
+        return "vocab=sharded is for text transformers' vocabulary tables; valid: vocab=gathered"
+    return _vocab_refusal(plan, facts.text_model)
 
 
 def _reduce_rule(plan: Plan, facts: Facts) -> str | None:
@@ -484,8 +528,8 @@ def _doc_mask_rule(plan: Plan, facts: Facts) -> str | None:
     return None
 
 
-_RULES: tuple[Rule, ...] = (_auto_rule, _expert_degree_rule, _mixer_rule, _tensor_rule, _reduce_rule, _context_rule,
-                            _moe_rule, _batch_rule, _pipeline_rule, _doc_mask_rule)
+_RULES: tuple[Rule, ...] = (_auto_rule, _expert_degree_rule, _mixer_rule, _tensor_rule, _reduce_rule, _vocab_rule,
+                            _context_rule, _moe_rule, _batch_rule, _pipeline_rule, _doc_mask_rule)
 
 
 def _divisors(n: int) -> list[int]:

@@ -75,6 +75,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shoal.mesh import replica_mesh
 from shoal.models.adapter import adapter_for
 from shoal.parallel.precision import PrecisionPolicy
+from shoal.parallel.sharded_vocab import shard_classifier, shard_embedding
 from shoal.parallel.zero import ZeroDataParallel
 from shoal.plan import Plan
 from shoal.rules import EngineChoice, choose_engine
@@ -158,6 +159,10 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan, choic
         return ZeroDataParallel(model, mesh=mesh, zero=choice.zero, bucket=choice.bucket, precision=precision,
                                 blocks=blocks, ignore=ignored)
     offload = _offload_policy(mesh) if plan.offload else OffloadPolicy()
+    if plan.vocab == "sharded":  # the tables' rows stay split over fsdp, beside FSDP2 (sharded_vocab.py)
+        embedding, classifier = _vocab_tables(model)
+        tables = _data_mesh(mesh)
+        ignored |= {id(shard_embedding(embedding, tables)), id(shard_classifier(classifier, tables))}
     _fully_shard(model, blocks, mesh=mesh, choice=choice, precision=precision, offload=offload,
                  ignored={p for p in model.parameters() if id(p) in ignored})
     return TorchDataEngine(model, model, gradient_sync_toggle=choice.zero == 1)
@@ -301,6 +306,8 @@ def _fully_shard(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh,
         # A list is one FSDP2 parameter group: gathered before the first block runs, reduced once.
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=not keep_full, **kwargs)
     for unit, needed_first in _end_units(model):
+        if all(p in ignored for m in unit for p in m.parameters()):
+            continue  # its tables are sharded by rows beside FSDP2 (vocab=sharded)
         fully_shard(unit, reshard_after_forward=not (keep_full or needed_first), **kwargs)
         if not (keep_full or needed_first) and all(isinstance(m, nn.Embedding) for m in unit):
             # A lookup's backward needs the indices, not the table: gathering it again would hold one
@@ -328,6 +335,22 @@ def _end_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
         return []
     units = [(embeddings, False), (head, True)]
     return [(unit, first) for unit, first in units if any(True for m in unit for _ in m.parameters())]
+
+
+def _vocab_tables(model: nn.Module) -> tuple[nn.Embedding, nn.Linear]:
+    """The model's token embedding (a plain nn.Embedding) and classifier (a bias-free nn.Linear), as its
+    adapter names them, two tables of their own; one-line ValueError otherwise."""
+    adapter = adapter_for(model)
+    embedding = getattr(model, adapter.embeddings[0], None) if adapter is not None and adapter.embeddings else None
+    linear = getattr(model, adapter.classifier, None) if adapter is not None and adapter.classifier else None
+    plain = (isinstance(embedding, nn.Embedding) and embedding.padding_idx is None and embedding.max_norm is None
+             and not embedding.sparse)
+    if not plain or not isinstance(linear, nn.Linear) or linear.bias is not None or \
+            linear.weight is embedding.weight:
+        raise ValueError(f"vocab=sharded needs a plain nn.Embedding and a bias-free nn.Linear classifier of its own; "
+                         f"{type(model).__name__} has {type(embedding).__name__} and {type(linear).__name__}; "
+                         "valid: vocab=gathered")
+    return embedding, linear
 
 
 @contextlib.contextmanager

@@ -420,6 +420,18 @@ class _Costs:
         experts = moe_sets * cfg.num_experts * mlp / p.ep
         return dense / p.tp, experts / p.tp
 
+    def vocab_traffic(self, micro: int) -> dict[str, float]:
+        """vocab=sharded, one step's seconds of moving the tables' activations instead of the tables: per
+        micro-batch the token ids and the (N*T, D) embedding rows (reduce-scattered forward, gathered
+        backward), the hidden states (gathered forward, reduce-scattered backward), and the (T, V) logits
+        by all-to-all each way (shoal/parallel/sharded_vocab.py)."""
+        cfg, n, stride = self.cfg, self.plan.fsdp, self.stride["fsdp"]
+        rows = n * self.tokens * cfg.dim * self.bytes  # every fsdp rank's tokens' rows
+        return {"vocab_rows": micro * 2 * (self.net.time("reduce_scatter", n, rows, stride=stride)
+                                           + self.net.time("all_gather", n, rows, stride=stride)),
+                "vocab_logits": micro * 2 * self.net.time("all_to_all", n, self.tokens * cfg.vocab_size * self.bytes,
+                                                          stride=stride)}
+
     def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
                   fwd: float, bwd: float) -> tuple[float, dict[str, float]]:
         """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic, given one
@@ -443,6 +455,9 @@ class _Costs:
                 terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
                                                 stride=p.ep * p.tp)
         elif kind in ("zero", "fsdp2"):
+            if p.vocab == "sharded":  # the tables stay sharded; their rows' activations travel (sharded_vocab.py)
+                params -= self.cfg.vocab_size * self.cfg.dim * 2
+                terms.update(self.vocab_traffic(micro))
             # ZeRO-2 and -3 reduce every micro-batch's gradients, ZeRO-1 only the last's
             # (shoal.parallel.data); ZeRO-3 gathers each unit in forward and again in backward,
             # FSDP2 at zero=1/2 once per micro-batch, shoal's ZeRO-1/2 engine once per step.
@@ -461,15 +476,16 @@ class _Costs:
         # above counts it once, as a pipeline's last backward or no_sync would run it).
         schedule = data_schedule("ddp" if kind == "fsdp2" and fsdp == 1 else kind, zero, micro=micro)
         passes = {"forward": 0.0, "backward": 0.0}
+        blocking = sum(seconds for term, seconds in terms.items() if term.startswith("vocab_"))  # waited for at once
         for term, seconds in terms.items():
-            for phase, share in schedule[term].items():
+            for phase, share in schedule.get(term, {}).items():
                 passes[phase] += share * seconds
         windows = {"forward": schedule["forward_passes"] * fwd, "backward": schedule["backward_passes"] * bwd}
         exposed = hidden = 0.0
         for phase, seconds in passes.items():
             shown, hid = overlap_exposed(seconds, self.overlap * windows[phase], pieces=units + 1)
             exposed, hidden = exposed + shown, hidden + hid
-        return exposed + OVERLAP_SLOWDOWN * hidden, terms
+        return blocking + exposed + OVERLAP_SLOWDOWN * hidden, terms
 
 
 def data_schedule(kind: str, zero: int, *, micro: int) -> dict[str, Any]:
@@ -581,20 +597,26 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
             held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
                                                fused_attention=cost.fused) * tokens * cost.bytes
         logits = memory.logits_bytes(cfg, tokens, tp=plan.tp, logit_bytes=int(cost.bytes)) if head else 0.0
+        if head and plan.vocab == "sharded":  # the classifier's backward: the logits' gradient, both all-to-all buffers
+            logits = max(logits, memory.SHARDED_LOGIT_COPIES * tokens * cfg.vocab_size * cost.bytes)
         if head:
             held += memory.head_norm_elements(cfg, tp=plan.tp, sp=bool(plan.sp)) * tokens * cost.bytes
         accumulated = max(0.0, table - logits)
         if held + logits + accumulated > sum(worst.values()):
             worst = {"activations": held, "logits": logits, "accumulation": accumulated}
-    layer = params / max(1, cfg.num_layers // plan.pp)
+    # One block's parameters: the rank's, less the vocabulary tables it holds (both without pp; under pp the
+    # busier stage holds one, the embedding or the head), which are units of their own.
+    tables = cfg.vocab_size * cfg.dim / plan.tp * ((1 if cfg.tie_embeddings else 2) if plan.pp == 1 else 1)
+    layer = max(0.0, params - tables) / max(1, cfg.num_layers // plan.pp)
     transient = 0.0
     if kind == "fsdp2" and zero == 3:
         transient = 2 * bucket * layer * cost.bytes + bucket * layer * 4  # gathered units, one unit's grads
         # The embedding table and the classifier are units of their own (parallel/data.py), each gathered whole:
         # in its backward a table's unit holds three (V, D/tp) tables at once, its gathered weight, its unsharded
         # gradient and the reduce-scatter's input, which outweigh any block's unit once the vocabulary is large.
-        transient = max(transient, fsdp_table_bytes(cfg, tp=plan.tp, param_bytes=pb, grad_bytes=gb,
-                                                    reduce_bytes=4 if plan.reduce == "fp32" else 2))
+        if plan.vocab != "sharded":  # sharded tables are never gathered (shoal/parallel/sharded_vocab.py)
+            transient = max(transient, fsdp_table_bytes(cfg, tp=plan.tp, param_bytes=pb, grad_bytes=gb,
+                                                        reduce_bytes=4 if plan.reduce == "fp32" else 2))
         if micro > 1:
             transient += params * 4  # unsharded gradients accumulate while the sync waits
     elif kind == "ddp":

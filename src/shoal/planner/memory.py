@@ -114,6 +114,12 @@ cross-entropy works on; its backward keeps three fp32 temporaries of a block (th
 gradient arriving at it, the gradient it gives) beside the logits."""
 
 
+SHARDED_LOGIT_COPIES = 3
+"""vocab=sharded (shoal/parallel/sharded_vocab.py): the classifier's backward holds the logits' gradient
+(written into the logits by the loss), the copy it sends by all-to-all and the one it receives, each (T, V)
+in the compute dtype. Counted from live tensors: tests/test_planner_counts.py."""
+
+
 def logits_bytes(cfg: ModelConfig, tokens: float, *, tp: int, logit_bytes: int = 4) -> float:
     """The last stage's logits at the loss's peak: LOSS_LOGIT_COPIES fp32 copies of the vocabulary-sharded
     logits under tp, else CONSUMED_LOGIT_COPIES of the plain ones (`logit_bytes` per element as the head

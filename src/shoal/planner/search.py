@@ -94,6 +94,7 @@ def search(work: Workload, cluster: Cluster, *, network: Network | None = None,
     for skeleton in structures(work, cluster):
         for plan, micro in variants(skeleton, work):
             facts = _facts(work, cluster, micro)
+            plan = dataclasses.replace(plan, vocab=rules.default_vocab(plan, facts))  # as `--plan` text resolves it
             for ac in RECOMPUTE:
                 candidate = dataclasses.replace(plan, ac=ac)
                 if rules.refusal(candidate, facts) is not None:
