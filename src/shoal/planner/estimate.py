@@ -472,11 +472,16 @@ class _Costs:
             if experts and p.ep < p.data_ranks:
                 terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
                                                 stride=p.ep * p.tp)  # the replicas outside each ep group
+            if kind == "fsdp2":
+                terms["fsdp_copies"] = fsdp2_copy_bytes(params, param_bytes=self.bytes, grad_bytes=self.bytes,
+                                                        reduce_bytes=grad, gathers=gathers,
+                                                        reduces=reduces) / self.mem_bw
         # Unsharded FSDP2 is priced as DDP is: one reduction, in the last micro-batch's backward (the traffic
         # above counts it once, as a pipeline's last backward or no_sync would run it).
         schedule = data_schedule("ddp" if kind == "fsdp2" and fsdp == 1 else kind, zero, micro=micro)
         passes = {"forward": 0.0, "backward": 0.0}
-        blocking = sum(seconds for term, seconds in terms.items() if term.startswith("vocab_"))  # waited for at once
+        # Waited for at once: the tables' activations, and FSDP2's copies on the compute stream.
+        blocking = sum(seconds for term, seconds in terms.items() if term.startswith("vocab_") or term == "fsdp_copies")
         for term, seconds in terms.items():
             for phase, share in schedule.get(term, {}).items():
                 passes[phase] += share * seconds
@@ -486,6 +491,20 @@ class _Costs:
             shown, hid = overlap_exposed(seconds, self.overlap * windows[phase], pieces=units + 1)
             exposed, hidden = exposed + shown, hidden + hid
         return blocking + exposed + OVERLAP_SLOWDOWN * hidden, terms
+
+
+def fsdp2_copy_bytes(params: float, *, param_bytes: float, grad_bytes: float, reduce_bytes: float, gathers: int,
+                     reduces: int) -> float:
+    """Device-memory bytes one rank's FSDP2 moves in a step copying around its collectives, for `params` parameters
+    (unsharded) gathered `gathers` and reduced `reduces` times. Read from torch's FSDP2
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; torch/distributed/_composable/fsdp/ before 2.6):
+    after each all-gather `foreach_all_gather_copy_out` copies the gathered buffer into the parameters
+    (split_with_sizes_copy: every gathered element read and written at the parameter dtype), and before each
+    reduce-scatter `foreach_reduce` copies the unsharded gradients into the reduce-scatter input at the reduce
+    dtype (read at the gradient's, written at the reduce dtype's). Both run on, or are waited for by, the compute
+    stream, so neither hides behind compute. The all-gather's copy-in (a rank's own shard cast to the parameter
+    dtype, on a side stream) moves 1/N of that and is left out."""
+    return params * (gathers * 2 * param_bytes + reduces * (grad_bytes + reduce_bytes))
 
 
 def data_schedule(kind: str, zero: int, *, micro: int) -> dict[str, Any]:
