@@ -233,7 +233,10 @@ def _titan_gap(table_rows: list[Row]) -> str:
         "sustains 627 TFLOP/s on 114 SMs (a cross-check read from a public repository's benchmark notes, "
         "GOATnote-Inc/periodicdent42, not used), more per SM than the 500 W part is priced at here; the attention "
         "rates are the FlashAttention-3 paper's FlashAttention-2 bars at head dim 128 and 8K, held to the 500 W "
-        f"clock; the elementwise work would have to stream at {elementwise / (elementwise + gap):.2f} of the HBM2e "
+        "clock, and FlashAttention-2 is the kernel that ran: PyTorch's nightlies of December 2024 picked SDPA's flash "
+        "backend on an H100, cuDNN's having been made opt-in after 2.5 (pytorch/pytorch issues 142132 and 141133, "
+        "pull request 138522), so torchtitan's policy keeps its output and backward does not rerun it"
+        f"; the elementwise work would have to stream at {elementwise / (elementwise + gap):.2f} of the HBM2e "
         f"peak to fill the gap. The rest, {100 * min(shares):.0f}-{100 * max(shares):.0f}% of the real step on the "
         "FSDP-only 8B rows, eager or compiled, on 8 or 128 GPUs, is time around and between kernels that no kernel- "
         "or link-level source here holds; it is left unpriced, not fitted.")
