@@ -26,8 +26,10 @@ GROUPS = {
         # the default for SMALL: shoal.rules), with gradient accumulation.
         case(plan="fsdp2,vocab=gathered"), case(plan="fsdp2,vocab=sharded", num_micro=2)],
     4: [case(plan="fsdp4,zero=1", num_micro=2), case(plan="fsdp4,zero=2"), case(plan="fsdp4"),
-        # A vocabulary that 4 does not divide: rows 33, 33, 33, 31 (the all-to-all pads the last).
+        # A vocabulary that 4 does not divide: rows 33, 33, 33, 31 (the all-to-all pads the last); the
+        # tables sharded under HSDP (dp averages each shard's gradient) and over fsdp x cp.
         case(plan="fsdp4,vocab=sharded", model=SMALL.replace(vocab_size=130)),
+        case(plan="dp2,fsdp2,vocab=sharded", num_micro=2), case(plan="fsdp2,cp2,vocab=sharded"),
         case(plan="dp2,fsdp2"), case(plan="dp2,fsdp2,zero=1", num_micro=2), case(plan="dp2,fsdp2,zero=2"),
         # ZeRO-1 over a tensor-parallel model.
         case(plan="fsdp2,tp2,zero=1", num_micro=2)],

@@ -69,18 +69,19 @@ def test_vocab_is_sharded_where_the_table_outweighs_a_micro_batchs_logits():
     assert resolve("fsdp4", facts(4, wide, batch=16, seq=256, micro=1))[0].vocab == "sharded"  # T 256 per pass
     llama = get_preset("llama3-8b")
     assert resolve("fsdp8", facts(8, llama, batch=8, seq=8192, device="cuda"))[0].vocab == "gathered"
-    for text, world in (("dp2,fsdp2", 4), ("fsdp2,tp2", 4), ("fsdp2,pp2", 4), ("fsdp2,zero=2", 2),
-                        ("fsdp2,offload=on", 2)):
+    for text, world in (("fsdp2,tp2", 4), ("fsdp2,pp2", 4), ("fsdp2,zero=2", 2), ("fsdp2,offload=on", 2)):
         assert resolve(text, facts(world, wide, batch=4, seq=64))[0].vocab == "gathered", text
+    assert resolve("dp2,fsdp2", facts(4, wide, batch=4, seq=64))[0].vocab == "sharded"  # HSDP: T 64 <= D
+    assert resolve("fsdp2,cp2", facts(4, wide, batch=2, seq=1024))[0].vocab == "sharded"  # T 1024 / cp2 <= D
     assert resolve("fsdp2", facts(2, wide.replace(tie_embeddings=True), batch=2, seq=64))[0].vocab == "gathered"
     assert resolve("fsdp2,vocab=gathered", facts(2, wide, batch=2, seq=64))[0].vocab == "gathered"
 
 
 @pytest.mark.parametrize(("text", "world", "model", "words"), [
     ("dp2,vocab=sharded", 2, TINY, "plan option vocab=sharded acts on the fsdp axis"),
-    ("dp2,fsdp2,vocab=sharded", 4, TINY, "vocab=sharded runs on plans of fsdp alone in this version, and plan "
-                                        "dp2,fsdp2,vocab=sharded,precision=fp32,compile=off has dp2"),
-    ("fsdp2,tp2,vocab=sharded", 4, TINY, "has tp2"),
+    ("fsdp2,tp2,vocab=sharded", 4, TINY, "vocab=sharded runs beside the data axes (dp, fsdp, cp) in this version, "
+                                        "and plan fsdp2,tp2,vocab=sharded,precision=fp32,compile=off has tp2"),
+    ("fsdp2,pp2,vocab=sharded", 4, TINY, "has pp2"),
     ("fsdp2,zero=2,vocab=sharded", 2, TINY, "not with zero=2; valid: vocab=gathered"),
     ("fsdp2,vocab=sharded", 2, TINY.replace(tie_embeddings=True), "ties it to the embedding table"),
     ("fsdp2,vocab=maybe", 2, TINY, "plan option vocab='maybe' is not valid; valid: gathered, sharded"),

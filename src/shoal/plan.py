@@ -79,7 +79,7 @@ class Plan:
     """How the fsdp axis holds the vocabulary tables (token embedding, classifier): gathered (FSDP2
     units, each table gathered whole for forward and backward) or sharded (rows split over the fsdp
     ranks, never gathered: the activations travel instead, shoal/parallel/sharded_vocab.py). None:
-    sharded where a table outweighs a micro-batch's logits on a plan of fsdp alone (shoal.rules)."""
+    sharded where a table outweighs a micro-batch's logits on a plan of data axes alone (shoal.rules)."""
     mb: int | None = None
     """Pipeline micro-batches per step. None: 2 x pp, or the valid count nearest it where 2 x pp
     does not divide the sequences each pipeline gets (shoal.rules)."""

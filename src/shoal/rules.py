@@ -291,16 +291,16 @@ def _sharded_vocab_pays(plan: Plan, facts: Facts) -> bool:
     if model is None or seq is None or facts.global_batch is None or _vocab_refusal(plan, model) is not None:
         return False
     sequences = facts.micro_batch or max(1, facts.global_batch // plan.data_ranks)
-    return model.dim >= sequences * seq
+    return model.dim >= sequences * seq / plan.cp
 
 
 def _vocab_refusal(plan: Plan, model: ModelConfig | None) -> str | None:
     if plan.fsdp == 1:
         return "vocab=sharded splits the vocabulary tables over the fsdp ranks; valid: add fsdpN"
-    others = [f"{axis}{getattr(plan, axis)}" for axis in ("dp", "tp", "pp", "cp", "ep") if getattr(plan, axis) != 1]
+    others = [f"{axis}{getattr(plan, axis)}" for axis in ("tp", "pp", "ep") if getattr(plan, axis) != 1]
     if others:
-        return (f"vocab=sharded runs on plans of fsdp alone in this version, and plan {plan} has "
-                f"{', '.join(others)}; valid: fsdp{plan.fsdp},vocab=sharded, or vocab=gathered")
+        return (f"vocab=sharded runs beside the data axes (dp, fsdp, cp) in this version, and plan {plan} has "
+                f"{', '.join(others)}; valid: vocab=gathered (tp splits the tables itself)")
     if plan.zero != 3 or plan.offload:
         what = "offload=on" if plan.offload else f"zero={plan.zero}"
         return f"vocab=sharded runs beside FSDP2 at zero=3 without offload, not with {what}; valid: vocab=gathered"

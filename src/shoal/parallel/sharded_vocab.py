@@ -1,5 +1,8 @@
 """The vocabulary tables sharded by rows over the fsdp ranks (plan option `vocab=sharded`).
 
+Over the mesh FSDP2 shards on: fsdp (or fsdp x cp, whose ranks see other tokens of the same
+sequences), replicated over dp under HSDP, where each shard's gradient is then averaged over dp.
+
 FSDP2 gathers a unit's whole weight before it runs and reduces its whole gradient after: for the
 tables of a large vocabulary (the token embedding and the classifier, V x D each) that is, on every
 rank in backward, the table gathered, its unsharded (V, D) gradient and the reduce-scatter's (V, D)
@@ -37,6 +40,7 @@ the global mean, not the share each data rank's loss takes in shoal (shoal/runti
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,20 +48,42 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """Where a table's rows are split (`shards`, the mesh's last dim: fsdp, or fsdp x cp) and, under
+    HSDP, the replicas of each shard (`replicas`, dp: their gradients are averaged, as FSDP2's are)."""
+
+    shards: dist.ProcessGroup
+    replicas: dist.ProcessGroup | None
+
+    @staticmethod
+    def of(mesh: DeviceMesh) -> _Groups:
+        return _Groups(mesh.get_group(mesh.ndim - 1), mesh.get_group(0) if mesh.ndim == 2 else None)
+
+    def average(self, grad_w: torch.Tensor) -> torch.Tensor:
+        """A table shard's gradient, summed over its shard group's tokens: averaged over every data rank."""
+        grad_w.div_(dist.get_world_size(self.shards))
+        if self.replicas is not None:
+            dist.all_reduce(grad_w, group=self.replicas)
+            grad_w.div_(dist.get_world_size(self.replicas))
+        return grad_w
 
 
 def shard_embedding(embedding: nn.Embedding, mesh: DeviceMesh) -> nn.Parameter:
     """Make `embedding` (a plain lookup: no padding index, max_norm or sparse gradients; on a real or
-    the meta device) hold only this rank's rows of its table over the 1-D `mesh`, looking tokens up
-    as the module docstring says. Returns the new parameter (for FSDP2 to leave alone)."""
+    the meta device) hold only this rank's rows of its table over `mesh` (the data mesh FSDP2 runs on:
+    1-D shards, or 2-D (replicas, shards)), looking tokens up as the module docstring says. Returns the
+    new parameter (for FSDP2 to leave alone)."""
     assert embedding.padding_idx is None and embedding.max_norm is None and not embedding.sparse, \
         "the sharded embedding is a plain lookup"
     start, _ = _shard_in_place(embedding, mesh)
-    group = mesh.get_group()
+    groups = _Groups.of(mesh)
 
     def forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-        return _ShardedLookup.apply(ids, _local(self.weight), group, start)
+        return _ShardedLookup.apply(ids, _local(self.weight), groups, start)
 
     embedding.forward = types.MethodType(forward, embedding)  # type: ignore[method-assign]
     return embedding.weight  # type: ignore[return-value]  # the Parameter _shard_in_place set
@@ -65,25 +91,27 @@ def shard_embedding(embedding: nn.Embedding, mesh: DeviceMesh) -> nn.Parameter:
 
 def shard_classifier(linear: nn.Linear, mesh: DeviceMesh) -> nn.Parameter:
     """Make `linear` (a bias-free classifier, on a real or the meta device) hold only this rank's
-    rows of its weight over the 1-D `mesh`, computing its logits as the module docstring says.
-    Returns the new parameter (for FSDP2 to leave alone)."""
+    rows of its weight over `mesh` (as `shard_embedding`), computing its logits as the module docstring
+    says. Returns the new parameter (for FSDP2 to leave alone)."""
     assert linear.bias is None, "the sharded classifier takes no bias"
     _shard_in_place(linear, mesh)
-    group = mesh.get_group()
+    groups = _Groups.of(mesh)
 
     def forward(self: nn.Linear, x_BTD: torch.Tensor) -> torch.Tensor:
-        return _ShardedLogits.apply(x_BTD, _local(self.weight).to(x_BTD.dtype), group, self.out_features)
+        return _ShardedLogits.apply(x_BTD, _local(self.weight).to(x_BTD.dtype), groups, self.out_features)
 
     linear.forward = types.MethodType(forward, linear)
     return linear.weight
 
 
 def _shard_in_place(module: nn.Embedding | nn.Linear, mesh: DeviceMesh) -> tuple[int, int]:
-    """Replace `module.weight` by this rank's rows, a Shard(0) DTensor over `mesh`; its (start, stop)."""
+    """Replace `module.weight` by this rank's rows, a DTensor over `mesh` (Shard(0) on its last dim,
+    replicated on the other: FSDP2's layout, also under HSDP); its (start, stop)."""
     full = module.weight
-    start, stop = _rows(full.shape[0], mesh.size(), mesh.get_local_rank())
+    start, stop = _rows(full.shape[0], mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1))
     local = full.detach()[start:stop].clone()
-    sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    sharded = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
     module.weight = nn.Parameter(sharded, requires_grad=full.requires_grad)
     return start, stop
 
@@ -110,8 +138,8 @@ class _ShardedLookup(torch.autograd.Function):
     """(…) token ids and this rank's (V_r, D) rows -> (…, D) embeddings of this rank's tokens."""
 
     @staticmethod
-    def forward(ctx: Any, ids: torch.Tensor, w_local: torch.Tensor, group: dist.ProcessGroup,
-                start: int) -> torch.Tensor:
+    def forward(ctx: Any, ids: torch.Tensor, w_local: torch.Tensor, groups: _Groups, start: int) -> torch.Tensor:
+        group = groups.shards
         ranks = dist.get_world_size(group)
         ids_T = ids.reshape(-1).contiguous()
         ids_all = ids_T.new_empty((ranks * ids_T.numel(),))
@@ -124,7 +152,7 @@ class _ShardedLookup(torch.autograd.Function):
         out = rows.new_empty((*ids.shape, w_local.shape[1]))
         _reduce_scatter(out.view(ids_T.numel(), -1), rows, group=group)
         ctx.save_for_backward(local, mine)
-        ctx.group, ctx.ranks, ctx.rows = group, ranks, w_local.shape[0]
+        ctx.groups, ctx.ranks, ctx.rows = groups, ranks, w_local.shape[0]
         return out
 
     @staticmethod
@@ -132,18 +160,18 @@ class _ShardedLookup(torch.autograd.Function):
         local, mine = ctx.saved_tensors
         grad_TD = grad.reshape(-1, grad.shape[-1]).contiguous()
         grad_all = grad_TD.new_empty((ctx.ranks * grad_TD.shape[0], grad_TD.shape[1]))
-        _all_gather(grad_all, grad_TD, group=ctx.group)
+        _all_gather(grad_all, grad_TD, group=ctx.groups.shards)
         grad_w = grad_all.new_zeros((ctx.rows, grad_all.shape[1]))
         grad_w.index_add_(0, local[mine], grad_all[mine])
-        return None, grad_w.div_(ctx.ranks), None, None
+        return None, ctx.groups.average(grad_w), None, None
 
 
 class _ShardedLogits(torch.autograd.Function):
     """(…, D) hidden states and this rank's (V_r, D) rows -> (…, V) logits of this rank's tokens."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_local: torch.Tensor, group: dist.ProcessGroup,
-                vocab: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w_local: torch.Tensor, groups: _Groups, vocab: int) -> torch.Tensor:
+        group = groups.shards
         ranks = dist.get_world_size(group)
         x_TD = x.reshape(-1, x.shape[-1]).contiguous()
         tokens = x_TD.shape[0]
@@ -163,7 +191,7 @@ class _ShardedLogits(torch.autograd.Function):
             stop = min(start + width, vocab)
             logits_TV[:, start:stop] = received[r * tokens:(r + 1) * tokens, :stop - start]
         ctx.save_for_backward(x_all, w_local)
-        ctx.group, ctx.ranks, ctx.tokens, ctx.width = group, ranks, tokens, width
+        ctx.groups, ctx.ranks, ctx.tokens, ctx.width = groups, ranks, tokens, width
         ctx.x_shape = x.shape
         return logits
 
@@ -177,13 +205,11 @@ class _ShardedLogits(torch.autograd.Function):
         send = grad_TV.view(tokens, ranks, width).transpose(0, 1).contiguous().view(ranks * tokens, width)
         del grad_TV
         grad_mine = torch.empty_like(send)
-        dist.all_to_all_single(grad_mine, send, group=ctx.group)  # every rank's tokens, this rank's words
+        dist.all_to_all_single(grad_mine, send, group=ctx.groups.shards)  # every rank's tokens, this rank's words
         del send
         grad_mine = grad_mine[:, :w_local.shape[0]]
-        # Each rank's loss is its share of the global one and FSDP2 averages the other gradients over
-        # the N ranks: the sum over every rank's tokens, divided by N, is that average.
-        grad_w = (grad_mine.t() @ x_all).div_(ranks)
+        grad_w = ctx.groups.average(grad_mine.t() @ x_all)
         grad_x_all = grad_mine @ w_local
         grad_x = grad_x_all.new_empty((tokens, grad_x_all.shape[1]))
-        _reduce_scatter(grad_x, grad_x_all, group=ctx.group)
+        _reduce_scatter(grad_x, grad_x_all, group=ctx.groups.shards)
         return grad_x.reshape(ctx.x_shape), grad_w, None, None

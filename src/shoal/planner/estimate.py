@@ -424,9 +424,10 @@ class _Costs:
         """vocab=sharded, one step's seconds of moving the tables' activations instead of the tables: per
         micro-batch the token ids and the (N*T, D) embedding rows (reduce-scattered forward, gathered
         backward), the hidden states (gathered forward, reduce-scattered backward), and the (T, V) logits
-        by all-to-all each way (shoal/parallel/sharded_vocab.py)."""
-        cfg, n, stride = self.cfg, self.plan.fsdp, self.stride["fsdp"]
-        rows = n * self.tokens * cfg.dim * self.bytes  # every fsdp rank's tokens' rows
+        by all-to-all each way (shoal/parallel/sharded_vocab.py), over the ranks the tables are split on
+        (fsdp x cp, consecutive in the mesh's rank order)."""
+        cfg, n, stride = self.cfg, self.plan.fsdp * self.plan.cp, self.stride["cp"]
+        rows = n * self.tokens * cfg.dim * self.bytes  # every such rank's tokens' rows
         return {"vocab_rows": micro * 2 * (self.net.time("reduce_scatter", n, rows, stride=stride)
                                            + self.net.time("all_gather", n, rows, stride=stride)),
                 "vocab_logits": micro * 2 * self.net.time("all_to_all", n, self.tokens * cfg.vocab_size * self.bytes,
@@ -455,8 +456,10 @@ class _Costs:
                 terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
                                                 stride=p.ep * p.tp)
         elif kind in ("zero", "fsdp2"):
+            tables = 0.0
             if p.vocab == "sharded":  # the tables stay sharded; their rows' activations travel (sharded_vocab.py)
-                params -= self.cfg.vocab_size * self.cfg.dim * 2
+                tables = self.cfg.vocab_size * self.cfg.dim * 2.0
+                params -= tables
                 terms.update(self.vocab_traffic(micro))
             # ZeRO-2 and -3 reduce every micro-batch's gradients, ZeRO-1 only the last's
             # (shoal.parallel.data); ZeRO-3 gathers each unit in forward and again in backward,
@@ -467,8 +470,9 @@ class _Costs:
                                                          stride=self.stride["fsdp"])
             terms["fsdp_all_gather"] = gathers * net("all_gather", fsdp, params * self.bytes,
                                                      stride=self.stride["fsdp"])
-            if dp > 1:
-                terms["dp_allreduce"] = reduces * net("all_reduce", dp, params * grad / fsdp, stride=dp_stride)
+            if dp > 1:  # every shard's gradient, the tables' too (averaged over dp as FSDP2 averages its own)
+                terms["dp_allreduce"] = reduces * net("all_reduce", dp, (params + tables) * grad / fsdp,
+                                                      stride=dp_stride)
             if experts and p.ep < p.data_ranks:
                 terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
                                                 stride=p.ep * p.tp)  # the replicas outside each ep group
