@@ -12,6 +12,7 @@ the tensors' sizes).
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 
 from shoal.models import PRESETS
@@ -176,36 +177,24 @@ def test_accumulated_table_gradient():
     assert mem["accumulation"] > 0 and mem["logits"] + mem["accumulation"] == cfg.vocab_size * cfg.dim * 4, mem
 
 
-def test_fsdp_table_unit(pools):
-    """The planner's FSDP2 transient for a model whose vocabulary tables outweigh its blocks
-    (shoal.planner.estimate.fsdp_table_bytes: a table gathered whole, its unsharded gradient and the
-    reduce-scatter's input): its terms against the peak of live tensors of a real fsdp2 step (the
-    second, with the optimizer state held). The terms sum every peak (the loss's logits, the tables'
-    three copies, all sharded gradients) though the head's backward holds only its own sharded
-    gradient, so they lie above the measured peak, by less than the goal's 15% (7% when counted)."""
+@pytest.mark.parametrize("tables", ["gathered", "sharded"])
+def test_fsdp_vocabulary_tables(pools, tables):
+    """The planner's fsdp2 terms for a model whose vocabulary tables outweigh its blocks, against the peak
+    of live tensors of a real fsdp2 step (the second, with the optimizer state held) at 50k and 100k words,
+    within the goal's 15% above it.
+    - vocab=gathered: each table an FSDP2 unit (shoal.planner.estimate.fsdp_table_bytes: a table gathered
+      whole, its unsharded gradient and the reduce-scatter's input). The terms sum every peak (the loss's
+      logits, the tables' three copies, all sharded gradients) though the head's backward holds only its
+      own sharded gradient, so they lie above the measured peak (7% when counted).
+    - vocab=sharded (shoal/parallel/sharded_vocab.py): no table gathered, the classifier's backward
+      holding SHARDED_LOGIT_COPIES of the logits."""
     from shoal.auto_plan import memory_cluster
     from shoal.planner.estimate import Workload, estimate
 
     for vocab in (50000, 100000):
         cfg = TINY.replace(vocab_size=vocab, dim=64)
-        measured = pools(2).run(_fsdp_step_peak, cfg, "fsdp2,vocab=gathered")
-        plan = Plan.parse("fsdp2,vocab=gathered").resolve(2, "cpu")
-        terms = estimate(plan, Workload(model=cfg, global_batch=2, seq_len=16), memory_cluster(2, "cpu")).memory
-        priced = sum(terms.values()) / 2**20
-        assert all(m <= priced <= 1.15 * m for m in measured), (vocab, priced, measured)
-
-
-def test_sharded_vocab_tables(pools):
-    """The planner's terms for vocab=sharded (shoal/parallel/sharded_vocab.py: no table gathered, the
-    classifier's backward holding SHARDED_LOGIT_COPIES of the logits) against the peak of live tensors
-    of a real fsdp2 step at 50k and 100k words, within the goal's 15% above it."""
-    from shoal.auto_plan import memory_cluster
-    from shoal.planner.estimate import Workload, estimate
-
-    for vocab in (50000, 100000):
-        cfg = TINY.replace(vocab_size=vocab, dim=64)
-        measured = pools(2).run(_fsdp_step_peak, cfg, "fsdp2,vocab=sharded")
-        plan = Plan.parse("fsdp2,vocab=sharded").resolve(2, "cpu")
+        measured = pools(2).run(_fsdp_step_peak, cfg, f"fsdp2,vocab={tables}")
+        plan = Plan.parse(f"fsdp2,vocab={tables}").resolve(2, "cpu")
         terms = estimate(plan, Workload(model=cfg, global_batch=2, seq_len=16), memory_cluster(2, "cpu")).memory
         priced = sum(terms.values()) / 2**20
         assert all(m <= priced <= 1.15 * m for m in measured), (vocab, priced, measured)
