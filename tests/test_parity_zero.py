@@ -24,7 +24,9 @@ GROUPS = {
         case(plan="fsdp2,bucket=2", num_micro=2), case(plan="fsdp2,zero=2,bucket=1"),
         # The classifier gathered by FSDP2, and split by vocabulary and never gathered (either may be
         # the default for SMALL: shoal.rules), with gradient accumulation.
-        case(plan="fsdp2,vocab=gathered"), case(plan="fsdp2,vocab=sharded", num_micro=2)],
+        case(plan="fsdp2,vocab=gathered"), case(plan="fsdp2,vocab=sharded", num_micro=2),
+        # GPT style: one table, embedding and classifier, whose two gradients add up in its shard.
+        case(plan="fsdp2,vocab=sharded", model=GPT_SMALL)],
     4: [case(plan="fsdp4,zero=1", num_micro=2), case(plan="fsdp4,zero=2"), case(plan="fsdp4"),
         # A vocabulary that 4 does not divide: rows 33, 33, 33, 31 (the all-to-all pads the last); the
         # tables sharded under HSDP (dp averages each shard's gradient) and over fsdp x cp.

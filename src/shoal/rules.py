@@ -304,9 +304,6 @@ def _vocab_refusal(plan: Plan, model: ModelConfig | None) -> str | None:
     if plan.zero != 3 or plan.offload:
         what = "offload=on" if plan.offload else f"zero={plan.zero}"
         return f"vocab=sharded runs beside FSDP2 at zero=3 without offload, not with {what}; valid: vocab=gathered"
-    if model is not None and model.tie_embeddings:
-        return ("vocab=sharded needs a classifier of its own, and this model ties it to the embedding table; "
-                "valid: vocab=gathered")
     return None
 
 

@@ -161,8 +161,9 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan, choic
     offload = _offload_policy(mesh) if plan.offload else OffloadPolicy()
     if plan.vocab == "sharded":  # the tables' rows stay split over fsdp, beside FSDP2 (sharded_vocab.py)
         embedding, classifier = _vocab_tables(model)
-        tables = _data_mesh(mesh)
-        ignored |= {id(shard_embedding(embedding, tables)), id(shard_classifier(classifier, tables))}
+        tables, tied = _data_mesh(mesh), classifier.weight is embedding.weight
+        table = shard_embedding(embedding, tables)
+        ignored |= {id(table), id(shard_classifier(classifier, tables, tied_to=table if tied else None))}
     _fully_shard(model, blocks, mesh=mesh, choice=choice, precision=precision, offload=offload,
                  ignored={p for p in model.parameters() if id(p) in ignored})
     return TorchDataEngine(model, model, gradient_sync_toggle=choice.zero == 1)
@@ -338,16 +339,15 @@ def _end_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
 
 
 def _vocab_tables(model: nn.Module) -> tuple[nn.Embedding, nn.Linear]:
-    """The model's token embedding (a plain nn.Embedding) and classifier (a bias-free nn.Linear), as its
-    adapter names them, two tables of their own; one-line ValueError otherwise."""
+    """The model's token embedding (a plain nn.Embedding) and classifier (a bias-free nn.Linear, its own
+    table or the embedding's), as its adapter names them; one-line ValueError otherwise."""
     adapter = adapter_for(model)
     embedding = getattr(model, adapter.embeddings[0], None) if adapter is not None and adapter.embeddings else None
     linear = getattr(model, adapter.classifier, None) if adapter is not None and adapter.classifier else None
     plain = (isinstance(embedding, nn.Embedding) and embedding.padding_idx is None and embedding.max_norm is None
              and not embedding.sparse)
-    if not plain or not isinstance(linear, nn.Linear) or linear.bias is not None or \
-            linear.weight is embedding.weight:
-        raise ValueError(f"vocab=sharded needs a plain nn.Embedding and a bias-free nn.Linear classifier of its own; "
+    if not plain or not isinstance(linear, nn.Linear) or linear.bias is not None:
+        raise ValueError(f"vocab=sharded needs a plain nn.Embedding and a bias-free nn.Linear classifier; "
                          f"{type(model).__name__} has {type(embedding).__name__} and {type(linear).__name__}; "
                          "valid: vocab=gathered")
     return embedding, linear

@@ -89,12 +89,16 @@ def shard_embedding(embedding: nn.Embedding, mesh: DeviceMesh) -> nn.Parameter:
     return embedding.weight  # type: ignore[return-value]  # the Parameter _shard_in_place set
 
 
-def shard_classifier(linear: nn.Linear, mesh: DeviceMesh) -> nn.Parameter:
+def shard_classifier(linear: nn.Linear, mesh: DeviceMesh, *, tied_to: nn.Parameter | None = None) -> nn.Parameter:
     """Make `linear` (a bias-free classifier, on a real or the meta device) hold only this rank's
     rows of its weight over `mesh` (as `shard_embedding`), computing its logits as the module docstring
-    says. Returns the new parameter (for FSDP2 to leave alone)."""
+    says; `tied_to`: the embedding's sharded table, which a tied classifier uses as its weight (both
+    lookups' gradients add up in it). Returns the parameter (for FSDP2 to leave alone)."""
     assert linear.bias is None, "the sharded classifier takes no bias"
-    _shard_in_place(linear, mesh)
+    if tied_to is not None:
+        linear.weight = tied_to
+    else:
+        _shard_in_place(linear, mesh)
     groups = _Groups.of(mesh)
 
     def forward(self: nn.Linear, x_BTD: torch.Tensor) -> torch.Tensor:

@@ -458,7 +458,7 @@ class _Costs:
         elif kind in ("zero", "fsdp2"):
             tables = 0.0
             if p.vocab == "sharded":  # the tables stay sharded; their rows' activations travel (sharded_vocab.py)
-                tables = self.cfg.vocab_size * self.cfg.dim * 2.0
+                tables = self.cfg.vocab_size * self.cfg.dim * (1.0 if self.cfg.tie_embeddings else 2.0)
                 params -= tables
                 terms.update(self.vocab_traffic(micro))
             # ZeRO-2 and -3 reduce every micro-batch's gradients, ZeRO-1 only the last's
