@@ -1,6 +1,8 @@
 """The Whale case at small scale: a 100,000-class classifier over a small one-layer body,
 data parallel only vs tensor parallel (vocabulary-sharded embedding and classifier, the softmax
-computed across shards) at 4 processes.
+computed across shards) at 4 processes; and sharded data parallelism with FSDP2 gathering the
+tables (`vocab=gathered`, torch's FSDP2 as it is) vs keeping them split by rows over the fsdp
+ranks (`vocab=sharded`, shoal/parallel/sharded_vocab.py).
 
 Whale (arXiv 2011.09208) reports 14.8x over data parallelism at 64 GPUs for a 100k-class
 classifier: with data parallelism every device holds, updates and all-reduces the whole (V, D)
@@ -100,7 +102,8 @@ def main() -> None:
     n = args.nproc
     cfg = ModelConfig(num_layers=1, dim=args.dim, num_heads=8, ffn_dim=2 * args.dim, vocab_size=args.vocab,
                       max_seq_len=args.seq_len)
-    plans = [f"dp{n}", f"tp{n}"] + ([f"dp{n // 2},tp2"] if n >= 4 else [])
+    plans = [f"dp{n}", f"tp{n}"] + ([f"dp{n // 2},tp2"] if n >= 4 else []) + \
+        [f"fsdp{n},vocab=gathered", f"fsdp{n},vocab=sharded"]
     per_rank = launch(_rank, n, cfg, plans, args.global_batch, args.seq_len, args.repeats)
     rows = []
     for plan in plans:
