@@ -288,13 +288,13 @@ def _sharded_vocab_pays(plan: Plan, facts: Facts) -> bool:
     the tables' shards instead of three gathered tables for one more logits buffer, and moves fewer bytes
     (activations and logits instead of each table twice). Not known (no model, batch or sequence): gathered."""
     model, seq = facts.text_model, facts.seq_len
-    if model is None or seq is None or facts.global_batch is None or _vocab_refusal(plan, model) is not None:
+    if model is None or seq is None or facts.global_batch is None or _vocab_refusal(plan) is not None:
         return False
     sequences = facts.micro_batch or max(1, facts.global_batch // plan.data_ranks)
     return model.dim >= sequences * seq / plan.cp
 
 
-def _vocab_refusal(plan: Plan, model: ModelConfig | None) -> str | None:
+def _vocab_refusal(plan: Plan) -> str | None:
     if plan.fsdp == 1:
         return "vocab=sharded splits the vocabulary tables over the fsdp ranks; valid: add fsdpN"
     others = [f"{axis}{getattr(plan, axis)}" for axis in ("tp", "pp", "ep") if getattr(plan, axis) != 1]
@@ -312,7 +312,7 @@ def _vocab_rule(plan: Plan, facts: Facts) -> str | None:
         return None
     if isinstance(facts.model, MixerConfig):
         return "vocab=sharded is for text transformers' vocabulary tables; valid: vocab=gathered"
-    return _vocab_refusal(plan, facts.text_model)
+    return _vocab_refusal(plan)
 
 
 def _reduce_rule(plan: Plan, facts: Facts) -> str | None:
