@@ -152,7 +152,7 @@ class _ShardedLookup(torch.autograd.Function):
         mine = (local >= 0) & (local < w_local.shape[0])
         local = torch.where(mine, local, 0)
         rows = F.embedding(local, w_local) if w_local.shape[0] else w_local.new_zeros((local.numel(), w_local.shape[1]))
-        rows = rows * mine[:, None].to(rows.dtype)  # other ranks' words: zero rows (x + 0 = x, so the sum is exact)
+        rows.masked_fill_(~mine[:, None], 0)  # other ranks' words: zero rows (x + 0 = x, so the sum is exact)
         out = rows.new_empty((*ids.shape, w_local.shape[1]))
         _reduce_scatter(out.view(ids_T.numel(), -1), rows, group=group)
         ctx.save_for_backward(local, mine)
@@ -184,15 +184,14 @@ class _ShardedLogits(torch.autograd.Function):
         width = -(-vocab // ranks)  # every rank's piece padded to the widest, for one all-to-all
         logits_mine = x_all @ w_local.t()
         if w_local.shape[0] < width:  # a last rank with fewer rows: zero logits fill its piece
-            logits_mine = torch.nn.functional.pad(logits_mine, (0, width - w_local.shape[0]))
+            logits_mine = F.pad(logits_mine, (0, width - w_local.shape[0]))
         received = torch.empty_like(logits_mine)
         dist.all_to_all_single(received, logits_mine, group=group)  # rank s gets rows s*T.. of every piece
         del logits_mine
         logits = received.new_empty((*x.shape[:-1], vocab))  # a tensor of its own, not a view (FSDP2 warns)
         logits_TV = logits.view(tokens, vocab)
         for r in range(ranks):  # rank r's piece: its words' columns
-            start = min(r * width, vocab)
-            stop = min(start + width, vocab)
+            start, stop = _rows(vocab, ranks, r)
             logits_TV[:, start:stop] = received[r * tokens:(r + 1) * tokens, :stop - start]
         ctx.save_for_backward(x_all, w_local)
         ctx.groups, ctx.ranks, ctx.tokens, ctx.width = groups, ranks, tokens, width
@@ -205,7 +204,7 @@ class _ShardedLogits(torch.autograd.Function):
         ranks, tokens, width = ctx.ranks, ctx.tokens, ctx.width
         grad_TV = grad.reshape(tokens, -1)
         if grad_TV.shape[1] < ranks * width:
-            grad_TV = torch.nn.functional.pad(grad_TV, (0, ranks * width - grad_TV.shape[1]))
+            grad_TV = F.pad(grad_TV, (0, ranks * width - grad_TV.shape[1]))
         send = grad_TV.view(tokens, ranks, width).transpose(0, 1).contiguous().view(ranks * tokens, width)
         del grad_TV
         grad_mine = torch.empty_like(send)
