@@ -34,6 +34,7 @@ PLANS = [("dp1", 1), ("dp2", 2), ("fsdp2", 2), ("fsdp4", 4), ("tp2", 2), ("pp2",
 
 _LIVE = re.compile(r"step peak of live tensors, busiest rank: (\d+) MB; the planner's terms, (\d+) MB")
 _RESIDENT = re.compile(r"step peak above the baseline, busiest rank: (\d+) MB; the planner's (\d+) MB")
+_KEPT = re.compile(r"freed memory the allocator kept for reuse after the step: \d+ to (\d+) MB")
 
 
 def dry_run(model: list[str], plan: str, nproc: int) -> dict[str, Any]:
@@ -50,7 +51,9 @@ def dry_run(model: list[str], plan: str, nproc: int) -> dict[str, Any]:
         return {"refused or failed": refusal.removeprefix("shoal: error: ")[:160]}
     measured, priced = (int(g) for g in live.groups())
     above, total = (int(g) for g in resident.groups())
-    return {"live MB": measured, "terms MB": priced, "terms error": f"{100 * (priced - measured) / measured:+.0f}%",
+    kept = _KEPT.search(text)
+    return {"kept MB": int(kept.group(1)) if kept else None,
+            "live MB": measured, "terms MB": priced, "terms error": f"{100 * (priced - measured) / measured:+.0f}%",
             "resident MB": above, "total MB": total, "total error": f"{100 * (total - above) / above:+.0f}%"}
 
 
@@ -65,7 +68,9 @@ def main() -> None:
             print(row, flush=True)
             rows.append(row)
     report("memory_model", rows, notes="live: the busiest rank's peak of live tensor bytes in the measured step; "
-           "resident: its resident peak above the interpreter's baseline; errors are planner / measured - 1")
+           "resident: its resident peak above the interpreter's baseline; kept: the most freed memory a rank's "
+           "allocator held for reuse after the step (glibc's free chunks), resident memory no tensor owns; "
+           "errors are planner / measured - 1")
 
 
 if __name__ == "__main__":

@@ -61,10 +61,11 @@ def dry_run(trainer: Any, *, baseline_mb: float = 0.0) -> dict[str, Any]:
         result = trainer.train_one(trainer.start + 1)
         loss = float(result.loss)  # waits for the step
     step_peak = memory.peak_mb()
+    kept = memory.allocator_held_mb()
     held = live_bytes(list(trainer.runtime.parameters()), trainer.optimizer)
     row = torch.tensor([held["parameters"] / MB, held["gradients"] / MB, held["optimizer"] / MB, baseline_mb,
-                        setup_peak, step_peak, math.nan if tensors.peak_mb is None else tensors.peak_mb],
-                       dtype=torch.float64)
+                        setup_peak, step_peak, math.nan if tensors.peak_mb is None else tensors.peak_mb,
+                        math.nan if kept is None else kept], dtype=torch.float64)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row)
     if dist.get_rank() != 0:
@@ -77,7 +78,7 @@ def dry_run(trainer: Any, *, baseline_mb: float = 0.0) -> dict[str, Any]:
 
 
 _COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "baseline_mb", "setup_peak_mb", "step_peak_mb",
-            "tensor_peak_mb")
+            "tensor_peak_mb", "allocator_held_mb")
 
 
 def memory_prediction(trainer: Any) -> dict[str, float] | None:
@@ -101,11 +102,12 @@ def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | 
     lines = [f"dry run: set-up and two steps of plan {trainer.plan} on {trainer.world} process(es) "
              f"(loss {loss:.4f}); nothing saved",
              f"{'rank':>4}  {'params MB':>10}  {'grads MB':>9}  {'optim MB':>9}  {'baseline MB':>11}  "
-             f"{'set-up peak MB':>14}  {'step peak MB':>12}  {'tensors MB':>10}  ({where} memory, this process; "
-             "tensors: the step's peak of live tensor bytes)"]
-    for rank, (p, g, o, base, setup, step, live) in enumerate(rows):
+             f"{'set-up peak MB':>14}  {'step peak MB':>12}  {'tensors MB':>10}  {'kept MB':>7}  ({where} memory, "
+             "this process; tensors: the step's peak of live tensor bytes; kept: freed memory the allocator "
+             "held for reuse after the step)"]
+    for rank, (p, g, o, base, setup, step, live, kept) in enumerate(rows):
         lines.append(f"{rank:>4}  {p:>10.1f}  {g:>9.1f}  {o:>9.1f}  {base:>11.0f}  {setup:>14.0f}  {step:>12.0f}  "
-                     f"{live:>10.0f}")
+                     f"{live:>10.0f}  {kept:>7.0f}")
     if predicted is None:
         lines.append("planner: no spec for this device, no prediction")
     else:
@@ -113,12 +115,17 @@ def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | 
         lines.append(f"planner, busiest device (MB): {terms}; total with fragmentation margin "
                      f"{predicted['total']:.1f} (the interpreter and libraries not included)")
         total = predicted["total"]
-        above = max(step - base for *_, base, _, step, _ in rows)
+        above = max(step - base for *_, base, _, step, _, _ in rows)
         lines.append(f"step peak above the baseline, busiest rank: {above:.0f} MB; the planner's "
                      f"{total:.0f} MB is {100 * (total - above) / above:+.0f}% off")
-        live = max(r[-1] for r in rows)
+        live = max(r[6] for r in rows)
         priced = sum(v for k, v in predicted.items() if k != "total")  # tensors alone: no allocator margin
         if not math.isnan(live):
             lines.append(f"step peak of live tensors, busiest rank: {live:.0f} MB; the planner's terms, "
                          f"{priced:.0f} MB, are {100 * (priced - live) / live:+.0f}% off")
+    kept_mb = [r[7] for r in rows]
+    if not any(math.isnan(k) for k in kept_mb):
+        lines.append(f"freed memory the allocator kept for reuse after the step: {min(kept_mb):.0f} to "
+                     f"{max(kept_mb):.0f} MB "
+                     "a rank (resident memory no tensor owns, which the planner's tensor terms leave out)")
     return "\n".join(lines)

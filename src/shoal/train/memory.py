@@ -8,6 +8,8 @@ read from /proc/self/status after the step is that step's peak.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import resource
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,35 @@ def current_mb() -> float:
         return torch.cuda.memory_allocated() / 2**20
     rss = _status_mb("VmRSS")
     return rss if rss is not None else peak_mb()
+
+
+def allocator_held_mb() -> float | None:
+    """Memory the allocator holds freed for reuse now (MiB), a part of the resident set (or of
+    CUDA's reserved memory) that no tensor owns: on CUDA torch's cached blocks (reserved minus
+    allocated); on CPU glibc's free chunks over all its arenas (mallinfo2's `fordblks`: freed
+    blocks kept in the heap instead of returned to the OS). None where the C library is not glibc."""
+    if _cuda():
+        return (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / 2**20
+    mallinfo2 = _mallinfo2()
+    return None if mallinfo2 is None else mallinfo2().fordblks / 2**20
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's mallinfo2 (2.33 and later), or None: torch exposes no CPU allocator statistics, so we
+    ask the C library that holds the memory."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    return fn
 
 
 class TensorPeak:
