@@ -126,6 +126,6 @@ def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | 
     kept_mb = [r[7] for r in rows]
     if not any(math.isnan(k) for k in kept_mb):
         lines.append(f"freed memory the allocator kept for reuse after the step: {min(kept_mb):.0f} to "
-                     f"{max(kept_mb):.0f} MB "
-                     "a rank (resident memory no tensor owns, which the planner's tensor terms leave out)")
+                     f"{max(kept_mb):.0f} MB a rank (memory no tensor owns: resident on CPU, reserved on GPUs; "
+                     "the planner's tensor terms leave it out)")
     return "\n".join(lines)
