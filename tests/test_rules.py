@@ -77,19 +77,6 @@ def test_vocab_is_sharded_where_the_table_outweighs_a_micro_batchs_logits():
     assert resolve("fsdp2,vocab=gathered", facts(2, wide, batch=2, seq=64))[0].vocab == "gathered"
 
 
-@pytest.mark.parametrize(("text", "world", "model", "words"), [
-    ("dp2,vocab=sharded", 2, TINY, "plan option vocab=sharded acts on the fsdp axis"),
-    ("fsdp2,tp2,vocab=sharded", 4, TINY, "vocab=sharded runs beside the data axes (dp, fsdp, cp) in this version, "
-                                        "and plan fsdp2,tp2,vocab=sharded,precision=fp32,compile=off has tp2"),
-    ("fsdp2,pp2,vocab=sharded", 4, TINY, "has pp2"),
-    ("fsdp2,zero=2,vocab=sharded", 2, TINY, "not with zero=2; valid: vocab=gathered"),
-    ("fsdp2,vocab=maybe", 2, TINY, "plan option vocab='maybe' is not valid; valid: gathered, sharded"),
-])
-def test_sharded_vocab_refusals(text, world, model, words):
-    err = one_line_error(resolve, text, facts(world, model))
-    assert words in err, err
-
-
 # ----------------------------------------------------------------------------- refusals, one line each
 @pytest.mark.parametrize(("text", "world", "model", "words"), [
     ("fsdp2,pp2,sched=zb,zero=3", 4, TINY, "sched=zb does not run on FSDP2"),
@@ -105,6 +92,12 @@ def test_sharded_vocab_refusals(text, world, model, words):
     ("pp2,mb=3", 2, TINY, "mb=3 does not divide the 8 sequences"),
     ("dp3", 3, TINY, "global batch 8 is not divisible by the 3 data-parallel ranks"),
     ("auto", 2, TINY, "plan 'auto' is chosen before"),
+    ("dp2,vocab=sharded", 2, TINY, "plan option vocab=sharded acts on the fsdp axis"),
+    ("fsdp2,tp2,vocab=sharded", 4, TINY, "vocab=sharded runs beside the data axes (dp, fsdp, cp) in this version, "
+                                        "and plan fsdp2,tp2,vocab=sharded,precision=fp32,compile=off has tp2"),
+    ("fsdp2,pp2,vocab=sharded", 4, TINY, "has pp2"),
+    ("fsdp2,zero=2,vocab=sharded", 2, TINY, "not with zero=2; valid: vocab=gathered"),
+    ("fsdp2,vocab=maybe", 2, TINY, "plan option vocab='maybe' is not valid; valid: gathered, sharded"),
 ])
 def test_refusals_are_one_line(text, world, model, words):
     err = one_line_error(resolve, text, facts(world, model))
