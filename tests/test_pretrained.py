@@ -187,6 +187,7 @@ def test_bad_input_refused_before_any_worker(hf_folder, tmp_path, capsys):
     assert_user_error(capsys, [*base, "--config", str(config)], "holds no weights")
     assert_user_error(capsys, [*base, "--init", str(bad["ints"])], "model.norm.weight", "I32")
     assert_user_error(capsys, ["train", "--resume", str(tmp_path), "--init", str(folder)], "--init", "--resume")
+    assert_user_error(capsys, [*base, "--init-ignore", "lm_head.*"], "--init-ignore lm_head.*", "no --init")
     assert not (tmp_path / "run").exists()
 
 

@@ -35,6 +35,7 @@ Shape legend: B batch, T sequence (T/t when sequence-sharded), D model dim, V vo
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -59,6 +60,18 @@ from shoal.parallel.expert import MoETensorParallel
 from shoal.plan import Plan
 
 TPPlan = Mapping[str, ParallelStyle]
+
+
+class _GlooAllToAll(logging.Filter):
+    """The column-split embedding's output is re-split from features to sequence (sp on): an
+    all-to-all. gloo has none, so DTensor all-gathers and keeps its chunk (the same values, t times
+    the bytes, on CPU runs only) and warns on every rank; the warning says nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("CPU process group does not support alltoall")
+
+
+logging.getLogger("torch.distributed.tensor._collective_utils").addFilter(_GlooAllToAll())
 
 
 class ReplicateParallel(ParallelStyle):

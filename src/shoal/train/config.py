@@ -116,6 +116,9 @@ class RunConfig:
         _at_least("max_restarts", self.max_restarts, 0)
         if self.device not in DEVICES:
             raise ValueError(f"--device {self.device!r} is not valid; valid: {', '.join(DEVICES)}")
+        if self.init_ignore and self.init is None:
+            raise ValueError(f"--init-ignore {' '.join(self.init_ignore)} names tensors of --init's files, and "
+                             "no --init was given; valid: --init PATH with it, or no --init-ignore")
 
 
 # key -> (section, field name); section None is RunConfig itself.
