@@ -169,9 +169,12 @@ def _findings(table_rows: list[Row], before: dict[str, float] | None = None) -> 
         + " MT-NLG's three runs train the 530B shape of "
         "Megatron-LM 2021's 2520-GPU row on the same A100s and the same tp8 x pp35 split, and the model prices them "
         "alike; they published 23-30% less per GPU. Their data axis is now priced as DeepSpeed's pipeline engine runs "
-        "it; what still separates them is the pipeline schedule's timing, which no kernel or link constant holds: "
-        "DeepSpeed's TrainSchedule alternates forward and backward steps with blocking sends between neighbouring "
-        "stages, which, read from its code and not measured here, would hold every step to the longer of the two."),
+        "it, and its pipeline schedule too: DeepSpeed's TrainSchedule alternates forward and backward steps with "
+        "blocking sends between neighbouring stages, which might hold every step to the longer of the two (priced "
+        "that way, MT-NLG's rows would fall to 0.83-0.86 and BLOOM's to 0.77), but each stage exchanges with one "
+        "neighbour a step, so the stages settle out of phase and the batch takes 1F1B's (m + p - 1)(F + B) exactly "
+        "(simulated step by step from its code: tests/test_planner.py). What separates MT-NLG's rows from "
+        "Megatron-LM's is not found here."),
     ]
     if before:
         bullets.append(_change(table_rows, before))

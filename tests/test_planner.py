@@ -604,6 +604,45 @@ def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
     assert sel.time["tp_comm"] - none.time["tp_comm"] == pytest.approx(TINY.num_layers * 2 * gather)
 
 
+def _deepspeed_train_schedule_makespan(p: int, m: int, fwd: Fraction, bwd: Fraction) -> Fraction:
+    """The time DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) takes for m micro-batches on p stages
+    of equal cost. Every stage runs 2(m + p - 1) steps; step n of stage s is the forward of micro-batch (n - s)/2
+    when n - s is even, else the backward of micro-batch (n + s + 1)/2 - p (no work where that micro-batch does not
+    exist). A step begins with its exchanges: a forward step with stage s - 1 (the previous micro-batch's gradient
+    sent, this one's activation received), a backward step with stage s + 1. DeepSpeed's p2p sends and receives
+    block (dist.send / dist.recv), so both sides of an exchange begin the step when the later of them has ended its
+    previous step."""
+    def work(s: int, n: int) -> tuple[int, bool]:
+        return ((n - s) // 2, True) if (n - s) % 2 == 0 else ((n + s + 1) // 2 - p, False)
+
+    ends = [Fraction(0)] * p
+    for n in range(2 * (m + p - 1)):
+        starts = []
+        for s in range(p):
+            micro, forward = work(s, n)
+            previous = work(s, n - 1)[0] if n else -1
+            partner = s - 1 if forward else s + 1
+            exchanges = 0 <= partner < p and (0 <= micro < m or 0 <= previous < m)
+            starts.append(max(ends[s], ends[partner]) if exchanges else ends[s])
+        ends = [start + ((fwd if work(s, n)[1] else bwd) if 0 <= work(s, n)[0] < m else 0)
+                for s, start in enumerate(starts)]
+    return max(ends)
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (4, 8), (8, 3), (12, 128), (35, 160)])
+@pytest.mark.parametrize("fwd, bwd", [(1, 2), (1, 3), (2, 1)])
+def test_deepspeeds_pipeline_schedule_takes_what_1f1b_takes(p, m, fwd, bwd):
+    """The estimate prices a DeepSpeed pipeline-engine run (BLOOM, MT-NLG: p = 12 and 35) with 1F1B's bubble. Its
+    TrainSchedule alternates forward and backward steps with blocking exchanges between neighbours, which might
+    seem to hold every step to the longer of F and B; but each stage exchanges with one neighbour a step, so the
+    stages settle out of phase and the whole batch takes 1F1B's (m + p - 1)(F + B), exactly, here with full
+    recompute's B = 3F as well as B = 2F and B < F."""
+    fwd_, bwd_ = Fraction(fwd), Fraction(bwd)
+    makespan = _deepspeed_train_schedule_makespan(p, m, fwd_, bwd_)
+    assert makespan == (m + p - 1) * (fwd_ + bwd_)
+    assert makespan - m * (fwd_ + bwd_) == _bubble(Plan(pp=p, mb=m, sched="1f1b", vpp=1), fwd, bwd)
+
+
 def test_a_deepspeed_pipeline_run_reduces_and_gathers_once_a_step_beside_no_compute():
     """DeepSpeed's TrainSchedule reduces gradients, and at ZeRO-1 gathers the updated weights, once a step after the
     last backward (estimate.deepspeed_engine): shoal's FSDP2 runs fsdp2,zero=1 under tp by gathering every
