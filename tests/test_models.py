@@ -157,3 +157,10 @@ def test_unknown_preset():
     with pytest.raises(ValueError,
                        match=r"unknown model 'tiny2'; valid: tiny, tiny-moe, .* or hf:<dir or config.json>"):
         get_preset("tiny2")
+
+
+def test_parameter_counts_read_as_people_write_them():
+    from shoal.models import parameters_text
+
+    assert [parameters_text(n) for n in (113_152, 850_000, 999_999_999, 8_030_261_248, 405_853_388_800)] == [
+        "0.113M", "0.85M", "1B", "8.03B", "406B"]

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.models.config import ModelConfig
+from shoal.models.config import ModelConfig, parameters_text
 from shoal.planner.comm import CalibratedNetwork, Network
 from shoal.planner.estimate import Estimate, Workload
 from shoal.planner.hardware import DEVICES, Cluster, parse_cluster
@@ -58,8 +58,9 @@ def choose(model: ModelConfig, *, global_batch: int, seq_len: int, world_size: i
     result = search(work, cluster, network=network, top=1)
     if not result.plans:
         raise ValueError(f"plan auto: no plan for {world_size} {device} process(es) fits this model's "
-                         f"{model.num_params() / 1e9:.3g}B parameters with global batch {global_batch} x {seq_len} "
-                         f"({result.priced} priced); valid: more processes, a smaller batch or sequence, or a --plan")
+                         f"{parameters_text(model.num_params())} parameters with global batch {global_batch} x "
+                         f"{seq_len} ({result.priced} priced); valid: more processes, a smaller batch or sequence, or "
+                         "a --plan")
     return AutoChoice(estimate=result.plans[0], priced=result.priced, cluster=cluster)
 
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from shoal import rules
-from shoal.models import ModelConfig
+from shoal.models import ModelConfig, parameters_text
 from shoal.plan import Plan
 from shoal.planner.comm import CalibratedNetwork, Network
 from shoal.planner.estimate import Estimate, Workload, estimate
@@ -71,17 +71,17 @@ def run(args: argparse.Namespace) -> int:
                              "and the search tries every micro-batch size")
         result = search(work, cluster, network=network, top=args.top)
         if not result.plans:
-            raise ValueError(f"no plan fits {work.model.num_params() / 1e9:.2f}B parameters on {cluster.describe()} "
-                             f"({result.priced} priced, all over memory); valid: more or larger devices, or a "
-                             "smaller --global-batch / --seq-len")
+            raise ValueError(f"no plan fits {parameters_text(work.model.num_params())} parameters on "
+                             f"{cluster.describe()} ({result.priced} priced, all over memory); valid: more or larger "
+                             "devices, or a smaller --global-batch / --seq-len")
         plans, priced = result.plans, result.priced
     seconds = time.perf_counter() - started
     if args.json:
         print(json.dumps([e.to_json() for e in plans], indent=1))
         return 0
     print(cluster.describe())
-    print(f"model {args.model}: {work.model.num_params() / 1e9:.3g}B parameters; global batch {work.global_batch} x "
-          f"{work.seq_len} tokens; {priced} plan(s) priced in {seconds:.2f} s")
+    print(f"model {args.model}: {parameters_text(work.model.num_params())} parameters; global batch "
+          f"{work.global_batch} x {work.seq_len} tokens; {priced} plan(s) priced in {seconds:.2f} s")
     print(format_table(plans))
     if args.explain:
         for e in plans:

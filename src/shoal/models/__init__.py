@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from shoal.models.config import PRESETS, ModelConfig, get_preset
+from shoal.models.config import PRESETS, ModelConfig, get_preset, parameters_text
 from shoal.models.mixer_config import MIXER_PRESETS, MixerConfig
 
 if TYPE_CHECKING:
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from shoal.models.transformer import Transformer
 
 __all__ = ["MIXER_PRESETS", "PRESETS", "AnyConfig", "Mixer", "MixerConfig", "ModelConfig", "Transformer",
-           "build_model", "get_preset", "preset"]
+           "build_model", "get_preset", "parameters_text", "preset"]
 
 AnyConfig = ModelConfig | MixerConfig
 """A model shape of either family: a text transformer's or an image Mixer's."""

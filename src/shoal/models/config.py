@@ -282,3 +282,8 @@ def get_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(PRESETS)} or hf:<dir or config.json>")
     return PRESETS[name]
+
+
+def parameters_text(count: int) -> str:
+    """A parameter count as people write it: 0.11M, 8.03B (three significant figures)."""
+    return f"{count / 1e9:.3g}B" if count >= 999.5e6 else f"{count / 1e6:.3g}M"  # 999.6M reads 1B
