@@ -55,10 +55,23 @@ def test_a_second_call_adds_to_the_same_report(dry_run, tmp_path):
     assert len(data["runs"]) == 2 and list(data["parts"]) == [p.name for p in gpu_check.PARTS]
 
 
-def test_calls_cover_every_part_within_the_machine_limit():
-    assert sorted(n for call in gpu_check.CALLS for n in call) == sorted(gpu_check.BY_NAME)
-    for call in gpu_check.CALLS:
-        assert sum(gpu_check.BY_NAME[n].budget_s for n in call) <= 8 * 60, call
+def test_one_call_fits_the_machine_and_leaves_out_what_its_budget_cannot_hold(tmp_path):
+    """The default call stays under the machine's 10 minutes a command, no part alone is longer than a call, and
+    a part whose budget is over what is left is not started: reported `not run`, with the call that runs it."""
+    assert gpu_check.CALL_BUDGET_S <= 9 * 60
+    assert max(p.budget_s for p in gpu_check.PARTS) <= gpu_check.CALL_BUDGET_S
+    assert gpu_check.parse([]).budget == gpu_check.CALL_BUDGET_S
+    with pytest.raises(SystemExit):
+        gpu_check.parse(["--budget", "0"])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    train = gpu_check.BY_NAME["train"].budget_s * gpu_check.DRY_RUN_SLACK  # plans' is larger than train's
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--parts", "train,plans",
+                           "--budget", str(train + 60), "--out", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    parts = json.loads((tmp_path / report.JSON_NAME).read_text())["parts"]
+    assert parts["train"]["status"] == "ok" and parts["plans"]["status"] == "not run"
+    assert f"--parts plans --out {tmp_path}" in done.stdout
 
 
 def test_parts_argument():

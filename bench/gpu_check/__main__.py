@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import signal
 import subprocess
@@ -52,10 +53,9 @@ PARTS = [  # most likely to fail first (GPU code paths that have never run), the
          "parts_train:throughput:1.9b"),
 ]
 BY_NAME = {p.name: p for p in PARTS}
-CALLS = [["tests", "train", "plans"], ["moe", "attention", "ops", "calibrate"], ["throughput-85m"],
-         ["throughput-1.9b"]]
-"""The full check split into commands of at most ~8 minutes of budget each (the machine stops a
-command at 10 minutes and lends about 30 in all)."""
+CALL_BUDGET_S = 480
+"""The default --budget on a GPU: one call. The GPU machine stops a command at 10 minutes and lends a
+session 15 minutes in all, its start included; the install and the interpreter's start fit in the rest."""
 DRY_RUN_SLACK = 3
 """A dry run's part may take up to its budget x this (CPU at toy sizes, on a shared 2-core CI box)."""
 
@@ -129,7 +129,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", default=",".join(BY_NAME), help=f"comma list of: {', '.join(BY_NAME)} [all]")
     parser.add_argument("--out", type=Path, default=Path("gpu-check-out"), help="report folder [gpu-check-out]")
     parser.add_argument("--dry-run", action="store_true", help="no GPU: the CPU side of every part at toy sizes")
-    parser.add_argument("--list", action="store_true", help="list the parts, budgets and calls, and stop")
+    parser.add_argument("--budget", type=float, help=f"seconds this call may take: a part starts only while its "
+                        f"budget fits in what is left [{CALL_BUDGET_S} on a GPU; no limit with --dry-run]")
+    parser.add_argument("--list", action="store_true", help="list the parts and their budgets, and stop")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--device-name", help=argparse.SUPPRESS)
@@ -140,17 +142,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not names:
         parser.error(f"--parts {','.join(unknown) or '(empty)'} is not valid; valid: {', '.join(BY_NAME)}")
     args.parts = [p for p in PARTS if p.name in names]  # always in the failure-first order
+    if args.budget is not None and not args.budget > 0:
+        parser.error(f"--budget {args.budget:g} is not valid; valid: seconds > 0")
+    if args.budget is None:
+        args.budget = math.inf if args.dry_run else CALL_BUDGET_S
     return args
 
 
-def print_parts(parts: list[Part]) -> None:
+def print_parts(parts: list[Part], budget: float) -> None:
     print(f"{'part':<16} {'budget s':>8}  what")
     for p in parts:
         print(f"{p.name:<16} {p.budget_s:>8}  {p.about}")
-    print(f"total budget {sum(p.budget_s for p in parts)} s; on the GPU machine, one call each:")
-    for call in CALLS:
-        print(f"  python -m bench.gpu_check --parts {','.join(call)} --out $OUT   "
-              f"# {sum(BY_NAME[n].budget_s for n in call)} s")
+    limit = "no limit" if math.isinf(budget) else f"{budget:g} s"
+    print(f"total budget {sum(p.budget_s for p in parts)} s; this call's --budget: {limit}. The parts run in this "
+          "order, each only while its budget fits in what is left of the call's; the call ends by printing the "
+          "one that runs the rest.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,16 +164,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker, args.result, args.out, args.dry_run, args.device_name)
         return 0
-    print_parts(args.parts)
+    print_parts(args.parts, args.budget)
     if args.list:
         return 0
+    deadline = time.monotonic() + args.budget
     header = device_header(args.dry_run)
     print(f"device: {header['device'] or 'none (dry run: CPU side at toy sizes)'}; torch {header['torch']}; "
           f"report: {args.out / report.MARKDOWN_NAME}", flush=True)
-    failed = 0
+    failed, left_out = 0, []
     for part in args.parts:
-        print(f"\n== {part.name} (budget {part.budget_s * (DRY_RUN_SLACK if args.dry_run else 1)} s): {part.about}",
-              flush=True)
+        budget = part.budget_s * (DRY_RUN_SLACK if args.dry_run else 1)
+        left = deadline - time.monotonic()
+        if budget > left:  # it could be stopped half-way: left for the next call, whole
+            left_out.append(part.name)
+            print(f"\n== {part.name}: not run: its budget of {budget} s is over the {max(left, 0):.0f} s left of "
+                  f"--budget {args.budget:g}", flush=True)
+            report.add_part(args.out, header, part.name, {"status": "not run", "about": part.about, "checks": [],
+                                                          "budget_s": budget, "wall_s": 0.0})
+            continue
+        print(f"\n== {part.name} (budget {budget} s): {part.about}", flush=True)
         result = run_part(part, args, header)
         report.add_part(args.out, header, part.name, result)
         failed += result["status"] != "ok"
@@ -175,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     problems = report.check_out_dir(args.out)
     for problem in problems:
         print(f"warning: {problem}")
-    print(f"\nreport: {args.out / report.MARKDOWN_NAME} and {report.JSON_NAME}; {failed} of {len(args.parts)} parts "
-          "not ok")
+    ran = len(args.parts) - len(left_out)
+    print(f"\nreport: {args.out / report.MARKDOWN_NAME} and {report.JSON_NAME}; {failed} of {ran} parts run not ok")
+    if left_out:
+        print(f"not run within --budget {args.budget:g}: {', '.join(left_out)}; the next call: python3 -m "
+              f"bench.gpu_check --parts {','.join(left_out)} --out {args.out}")
     return 1 if failed or problems else 0
 
 
