@@ -52,7 +52,7 @@ def test_the_allocator_s_kept_memory_counts_freed_blocks():
     blocks of 64 KiB, each between two that stay, cannot coalesce them or hand them back, so the
     count rises by their 6.25 MiB (less whatever a later allocation reuses: half at most)."""
     if memory_stats.allocator_held_mb() is None:
-        pytest.skip("the C library is not glibc: no mallinfo2")
+        pytest.skip("glibc is not this process's malloc (another C library, or an allocator preloaded): no mallinfo2")
     blocks = [torch.empty(16384) for _ in range(201)]
     before = memory_stats.allocator_held_mb()
     del blocks[1::2]

@@ -83,10 +83,14 @@ class _Mallinfo2(ctypes.Structure):
 @functools.cache
 def _mallinfo2() -> Any:
     """glibc's mallinfo2 (2.33 and later), or None: torch exposes no CPU allocator statistics, so we
-    ask the C library that holds the memory."""
+    ask the C library that holds the memory. None too where another allocator (jemalloc, mimalloc
+    through LD_PRELOAD) is the process's malloc: glibc's arenas then hold nothing."""
     try:
-        fn = ctypes.CDLL(None).mallinfo2
+        process, libc = ctypes.CDLL(None), ctypes.CDLL("libc.so.6")
+        fn = process.mallinfo2
     except (OSError, AttributeError):
+        return None
+    if ctypes.cast(process.malloc, ctypes.c_void_p).value != ctypes.cast(libc.malloc, ctypes.c_void_p).value:
         return None
     fn.restype = _Mallinfo2
     return fn
