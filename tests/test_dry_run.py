@@ -3,6 +3,7 @@ the planner's prediction, nothing saved."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 
 import pytest
@@ -57,6 +58,31 @@ def test_the_allocator_s_kept_memory_counts_freed_blocks():
     before = memory_stats.allocator_held_mb()
     del blocks[1::2]
     assert memory_stats.allocator_held_mb() - before >= 0.5 * 100 * 64 / 1024
+
+
+def test_kept_memory_is_blank_where_glibc_is_not_the_allocator(monkeypatch):
+    """With another allocator preloaded (LD_PRELOAD puts its malloc first in the search order) glibc's arenas
+    hold nothing and mallinfo2 reads zeros: the kept figure is left out, not printed as 0. Simulated by a
+    process whose `malloc` resolves elsewhere than libc's."""
+    if memory_stats.allocator_held_mb() is None:
+        pytest.skip("glibc is not this process's malloc (another C library, or an allocator preloaded): no mallinfo2")
+    real = ctypes.CDLL
+
+    class Preloaded:
+        def __init__(self, name: str | None) -> None:
+            self.lib, self.process = real(name), name is None
+
+        def __getattr__(self, attr: str):
+            return self.lib.calloc if attr == "malloc" and self.process else getattr(self.lib, attr)
+
+    monkeypatch.setattr(memory_stats.ctypes, "CDLL", Preloaded)
+    memory_stats._mallinfo2.cache_clear()
+    try:
+        assert memory_stats.allocator_held_mb() is None
+    finally:
+        monkeypatch.undo()
+        memory_stats._mallinfo2.cache_clear()
+    assert memory_stats.allocator_held_mb() is not None
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt"])

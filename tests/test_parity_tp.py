@@ -151,3 +151,21 @@ def test_tp_error_for_a_model_passed_directly():
     mesh = SimpleNamespace(size=lambda: 3, device_type="cpu")  # refused before any collective
     with pytest.raises(ValueError, match="tp=3 does not divide 8 attention heads; valid: 1, 2, 4, 8"):
         parallelize(Transformer(SMALL), Plan.parse("tp3"), mesh)  # type: ignore[arg-type]  # a stand-in mesh
+
+
+def test_gloo_s_all_to_all_fallback_warning_is_filtered():
+    """The column-split embedding's re-split from features to sequence is an all-to-all, which gloo lacks:
+    DTensor gathers and chunks instead and warns on every rank. shoal.parallel.tensor filters that one
+    message of that logger, no other."""
+    import logging
+
+    import shoal.parallel.tensor  # noqa: F401  (installs the filter)
+
+    logger = logging.getLogger("torch.distributed.tensor._collective_utils")
+
+    def record(message: str) -> logging.LogRecord:
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, message, (), None)
+
+    fallback = record("CPU process group does not support alltoall yet, falling back with allgather + chunk!")
+    assert not all(f.filter(fallback) for f in logger.filters)
+    assert all(f.filter(record("something else went wrong")) for f in logger.filters)
