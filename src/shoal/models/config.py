@@ -285,5 +285,5 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def parameters_text(count: int) -> str:
-    """A parameter count as people write it: 0.11M, 8.03B (three significant figures)."""
+    """A parameter count as people write it: 0.113M, 8.03B (three significant figures)."""
     return f"{count / 1e9:.3g}B" if count >= 999.5e6 else f"{count / 1e6:.3g}M"  # 999.6M reads 1B
