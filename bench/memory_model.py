@@ -9,6 +9,7 @@ allocated.
 
     python -m bench.memory_model                  # `small` and the 512M model (vocab 500,000, dim 512)
     python -m bench.memory_model --models small   # the small preset only (about 3 minutes)
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 python -m bench.memory_model   # under jemalloc
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ def main() -> None:
             row = {"model": name, "plan": plan, **dry_run(MODELS[name], plan, nproc)}
             print(row, flush=True)
             rows.append(row)
-    report("memory_model", rows, notes="live: the busiest rank's peak of live tensor bytes in the measured step; "
+    preloaded = os.environ.get("LD_PRELOAD", "")  # an allocator preloaded for every run (README: jemalloc)
+    allocator = os.path.basename(preloaded) if preloaded else "glibc"
+    report("memory_model", rows, notes=f"allocator: {allocator}; "
+           "live: the busiest rank's peak of live tensor bytes in the measured step; "
            "resident: its resident peak above the interpreter's baseline; kept: the most freed memory a rank's "
            "allocator held for reuse after the step (glibc's free chunks), resident memory no tensor owns; "
            "errors are planner / measured - 1")
