@@ -67,7 +67,7 @@ def allocator_held_mb() -> float | None:
     """Memory the allocator holds freed for reuse now (MiB), a part of the resident set (or of
     CUDA's reserved memory) that no tensor owns: on CUDA torch's cached blocks (reserved minus
     allocated); on CPU glibc's free chunks over all its arenas (mallinfo2's `fordblks`: freed
-    blocks kept in the heap instead of returned to the OS). None where the C library is not glibc."""
+    blocks kept in the heap instead of returned to the OS). None where glibc is not the malloc in use."""
     if _cuda():
         return (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / 2**20
     mallinfo2 = _mallinfo2()
