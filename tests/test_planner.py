@@ -58,11 +58,17 @@ def test_moe_block_counts_the_experts_a_token_uses():
 
 def test_activation_elements_by_hand():
     """Per token: RMSNorms 2 x (3D + 1) = 770; q, k, v (repeated to 8 heads), o = 4*128, + 8
-    log-sum-exps; SwiGLU 4F = 1536."""
+    log-sum-exps; SwiGLU 4F = 1536. Under sequence parallelism a norm's input, normalised input and
+    statistic (2D + 1) split by tp; the product after it keeps its all-gathered input (D) whole under
+    DTensor, split under Megatron-LM."""
     kw = dict(seq_len=128, fused_attention=True)
     assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **kw) == 770 + 520 + 1536
-    assert memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", **kw) == (770 + 520 + 1536) / 2
+    assert memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", **kw) == 2 * (257 / 2 + 128) + (520 + 1536) / 2
+    assert memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", tp_engine="megatron",
+                                      **kw) == (770 + 520 + 1536) / 2
     assert memory.activation_elements(TINY, 0, tp=2, sp=False, ac="none", **kw) == 770 + (520 + 1536) / 2
+    with pytest.raises(ValueError, match="valid: dtensor, megatron"):
+        memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", tp_engine="deepspeed", **kw)
     assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="full", **kw) == 128
     # unfused attention keeps the probabilities (H * T per token) unless recomputed
     unfused = dict(seq_len=128, fused_attention=False)
@@ -110,7 +116,8 @@ def test_shared_experts_count_at_their_own_width():
     FLOPs: attention 2 * 64 * (128 + 64) = 24,576; FFNs 2 * 3 * 64 * 112 = 43,008; router
     2 * 64 * 4 = 512; the shared gate 2 * 64 = 128: 68,224.
     Activations: norms 2 (3 * 64 + 1) = 386; attention 4 * 64 + 4 = 260; FFNs 4 * 112 = 448;
-    tokens copied to the 3 experts and their outputs 2 * 3 * 64 = 384: 1,478.
+    tokens copied to the 3 experts and their outputs 2 * 3 * 64 = 384; the router's logits and
+    probabilities 2 * 4, its top-2 weights twice and two statistics 2 * 2 + 2: 1,492.
     Parameters: the planner's per-rank count is the model's own (ModelConfig.num_params, which
     builds the shared expert at its width) less the final norm."""
     from shoal.planner.estimate import _Costs
@@ -118,7 +125,7 @@ def test_shared_experts_count_at_their_own_width():
     assert compute.ffn_width(QWEN2_MOE, 0) == 112
     assert compute.block_work(QWEN2_MOE, 0, seq_len=16, causal_skip=True, fused_attention=True).matmul == 68_224
     assert memory.activation_elements(QWEN2_MOE, 0, seq_len=16, tp=1, sp=False, ac="none",
-                                      fused_attention=True) == 1_478
+                                      fused_attention=True) == 1_492
     cluster = parse_cluster("1xA100-80GB")
     plan = Plan.parse("dp1").resolve(1, "cuda")
     cost = _Costs(plan, QWEN2_MOE, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)

@@ -271,3 +271,44 @@ def test_cpu_adamw_step_temporaries():
     priced_mb = optimizer_step_bytes(cfg, tp=1, ep=1, shards=1, on_cpu=True) / 2**20
     assert abs((peak.peak_mb - held_mb) / priced_mb - 1) < 0.05, (peak.peak_mb - held_mb, priced_mb)
     assert optimizer_step_bytes(cfg, tp=1, ep=1, shards=1, on_cpu=False) == 0  # fused on GPUs
+
+
+@pytest.mark.parametrize(("plan", "world"), [("tp2", 2), ("tp2,sp=off", 2), ("tp4", 4)])
+def test_tensor_parallel_activation_count(pools, plan, world):
+    """memory.activation_elements under tensor parallelism, recounted: what autograd saves on a rank in
+    one forward of the tiny model with 4 blocks less that with 2, per block and token. Under sequence
+    parallelism DTensor keeps the all-gathered input of the product after each norm whole (1.5 D a block
+    more at tp4 than splitting it would). Exact: whole elements of whole tensors."""
+    from shoal.planner import memory
+
+    sizes = [pools(world).run(_saved_per_token, plan, layers) for layers in (2, 4)]
+    assert len({*sizes[0]}) == 1 and len({*sizes[1]}) == 1, sizes  # every rank saves the same
+    resolved = Plan.parse(plan).resolve(world)
+    per_block = (sizes[1][0] - sizes[0][0]) / 2
+    assert per_block == memory.activation_elements(TINY, 0, seq_len=TINY.max_seq_len, tp=resolved.tp,
+                                                   sp=bool(resolved.sp), ac="none", fused_attention=True)
+
+
+def test_tensor_parallel_moe_activation_count(pools):
+    """The same under tp2 for an MoE block, dropless (the count takes every token to its top-k experts):
+    each tp rank permutes every token to its experts, D wide, so the permuted tokens and the experts'
+    outputs do not split by tp, nor does the router. The count leaves out the routing groups' per-sequence
+    tallies and slack in the permutation's buffers: at most 4 elements a token (2.3 measured, of 2,300)."""
+    from shoal.planner import memory
+
+    moe = PRESETS["tiny-moe"].replace(max_seq_len=16, capacity_factor=0.0)
+    for plan in ("tp2", "tp2,sp=off"):
+        sizes = [pools(2).run(_saved_per_token, plan, layers, moe) for layers in (2, 4)]
+        per_block = (sizes[1][0] - sizes[0][0]) / 2
+        priced = memory.activation_elements(moe, 0, seq_len=16, tp=2, sp=plan == "tp2", ac="none",
+                                            fused_attention=True)
+        assert 0 <= per_block - priced <= 4, (plan, per_block, priced)
+
+
+def _saved_per_token(plan: str, num_layers: int, model=TINY) -> float:
+    from shoal.testing import saved_activation_elements
+
+    runtime, _, batches = parallel_setup(case(plan=plan, model=model.replace(num_layers=num_layers),
+                                              global_batch=2, seq_len=model.max_seq_len, steps=1))
+    inputs, _ = batches[0]
+    return saved_activation_elements(runtime._engine.module, inputs) / inputs.numel()

@@ -101,14 +101,20 @@ def assert_rounding_close(actual: Any, ref32: Any, ref64: Any, *, what: str = "v
 
 def saved_activation_elements(model: nn.Module, inputs: torch.Tensor) -> int:
     """Elements autograd saves for backward in one forward of `model`, each storage counted once
-    (parameters, buffers and integer tensors such as token ids left out): the planner's activation
-    count, measured."""
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    (parameters, buffers and integer tensors such as token ids left out; a DTensor counted by this
+    rank's local tensor): the planner's activation count, measured."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    skip = {local(t).untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     sizes: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
-            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        here = local(t)
+        if here.is_floating_point() and here.untyped_storage().data_ptr() not in skip:
+            sizes[here.untyped_storage().data_ptr()] = here.untyped_storage().nbytes() // here.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -123,10 +123,17 @@ class Workload:
     """Who runs the data axes (DATA_ENGINES): shoal's own engine for the plan (shoal.rules.choose_engine), or
     "deepspeed-pipe" for a run of DeepSpeed's pipeline engine, which reduces gradients (and at ZeRO-1 gathers
     the updated weights) once a step, after the last micro-batch's backward, beside no compute (deepspeed_engine)."""
+    tp_engine: str = "dtensor"
+    """Who runs tensor parallelism (memory.TP_ENGINES): DTensor's styles (shoal, torchtitan), which under sequence
+    parallelism keep each norm's all-gathered output for the product after it, or "megatron" for Megatron-LM's
+    layers, which keep the sequence shard and gather it again in backward. Only the memory differs: both are
+    priced the same collectives (Megatron-LM overlaps its extra all-gather with the weight gradients)."""
 
     def __post_init__(self) -> None:
         if self.data_engine not in DATA_ENGINES:
             raise ValueError(f"data_engine {self.data_engine!r} is not valid; valid: {', '.join(DATA_ENGINES)}")
+        if self.tp_engine not in memory.TP_ENGINES:
+            raise ValueError(f"tp_engine {self.tp_engine!r} is not valid; valid: {', '.join(memory.TP_ENGINES)}")
         if self.selective_policy not in compute.SELECTIVE_POLICIES:
             raise ValueError(f"selective_policy {self.selective_policy!r} is not valid; "
                              f"valid: {', '.join(compute.SELECTIVE_POLICIES)}")
@@ -193,7 +200,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     if step_end:
         engine = deepspeed_engine(plan, engine)
     cost = _Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention,
-                  policy=work.selective_policy)
+                  policy=work.selective_policy, tp_engine=work.tp_engine)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
     stages = [(0, first, plan.pp == 1), (cfg.num_layers - last, cfg.num_layers, True)]
     per_stage = [cost.stage(lo, hi, head=head) for lo, hi, head in stages]
@@ -273,8 +280,8 @@ class _Costs:
     """Per-rank costs of one micro-batch under one plan (the pieces `estimate` adds up)."""
 
     def __init__(self, plan: Plan, cfg: ModelConfig, cluster: Cluster, net: Network, *, tokens: float,
-                 seq_len: int, fused: bool, policy: str = "shoal") -> None:
-        self.fused, self.policy = fused, policy
+                 seq_len: int, fused: bool, policy: str = "shoal", tp_engine: str = "dtensor") -> None:
+        self.fused, self.policy, self.tp_engine = fused, policy, tp_engine
         self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
         self.rate = cluster.device.flops(_dtype(plan, cluster))
         # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate; a fused kernel at its published
@@ -610,20 +617,23 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     worst: dict[str, float] = {}
     per_block = {moe: memory.activation_elements(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg),
                                                  seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=plan.ac,
-                                                 fused_attention=cost.fused, policy=cost.policy)
+                                                 fused_attention=cost.fused, policy=cost.policy,
+                                                 tp_engine=cost.tp_engine)
                  for moe in (False, True)}
     for lo, hi, head in stages:
         moe = cost._moe_count(lo, hi)
         act = per_block[True] * moe + per_block[False] * (hi - lo - moe)
         held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)  # type: ignore[arg-type]  # resolved
         if plan.ac == "full" or any(cost.selective_share.values()):  # the block being recomputed holds all of its
-            held += memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
-                                               fused_attention=cost.fused) * tokens * cost.bytes
+            recomputed = memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
+                                                    fused_attention=cost.fused, tp_engine=cost.tp_engine)
+            held += recomputed * tokens * cost.bytes
         logits = memory.logits_bytes(cfg, tokens, tp=plan.tp, logit_bytes=int(cost.bytes)) if head else 0.0
         if head and plan.vocab == "sharded":  # the classifier's backward: the logits' gradient, both all-to-all buffers
             logits = max(logits, memory.SHARDED_LOGIT_COPIES * tokens * cfg.vocab_size * cost.bytes)
         if head:
-            held += memory.head_norm_elements(cfg, tp=plan.tp, sp=bool(plan.sp)) * tokens * cost.bytes
+            final_norm = memory.head_norm_elements(cfg, tp=plan.tp, sp=bool(plan.sp), tp_engine=cost.tp_engine)
+            held += final_norm * tokens * cost.bytes
         accumulated = max(0.0, table - logits)
         if held + logits + accumulated > sum(worst.values()):
             worst = {"activations": held, "logits": logits, "accumulation": accumulated}

@@ -33,7 +33,7 @@ def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
 
 
 def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, sp: bool, ac: str,
-                        fused_attention: bool, policy: str = "shoal") -> float:
+                        fused_attention: bool, policy: str = "shoal", tp_engine: str = "dtensor") -> float:
     """Elements block `index` keeps for backward per token on one tensor-parallel rank.
 
     Counted the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -48,18 +48,22 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
         probabilities, H*T per token;
       - the FFN keeps the up projections' outputs, the activation's output and the down
         projection's input: 4F for SwiGLU, 2F for GELU.
-    Tensor parallelism splits heads and FFN columns by tp; sequence parallelism also splits the
-    norms' tensors. Selective recompute drops the softmax probabilities; full recompute keeps only
+    Tensor parallelism splits heads and FFN columns by tp, not the tokens an MoE layer permutes to its
+    experts (each tp rank permutes every token, D wide, and splits the experts' FFN columns); sequence
+    parallelism also splits the norms' tensors, but not the input of the product after each norm under
+    DTensor (`tp_engine` "dtensor": shoal, torchtitan), which all-gathers it and keeps what the product
+    was given, whole; Megatron-LM ("megatron") keeps its sequence shard and gathers it again in backward
+    (Korthikanti et al. 2022, section 4.2.2), so all of a norm's tensors split there.
+    Selective recompute drops the softmax probabilities; full recompute keeps only
     the block's input (the recomputed block's own tensors are counted once, in `transient`).
     Selective recompute under torchtitan's per-op `policy` keeps less: `titan_selective_elements`."""
     D, width = cfg.dim, compute.ffn_width(cfg, index)  # shared experts at their own width
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
-    replicated = 2 * norm_elements(cfg)
+    norms = 2 * sp_norm_elements(cfg, tp=tp, tp_engine=tp_engine) if sp else 2 * norm_elements(cfg)
     attention = 4 * cfg.num_heads * cfg.head_dim + cfg.num_heads
     split = attention + (4 * width if cfg.activation == "swiglu" else 2 * width)
-    if moe:
-        split += 2 * ffns * D  # tokens permuted to their experts, and the experts' outputs
+    permuted = 2 * ffns * D + router_elements(cfg) if moe else 0  # tokens permuted to their experts, their outputs
     scores = 0 if fused_attention else cfg.num_heads * seq_len
     if ac == "full":
         return D / (tp if sp else 1)
@@ -67,7 +71,15 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
         return titan_selective_elements(cfg, tp=tp, sp=sp)
     if ac == "selective":
         scores = 0
-    return replicated / (tp if sp else 1) + (split + scores) / tp
+    return norms + permuted + (split + scores) / tp
+
+
+def router_elements(cfg: ModelConfig) -> float:
+    """What an MoE layer's router keeps per token, replicated under tp (shoal.moe.router): its float32 logits and
+    probabilities (E each), its top-k weights twice (as chosen, and as the multiplier of the experts' outputs) and
+    two per-token statistics (the z-loss's log-sum-exp, the top-k weights' sum), within one element a token of
+    what autograd keeps with or without the z-loss and the normalisation."""
+    return 2 * cfg.num_experts + 2 * cfg.top_k + 2
 
 
 def titan_selective_elements(cfg: ModelConfig, *, tp: int, sp: bool) -> float:
@@ -89,9 +101,26 @@ def norm_elements(cfg: ModelConfig) -> float:
     return 3 * cfg.dim + 1 if cfg.norm == "rmsnorm" else 2 * cfg.dim + 2
 
 
-def head_norm_elements(cfg: ModelConfig, *, tp: int, sp: bool) -> float:
+TP_ENGINES = ("dtensor", "megatron")
+"""Who runs tensor parallelism, for what sequence parallelism keeps (activation_elements): DTensor's styles
+(shoal, torchtitan) or Megatron-LM's own layers."""
+
+
+def sp_norm_elements(cfg: ModelConfig, *, tp: int, tp_engine: str = "dtensor") -> float:
+    """What a norm and the product after it keep per token on one rank under sequence parallelism: the norm's
+    own tensors split by tp, the product's input (the norm's output, D) split under Megatron-LM but whole under
+    DTensor, whose all-gather hands the product the whole sequence and autograd keeps that
+    (tests/test_planner_counts.py counts it under tp2 and tp4)."""
+    if tp_engine not in TP_ENGINES:
+        raise ValueError(f"tp_engine {tp_engine!r} is not valid; valid: {', '.join(TP_ENGINES)}")
+    if tp_engine == "megatron":
+        return norm_elements(cfg) / tp
+    return (norm_elements(cfg) - cfg.dim) / tp + cfg.dim
+
+
+def head_norm_elements(cfg: ModelConfig, *, tp: int, sp: bool, tp_engine: str = "dtensor") -> float:
     """What the final norm keeps per token, with the output projection's input."""
-    return norm_elements(cfg) / (tp if sp else 1)
+    return sp_norm_elements(cfg, tp=tp, tp_engine=tp_engine) if sp else norm_elements(cfg)
 
 
 LOSS_LOGIT_COPIES = {4: 3.0, 2: 3.0}

@@ -45,6 +45,9 @@ class PublishedRun:
     data_engine: str = "shoal"
     """Who ran the data axes (shoal.planner.estimate.DATA_ENGINES): "deepspeed-pipe" for Megatron-DeepSpeed's
     runs, whose pipeline engine reduces (and at ZeRO-1 gathers) once a step after the last backward."""
+    tp_engine: str = "dtensor"
+    """Who ran tensor parallelism (shoal.planner.memory.TP_ENGINES): "megatron" for Megatron-LM's own layers, whose
+    sequence parallelism keeps less than DTensor's (it matters only under sp)."""
     checked: bool = True
     """False where a number the prediction needs was not stated by the source or could not be re-read
     in it here (recalled, assumed, or a precision shoal cannot express); `note` says which."""
@@ -129,7 +132,7 @@ _KORTHI_NOTE = (
 def _korthi(size: str, heads: int, hidden: int, layers: int, pp: int, gpus: int, batch: int, mbs: int,
             mfu: float, hfu: float, tokens: float) -> PublishedRun:
     mb = [f"pp{pp}", f"mb={batch // mbs}"] if pp > 1 else []
-    return PublishedRun(fused_attention=False,
+    return PublishedRun(fused_attention=False, tp_engine="megatron",
         name=f"Megatron-LM 2022 (seq-parallel + selective recompute), GPT {size} on {gpus} A100", checked=False,
         model=_gpt(layers, hidden, heads, 51200, 2048, pp=pp),
         cluster=f"{gpus}xA100-80GB",
@@ -245,7 +248,8 @@ _LLAMA3_NOTE = (
     "non-embedding parameters + output projection) = {fpt:.3f} TFLOP/token. DP is FSDP that "
     "shards optimizer state and gradients but does not reshard parameters after forward (recorded "
     "zero=2). Not given: micro-batch size and count, the virtual-stage count of their modified "
-    "interleaved schedule (sched is left out), activation recompute (ac left out). mb={mb} (one "
+    "interleaved schedule (sched is left out), activation recompute (ac left out), what its sequence "
+    "parallelism keeps (priced as DTensor keeps it, tp_engine left out). mb={mb} (one "
     "sequence per micro-batch, all the DP group's sequences) is NOT from the paper: it is there only so "
     "the plan is complete; micro_batch_size is None."
 )
