@@ -26,7 +26,8 @@ def test_dry_run_prints_each_rank_beside_the_prediction_and_saves_nothing(tmp_pa
     assert "dry run: set-up and two steps of plan fsdp2" in text and "nothing saved" in text
     rows = [line.split() for line in text.splitlines() if re.match(r"\s+[01]\s+\d", line)]
     assert [r[0] for r in rows] == ["0", "1"]
-    predicted = dict(re.findall(r"(parameters|gradients|optimizer) ([\d.]+)", text.split("planner, busiest")[1]))
+    states = text.split("planner, busiest")[1].split("the step's peak")[0]  # the states, then what each adds
+    predicted = dict(re.findall(r"(parameters|gradients|optimizer) ([\d.]+)", states))
     for row in rows:  # fp32 ZeRO-3 over 2 ranks: the live shards are the formula's bytes (to the 0.1 MB printed)
         params, grads, optim = map(float, row[1:4])
         assert abs(params - float(predicted["parameters"])) <= 0.1
@@ -39,8 +40,12 @@ def test_dry_run_prints_each_rank_beside_the_prediction_and_saves_nothing(tmp_pa
     # gradients and optimizer state, which stay alive through the measured step
     for row in rows:
         assert float(row[7]) >= sum(map(float, row[1:4])) - 0.3  # three figures printed to 0.1 MB
-    assert re.search(r"step peak of live tensors, busiest rank: \d+ MB; the planner's terms, \d+ MB, are [+-]\d+% off",
-                     text)
+    # The planner's terms against that peak: the step's backward holds its activations and logits with only the
+    # classifier's gradient (one micro-batch), the optimizer step every gradient; what the terms leave out
+    # (the rotary tables, per-tensor step counts) is under 10% of this 7 MB step (3% measured).
+    error = re.search(r"step peak of live tensors, busiest rank: \d+ MB; the planner's terms, \d+ MB, "
+                      r"are ([+-]\d+)% off", text)
+    assert error and abs(int(error.group(1))) <= 10, error
     if memory_stats.allocator_held_mb() is not None:  # glibc: the freed memory it keeps, per rank
         for row in rows:
             assert float(row[8]) >= 0

@@ -76,13 +76,11 @@ def test_loss_logit_copies():
     and the runtime's cross-entropy, forward and backward, above the weights and gradients held before,
     in fp32 copies of the logits (the hidden states and weights are < 1% of a copy, so the count is read
     to the nearest quarter), the logits handed over and held meanwhile as the runtime does, with the
-    cross-entropy's block temporaries (blocks as large as the logits, and tiny ones), fp32 and bf16; and
-    LOSS_LOGIT_COPIES, torch's cross-entropy as loss_parallel runs it on each vocabulary shard under tp."""
+    cross-entropy's block temporaries (blocks as large as the logits, and tiny ones), fp32 and bf16."""
     import torch
-    import torch.nn.functional as F
 
     from shoal.parallel import vocab
-    from shoal.planner.memory import CONSUMED_LOGIT_COPIES, LOSS_LOGIT_COPIES, LOSS_PIECE_ELEMENTS
+    from shoal.planner.memory import CONSUMED_LOGIT_COPIES, LOSS_PIECE_ELEMENTS
     from shoal.train.memory import TensorPeak
 
     assert vocab.ROWS_ELEMENTS == LOSS_PIECE_ELEMENTS
@@ -109,15 +107,44 @@ def test_loss_logit_copies():
             during, after = CONSUMED_LOGIT_COPIES[dtype.itemsize]
             want = max(during + 3 * min(N * V, rows) * 4 / 2**20 / copy_mb, after)
             assert abs(copies - want) < 0.25, (rows, dtype, copies, want)
-        # torch's cross-entropy, which DTensor's loss_parallel runs on each vocabulary shard under tp
-        h = torch.randn(N, D, generator=gen).to(dtype).requires_grad_()
-        w = torch.randn(V, D, generator=gen).to(dtype).requires_grad_()
-        w.grad = torch.zeros_like(w)
-        held_mb = (2 * h.numel() + 2 * w.numel()) * h.element_size() / 2**20
-        with TensorPeak(h, w) as peak:
-            F.cross_entropy((h @ w.T).float(), targets, reduction="sum").backward()
-        assert peak.peak_mb is not None
-        assert abs((peak.peak_mb - held_mb) / copy_mb - LOSS_LOGIT_COPIES[dtype.itemsize]) < 0.25, dtype
+
+
+def test_loss_parallel_logit_copies(pools):
+    """shoal.planner.memory.LOSS_LOGIT_COPIES, recounted on two ranks: the peak of live tensors over a
+    vocabulary-parallel head and the runtime's cross-entropy under DTensor's loss_parallel, forward and
+    backward, above the weights and gradients held before, in fp32 copies of a rank's logits, fp32 and bf16;
+    the logits dropped after the loss as the runtime drops them (holding them costs one copy more)."""
+    from shoal.planner.memory import LOSS_LOGIT_COPIES
+
+    for dtype in ("float32", "bfloat16"):
+        copies = pools(2).run(_loss_parallel_copies, dtype)
+        assert all(abs(c - LOSS_LOGIT_COPIES[2 if dtype == "bfloat16" else 4]) < 0.25 for c in copies), copies
+
+
+def _loss_parallel_copies(dtype_name: str) -> float:
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shoal.parallel.vocab import cross_entropy_sum, vocab_parallel_loss
+    from shoal.train.memory import TensorPeak
+
+    dtype = getattr(torch, dtype_name)
+    mesh = cached_mesh(Plan.parse("tp2").resolve(dist.get_world_size()))["tp"]
+    B, T, D, V = 4, 64, 16, 20000
+    gen = torch.Generator().manual_seed(0)
+    h = distribute_tensor(torch.randn(B * T, D, generator=gen).to(dtype), mesh, [Replicate()]).requires_grad_()
+    w = distribute_tensor(torch.randn(V, D, generator=gen).to(dtype), mesh, [Shard(0)]).requires_grad_()
+    w.grad = torch.zeros_like(w)
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    held_mb = (2 * h.numel() + 2 * w.numel() // 2) * dtype.itemsize / 2**20
+    with TensorPeak(h, w) as peak:
+        logits = (h @ w.T).unflatten(0, (B, T))  # vocabulary-sharded, as the tp head hands them over
+        with vocab_parallel_loss(logits):
+            loss = cross_entropy_sum(logits, targets, consume=True)
+            del logits
+            loss.backward()
+    assert peak.peak_mb is not None
+    return (peak.peak_mb - held_mb) / (B * T * V / 2 * 4 / 2**20)
 
 
 def test_runtime_cross_entropy_is_torchs():
@@ -181,7 +208,8 @@ def test_accumulated_table_gradient():
 def test_fsdp_vocabulary_tables(pools, tables):
     """The planner's fsdp2 terms for a model whose vocabulary tables outweigh its blocks, against the peak
     of live tensors of a real fsdp2 step (the second, with the optimizer state held) at 50k and 100k words,
-    within the goal's 15% above it.
+    within the goal's 15% above it, and no more than 0.1% under it (the terms leave out the optimizer's
+    per-tensor step counts and the like: kilobytes).
     - vocab=gathered: each table an FSDP2 unit (shoal.planner.estimate.fsdp_table_bytes: a table gathered
       whole, its unsharded gradient and the reduce-scatter's input). The terms sum every peak (the loss's
       logits, the tables' three copies, all sharded gradients) though the head's backward holds only its
@@ -197,7 +225,7 @@ def test_fsdp_vocabulary_tables(pools, tables):
         plan = Plan.parse(f"fsdp2,vocab={tables}").resolve(2, "cpu")
         terms = estimate(plan, Workload(model=cfg, global_batch=2, seq_len=16), memory_cluster(2, "cpu")).memory
         priced = sum(terms.values()) / 2**20
-        assert all(m <= priced <= 1.15 * m for m in measured), (vocab, priced, measured)
+        assert all(0.999 * m <= priced <= 1.15 * m for m in measured), (vocab, priced, measured)
 
 
 def test_sharded_logit_copies(pools):

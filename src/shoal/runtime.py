@@ -186,6 +186,7 @@ class Runtime:
                 output = self._engine.model(inputs)
                 with vocab_parallel_loss(output):  # tp: vocab-sharded logits, softmax across shards
                     loss = share(output, targets)
+                    del output  # its backward keeps what it needs: the logits themselves would be one copy more
                     added = self._moe.take_loss()  # MoE load-balancing and z-losses, weighted
                     if added is not None and isinstance(loss, DTensor):  # tp: the same on every tp rank
                         added = DTensor.from_local(added, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim,

@@ -41,8 +41,11 @@ def is_vocab_sharded(logits: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def vocab_parallel_loss(logits: torch.Tensor) -> Iterator[None]:
     """Around the loss and its backward: computes cross-entropy on vocab-sharded logits shard by
-    shard (DTensor's loss_parallel); does nothing for plain logits."""
-    if not is_vocab_sharded(logits):
+    shard (DTensor's loss_parallel); does nothing for plain logits. It keeps no reference to the logits:
+    the context lasts through the backward, and the logits would outlive the loss that needs them."""
+    sharded = is_vocab_sharded(logits)
+    del logits
+    if not sharded:
         yield
         return
     with loss_parallel():

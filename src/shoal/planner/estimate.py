@@ -160,6 +160,9 @@ class Estimate:
     """The step time's terms in seconds; they add up to step_time_s."""
     memory: dict[str, float] = field(default_factory=dict)
     """The peak memory's terms in bytes on the busiest device, before the fragmentation margin."""
+    gradient_bytes: float = 0.0
+    """Every gradient the busiest device holds after its backward; memory["gradients"] is what they add to
+    the peak (less, where the backward's peak comes before most of them exist)."""
     traffic: dict[str, float] = field(default_factory=dict)
     """Seconds of each data-axis collective per step, hidden or not (`time` holds what is exposed)."""
 
@@ -227,7 +230,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["engine_overhead"] = micro * cost.op_overhead * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors
     time["step_sync"] = cost.step_sync(engine.kind)
     step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
-    mem = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro, stages)
+    mem, gradient_bytes = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro,
+                                  stages)
     peak = sum(mem.values()) * memory.FRAGMENTATION
     on_cpu = cluster.device_type == "cpu"
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)
@@ -236,7 +240,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step,
                     tokens_per_s=tokens / step,
                     tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster)],
-                    mem_per_device_bytes=peak, fits=peak <= usable, time=time, memory=mem, traffic=sync)
+                    mem_per_device_bytes=peak, fits=peak <= usable, time=time, memory=mem, traffic=sync,
+                    gradient_bytes=gradient_bytes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -598,8 +603,8 @@ def fsdp_table_bytes(cfg: ModelConfig, *, tp: int, param_bytes: float, grad_byte
 
 
 def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bucket: int, params: float,
-            experts: float, micro: int, stages: list[tuple[int, int, bool]]) -> dict[str, float]:
-    """The busiest device's memory terms in bytes."""
+            experts: float, micro: int, stages: list[tuple[int, int, bool]]) -> tuple[dict[str, float], float]:
+    """The busiest device's memory terms in bytes, and all its gradients' bytes."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
     dense = memory.model_state_bytes(params, shards=shards, stage=zero, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
@@ -657,9 +662,22 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     # The optimizer step holds the model states and its own temporaries, after the backward's are freed: a
     # stage holds the larger of the two (as with the accumulated table above), so only the excess is a term.
     step = optimizer_step_bytes(cfg, tp=plan.tp, ep=plan.ep, shards=shards if zero >= 1 else 1, on_cpu=cost.on_cpu)
-    return {"parameters": dense[0] + expert[0], "gradients": dense[1] + expert[1],
+    # The step's peak is the larger of its backward's (activations, logits, transients and the gradients made
+    # by then) and its optimizer step's (every gradient and the step's temporaries); each term below is what
+    # its phase adds, so that the terms add up to that peak. With one micro-batch and no pipeline the backward
+    # starts without gradients (zero_grad(set_to_none=True) dropped them) and makes them as it frees the
+    # activations, the classifier's first, while the logits are alive: the backward's peak holds only the
+    # classifier's. Gradient accumulation and pipelines keep the first micro-batch's gradients through the
+    # next ones' forwards: all of them count. Against live tensors: tests/test_dry_run.py and
+    # tests/test_planner_counts.py (test_fsdp_vocabulary_tables).
+    gradients = dense[1] + expert[1]
+    during = gradients
+    if micro == 1 and plan.pp == 1:
+        during = min(gradients, cfg.vocab_size * cfg.dim / plan.tp * dense[1] / params) if params else 0.0
+    backward = sum(worst.values()) + transient + during
+    return {"parameters": dense[0] + expert[0], "gradients": during + max(0.0, gradients - backward),
             "optimizer": dense[2] + expert[2], **worst, "transient": transient,
-            "optimizer_step": max(0.0, step - sum(worst.values()) - transient)}
+            "optimizer_step": max(0.0, gradients + step - max(backward, gradients))}, gradients
 
 
 def optimizer_step_bytes(cfg: ModelConfig, *, tp: int, ep: int, shards: int, on_cpu: bool) -> float:

@@ -94,7 +94,8 @@ def memory_prediction(trainer: Any) -> dict[str, float] | None:
         return None
     work = Workload(model=trainer.model_cfg, global_batch=trainer.loop.global_batch, seq_len=trainer.loop.seq_len)
     e = estimate(trainer.plan, work, cluster, micro_batch=trainer.loop.micro_batch)
-    return {**{k: v / MB for k, v in e.memory.items()}, "total": e.mem_per_device_bytes / MB}
+    return {**{k: v / MB for k, v in e.memory.items()}, "all gradients": e.gradient_bytes / MB,
+            "total": e.mem_per_device_bytes / MB}
 
 
 def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | None, loss: float) -> str:
@@ -111,15 +112,18 @@ def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | 
     if predicted is None:
         lines.append("planner: no spec for this device, no prediction")
     else:
-        terms = ", ".join(f"{k} {v:.1f}" for k, v in predicted.items() if k != "total" and v)
-        lines.append(f"planner, busiest device (MB): {terms}; total with fragmentation margin "
-                     f"{predicted['total']:.1f} (the interpreter and libraries not included)")
+        states = {"parameters": predicted["parameters"], "gradients": predicted["all gradients"],
+                  "optimizer": predicted["optimizer"]}
+        peak = {k: v for k, v in predicted.items() if k not in ("total", "all gradients") and v}
+        lines.append(f"planner, busiest device (MB): {', '.join(f'{k} {v:.1f}' for k, v in states.items())}; "
+                     f"the step's peak: {', '.join(f'{k} {v:.1f}' for k, v in peak.items())}; total with "
+                     f"fragmentation margin {predicted['total']:.1f} (the interpreter and libraries not included)")
         total = predicted["total"]
         above = max(step - base for *_, base, _, step, _, _ in rows)
         lines.append(f"step peak above the baseline, busiest rank: {above:.0f} MB; the planner's "
                      f"{total:.0f} MB is {100 * (total - above) / above:+.0f}% off")
         live = max(r[6] for r in rows)
-        priced = sum(v for k, v in predicted.items() if k != "total")  # tensors alone: no allocator margin
+        priced = sum(v for k, v in predicted.items() if k not in ("total", "all gradients"))  # no allocator margin
         if not math.isnan(live):
             lines.append(f"step peak of live tensors, busiest rank: {live:.0f} MB; the planner's terms, "
                          f"{priced:.0f} MB, are {100 * (priced - live) / live:+.0f}% off")
