@@ -667,13 +667,18 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     # its phase adds, so that the terms add up to that peak. With one micro-batch and no pipeline the backward
     # starts without gradients (zero_grad(set_to_none=True) dropped them) and makes them as it frees the
     # activations, the classifier's first, while the logits are alive: the backward's peak holds only the
-    # classifier's. Gradient accumulation and pipelines keep the first micro-batch's gradients through the
-    # next ones' forwards: all of them count. Against live tensors: tests/test_dry_run.py and
-    # tests/test_planner_counts.py (test_fsdp_vocabulary_tables).
+    # classifier's (under tp not even that while loss_parallel's copies are alive: its peak passes before the
+    # classifier's backward, which then holds the logits' gradient, one copy, beside its own). Gradient
+    # accumulation and pipelines keep the first micro-batch's gradients through the next ones' forwards: all
+    # of them count. Against live tensors: tests/test_dry_run.py and tests/test_planner_counts.py
+    # (test_fsdp_vocabulary_tables).
     gradients = dense[1] + expert[1]
     during = gradients
     if micro == 1 and plan.pp == 1:
         during = min(gradients, cfg.vocab_size * cfg.dim / plan.tp * dense[1] / params) if params else 0.0
+        if plan.tp > 1:
+            copies = memory.LOSS_LOGIT_COPIES[2 if cost.bytes <= 2 else 4] - 1
+            during = max(0.0, during - copies * 4.0 * tokens * cfg.vocab_size / plan.tp)
     backward = sum(worst.values()) + transient + during
     return {"parameters": dense[0] + expert[0], "gradients": during + max(0.0, gradients - backward),
             "optimizer": dense[2] + expert[2], **worst, "transient": transient,
