@@ -1,7 +1,7 @@
 """The planner's memory model against `shoal train --dry-run`, plan by plan (issue 24's table).
 
 Each row is one `shoal train --dry-run` in its own launch: its busiest rank's peak of live tensor
-bytes in the measured (second) step beside the sum of the planner's terms, and its resident peak
+bytes in its third step beside the sum of the planner's terms, and its resident peak in its second
 above the interpreter's baseline beside the planner's total (terms plus the fragmentation margin).
 Goal: within 15%. A plan the memory check refuses (it would not fit this machine's free memory)
 is reported with its one-line refusal instead: the check runs before any worker, so nothing is
@@ -71,7 +71,7 @@ def main() -> None:
     preloaded = os.environ.get("LD_PRELOAD", "")  # an allocator preloaded for every run (README: jemalloc)
     allocator = os.path.basename(preloaded) if preloaded else "glibc"
     report("memory_model", rows, notes=f"allocator: {allocator}; "
-           "live: the busiest rank's peak of live tensor bytes in the measured step; "
+           "live: the busiest rank's peak of live tensor bytes in a steady step; "
            "resident: its resident peak above the interpreter's baseline; kept: the most freed memory a rank's "
            "allocator held for reuse after the step (glibc's free chunks), resident memory no tensor owns; "
            "errors are planner / measured - 1")

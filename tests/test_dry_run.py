@@ -23,7 +23,7 @@ def test_dry_run_prints_each_rank_beside_the_prediction_and_saves_nothing(tmp_pa
             "--global-batch", "4", "--seq-len", "32", "--out", str(out)]
     assert cli.main(argv) == 0
     text = capfd.readouterr().out
-    assert "dry run: set-up and two steps of plan fsdp2" in text and "nothing saved" in text
+    assert "dry run: set-up and three steps of plan fsdp2" in text and "nothing saved" in text
     rows = [line.split() for line in text.splitlines() if re.match(r"\s+[01]\s+\d", line)]
     assert [r[0] for r in rows] == ["0", "1"]
     states = text.split("planner, busiest")[1].split("the step's peak")[0]  # the states, then what each adds

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "verifies [off: a new run]")
     train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys) [none]")
     train.add_argument("--dry-run", dest="dry_run", action="store_const", const=True, default=argparse.SUPPRESS,
-                       help="set up, run two steps on throwaway state, print each rank's memory beside the planner's "
+                       help="set up, run three steps on throwaway state, print each rank's memory beside the planner's "
                        "prediction, save nothing, exit [off]")
     train.add_argument("--no-memory-check", dest="memory_check", action="store_const", const=False,
                        default=argparse.SUPPRESS,

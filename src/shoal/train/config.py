@@ -94,7 +94,7 @@ class RunConfig:
     out: str | None = None
     """The run folder; None: runs/<timestamp>."""
     dry_run: bool = False
-    """Set up, run two steps on state that is thrown away, print each rank's memory beside the
+    """Set up, run three steps on state that is thrown away, print each rank's memory beside the
     planner's prediction, and exit (shoal.train.dry_run); nothing is saved."""
     memory_check: bool = True
     """Before any worker starts, price the plan's memory per device on this machine (the

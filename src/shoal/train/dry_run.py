@@ -1,6 +1,6 @@
-"""`shoal train --dry-run`: the whole set-up, then two forward, backward and optimizer steps on
-state that is thrown away, and what each rank's memory held in the second, beside the planner's
-prediction.
+"""`shoal train --dry-run`: the whole set-up, then three forward, backward and optimizer steps on
+state that is thrown away, and what each rank's memory held in the second and the third (its live
+tensors), beside the planner's prediction.
 
 The steps are real (gradients, optimizer state and the backward peak exist), so the figures are
 measured, not modelled: bytes of the parameters, gradients and optimizer state this rank's
@@ -46,22 +46,25 @@ def live_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
 
 
 def dry_run(trainer: Any, *, baseline_mb: float = 0.0) -> dict[str, Any]:
-    """Two steps of `trainer` on throwaway state, the second measured; rank 0 prints the table and
+    """Three steps of `trainer` on throwaway state, the last two measured; rank 0 prints the table and
     returns the figures.
 
     baseline_mb: this process's memory before the model was built (the interpreter, torch, the
     process group), which the planner leaves out: its prediction is compared with the step's
     peak above it."""
     setup_peak = memory.peak_mb()  # everything so far: the interpreter, the build, the data
-    # Two steps: the first makes the optimizer state and every first-use buffer; the second, the
-    # one measured, is a step as the run's steady state has it, with that state held throughout.
+    # Three steps: the first makes the optimizer state and every first-use buffer; the second, whose
+    # peak memory is measured, is a step as the run's steady state has it, with that state held
+    # throughout; the third counts its live tensors. torch's MemTracker, which counts them, keeps Python
+    # records of every tensor and module it sees, memory a training step does not hold (and small
+    # allocations among the tensors' in glibc's heap), so the second step runs without it.
     float(trainer.train_one(trainer.start).loss)
     memory.reset_peak()
-    with memory.TensorPeak(*trainer.runtime.parts, trainer.optimizer) as tensors:
-        result = trainer.train_one(trainer.start + 1)
-        loss = float(result.loss)  # waits for the step
+    loss = float(trainer.train_one(trainer.start + 1).loss)  # waits for the step
     step_peak = memory.peak_mb()
     kept = memory.allocator_held_mb()
+    with memory.TensorPeak(*trainer.runtime.parts, trainer.optimizer) as tensors:
+        float(trainer.train_one(trainer.start + 2).loss)
     held = live_bytes(list(trainer.runtime.parameters()), trainer.optimizer)
     row = torch.tensor([held["parameters"] / MB, held["gradients"] / MB, held["optimizer"] / MB, baseline_mb,
                         setup_peak, step_peak, math.nan if tensors.peak_mb is None else tensors.peak_mb,
@@ -100,7 +103,7 @@ def memory_prediction(trainer: Any) -> dict[str, float] | None:
 
 def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | None, loss: float) -> str:
     where = "resident" if trainer.device.type == "cpu" else "allocated"
-    lines = [f"dry run: set-up and two steps of plan {trainer.plan} on {trainer.world} process(es) "
+    lines = [f"dry run: set-up and three steps of plan {trainer.plan} on {trainer.world} process(es) "
              f"(loss {loss:.4f}); nothing saved",
              f"{'rank':>4}  {'params MB':>10}  {'grads MB':>9}  {'optim MB':>9}  {'baseline MB':>11}  "
              f"{'set-up peak MB':>14}  {'step peak MB':>12}  {'tensors MB':>10}  {'kept MB':>7}  ({where} memory, "
