@@ -655,8 +655,8 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
         if plan.vocab != "sharded":  # sharded tables are never gathered (shoal/parallel/sharded_vocab.py)
             transient = max(transient, fsdp_table_bytes(cfg, tp=plan.tp, param_bytes=pb, grad_bytes=gb,
                                                         reduce_bytes=4 if plan.reduce == "fp32" else 2))
-        if micro > 1:
-            transient += params * 4  # unsharded gradients accumulate while the sync waits
+        # Accumulating over micro-batches adds nothing here: FSDP2 at ZeRO-3 reduce-scatters every micro-batch's
+        # gradients and adds them to the sharded ones (shoal.parallel.data: no_sync leaves the sync on).
     elif kind == "ddp":
         transient = params * gb  # DDP's bucket copies of the gradients
     # The optimizer step holds the model states and its own temporaries, after the backward's are freed: a
