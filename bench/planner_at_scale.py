@@ -36,7 +36,8 @@ def predict(run: PublishedRun, *, rails: bool = True, a100_square: bool = True) 
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, gemm_square=()))
     work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
                     fused_attention=run.fused_attention, selective_policy=run.selective_policy,
-                    data_engine=run.data_engine, tp_engine=run.tp_engine)
+                    data_engine=run.data_engine, tp_engine=run.tp_engine,
+                    unsharded_accumulation=run.unsharded_accumulation)
     # Priced as it ran, also where shoal's runtime would refuse the layout (tests/test_planner.py names it).
     plan = rules.fill(Plan.parse(run.plan), rules.Facts(world_size=cluster.world_size, device="cuda",
                                                         model=run.model, global_batch=run.global_batch,

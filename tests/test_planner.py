@@ -676,3 +676,17 @@ def test_a_deepspeed_pipeline_run_reduces_and_gathers_once_a_step_beside_no_comp
     assert shoal.traffic["fsdp_all_gather"] == pytest.approx(8 * ds.traffic["fsdp_all_gather"])  # 8 micro-batches
     assert ds.traffic["fsdp_reduce_scatter"] == pytest.approx(shoal.traffic["fsdp_reduce_scatter"])  # zero=1: once
     assert ds.time["dp_sync_exposed"] == pytest.approx(sum(ds.traffic.values()))  # nothing hides
+
+
+def test_accumulation_under_fsdp2_adds_unsharded_gradients_only_where_the_sync_is_off():
+    """shoal's FSDP2 at ZeRO-3 reduce-scatters every micro-batch, so accumulating holds nothing more than one
+    micro-batch does (its dry run: tests/test_dry_run.py); torch.distributed.pipelining turns the sync off
+    between micro-batches, and each rank's unsharded fp32 gradients (4 bytes a parameter) accumulate."""
+    from shoal.planner.estimate import Workload, estimate
+
+    cluster = parse_cluster("8xA100-80GB")
+    plan = Plan.parse("fsdp4,pp2,mb=8").resolve(8, "cuda")
+    ours, torchs = (estimate(plan, Workload(model=TINY, global_batch=32, seq_len=128, unsharded_accumulation=off),
+                             cluster) for off in (False, True))
+    stage = ours.memory["parameters"] * 4 / 2  # the stage's parameters: a shard over fsdp4, 2 bytes each in bf16
+    assert torchs.memory["transient"] - ours.memory["transient"] == pytest.approx(4 * stage)

@@ -123,6 +123,11 @@ class Workload:
     """Who runs the data axes (DATA_ENGINES): shoal's own engine for the plan (shoal.rules.choose_engine), or
     "deepspeed-pipe" for a run of DeepSpeed's pipeline engine, which reduces gradients (and at ZeRO-1 gathers
     the updated weights) once a step, after the last micro-batch's backward, beside no compute (deepspeed_engine)."""
+    unsharded_accumulation: bool = False
+    """FSDP2 stages under torch.distributed.pipelining (torchtitan's pipelines): its PipelineStage turns
+    gradient sync off for every backward but a stage's last (stage.py, backward_maybe_with_nosync), so the
+    unsharded gradients accumulate across micro-batches. shoal's own pipeline and accumulation leave the sync
+    on: each micro-batch's gradients are reduce-scattered into the sharded ones."""
     tp_engine: str = "dtensor"
     """Who runs tensor parallelism (memory.TP_ENGINES): DTensor's styles (shoal, torchtitan), which under sequence
     parallelism keep each norm's all-gathered output for the product after it, or "megatron" for Megatron-LM's
@@ -231,7 +236,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["step_sync"] = cost.step_sync(engine.kind)
     step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
     mem, gradient_bytes = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro,
-                                  stages)
+                                  stages, unsharded_accumulation=work.unsharded_accumulation)
     peak = sum(mem.values()) * memory.FRAGMENTATION
     on_cpu = cluster.device_type == "cpu"
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)
@@ -603,7 +608,8 @@ def fsdp_table_bytes(cfg: ModelConfig, *, tp: int, param_bytes: float, grad_byte
 
 
 def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bucket: int, params: float,
-            experts: float, micro: int, stages: list[tuple[int, int, bool]]) -> tuple[dict[str, float], float]:
+            experts: float, micro: int, stages: list[tuple[int, int, bool]], *,
+            unsharded_accumulation: bool = False) -> tuple[dict[str, float], float]:
     """The busiest device's memory terms in bytes, and all its gradients' bytes."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
@@ -655,8 +661,10 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
         if plan.vocab != "sharded":  # sharded tables are never gathered (shoal/parallel/sharded_vocab.py)
             transient = max(transient, fsdp_table_bytes(cfg, tp=plan.tp, param_bytes=pb, grad_bytes=gb,
                                                         reduce_bytes=4 if plan.reduce == "fp32" else 2))
-        # Accumulating over micro-batches adds nothing here: FSDP2 at ZeRO-3 reduce-scatters every micro-batch's
+        # Accumulating over micro-batches adds nothing in shoal: FSDP2 at ZeRO-3 reduce-scatters every micro-batch's
         # gradients and adds them to the sharded ones (shoal.parallel.data: no_sync leaves the sync on).
+        if micro > 1 and unsharded_accumulation:
+            transient += params * 4  # the unsharded gradients accumulate while the sync waits
     elif kind == "ddp":
         transient = params * gb  # DDP's bucket copies of the gradients
     # The optimizer step holds the model states and its own temporaries, after the backward's are freed: a

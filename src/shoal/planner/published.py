@@ -45,6 +45,9 @@ class PublishedRun:
     data_engine: str = "shoal"
     """Who ran the data axes (shoal.planner.estimate.DATA_ENGINES): "deepspeed-pipe" for Megatron-DeepSpeed's
     runs, whose pipeline engine reduces (and at ZeRO-1 gathers) once a step after the last backward."""
+    unsharded_accumulation: bool = False
+    """True for FSDP2 under torch.distributed.pipelining (torchtitan's pipelines), which accumulates unsharded
+    gradients across micro-batches (shoal.planner.estimate.Workload.unsharded_accumulation)."""
     tp_engine: str = "dtensor"
     """Who ran tensor parallelism (shoal.planner.memory.TP_ENGINES): "megatron" for Megatron-LM's own layers, whose
     sequence parallelism keeps less than DTensor's (it matters only under sp)."""
@@ -339,6 +342,7 @@ _TORCHTITAN = (
              "Table 4).",
     ),
     PublishedRun(
+        unsharded_accumulation=True,
         name="torchtitan Llama 3.1 405B, FSDP8 x TP8 x PP8 (1F1B, Float8) on 512 H100", checked=False,
         model=PRESETS["llama3-405b"], cluster="512xH100-96GB-500W",
         plan="fsdp8,tp8,pp8,mb=8,sched=1f1b,ac=full,precision=bf16,compile=on",
@@ -352,6 +356,7 @@ _TORCHTITAN = (
              "so 4 sequences per micro-batch if not overridden.",
     ),
     PublishedRun(
+        unsharded_accumulation=True,
         name="torchtitan Llama 3.1 405B, FSDP8 x TP8 x PP8 (interleaved 1F1B, Float8) on 512 H100", checked=False,
         model=PRESETS["llama3-405b"], cluster="512xH100-96GB-500W",
         plan="fsdp8,tp8,pp8,mb=8,sched=interleaved,vpp=2,ac=full,precision=bf16,compile=on",
