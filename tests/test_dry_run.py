@@ -43,9 +43,7 @@ def test_dry_run_prints_each_rank_beside_the_prediction_and_saves_nothing(tmp_pa
     # The planner's terms against that peak: the step's backward holds its activations and logits with only the
     # classifier's gradient (one micro-batch), the optimizer step every gradient; what the terms leave out
     # (the rotary tables, per-tensor step counts) is under 10% of this 7 MB step (3% measured).
-    error = re.search(r"step peak of live tensors, busiest rank: \d+ MB; the planner's terms, \d+ MB, "
-                      r"are ([+-]\d+)% off", text)
-    assert error and abs(int(error.group(1))) <= 10, error
+    assert abs(_terms_error(text)) <= 10
     if memory_stats.allocator_held_mb() is not None:  # glibc: the freed memory it keeps, per rank
         for row in rows:
             assert float(row[8]) >= 0
@@ -112,6 +110,12 @@ def test_dry_run_with_accumulation_under_fsdp2(tmp_path, capfd):
             "--set", "dim=256", "--global-batch", "8", "--seq-len", "128", "--micro-batch", "2",
             "--out", str(tmp_path / "run")]
     assert cli.main(argv) == 0
-    error = re.search(r"step peak of live tensors, busiest rank: \d+ MB; the planner's terms, \d+ MB, "
-                      r"are ([+-]\d+)% off", capfd.readouterr().out)
-    assert error and abs(int(error.group(1))) <= 10, error
+    assert abs(_terms_error(capfd.readouterr().out)) <= 10
+
+
+def _terms_error(text: str) -> int:
+    """The dry run's printed error of the planner's terms against the step's live tensors, in percent."""
+    found = re.search(r"step peak of live tensors, busiest rank: \d+ MB; the planner's terms, \d+ MB, "
+                      r"are ([+-]\d+)% off", text)
+    assert found, text
+    return int(found.group(1))
