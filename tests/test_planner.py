@@ -409,12 +409,14 @@ def test_auto_refuses_an_unknown_gpu_in_one_line():
 def test_every_published_run_is_a_plan_shoal_accepts():
     """The held-out published runs (bench/planner_at_scale.py) stay priceable: each names a cluster
     and a plan that parse, resolve and validate against its model; the one layout shoal's runtime
-    does not run (interleaved chunks over sharded data) is priced as it ran, and the rules say why."""
+    does not run (interleaved chunks beside a data axis: torchtitan's 405B, Megatron-LM 2021's 76.1B to 529.6B) is
+    priced as it ran, and the rules say why."""
     from shoal import rules
     from shoal.planner.published import PUBLISHED
 
     assert len(PUBLISHED) >= 10
-    not_run = {"fsdp8,tp8,pp8,mb=8,sched=interleaved,vpp=2,ac=full,precision=bf16,compile=on"}
+    not_run = {run.plan for run in PUBLISHED if "sched=interleaved" in run.plan}
+    assert len(not_run) == 5
     for run in PUBLISHED:
         cluster = parse_cluster(run.cluster)
         facts = rules.Facts(world_size=cluster.world_size, device="cuda", model=run.model,
@@ -676,6 +678,24 @@ def test_a_deepspeed_pipeline_run_reduces_and_gathers_once_a_step_beside_no_comp
     assert shoal.traffic["fsdp_all_gather"] == pytest.approx(8 * ds.traffic["fsdp_all_gather"])  # 8 micro-batches
     assert ds.traffic["fsdp_reduce_scatter"] == pytest.approx(shoal.traffic["fsdp_reduce_scatter"])  # zero=1: once
     assert ds.time["dp_sync_exposed"] == pytest.approx(sum(ds.traffic.values()))  # nothing hides
+
+
+def test_megatron_local_ddp_all_reduces_once_after_the_last_backward():
+    """Megatron-LM's own DDP of 2021 (`--DDP-impl local`, the SC21 Table 1 runs from 39.1B) all-reduces the gradients
+    once, after forward_backward_func returns: the same traffic as torch's DDP, which overlaps it with the last
+    backward, but all of it exposed. It replicates every state, so a sharded plan is refused."""
+    from shoal.planner.estimate import Workload, estimate
+
+    c = parse_cluster("32xA100-80GB")
+    plan = Plan.parse("tp8,pp2,mb=8,sched=1f1b").resolve(32, "cuda")
+    local, torch_ddp = (estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine=engine), c)
+                        for engine in ("megatron-local", "shoal"))
+    assert local.traffic == pytest.approx(torch_ddp.traffic) and local.traffic["dp_allreduce"] > 0
+    assert local.time["dp_sync_exposed"] == pytest.approx(local.traffic["dp_allreduce"])
+    assert torch_ddp.time["dp_sync_exposed"] < local.time["dp_sync_exposed"]
+    with pytest.raises(ValueError, match="fsdp=2"):
+        estimate(Plan.parse("fsdp2,tp8,pp2,mb=8").resolve(32, "cuda"),
+                 Workload(model=TINY, global_batch=64, seq_len=128, data_engine="megatron-local"), c)
 
 
 def test_accumulation_under_fsdp2_adds_unsharded_gradients_only_where_the_sync_is_off():

@@ -85,7 +85,9 @@ CPU_PROCESS_BYTES = 300 * 2**20
 --dry-run` reports it as the baseline; 301 MB on the 2-core machines shoal is tested on)."""
 
 
-DATA_ENGINES = ("shoal", "deepspeed-pipe")
+DATA_ENGINES = ("shoal", "deepspeed-pipe", "megatron-local")
+STEP_END_ENGINES = ("deepspeed-pipe", "megatron-local")
+"""Data engines that reduce the gradients once a step, after the last micro-batch's backward, beside no compute."""
 
 
 def deepspeed_engine(plan: Plan, engine: EngineChoice) -> EngineChoice:
@@ -122,7 +124,11 @@ class Workload:
     data_engine: str = "shoal"
     """Who runs the data axes (DATA_ENGINES): shoal's own engine for the plan (shoal.rules.choose_engine), or
     "deepspeed-pipe" for a run of DeepSpeed's pipeline engine, which reduces gradients (and at ZeRO-1 gathers
-    the updated weights) once a step, after the last micro-batch's backward, beside no compute (deepspeed_engine)."""
+    the updated weights) once a step, after the last micro-batch's backward, beside no compute (deepspeed_engine),
+    or "megatron-local" for Megatron-LM's own DistributedDataParallel of 2021 (`--DDP-impl local`, its default),
+    whose train_step all-reduces the gradients once, after forward_backward_func returns (megatron/training.py
+    and megatron/model/distributed.py, allreduce_gradients, at github.com/NVIDIA/Megatron-LM aed2f75e20): no
+    overlap either. `--DDP-impl torch` is torch's DDP, which shoal's engine prices."""
     unsharded_accumulation: bool = False
     """FSDP2 stages under torch.distributed.pipelining (torchtitan's pipelines): its PipelineStage turns
     gradient sync off for every backward but a stage's last (stage.py, backward_maybe_with_nosync), so the
@@ -204,9 +210,11 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     b = local // micro  # sequences per micro-batch
     net = network or RingNetwork(cluster)
     engine = choose_engine(plan, num_layers=cfg.num_layers)
-    step_end = work.data_engine == "deepspeed-pipe"
-    if step_end:
+    step_end = work.data_engine in STEP_END_ENGINES
+    if work.data_engine == "deepspeed-pipe":
         engine = deepspeed_engine(plan, engine)
+    if work.data_engine == "megatron-local" and plan.fsdp > 1:
+        raise ValueError(f"Megatron-LM's local DDP replicates every state, got fsdp={plan.fsdp}")
     cost = _Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention,
                   policy=work.selective_policy, tp_engine=work.tp_engine)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())

@@ -74,47 +74,55 @@ def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int, *, pp: int 
 
 # --- Narayanan et al. 2021 (Megatron-LM, PTD-P), Table 1 -------------------------------------
 _MEGATRON21_SRC = ("https://arxiv.org/abs/2104.04473 Table 1 (weak scaling); the same rows as the image "
-                   "images/cases_april2021.png in github.com/NVIDIA/Megatron-LM README (2021-04 .. 2024-07)")
+                   "images/cases_april2021.png in github.com/NVIDIA/Megatron-LM README (2021-04 .. 2024-07); the "
+                   "runs' settings from examples/sc21/run_table_1.sh and CONFIG.sh (github.com/NVIDIA/Megatron-LM "
+                   "de7dc40f88, 2021-08-10, 'scripts for sc21': 'scripts that were used to produce the results')")
 _MEGATRON21_NOTE = (
     "Selene, DGX A100 80GB. Vocab 51,200, seq 2048 for every row (README). Achieved TFLOP/s count the "
     "recompute forward: F = 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) per iteration (paper eq. 3, full "
     "activation recompute), so tokens/s/GPU = reported*1e12 / (96*l*h^2*(1 + s/(6h) + V/(16*l*h))). "
     "Heads and the tp/pp split are from the paper's Table 1 (the README image gives only tp*pp); "
-    "dp = GPUs/(tp*pp). Not given in Table 1: micro-batch size, pipeline schedule (the paper also "
-    "studies an interleaved schedule), so mb/sched are left out. 'Mixed precision' per the README; "
-    "fp16 recorded (same A100 peak as bf16). No sequence parallelism existed then (sp=off). Where pp > 1, "
-    "mb = the pipeline's whole share of the batch (one sequence per micro-batch) is NOT from the "
-    "source: it is there only so the plan is complete; micro_batch_size is None."
+    "dp = GPUs/(tp*pp). From run_table_1.sh: the micro-batch size (MBS), so mb = GBS/(dp*MBS) micro-batches a "
+    "pipeline; the interleaved schedule where it passes --num-layers-per-virtual-pipeline-stage (vpp = layers a "
+    "stage / that number), otherwise 1F1B; --DDP-impl torch (torch's DDP, its all-reduce overlapping backward) "
+    "up to 18B and local (one all-reduce after the last backward: data_engine megatron-local) from 39B; "
+    "--checkpoint-activations (ac=full) and --fp16 (CONFIG.sh, with a static loss scale of 8192). No sequence "
+    "parallelism existed then (sp=off)."
 )
 
 
 def _megatron21(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
-                tflops: float, tokens: float) -> PublishedRun:
+                tflops: float, tokens: float, *, mbs: int, ddp: str, layers_per_chunk: int | None = None
+                ) -> PublishedRun:
+    dp = gpus // (tp * pp)
     axes = [f"tp{tp}"] if tp > 1 else []
-    axes += [f"pp{pp}", f"mb={batch * tp * pp // gpus}"] if pp > 1 else []
+    if pp > 1:
+        axes += [f"pp{pp}", f"mb={batch // (dp * mbs)}"]
+        axes += [f"sched=interleaved,vpp={layers // pp // layers_per_chunk}"] if layers_per_chunk else ["sched=1f1b"]
     opts = ["ac=full", "precision=fp16"] + (["sp=off"] if tp > 1 else [])
-    return PublishedRun(fused_attention=False,
+    return PublishedRun(fused_attention=False, data_engine="megatron-local" if ddp == "local" else "shoal",
         name=f"Megatron-LM 2021, GPT {params} on {gpus} A100",
         model=_gpt(layers, hidden, heads, 51200, 2048, pp=pp),
         cluster=f"{gpus}xA100-80GB",
         plan=",".join(axes + opts),
-        global_batch=batch, seq_len=2048, micro_batch_size=None,
+        global_batch=batch, seq_len=2048, micro_batch_size=mbs,
         reported=tflops, unit="tflops_per_gpu_hw", tokens_per_s_per_device=tokens,
-        source=_MEGATRON21_SRC, note=_MEGATRON21_NOTE + f" dp={gpus // (tp * pp)}. " + (_UNTIED if pp > 1 else ""),
+        source=_MEGATRON21_SRC,
+        note=_MEGATRON21_NOTE + f" dp={dp}, MBS {mbs}, --DDP-impl {ddp}. " + (_UNTIED if pp > 1 else ""),
     )
 
 
 _MEGATRON21 = (
-    _megatron21("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 9287.9),
-    _megatron21("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 4431.2),
-    _megatron21("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 2216.3),
-    _megatron21("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 871.6),
-    _megatron21("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 425.1),
-    _megatron21("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 223.2),
-    _megatron21("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 123.8),
-    _megatron21("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 61.3),
-    _megatron21("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 37.9),
-    _megatron21("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163, 20.0),
+    _megatron21("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 9287.9, mbs=16, ddp="torch"),
+    _megatron21("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 4431.2, mbs=16, ddp="torch"),
+    _megatron21("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 2216.3, mbs=16, ddp="torch"),
+    _megatron21("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 871.6, mbs=8, ddp="torch"),
+    _megatron21("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 425.1, mbs=4, ddp="local"),
+    _megatron21("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 223.2, mbs=2, ddp="local", layers_per_chunk=5),
+    _megatron21("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 123.8, mbs=2, ddp="local", layers_per_chunk=5),
+    _megatron21("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 61.3, mbs=1, ddp="local", layers_per_chunk=3),
+    _megatron21("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 37.9, mbs=1, ddp="local", layers_per_chunk=1),
+    _megatron21("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163, 20.0, mbs=1, ddp="local"),
 )
 
 # --- Korthikanti et al. 2022 (sequence parallelism + selective recompute) ---------------------
