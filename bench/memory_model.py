@@ -2,13 +2,15 @@
 
 Each row is one `shoal train --dry-run` in its own launch: its busiest rank's peak of live tensor
 bytes in its third step beside the sum of the planner's terms, and its resident peak in its second
-above the interpreter's baseline beside the planner's total (terms plus the fragmentation margin).
+above the interpreter's baseline beside the planner's total (terms plus the fragmentation margin and, on
+CPUs, the step's runtime memory, CPU_STEP_BYTES).
 Goal: within 15%. A plan the memory check refuses (it would not fit this machine's free memory)
 is reported with its one-line refusal instead: the check runs before any worker, so nothing is
 allocated.
 
     python -m bench.memory_model                  # `small` and the 512M model (vocab 500,000, dim 512)
     python -m bench.memory_model --models small   # the small preset only (about 3 minutes)
+    python -m bench.memory_model --models runtime # the step's memory beyond tensors (CPU_STEP_BYTES)
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 python -m bench.memory_model   # under jemalloc
 """
 
@@ -27,9 +29,13 @@ from bench.common import report
 MODELS: dict[str, list[str]] = {
     "small": ["--model", "small"],
     "512M": ["--set", "vocab_size=500000", "--set", "dim=512", "--global-batch", "4"],
+    "runtime": ["--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "4",
+                "--seq-len", "64"],
 }
 """The models of the table: the small preset at its defaults, and `tiny` with a 500,000-token vocabulary
-and dim 512 (512M parameters, ~2 GB in fp32, dominated by its two tables) at global batch 4."""
+and dim 512 (512M parameters, ~2 GB in fp32, dominated by its two tables) at global batch 4. "runtime", not in
+the default set, is a model whose tensors are negligible (1-5 MB): what its resident peak holds beyond them is
+the step's runtime memory, shoal.planner.estimate.CPU_STEP_BYTES."""
 
 PLANS = [("dp1", 1), ("dp2", 2), ("fsdp2", 2), ("fsdp4", 4), ("tp2", 2), ("pp2", 2), ("tp4", 4)]
 
@@ -55,12 +61,13 @@ def dry_run(model: list[str], plan: str, nproc: int) -> dict[str, Any]:
     kept = _KEPT.search(text)
     return {"kept MB": int(kept.group(1)) if kept else None,
             "live MB": measured, "terms MB": priced, "terms error": f"{100 * (priced - measured) / measured:+.0f}%",
-            "resident MB": above, "total MB": total, "total error": f"{100 * (total - above) / above:+.0f}%"}
+            "resident MB": above, "beyond tensors MB": above - measured, "total MB": total,
+            "total error": f"{100 * (total - above) / above:+.0f}%"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["small", "512M"], choices=list(MODELS))
     args = parser.parse_args()
     rows = []
     for name in args.models:

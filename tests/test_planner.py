@@ -240,6 +240,21 @@ def test_terms_add_up_and_sharding_saves_memory():
     assert plans["tp2,pp2,fsdp4,mb=8,ac=full"].time["recompute"] > 0
 
 
+def test_a_cpu_process_adds_the_step_runtime_to_its_tensors():
+    """On CPUs the total is the tensor terms with their margin plus what a step holds beyond its tensors
+    (estimate.CPU_STEP_BYTES, measured by bench/memory_model.py --models runtime); a GPU's reserved memory is
+    priced apart (estimate.RESERVED_BYTES), not in the total."""
+    from shoal.planner.estimate import CPU_STEP_BYTES, Workload, estimate
+    from shoal.planner.fit import cpu_cluster
+
+    work = Workload(model=TINY, global_batch=16, seq_len=128)
+    cpu = estimate(Plan.parse("fsdp2").resolve(2, "cpu"), work, cpu_cluster(2, local=2, memory_bytes=2**36))
+    assert cpu.mem_per_device_bytes == pytest.approx(sum(cpu.memory.values()) * memory.FRAGMENTATION + CPU_STEP_BYTES)
+    assert 16 * 2**20 <= CPU_STEP_BYTES <= 32 * 2**20  # 21-28 MB measured a process
+    gpu = _estimate("fsdp2", cluster="2xA100-80GB")
+    assert gpu.mem_per_device_bytes == pytest.approx(sum(gpu.memory.values()) * memory.FRAGMENTATION)
+
+
 def test_every_step_pays_its_small_collectives():
     """step_sync counts the trainer's own collectives: the stop-signal agreement over the world,
     the loss's mean over each data and cp axis, the gradient norm's reduction over each sharding

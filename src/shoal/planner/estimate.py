@@ -83,6 +83,12 @@ on current GPUs; PyTorch "Understanding CUDA memory usage" notes)."""
 CPU_PROCESS_BYTES = 300 * 2**20
 """Host memory a CPU process holds before any model: Python, torch and a gloo group (every `shoal train
 --dry-run` reports it as the baseline; 301 MB on the 2-core machines shoal is tested on)."""
+CPU_STEP_BYTES = 24 * 2**20
+"""Host memory a CPU process's training step holds beyond its tensors and the baseline, whatever the model: the
+code of the kernels it pages in, the Python objects of the model, plan and optimizer, gloo's buffers. Measured
+with a model whose tensors are negligible (2 layers of dim 64, 1-5 MB): its dry runs under dp1, dp2, fsdp2,
+fsdp4, tp2 and pp2 peak 21-28 MB above the baseline beyond their live tensors, median 24
+(`python -m bench.memory_model --models runtime`)."""
 
 
 DATA_ENGINES = ("shoal", "deepspeed-pipe", "megatron-local")
@@ -245,8 +251,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
     mem, gradient_bytes = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro,
                                   stages, unsharded_accumulation=work.unsharded_accumulation)
-    peak = sum(mem.values()) * memory.FRAGMENTATION
     on_cpu = cluster.device_type == "cpu"
+    peak = sum(mem.values()) * memory.FRAGMENTATION + (CPU_STEP_BYTES if on_cpu else 0.0)
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)
     tokens = work.global_batch * S
     flops = _model_flops(cfg, S) * tokens / step / plan.world_size

@@ -119,8 +119,9 @@ def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | 
                   "optimizer": predicted["optimizer"]}
         peak = {k: v for k, v in predicted.items() if k not in ("total", "all gradients") and v}
         lines.append(f"planner, busiest device (MB): {', '.join(f'{k} {v:.1f}' for k, v in states.items())}; "
-                     f"the step's peak: {', '.join(f'{k} {v:.1f}' for k, v in peak.items())}; total with "
-                     f"fragmentation margin {predicted['total']:.1f} (the interpreter and libraries not included)")
+                     f"the step's peak: {', '.join(f'{k} {v:.1f}' for k, v in peak.items())}; total with the "
+                     f"fragmentation margin{' and the step runtime' if trainer.device.type == 'cpu' else ''} "
+                     f"{predicted['total']:.1f} (the interpreter and libraries not included)")
         total = predicted["total"]
         above = max(step - base for *_, base, _, step, _, _ in rows)
         lines.append(f"step peak above the baseline, busiest rank: {above:.0f} MB; the planner's "
