@@ -295,6 +295,7 @@ class ZeroDataParallel(nn.Module):
         packed = torch._chunk_cat(grads, dim=0, num_chunks=self._shards).to(self.precision.reduce_dtype)
         for s in b.slots:
             s.param.grad = None
+        del grads  # the list holds the full gradients too: drop it before the collective's output is allocated
         # The first reduction of a step lands in a new gradient shard itself (when the dtypes
         # agree); later ones (zero=2 over micro-batches) in a temporary added to it.
         first = b.grad is None

@@ -621,13 +621,29 @@ def fsdp_table_bytes(cfg: ModelConfig, *, tp: int, param_bytes: float, grad_byte
     return cfg.vocab_size * cfg.dim / tp * (param_bytes + grad_bytes + reduce_bytes)
 
 
+def zero_bucket_bytes(numel: float, *, shards: int, reduce_bytes: float, on_cpu: bool) -> float:
+    """What shoal's ZeRO-1/2 engine holds while it reduces one bucket of `numel` gradient elements
+    (shoal/parallel/zero.py, _reduce and _complete): the gradients packed rank-major in the reduce dtype, the
+    collective's output and the fp32 gradient shard the result lands in. On gloo the output is an all_to_all's,
+    every rank's copy of this rank's rows, a whole bucket (zero._ALL_TO_ALL_ON); on NCCL a reduce-scatter's, one
+    shard, which at fp32 is the gradient shard itself. Counted from live tensors: tests/test_dry_run.py."""
+    packed, shard = numel * reduce_bytes, numel / shards * 4.0
+    if on_cpu:
+        return 2 * packed + shard
+    return packed + (shard if reduce_bytes == 4 else numel / shards * reduce_bytes + shard)
+
+
 def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bucket: int, params: float,
             experts: float, micro: int, stages: list[tuple[int, int, bool]], *,
             unsharded_accumulation: bool = False) -> tuple[dict[str, float], float]:
     """The busiest device's memory terms in bytes, and all its gradients' bytes."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
-    dense = memory.model_state_bytes(params, shards=shards, stage=zero, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
+    # shoal's ZeRO-1 engine holds full gradients only to accumulate them (no_sync): with one micro-batch and no
+    # pipeline it reduces each bucket into its shard at once, as ZeRO-2 does (shoal/parallel/zero.py).
+    full_grads = kind != "zero" or zero != 1 or micro > 1 or plan.pp > 1
+    stage = zero if full_grads else 2
+    dense = memory.model_state_bytes(params, shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
     # Under sharded data the experts are also split over the data ranks outside ep, gathered per
     # layer in forward (shoal/parallel/expert.py): ZeRO-3 over those replicas.
     replicas = plan.data_ranks // plan.ep if plan.fsdp > 1 else 1
@@ -679,6 +695,18 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
         # gradients and adds them to the sharded ones (shoal.parallel.data: no_sync leaves the sync on).
         if micro > 1 and unsharded_accumulation:
             transient += params * 4  # the unsharded gradients accumulate while the sync waits
+    elif kind == "zero":
+        # A bucket of blocks is reduced once its blocks' backward is done, their activations freed; the bucket of
+        # the rest (the tables, the final norm) at the end of the backward, every activation and the logits freed.
+        def reduced(numel: float) -> float:
+            return zero_bucket_bytes(numel, shards=shards, reduce_bytes=4.0 if plan.reduce == "fp32" else 2.0,
+                                     on_cpu=cost.on_cpu)
+
+        # Gradients accumulated in full (ZeRO-1 over micro-batches) are priced already: packing frees them.
+        held = gb if zero == 1 and full_grads else 0.0
+        block = per_block[False] * tokens * cost.bytes  # one block's activations of one micro-batch
+        transient = max(0.0, reduced(bucket * layer) - bucket * (layer * held + block),
+                        reduced(tables) - tables * held - sum(worst.values()))
     elif kind == "ddp":
         transient = params * gb  # DDP's bucket copies of the gradients
     # The optimizer step holds the model states and its own temporaries, after the backward's are freed: a
