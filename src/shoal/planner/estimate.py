@@ -638,6 +638,7 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
             unsharded_accumulation: bool = False) -> tuple[dict[str, float], float]:
     """The busiest device's memory terms in bytes, and all its gradients' bytes."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
+    rb = 4.0 if plan.reduce == "fp32" else 2.0  # bytes of a gradient element as the data axis reduces it
     shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
     # shoal's ZeRO-1 engine holds full gradients only to accumulate them (no_sync): with one micro-batch and no
     # pipeline it reduces each bucket into its shard at once, as ZeRO-2 does (shoal/parallel/zero.py).
@@ -690,7 +691,7 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
         # gradient and the reduce-scatter's input, which outweigh any block's unit once the vocabulary is large.
         if plan.vocab != "sharded":  # sharded tables are never gathered (shoal/parallel/sharded_vocab.py)
             transient = max(transient, fsdp_table_bytes(cfg, tp=plan.tp, param_bytes=pb, grad_bytes=gb,
-                                                        reduce_bytes=4 if plan.reduce == "fp32" else 2))
+                                                        reduce_bytes=rb))
         # Accumulating over micro-batches adds nothing in shoal: FSDP2 at ZeRO-3 reduce-scatters every micro-batch's
         # gradients and adds them to the sharded ones (shoal.parallel.data: no_sync leaves the sync on).
         if micro > 1 and unsharded_accumulation:
@@ -698,15 +699,12 @@ def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bu
     elif kind == "zero":
         # A bucket of blocks is reduced once its blocks' backward is done, their activations freed; the bucket of
         # the rest (the tables, the final norm) at the end of the backward, every activation and the logits freed.
-        def reduced(numel: float) -> float:
-            return zero_bucket_bytes(numel, shards=shards, reduce_bytes=4.0 if plan.reduce == "fp32" else 2.0,
-                                     on_cpu=cost.on_cpu)
-
+        blocks, rest = (zero_bucket_bytes(n, shards=shards, reduce_bytes=rb, on_cpu=cost.on_cpu)
+                        for n in (bucket * layer, tables))
         # Gradients accumulated in full (ZeRO-1 over micro-batches) are priced already: packing frees them.
         held = gb if zero == 1 and full_grads else 0.0
         block = per_block[False] * tokens * cost.bytes  # one block's activations of one micro-batch
-        transient = max(0.0, reduced(bucket * layer) - bucket * (layer * held + block),
-                        reduced(tables) - tables * held - sum(worst.values()))
+        transient = max(0.0, blocks - bucket * (layer * held + block), rest - tables * held - sum(worst.values()))
     elif kind == "ddp":
         transient = params * gb  # DDP's bucket copies of the gradients
     # The optimizer step holds the model states and its own temporaries, after the backward's are freed: a
