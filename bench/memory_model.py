@@ -35,7 +35,7 @@ MODELS: dict[str, list[str]] = {
 """The models of the table: the small preset at its defaults, and `tiny` with a 500,000-token vocabulary
 and dim 512 (512M parameters, ~2 GB in fp32, dominated by its two tables) at global batch 4. "runtime", not in
 the default set, is a model whose tensors are negligible (1-5 MB): what its resident peak holds beyond them is
-the step's runtime memory, shoal.planner.estimate.CPU_STEP_BYTES."""
+the step's runtime memory, shoal.planner.peak.CPU_STEP_BYTES."""
 
 PLANS = [("dp1", 1), ("dp2", 2), ("fsdp2", 2), ("fsdp4", 4), ("tp2", 2), ("pp2", 2), ("tp4", 4)]
 

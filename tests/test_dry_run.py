@@ -117,7 +117,7 @@ def test_dry_run_with_accumulation_under_fsdp2(tmp_path, capfd):
 def test_dry_run_of_the_zero_engine_on_a_shallow_model(tmp_path, capfd, zero, micro):
     """shoal's ZeRO-1/2 engine reduces a bucket of blocks (two, here the whole model) once their backward is
     done: the gradients packed rank-major, gloo's all_to_all output (a whole bucket) and the gradient shard
-    (estimate.zero_bucket_bytes), on a model whose parameters outweigh its activations. ZeRO-1 over two
+    (peak.zero_bucket_bytes), on a model whose parameters outweigh its activations. ZeRO-1 over two
     micro-batches accumulates full gradients first (priced), ZeRO-1 over one would reduce them at once. The
     terms were 33% and 40% under this step's live tensors before the planner priced the reduction, and the
     engine then held the packed bucket's gradients a moment longer (its peak fell from 22.3 to 19.0 MB when it

@@ -242,10 +242,11 @@ def test_terms_add_up_and_sharding_saves_memory():
 
 def test_a_cpu_process_adds_the_step_runtime_to_its_tensors():
     """On CPUs the total is the tensor terms with their margin plus what a step holds beyond its tensors
-    (estimate.CPU_STEP_BYTES, measured by bench/memory_model.py --models runtime); a GPU's reserved memory is
+    (peak.CPU_STEP_BYTES, measured by bench/memory_model.py --models runtime); a GPU's reserved memory is
     priced apart (estimate.RESERVED_BYTES), not in the total."""
-    from shoal.planner.estimate import CPU_STEP_BYTES, Workload, estimate
+    from shoal.planner.estimate import Workload, estimate
     from shoal.planner.fit import cpu_cluster
+    from shoal.planner.peak import CPU_STEP_BYTES
 
     work = Workload(model=TINY, global_batch=16, seq_len=128)
     cpu = estimate(Plan.parse("fsdp2").resolve(2, "cpu"), work, cpu_cluster(2, local=2, memory_bytes=2**36))

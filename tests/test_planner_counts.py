@@ -210,7 +210,7 @@ def test_fsdp_vocabulary_tables(pools, tables):
     of live tensors of a real fsdp2 step (the second, with the optimizer state held) at 50k and 100k words,
     within the goal's 15% above it, and no more than 0.1% under it (the terms leave out the optimizer's
     per-tensor step counts and the like: kilobytes).
-    - vocab=gathered: each table an FSDP2 unit (shoal.planner.estimate.fsdp_table_bytes: a table gathered
+    - vocab=gathered: each table an FSDP2 unit (shoal.planner.peak.fsdp_table_bytes: a table gathered
       whole, its unsharded gradient and the reduce-scatter's input). The terms sum every peak (the loss's
       logits, the tables' three copies, all sharded gradients) though the head's backward holds only its
       own sharded gradient, so they lie above the measured peak (7% when counted).
@@ -279,11 +279,11 @@ def _fsdp_step_peak(cfg: object, plan: str) -> float:
 
 
 def test_cpu_adamw_step_temporaries():
-    """shoal.planner.estimate.optimizer_step_bytes, recounted: a CPU AdamW step (the trainer's optimizer,
+    """shoal.planner.peak.optimizer_step_bytes, recounted: a CPU AdamW step (the trainer's optimizer,
     one tensor at a time there) holds two fp32 copies of its largest tensor beside the model states."""
     import torch
 
-    from shoal.planner.estimate import optimizer_step_bytes
+    from shoal.planner.peak import optimizer_step_bytes
     from shoal.train.memory import TensorPeak
 
     big, small = torch.nn.Parameter(torch.randn(20000, 64)), torch.nn.Parameter(torch.randn(64, 64))

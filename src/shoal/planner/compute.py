@@ -67,6 +67,14 @@ def attention_core_flops(cfg: ModelConfig, context: int, *, causal_skip: bool) -
     return full / 2 if causal_skip else full
 
 
+def block_index(cfg: ModelConfig, *, moe: bool) -> int:
+    """The block the estimates price for every block of its kind: the first with experts, or the first without
+    (0 when every block has them)."""
+    if moe:
+        return cfg.moe_every - 1
+    return next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), 0)
+
+
 def experts_per_token(cfg: ModelConfig) -> float:
     """FFNs a token passes through in an MoE layer: top-k (or one per prototype group) plus shared."""
     routed = cfg.num_prototypes if cfg.num_prototypes else cfg.top_k

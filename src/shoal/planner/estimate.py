@@ -22,6 +22,8 @@ so what is priced is what will run. Times are per step on the busiest rank:
   is memory-bound (Adam reads and writes 28 bytes per parameter, the norm for clipping 4 more);
 - the step's own small collectives (loss, gradient norm, stop signals), each a latency;
 - on CPUs, where the host runs the ops, each op's dispatch (DTensor's under tensor parallelism).
+
+Memory is the busiest device's peak (shoal.planner.peak) with the fragmentation margin.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 from shoal.models.config import ModelConfig
 from shoal.plan import DEVICE_DEFAULTS, Plan
-from shoal.planner import compute, memory
+from shoal.planner import compute, memory, peak
 from shoal.planner.comm import Network, RingNetwork
 from shoal.planner.hardware import Cluster
 from shoal.rules import EngineChoice, choose_engine, micro_batches
@@ -83,12 +85,7 @@ on current GPUs; PyTorch "Understanding CUDA memory usage" notes)."""
 CPU_PROCESS_BYTES = 300 * 2**20
 """Host memory a CPU process holds before any model: Python, torch and a gloo group (every `shoal train
 --dry-run` reports it as the baseline; 301 MB on the 2-core machines shoal is tested on)."""
-CPU_STEP_BYTES = 24 * 2**20
-"""Host memory a CPU process's training step holds beyond its tensors and the baseline, whatever the model: the
-code of the kernels it pages in, the Python objects of the model, plan and optimizer, gloo's buffers. Measured
-with a model whose tensors are negligible (2 layers of dim 64, 1-5 MB): its dry runs under dp1, dp2, fsdp2,
-fsdp4, tp2 and pp2 peak 21-28 MB above the baseline beyond their live tensors, median 24
-(`python -m bench.memory_model --models runtime`)."""
+
 
 
 DATA_ENGINES = ("shoal", "deepspeed-pipe", "megatron-local")
@@ -249,17 +246,17 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["engine_overhead"] = micro * cost.op_overhead * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors
     time["step_sync"] = cost.step_sync(engine.kind)
     step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
-    mem, gradient_bytes = _memory(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts, micro,
-                                  stages, unsharded_accumulation=work.unsharded_accumulation)
+    mem, gradient_bytes = peak.peak_terms(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts,
+                                          micro, stages, unsharded_accumulation=work.unsharded_accumulation)
     on_cpu = cluster.device_type == "cpu"
-    peak = sum(mem.values()) * memory.FRAGMENTATION + (CPU_STEP_BYTES if on_cpu else 0.0)
+    need = sum(mem.values()) * memory.FRAGMENTATION + (peak.CPU_STEP_BYTES if on_cpu else 0.0)
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)
     tokens = work.global_batch * S
     flops = _model_flops(cfg, S) * tokens / step / plan.world_size
     return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step,
                     tokens_per_s=tokens / step,
                     tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster)],
-                    mem_per_device_bytes=peak, fits=peak <= usable, time=time, memory=mem, traffic=sync,
+                    mem_per_device_bytes=need, fits=need <= usable, time=time, memory=mem, traffic=sync,
                     gradient_bytes=gradient_bytes)
 
 
@@ -269,8 +266,8 @@ def _model_flops(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def _dtype(plan: Plan, cluster: Cluster) -> str:
-    peak = cluster.device.peak_flops
-    return plan.precision if plan.precision in peak else "fp16"
+    rates = cluster.device.peak_flops
+    return plan.precision if plan.precision in rates else "fp16"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -331,7 +328,7 @@ class _Costs:
         # Small products run below the large-GEMM rate (hardware.DeviceSpec.gemm_factor): time multipliers.
         self.mm_scale = {moe: _gemm_scale(cluster.device, cfg, tokens, plan.tp, moe=moe) for moe in (False, True)}
         self.head_scale = _training_gemm_time(cluster.device, tokens, cfg.vocab_size / plan.tp, cfg.dim)
-        self.work = {moe: compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=seq_len,
+        self.work = {moe: compute.block_work(cfg, compute.block_index(cfg, moe=moe), seq_len=seq_len,
                                              causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
                      for moe in (False, True)}
         # The share of a block's weight-product work selective recompute reruns (none under shoal's policy).
@@ -343,7 +340,7 @@ class _Costs:
         dense = self.work[False]
         return compute.head_flops(self.cfg) / (dense.matmul + dense.attention)
 
-    def _moe_count(self, lo: int, hi: int) -> int:
+    def moe_count(self, lo: int, hi: int) -> int:
         """MoE blocks among lo..hi-1 (block i is MoE when (i + 1) % moe_every == 0)."""
         if not self.cfg.num_experts:
             return 0
@@ -354,7 +351,7 @@ class _Costs:
         """(forward, backward, terms per micro-batch) of blocks lo..hi-1 (and the head)."""
         p, T, tp = self.plan, self.tokens, self.plan.tp
         assert p.vpp is not None, "estimates are of resolved plans"
-        moe = self._moe_count(lo, hi)
+        moe = self.moe_count(lo, hi)
         blocks = [(self.work[True], moe), (self.work[False], hi - lo - moe)]
         mm_moe = self.mm_scale[True] * blocks[0][0].matmul * moe * T / tp / self.rate
         mm_dense = self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe) * T / tp / self.rate
@@ -440,7 +437,7 @@ class _Costs:
         D = cfg.dim
         attn = compute.attention_matmul_flops(cfg) / 2
         mlp = compute.mlp_matmul_flops(cfg) / 2
-        moe = round(blocks * self._moe_count(0, cfg.num_layers) / cfg.num_layers)
+        moe = round(blocks * self.moe_count(0, cfg.num_layers) / cfg.num_layers)
         moe_sets = 1 if cfg.share_moe and moe else moe
         shared = cfg.num_shared_experts * compute.mlp_matmul_flops(cfg, compute.shared_width(cfg)) / 2
         shared += D if cfg.shared_gate and cfg.num_shared_experts else 0  # at their own width, and their gate
@@ -603,145 +600,6 @@ def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: b
         gemms += [(F / tp, D)] * (2 if cfg.activation == "swiglu" else 1) + [(D, F / tp)]
     listed = sum(2.0 * n * k for n, k in gemms) * tp  # per token, all ranks (block_work's convention)
     slow = sum(2.0 * n * k * _training_gemm_time(device, tokens, n, k) for n, k in gemms) * tp
-    whole = compute.block_work(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg), seq_len=1, causal_skip=True,
+    whole = compute.block_work(cfg, compute.block_index(cfg, moe=moe), seq_len=1, causal_skip=True,
                                fused_attention=True).matmul
     return (whole - listed + slow) / whole
-
-
-def _dense_index(cfg: ModelConfig) -> int:
-    return next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), 0)
-
-
-def fsdp_table_bytes(cfg: ModelConfig, *, tp: int, param_bytes: float, grad_bytes: float,
-                     reduce_bytes: float) -> float:
-    """An FSDP2 table unit (the embeddings, or the head) at its backward: the table gathered whole, its
-    unsharded gradient and the reduce-scatter's input (torch's FSDP2 copies the unsharded gradients into one
-    flat buffer of the reduce dtype before reducing, `foreach_reduce`), each a (V, D/tp) table. Counted from
-    the live tensors of a dry run: tests/test_planner_counts.py."""
-    return cfg.vocab_size * cfg.dim / tp * (param_bytes + grad_bytes + reduce_bytes)
-
-
-def zero_bucket_bytes(numel: float, *, shards: int, reduce_bytes: float, on_cpu: bool) -> float:
-    """What shoal's ZeRO-1/2 engine holds while it reduces one bucket of `numel` gradient elements
-    (shoal/parallel/zero.py, _reduce and _complete): the gradients packed rank-major in the reduce dtype, the
-    collective's output and the fp32 gradient shard the result lands in. On gloo the output is an all_to_all's,
-    every rank's copy of this rank's rows, a whole bucket (zero._ALL_TO_ALL_ON); on NCCL a reduce-scatter's, one
-    shard, which at fp32 is the gradient shard itself. Counted from live tensors: tests/test_dry_run.py."""
-    packed, shard = numel * reduce_bytes, numel / shards * 4.0
-    if on_cpu:
-        return 2 * packed + shard
-    return packed + (shard if reduce_bytes == 4 else numel / shards * reduce_bytes + shard)
-
-
-def _memory(plan: Plan, cfg: ModelConfig, cost: _Costs, kind: str, zero: int, bucket: int, params: float,
-            experts: float, micro: int, stages: list[tuple[int, int, bool]], *,
-            unsharded_accumulation: bool = False) -> tuple[dict[str, float], float]:
-    """The busiest device's memory terms in bytes, and all its gradients' bytes."""
-    pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
-    rb = 4.0 if plan.reduce == "fp32" else 2.0  # bytes of a gradient element as the data axis reduces it
-    shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
-    # shoal's ZeRO-1 engine holds full gradients only to accumulate them (no_sync): with one micro-batch and no
-    # pipeline it reduces each bucket into its shard at once, as ZeRO-2 does (shoal/parallel/zero.py).
-    full_grads = kind != "zero" or zero != 1 or micro > 1 or plan.pp > 1
-    stage = zero if full_grads else 2
-    dense = memory.model_state_bytes(params, shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
-    # Under sharded data the experts are also split over the data ranks outside ep, gathered per
-    # layer in forward (shoal/parallel/expert.py): ZeRO-3 over those replicas.
-    replicas = plan.data_ranks // plan.ep if plan.fsdp > 1 else 1
-    expert = memory.model_state_bytes(experts, shards=replicas, stage=3 if replicas > 1 else 0, param_bytes=pb,
-                                      grad_bytes=gb, optim_bytes=ob)
-    tokens = cost.tokens  # of one micro-batch on this rank
-    # Accumulating over micro-batches without a data engine, each micro-batch after the first makes
-    # its gradient of the embedding table (or the classifier) whole before adding it to the one held
-    # (tests/test_planner_counts.py measures it): a table's bytes more, late in the backward, after the
-    # loss's logits are freed, so a stage holds the larger of the two, not both.
-    table = cfg.vocab_size * cfg.dim / plan.tp * gb if micro > 1 and kind == "none" else 0.0
-    worst: dict[str, float] = {}
-    per_block = {moe: memory.activation_elements(cfg, cfg.moe_every - 1 if moe else _dense_index(cfg),
-                                                 seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=plan.ac,
-                                                 fused_attention=cost.fused, policy=cost.policy,
-                                                 tp_engine=cost.tp_engine)
-                 for moe in (False, True)}
-    for lo, hi, head in stages:
-        moe = cost._moe_count(lo, hi)
-        act = per_block[True] * moe + per_block[False] * (hi - lo - moe)
-        held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)  # type: ignore[arg-type]  # resolved
-        if plan.ac == "full" or any(cost.selective_share.values()):  # the block being recomputed holds all of its
-            recomputed = memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
-                                                    fused_attention=cost.fused, tp_engine=cost.tp_engine)
-            held += recomputed * tokens * cost.bytes
-        logits = memory.logits_bytes(cfg, tokens, tp=plan.tp, logit_bytes=int(cost.bytes)) if head else 0.0
-        if head and plan.vocab == "sharded":  # the classifier's backward: the logits' gradient, both all-to-all buffers
-            logits = max(logits, memory.SHARDED_LOGIT_COPIES * tokens * cfg.vocab_size * cost.bytes)
-        if head:
-            final_norm = memory.head_norm_elements(cfg, tp=plan.tp, sp=bool(plan.sp), tp_engine=cost.tp_engine)
-            held += final_norm * tokens * cost.bytes
-        accumulated = max(0.0, table - logits)
-        if held + logits + accumulated > sum(worst.values()):
-            worst = {"activations": held, "logits": logits, "accumulation": accumulated}
-    # One block's parameters: the rank's, less the vocabulary tables it holds (both without pp; under pp the
-    # busier stage holds one, the embedding or the head), which are units of their own.
-    tables = cfg.vocab_size * cfg.dim / plan.tp * ((1 if cfg.tie_embeddings else 2) if plan.pp == 1 else 1)
-    layer = max(0.0, params - tables) / max(1, cfg.num_layers // plan.pp)
-    transient = 0.0
-    if kind == "fsdp2" and zero == 3:
-        transient = 2 * bucket * layer * cost.bytes + bucket * layer * 4  # gathered units, one unit's grads
-        # The embedding table and the classifier are units of their own (parallel/data.py), each gathered whole:
-        # in its backward a table's unit holds three (V, D/tp) tables at once, its gathered weight, its unsharded
-        # gradient and the reduce-scatter's input, which outweigh any block's unit once the vocabulary is large.
-        if plan.vocab != "sharded":  # sharded tables are never gathered (shoal/parallel/sharded_vocab.py)
-            transient = max(transient, fsdp_table_bytes(cfg, tp=plan.tp, param_bytes=pb, grad_bytes=gb,
-                                                        reduce_bytes=rb))
-        # Accumulating over micro-batches adds nothing in shoal: FSDP2 at ZeRO-3 reduce-scatters every micro-batch's
-        # gradients and adds them to the sharded ones (shoal.parallel.data: no_sync leaves the sync on).
-        if micro > 1 and unsharded_accumulation:
-            transient += params * 4  # the unsharded gradients accumulate while the sync waits
-    elif kind == "zero":
-        # A bucket of blocks is reduced once its blocks' backward is done, their activations freed; the bucket of
-        # the rest (the tables, the final norm) at the end of the backward, every activation and the logits freed.
-        blocks, rest = (zero_bucket_bytes(n, shards=shards, reduce_bytes=rb, on_cpu=cost.on_cpu)
-                        for n in (bucket * layer, tables))
-        # Gradients accumulated in full (ZeRO-1 over micro-batches) are priced already: packing frees them.
-        held = gb if zero == 1 and full_grads else 0.0
-        block = per_block[False] * tokens * cost.bytes  # one block's activations of one micro-batch
-        transient = max(0.0, blocks - bucket * (layer * held + block), rest - tables * held - sum(worst.values()))
-    elif kind == "ddp":
-        transient = params * gb  # DDP's bucket copies of the gradients
-    # The optimizer step holds the model states and its own temporaries, after the backward's are freed: a
-    # stage holds the larger of the two (as with the accumulated table above), so only the excess is a term.
-    step = optimizer_step_bytes(cfg, tp=plan.tp, ep=plan.ep, shards=shards if zero >= 1 else 1, on_cpu=cost.on_cpu)
-    # The step's peak is the larger of its backward's (activations, logits, transients and the gradients made
-    # by then) and its optimizer step's (every gradient and the step's temporaries); each term below is what
-    # its phase adds, so that the terms add up to that peak. With one micro-batch and no pipeline the backward
-    # starts without gradients (zero_grad(set_to_none=True) dropped them) and makes them as it frees the
-    # activations, the classifier's first, while the logits are alive: the backward's peak holds only the
-    # classifier's (under tp not even that while loss_parallel's copies are alive: its peak passes before the
-    # classifier's backward, which then holds the logits' gradient, one copy, beside its own). Gradient
-    # accumulation and pipelines keep the first micro-batch's gradients through the next ones' forwards: all
-    # of them count. Against live tensors: tests/test_dry_run.py and tests/test_planner_counts.py
-    # (test_fsdp_vocabulary_tables).
-    gradients = dense[1] + expert[1]
-    during = gradients
-    if micro == 1 and plan.pp == 1:
-        during = min(gradients, cfg.vocab_size * cfg.dim / plan.tp * dense[1] / params) if params else 0.0
-        if plan.tp > 1:
-            copies = memory.LOSS_LOGIT_COPIES[2 if cost.bytes <= 2 else 4] - 1
-            during = max(0.0, during - copies * 4.0 * tokens * cfg.vocab_size / plan.tp)
-    backward = sum(worst.values()) + transient + during
-    return {"parameters": dense[0] + expert[0], "gradients": during + max(0.0, gradients - backward),
-            "optimizer": dense[2] + expert[2], **worst, "transient": transient,
-            "optimizer_step": max(0.0, gradients + step - max(backward, gradients))}, gradients
-
-
-def optimizer_step_bytes(cfg: ModelConfig, *, tp: int, ep: int, shards: int, on_cpu: bool) -> float:
-    """The temporaries of an AdamW step beside the model states. On GPUs shoal takes torch's fused AdamW,
-    which keeps none. On CPUs torch steps one tensor at a time (it has no foreach kernels there), and
-    `exp_avg_sq.sqrt() / bias_correction2_sqrt` holds two temporaries of the tensor's size at once: two fp32
-    copies of the largest tensor this rank's optimizer steps (an embedding table, an FFN matrix or a stack of
-    experts, split by tp, ep and the ZeRO shards). Measured: tests/test_planner_counts.py."""
-    if not on_cpu:
-        return 0.0
-    largest = max(cfg.vocab_size * cfg.dim, compute.ffn_width(cfg, _dense_index(cfg)) * cfg.dim)
-    if cfg.num_experts:
-        largest = max(largest, cfg.num_experts / ep * cfg.ffn_dim * cfg.dim)
-    return 2 * 4.0 * largest / tp / shards
