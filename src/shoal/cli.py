@@ -92,7 +92,7 @@ def _version() -> str:
 
 
 # (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
-_TRAIN_FLAGS: list[tuple[str, Any, str]] = [
+TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "preset (tiny, tiny-gpt, small, gpt3-1.3b..gpt3-175b, llama3-8b/70b/405b, bert-large; "
      "tiny-moe, mixtral-8x7b) or hf:<dir or config.json> [tiny]"),
     ("--plan", str, "parallel plan: dpN, fsdpN, tpN, cpN, ppN, epN and options, e.g. fsdp2,tp2,zero=1 (see README), "
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model", description="Train a model; with no flags, the "
                            "tiny preset on the built-in corpus on 2 local processes.")
-    for flag, type_, help_ in _TRAIN_FLAGS:
+    for flag, type_, help_ in TRAIN_FLAGS:
         train.add_argument(flag, type=type_, help=help_, default=argparse.SUPPRESS)
     train.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
                        help="override a model field (repeatable), e.g. --set num_layers=2 [the preset's values]")
@@ -176,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run even where the memory check predicts the plan won't fit [off: checked]")
     train.set_defaults(func=_train)
 
-    _add_distill_parser(sub)
+    from shoal.distill_command import add_parser as add_distill_parser
+
+    add_distill_parser(sub)
     from shoal.plan_command import add_parser as add_plan_parser
 
     add_plan_parser(sub)
@@ -217,10 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    return _run_job(prepare_job(args))
+    return run_job(prepare_job(args))
 
 
-def _run_job(job: Any) -> int:
+def run_job(job: Any) -> int:
     """Run a prepared Job on its workers (or this torchrun rank); returns the exit status."""
     from shoal.launch import Stopped, WorkerFailed, launch, under_torchrun
     from shoal.train.preempt import STOPPED
@@ -266,12 +268,12 @@ def prepare_job(args: argparse.Namespace) -> Any:
     from shoal.train.runs import Job, default_run_dir, with_model
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
-    _check_torchrun_flags(flags)
+    check_torchrun_flags(flags)
     if args.resume is not None and ("init" in flags or "init_ignore" in flags):
         raise UserError("--init cannot be combined with --resume: a resumed run continues from its checkpoint; "
                         "valid: --init for a new run, --resume DIR to continue one")
     if args.resume is not None:
-        cfg = _resume_config(args, flags)
+        cfg = resume_config(args, flags)
         run_dir: str | None = args.resume
     else:
         toml = load_toml(args.config) if args.config else {}
@@ -293,7 +295,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
         if isinstance(model, MixerConfig):
             raise UserError("--plan auto prices transformers; the image Mixer takes a plan of dp, fsdp and ep "
                             "axes; valid: e.g. --plan dp2, fsdp2 or ep2")
-        cfg, prediction = _auto_plan(cfg, device)
+        cfg, prediction = auto_plan(cfg, device)
     validate(cfg, device)
     if args.resume is None and cfg.init is not None:  # the files' headers only: before any worker starts
         from shoal.train.pretrained import open_pretrained
@@ -303,14 +305,14 @@ def prepare_job(args: argparse.Namespace) -> Any:
         open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
     resume_from = None
     if args.resume is not None:
-        resume_from = str(_check_resumable(Path(args.resume), cfg.loop.steps))
+        resume_from = str(check_resumable(Path(args.resume), cfg.loop.steps))
     elif run_dir is not None:
-        _check_fresh_out(Path(run_dir))
+        check_fresh_out(Path(run_dir))
     return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None, resume_from=resume_from, device=device,
                prediction=prediction)
 
 
-def _check_torchrun_flags(flags: dict[str, Any]) -> None:
+def check_torchrun_flags(flags: dict[str, Any]) -> None:
     """Under torchrun, refuse the flags that torchrun's own settings replace."""
     from shoal.launch import under_torchrun
 
@@ -322,7 +324,7 @@ def _check_torchrun_flags(flags: dict[str, Any]) -> None:
                         "leave --nproc out under torchrun")
 
 
-def _auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
+def auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
     """The run config with `--plan auto` replaced by the planner's choice, and its prediction."""
     import dataclasses
 
@@ -351,7 +353,7 @@ def world_size(cfg: Any, device: str) -> int:
     return cfg.nproc if cfg.nproc is not None else default_nproc(device)
 
 
-def _resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
+def resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
     """The run folder's config with the flags a resumed run may change."""
     from shoal.train.config import RESUMABLE, from_flat, to_flat
     from shoal.train.runs import read_run_config
@@ -443,7 +445,7 @@ def _check_memory(cfg: Any, plan: Any, device: str) -> None:
         raise UserError(reason + " (--no-memory-check runs it anyway)")
 
 
-def _check_resumable(folder: Path, steps: int) -> Path:
+def check_resumable(folder: Path, steps: int) -> Path:
     """The checkpoint to resume `folder` from. A corrupt newest checkpoint is skipped with a
     warning naming it and the one used instead, automatically: a preempted job restarted by a
     scheduler has nobody to answer a question, and losing the steps since the previous
@@ -470,7 +472,7 @@ def _check_resumable(folder: Path, steps: int) -> Path:
     return path
 
 
-def _check_fresh_out(folder: Path) -> None:
+def check_fresh_out(folder: Path) -> None:
     from shoal.train.checkpoint import latest_checkpoint
 
     if folder.exists() and not folder.is_dir():
@@ -478,111 +480,6 @@ def _check_fresh_out(folder: Path) -> None:
     if folder.is_dir() and latest_checkpoint(folder) is not None:
         raise UserError(f"--out {str(folder)!r} already holds a trained run; continue it with --resume "
                         f"{folder} or choose another --out")
-
-
-# ----------------------------------------------------------------------------- shoal distill
-
-
-def _add_distill_parser(sub: Any) -> None:
-    distill = sub.add_parser("distill", help="distil a trained MoE run into a dense student (OneS)",
-                             description="OneS (arXiv 2201.10890): gather each MoE layer's experts of a trained "
-                             "run into one dense FFN, then train that dense student by knowledge distillation from "
-                             "the MoE's logits, under any dense plan. The student's run folder is a normal run folder.")
-    distill.add_argument("--teacher", metavar="RUN_DIR", help="the trained MoE run folder (its newest checkpoint "
-                         "that verifies, written under any plan) (required for a new run)")
-    distill.add_argument("--gather", default="svd", help="how the dense FFN starts from the experts: sum, mean, "
-                         "topk (each expert's K largest-magnitude entries, summed), svd (each expert's top-r "
-                         "singular components, summed), top-experts (the k experts the router uses most, averaged) "
-                         "or none (random initialisation) [svd]")
-    distill.add_argument("--gather-k", type=int, metavar="K", help="topk: entries kept per expert matrix "
-                         "[ceil(ffn_dim x dim / num_experts)]; svd: singular components kept per expert "
-                         "[min(ffn_dim, dim) // num_experts]; top-experts: experts kept [the teacher's top_k]")
-    distill.add_argument("--kd-temperature", type=float, default=1.0, metavar="T",
-                         help="softmax temperature of the distillation term [1.0]")
-    distill.add_argument("--kd-alpha", type=float, default=0.5, metavar="A",
-                         help="loss = A x T^2 KL(teacher || student) + (1 - A) x cross-entropy on the data [0.5]")
-    distill.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
-                         help="change a field of the student (the teacher's shape with one dense FFN of the "
-                         "experts' width per MoE layer); gathering refuses a shape it cannot fill [the default]")
-    distill.add_argument("--resume", metavar="DIR", help="continue a student's run folder [off: a new run]")
-    for flag, type_, help_ in _TRAIN_FLAGS:
-        if flag not in ("--model",):
-            distill.add_argument(flag, type=type_, help=help_, default=argparse.SUPPRESS)
-    distill.set_defaults(func=_distill)
-
-
-_DISTILL_ONLY = ("teacher", "gather", "gather_k", "kd_temperature", "kd_alpha", "set")
-
-
-def _distill(args: argparse.Namespace) -> int:
-    return _run_job(prepare_distill(args))
-
-
-def prepare_distill(args: argparse.Namespace) -> Any:
-    """Validate a `shoal distill` command, then write the student's starting weights and settings
-    into its run folder; returns the Job the workers run (ValueError, nothing written, if wrong).
-    Under torchrun every rank validates and rank 0 alone writes (the workers wait for it: see
-    DistillTrainer); the run folder must then be named (--out), as the ranks share it."""
-    import dataclasses
-
-    from shoal.launch import resolve_device, under_torchrun
-    from shoal.moe.gather import check_fits, default_k, student_config
-    from shoal.train.checkpoint import good_checkpoint
-    from shoal.train.distill import STUDENT_INIT, student_run_config, teacher_config, write_student
-    from shoal.train.kd import DistillConfig
-    from shoal.train.runs import Job, default_run_dir
-
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "resume", *_DISTILL_ONLY)}
-    _check_torchrun_flags(flags)
-    if args.resume is not None:
-        return _resume_distill(args, flags)
-    if args.teacher is None:
-        raise UserError("--teacher RUN_DIR is required: the trained MoE run to distil (or --resume DIR)")
-    if under_torchrun() and flags.get("out") is None:
-        raise UserError("shoal distill under torchrun needs --out DIR: every rank must name the same run folder")
-    teacher_run, teacher = teacher_config(Path(args.teacher))
-    student = student_config(teacher, getattr(args, "set", []))
-    check_fits(teacher, student, args.gather, args.gather_k)
-    checkpoint = good_checkpoint(args.teacher)
-    k = args.gather_k if args.gather_k is not None else default_k(args.gather, teacher)
-    spec = DistillConfig(teacher=args.teacher, checkpoint=str(checkpoint), gather=args.gather, gather_k=k,
-                         temperature=args.kd_temperature, alpha=args.kd_alpha)
-    cfg = student_run_config(teacher_run, student, flags)
-    run_dir = Path(cfg.out if cfg.out is not None else default_run_dir())
-    if args.gather != "none":
-        cfg = dataclasses.replace(cfg, init=str(run_dir / STUDENT_INIT))
-    device = resolve_device(cfg.device)
-    if cfg.plan is not None and cfg.plan.strip() == "auto":
-        cfg, _ = _auto_plan(cfg, device)
-    validate(cfg, device)
-    _check_fresh_out(run_dir)
-    if os.environ.get("RANK", "0") == "0":
-        write_student(run_dir, cfg, spec, teacher)  # everything checked: the first write
-    return Job(config=cfg, run_dir=str(run_dir), device=device, distill=spec)
-
-
-def _resume_distill(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
-    from shoal.launch import resolve_device
-    from shoal.train.distill import read_distill_config
-    from shoal.train.runs import Job
-
-    given = [k for k in _DISTILL_ONLY if k in vars(args) and vars(args)[k] != _DISTILL_DEFAULTS.get(k)]
-    if given:
-        raise UserError(f"--{given[0].replace('_', '-')} cannot change when resuming {args.resume!r}; its "
-                        f"distill.json holds the teacher and the loss")
-    folder = Path(args.resume)
-    if not folder.is_dir():
-        raise UserError(f"--resume {args.resume!r}: no such run folder")
-    spec = read_distill_config(folder)
-    cfg = _resume_config(argparse.Namespace(resume=args.resume, config=None), flags)
-    device = resolve_device(cfg.device)
-    validate(cfg, device)
-    resume_from = str(_check_resumable(folder, cfg.loop.steps))
-    return Job(config=cfg, run_dir=args.resume, resume=True, resume_from=resume_from, device=device, distill=spec)
-
-
-_DISTILL_DEFAULTS: dict[str, Any] = {"teacher": None, "gather": "svd", "gather_k": None, "kd_temperature": 1.0,
-                                     "kd_alpha": 0.5}
 
 
 # ----------------------------------------------------------------------------- shoal sample
