@@ -171,13 +171,14 @@ _MTNLG_NOTE = (
     "down: micro-batch size, pipeline schedule (DeepSpeed pipeline engine), ZeRO stage of the data-"
     "parallel axis, and the 16-bit type (bf16 recorded). The data axis is priced as DeepSpeed's pipeline "
     "engine runs it: one all-reduce a step after the last backward, beside no compute. mb = 1920/dp (one "
-    "sequence per micro-batch) is NOT from the source, only there so the plan is complete. Vocab: GPT-2 BPE "
+    "sequence per micro-batch) is NOT from the source, only there so the plan is complete: the micro-batch size "
+    "sets the pipeline's bubble, so these rows rest on a number the source does not state (*). Vocab: GPT-2 BPE "
     "(50,257); recorded as 51,200, the size Megatron pads it to at tp=8 (multiple of 128*tp). " + _UNTIED
 )
 
 
 def _mtnlg(nodes: int, t: float, tflops: float, tokens: float) -> PublishedRun:
-    return PublishedRun(fused_attention=False, data_engine="deepspeed-pipe",
+    return PublishedRun(fused_attention=False, data_engine="deepspeed-pipe", checked=False,
         name=f"MT-NLG 530B on {nodes * 8} A100",
         model=_gpt(105, 20480, 128, 51200, 2048, pp=35),
         cluster=f"{nodes * 8}xA100-80GB",
