@@ -207,6 +207,15 @@ def test_cli_export_hf_loads_in_transformers(tiny_run, tmp_path, capsys):
     assert flat.read_bytes() == before
     assert cli.main(["export", "--run", str(tiny_run), "--step", "1", "--out", str(flat), "--force"]) == 0
     assert flat.read_bytes() != before  # step 1's weights now
+    # --force replaces a Hugging Face folder whole (nothing of the old one stays), never a folder with a file or
+    # a folder that holds the run.
+    (out / "stale.safetensors").write_bytes(b"old")
+    assert cli.main(["export", "--run", str(tiny_run), "--out", str(out), "--hf", "--force"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    _one_error_line(capsys, ["export", "--run", str(tiny_run), "--out", str(out), "--force"], str(out), "is a folder")
+    _one_error_line(capsys, ["export", "--run", str(tiny_run), "--out", str(tiny_run.parent), "--hf", "--force"],
+                    "holds the run folder")
+    assert tiny_run.is_dir() and not list(tmp_path.glob(".*"))
 
 
 def _one_error_line(capsys, argv: list[str], *names: str) -> None:

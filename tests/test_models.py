@@ -146,6 +146,10 @@ def test_with_overrides_converts_types():
     (["num_experts=-1"], "num_experts=-1 must be >= 0"),
     (["num_experts=4", "top_k=5"], "top_k=5 must lie in 1..num_experts=4"),
     (["num_experts=4", "moe_every=0"], "moe_every=0 must be >= 1"),
+    (["init_std=-1"], "model field init_std=-1.0 must be >= 0"),
+    (["init_std=nan"], "model field init_std=nan must be a finite number"),
+    (["norm_eps=0"], "model field norm_eps=0.0 must be > 0"),
+    (["rope_theta=-1"], "model field rope_theta=-1.0 must be > 0"),
 ])
 def test_with_overrides_rejects_bad_input_in_one_line(pairs, words):
     with pytest.raises(ValueError) as info:

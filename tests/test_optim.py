@@ -52,6 +52,8 @@ def test_scheduler_drives_the_optimizer_and_restores():
 @pytest.mark.parametrize("kwargs, match", [
     ({"lr": 0.0}, "--lr 0.0"), ({"lr": 1e-3, "min_lr": 1.0}, "--min-lr 1.0"),
     ({"warmup_steps": -1}, "--warmup-steps -1"), ({"decay_steps": 0}, "--decay-steps 0"),
+    ({"lr": float("inf")}, "--lr inf is not valid; it must be a finite number"),
+    ({"weight_decay": float("nan")}, "--weight-decay nan is not valid; it must be a finite number"),
 ])
 def test_bad_optim_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

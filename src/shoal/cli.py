@@ -515,6 +515,32 @@ def _export(args: argparse.Namespace) -> int:
             raise UserError(f"--step {args.step}: {args.run!r} has no complete checkpoint of that step; "
                             f"valid: {', '.join(map(str, steps)) or 'none'}")
     read_trainer_state(path, checksums=True)
-    out = export_checkpoint(path, args.out, hf=args.hf)
+    target = Path(args.out)
+    if target.is_dir() and not args.hf:
+        raise UserError(f"--out {args.out!r} is a folder; valid: a file path (one safetensors file), or --hf to "
+                        "write a Hugging Face folder")
+    if target.is_dir():  # --force: the new folder replaces the old whole, never merged into it
+        if target.resolve() == run.resolve() or target.resolve() in run.resolve().parents:
+            raise UserError(f"--out {args.out!r} holds the run folder {args.run!r}; valid: a folder outside it")
+        out = _replace_folder(target, lambda staging: export_checkpoint(path, staging, hf=True))
+    else:
+        out = export_checkpoint(path, args.out, hf=args.hf)
     print(f"wrote {out} ({'Hugging Face folder' if args.hf else 'safetensors'}, from {path})", flush=True)
     return 0
+
+
+def _replace_folder(target: Path, write: Any) -> Path:
+    """Write a folder beside `target` (write(staging)), then put it in target's place: the old folder is
+    removed only once the new one is whole, so a failed export leaves it as it was."""
+    import shutil
+
+    staging = target.with_name(f".{target.name}.new-{os.getpid()}")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    try:
+        write(staging)
+        os.replace(target, old)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    return target

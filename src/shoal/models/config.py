@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +123,15 @@ class ModelConfig:
         _check_choice("activation", self.activation, ("swiglu", "gelu"))
         _check_choice("pos_emb", self.pos_emb, ("rope", "learned"))
         _check_choice("rope_type", self.rope_type, ROPE_TYPES)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"model field {f.name}={value} must be a finite number")
+        for name in ("norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model field {name}={getattr(self, name)} must be > 0")
+        if self.init_std < 0:
+            raise ValueError(f"model field init_std={self.init_std} must be >= 0")
         for name in ("num_layers", "dim", "num_heads", "ffn_dim", "vocab_size", "max_seq_len", "moe_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 1")

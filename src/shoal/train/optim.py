@@ -8,6 +8,7 @@ The large-batch optimizers live in shoal/train/optimizers.py; `build_optimizer` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -71,6 +72,10 @@ class OptimConfig:
     """The global batch the lr (and warm-up) were set for; needed by lr_scaling linear/sqrt."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{f.name.replace('_', '-')} {value} is not valid; it must be a finite number")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer {self.optimizer!r} is not valid; valid: {', '.join(OPTIMIZERS)}")
         if self.lr_scaling not in LR_SCALING:
