@@ -539,7 +539,11 @@ def _replace_folder(target: Path, write: Any) -> Path:
     try:
         write(staging)
         os.replace(target, old)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            os.replace(old, target)
+            raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)

@@ -8,9 +8,8 @@ The large-batch optimizers live in shoal/train/optimizers.py; `build_optimizer` 
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -72,7 +71,7 @@ class OptimConfig:
     """The global batch the lr (and warm-up) were set for; needed by lr_scaling linear/sqrt."""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
+        for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"--{f.name.replace('_', '-')} {value} is not valid; it must be a finite number")
