@@ -726,3 +726,23 @@ def test_accumulation_under_fsdp2_adds_unsharded_gradients_only_where_the_sync_i
                              cluster) for off in (False, True))
     stage = ours.memory["parameters"] * 4 / 2  # the stage's parameters: a shard over fsdp4, 2 bytes each in bf16
     assert torchs.memory["transient"] - ours.memory["transient"] == pytest.approx(4 * stage)
+
+
+def test_fp32_gemms_run_on_tf32_tensor_cores_where_the_gpu_has_them():
+    """shoal train's --tf32 (on by default) runs fp32 matmuls on TF32 tensor cores: an fp32 plan's GEMMs are
+    priced at the data sheet's dense TF32 rate (494.5 of the H100's 67 TFLOP/s fp32), its attention and
+    elementwise work as before; --tf32 off, a CPU, and a GPU without TF32 (V100) keep the fp32 rate."""
+    plan = Plan.parse("dp1,precision=fp32,compile=off").resolve(world_size=1, device="cuda")
+    cfg = get_preset("small")
+    on, off = (estimate(plan, Workload(model=cfg, global_batch=8, seq_len=256, tf32=t), parse_cluster("1xH100"))
+               for t in (True, False))
+    assert off.time["compute_matmul"] / on.time["compute_matmul"] == pytest.approx(494.5 / 67)
+    assert on.time["compute_attention"] == off.time["compute_attention"]
+    assert on.time["compute_elementwise"] == off.time["compute_elementwise"]
+    assert on.mfu == pytest.approx(off.mfu * off.step_time_s / on.step_time_s * 67 / 494.5)  # against TF32's peak
+    for cluster in ("1xV100", "1xcpu"):
+        device = "cpu" if cluster == "1xcpu" else "cuda"
+        p = Plan.parse("dp1,precision=fp32,compile=off").resolve(world_size=1, device=device)
+        a, b = (estimate(p, Workload(model=cfg, global_batch=8, seq_len=256, tf32=t), parse_cluster(cluster))
+                for t in (True, False))
+        assert a.step_time_s == b.step_time_s

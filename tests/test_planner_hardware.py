@@ -141,7 +141,7 @@ latency_us = 20
         device = cluster.device
         assert (cluster.num_nodes, cluster.per_node, cluster.world_size) == (2, 4, 8)
         assert (device.name, device.memory_bytes) == ("A100-custom", 40 * 2**30)
-        assert device.peak_flops == {"fp32": 19.5e12, "bf16": 300e12, "fp16": 312e12}
+        assert device.peak_flops == {"fp32": 19.5e12, "bf16": 300e12, "fp16": 312e12, "tf32": 156e12}
         inherited = DEVICES["A100-80GB"].inter.efficiency  # the key left out comes from the base device
         assert cluster.inter == Link(name="RoCE 100 Gb/s", bandwidth=12.5e9, efficiency=inherited, latency=20e-6)
         assert cluster.intra == DEVICES["A100-80GB"].intra and device.inter == cluster.inter

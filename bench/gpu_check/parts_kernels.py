@@ -200,8 +200,10 @@ def _attend(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
             dtype: torch.dtype) -> dict[str, torch.Tensor]:
     qs, ks, vs = (t.to(dtype).requires_grad_() for t in (q, k, v))
     out = fn(qs, ks, vs)
-    out.backward(g.to(dtype))
-    return {"out": out.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
+    # autograd.grad rather than backward() and .grad: on the H200 (torch 2.11) one contender left .grad
+    # empty; this returns the gradients whatever wraps the inputs, or raises if they are not reached.
+    dq, dk, dv = torch.autograd.grad(out, (qs, ks, vs), g.to(dtype))
+    return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
 
 
 def _torch_context_parallel(mesh: Any) -> Callable:
@@ -251,8 +253,8 @@ def ops(ctx: Context) -> None:
                           max_seq_len=128)
         torch.manual_seed(0)
         model = Transformer(cfg).to(dev)
-        if compiled:
-            for block in model.layers:
+        for block in model.layers.values():  # a ModuleDict: the blocks, not their names
+            if compiled:
                 block.compile()
         x = torch.randint(0, 256, (2, size // 2), device=dev)
         for _ in range(2 if compiled else 1):  # compile first

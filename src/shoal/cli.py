@@ -439,7 +439,8 @@ def _check_memory(cfg: Any, plan: Any, device: str) -> None:
     if cluster is None:  # a GPU the planner has no spec for: nothing to price it with
         warn("this GPU has no planner spec: the plan's memory is not checked before start")
         return
-    work = Workload(model=cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len)
+    work = Workload(model=cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len,
+                    tf32=cfg.tf32)
     reason = memory_refusal(plan, work, cluster, micro_batch=cfg.loop.micro_batch)
     if reason is not None:
         raise UserError(reason + " (--no-memory-check runs it anyway)")

@@ -124,6 +124,10 @@ class Workload:
     selective_policy: str = "shoal"
     """What `ac=selective` keeps (compute.SELECTIVE_POLICIES): shoal's policy, or "torchtitan-op" for a run
     of torchtitan's per-op selective recompute, which keeps every second weight product's output only."""
+    tf32: bool = True
+    """fp32 matmuls on TF32 tensor cores where the GPU has them (`shoal train --tf32`, on by default): an fp32 plan's
+    GEMMs priced at the device's "tf32" rate; attention, which SDPA runs in fp32 without a fused 16-bit kernel, is
+    not."""
     data_engine: str = "shoal"
     """Who runs the data axes (DATA_ENGINES): shoal's own engine for the plan (shoal.rules.choose_engine), or
     "deepspeed-pipe" for a run of DeepSpeed's pipeline engine, which reduces gradients (and at ZeRO-1 gathers
@@ -219,7 +223,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     if work.data_engine == "megatron-local" and plan.fsdp > 1:
         raise ValueError(f"Megatron-LM's local DDP replicates every state, got fsdp={plan.fsdp}")
     cost = _Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention,
-                  policy=work.selective_policy, tp_engine=work.tp_engine)
+                  policy=work.selective_policy, tp_engine=work.tp_engine, tf32=work.tf32)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
     stages = [(0, first, plan.pp == 1), (cfg.num_layers - last, cfg.num_layers, True)]
     per_stage = [cost.stage(lo, hi, head=head) for lo, hi, head in stages]
@@ -255,7 +259,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     flops = _model_flops(cfg, S) * tokens / step / plan.world_size
     return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step,
                     tokens_per_s=tokens / step,
-                    tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster)],
+                    tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster, tf32=work.tf32)],
                     mem_per_device_bytes=need, fits=need <= usable, time=time, memory=mem, traffic=sync,
                     gradient_bytes=gradient_bytes)
 
@@ -265,8 +269,12 @@ def _model_flops(cfg: ModelConfig, seq_len: int) -> float:
     return compute.model_flops_per_token(cfg, seq_len)
 
 
-def _dtype(plan: Plan, cluster: Cluster) -> str:
+def _dtype(plan: Plan, cluster: Cluster, *, tf32: bool = False) -> str:
+    """The matmul rate's key: the plan's precision, fp16's for bf16 on a device without it, TF32's for fp32 GEMMs
+    with `tf32` on a GPU that has it."""
     rates = cluster.device.peak_flops
+    if plan.precision == "fp32" and tf32 and cluster.device_type == "cuda" and "tf32" in rates:
+        return "tf32"
     return plan.precision if plan.precision in rates else "fp16"
 
 
@@ -301,10 +309,11 @@ class _Costs:
     """Per-rank costs of one micro-batch under one plan (the pieces `estimate` adds up)."""
 
     def __init__(self, plan: Plan, cfg: ModelConfig, cluster: Cluster, net: Network, *, tokens: float,
-                 seq_len: int, fused: bool, policy: str = "shoal", tp_engine: str = "dtensor") -> None:
+                 seq_len: int, fused: bool, policy: str = "shoal", tp_engine: str = "dtensor",
+                 tf32: bool = False) -> None:
         self.fused, self.policy, self.tp_engine = fused, policy, tp_engine
         self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
-        self.rate = cluster.device.flops(_dtype(plan, cluster))
+        self.rate = cluster.device.flops(_dtype(plan, cluster, tf32=tf32))
         # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate; a fused kernel at its published
         # rate for the model's head dimension and each kernel's sequence (a cp chunk; the ring's chunk pairs mostly
         # unmasked), forward and backward apart (hardware.DeviceSpec.attention_rates).

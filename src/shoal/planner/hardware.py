@@ -30,7 +30,9 @@ TERA = 1e12  # FLOP/s per TFLOP/s
 GB = 1e9  # bytes per GB: data sheets quote bandwidth in decimal gigabytes
 GiB = 2**30  # bytes per GiB: device memory is sized in binary gibibytes
 US = 1e-6  # seconds per microsecond
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16", "tf32")
+"""Matmul rates a device may list; "tf32" is fp32 matmuls on TF32 tensor cores (torch's float32 matmul precision
+"high", which `shoal train` sets by default: --tf32 on), priced for fp32 runs on GPUs that list it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,11 +258,14 @@ _A100_SQUARE = ((1024, 119.4 * TERA), (2048, 221.8 * TERA), (4096, 228.0 * TERA)
 # TFLOP/s, 0.575 of the 312 peak (the same Azure page, "Flash Attention 2.0"; the script runs FlashAttention's
 # benchmark_flash_attention.py, whose first block is causal=False, headdim=64). One shape: no table by shape yet.
 _FA2_A100 = 179.5 / 312
-_A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA},
+# TF32 tensor-core peaks are the data sheets' dense figures (half the "with sparsity" ones they print).
+_A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA,
+                                         "tf32": 156 * TERA},
                              matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED,
                              attention_efficiency=_FA2_A100, gemm_square=_A100_SQUARE, sm_count=108,
                              intra=_nvlink(3, 600, 0.78, _A100_ALLREDUCE), inter=_DGX_A100_IB)
-_H100: dict[str, Any] = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA},
+_H100: dict[str, Any] = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA,
+                                         "tf32": 494.5 * TERA},
                              matmul_efficiency=_MAMF_H100, gemm_square=_H100_SQUARE, attention_efficiency=0.35,
                              attention_table="FA2-H100", sm_count=132,
                              intra=_nvlink(4, 900, _NVLINK4_RING, _H100_NVLS_ALLREDUCE),
@@ -271,7 +276,7 @@ def _cpu() -> DeviceSpec:
     """One CPU process on one thread talking gloo. These are modest placeholders so that a plan
     can be ranked without a GPU; real numbers come from calibration (`shoal plan --calibrate`)."""
     return DeviceSpec(
-        name="cpu", peak_flops={d: 50e9 for d in DTYPES}, matmul_efficiency=1.0, op_overhead=10e-6,
+        name="cpu", peak_flops={d: 50e9 for d in ("fp32", "bf16", "fp16")}, matmul_efficiency=1.0, op_overhead=10e-6,
         dtensor_overhead=100e-6,
         memory_bytes=16 * GiB, memory_bw=10 * GB,
         intra=Link(name="gloo loopback", bandwidth=2 * GB, efficiency=1.0, latency=200e-6),
