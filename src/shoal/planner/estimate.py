@@ -257,9 +257,9 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)
     tokens = work.global_batch * S
     flops = _model_flops(cfg, S) * tokens / step / plan.world_size
+    peak_rate = cluster.device.peak_flops[_dtype(plan, cluster, tf32=work.tf32)]
     return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step,
-                    tokens_per_s=tokens / step,
-                    tflops_per_device=flops / 1e12, mfu=flops / cluster.device.peak_flops[_dtype(plan, cluster, tf32=work.tf32)],
+                    tokens_per_s=tokens / step, tflops_per_device=flops / 1e12, mfu=flops / peak_rate,
                     mem_per_device_bytes=need, fits=need <= usable, time=time, memory=mem, traffic=sync,
                     gradient_bytes=gradient_bytes)
 
