@@ -32,7 +32,7 @@ def test_refusal_names_the_need_the_machine_and_plans_that_fit():
     assert line is not None and "\n" not in line
     each = dp2.mem_per_device_bytes + CPU_PROCESS_BYTES  # with the interpreter's share
     assert line.startswith(f"plan dp2 needs about {fit._gb(each)} GB per process (Python and torch included)")
-    assert f"this machine has {fit._gb(machine // 2 * 2)} GB free; plans that fit: " in line
+    assert f"this machine has {fit._gb(machine // 2 * 2)} GB free for 2; plans that fit: " in line
     named = line.split("plans that fit: ")[1].split(", ")
     assert named and len(set(named)) == len(named) and "dp2" not in named
     for text in named:  # each named plan fits by the same model
@@ -43,12 +43,27 @@ def test_no_plan_fits_says_the_smallest_need_and_the_devices_it_takes():
     work = Workload(model=get_preset("llama3-70b"), global_batch=16, seq_len=128)
     cluster = fit.cpu_cluster(2, local=2, memory_bytes=24 * 10**9)
     line = fit.memory_refusal(_resolved("dp2", work, 2), work, cluster)
-    assert line is not None and "no plan fits: the smallest need on 2 is about" in line
     least = fit.smallest_need(work, cluster)
-    count = fit.devices_needed(work, cluster)
-    assert least is not None and count is not None and f"about {count} processes of 12 GB each" in line
-    smaller = fit.devices_needed(work, cluster, limit=count // 2)
-    assert smaller is None  # the count is the fewest power of two that holds it
+    count, holds = fit.devices_needed(work, cluster)
+    assert least is not None and count is not None and holds is not None and holds.fits
+    # the least need is charged the interpreter's baseline, as the plan's own need is: the two compare
+    assert line is not None and f"no plan fits (the least: {least.plan_text}, about " \
+        f"{fit._gb(least.mem_per_device_bytes + CPU_PROCESS_BYTES)} GB per process)" in line
+    assert f"about {count} processes of 12 GB would hold it" in line
+    assert fit.devices_needed(work, cluster, limit=count // 2)[0] is None  # the fewest power of two that holds it
+
+
+def test_no_count_of_devices_holds_a_model_whose_gathered_blocks_outgrow_one():
+    """llama3-405b on 12 GB processes two to a machine: a block FSDP gathers whole (at the most tensor
+    parallelism a machine of 2 allows) outgrows a process at any count, and the line says so."""
+    work = Workload(model=get_preset("llama3-405b"), global_batch=16, seq_len=128)
+    cluster = fit.cpu_cluster(2, local=2, memory_bytes=24 * 10**9)
+    count, last = fit.devices_needed(work, cluster, limit=1024)
+    assert count is None and last is not None and last.plan.tp == 2
+    assert last.memory["transient"] > cluster.device.memory_bytes  # the gathered blocks alone
+    line = fit.no_fit(work, cluster)
+    assert "no count of processes of 12 GB would hold it: the blocks FSDP gathers whole need about" in line
+    assert line.endswith("GB alone at tp2")
 
 
 def test_shoal_train_refuses_before_start_and_no_memory_check_runs_anyway(tmp_path, monkeypatch, capsys):
@@ -88,3 +103,19 @@ def test_the_check_counts_what_the_machine_has_free_and_each_process_baseline(mo
     tight = fit.cpu_cluster(2, local=2, memory_bytes=int(2 * (need + CPU_PROCESS_BYTES / 2)))
     assert not estimate(_resolved("dp2", work, 2), work, tight).fits  # the terms fit, not with the baseline
     assert hardware.available_memory_bytes() > 0
+
+
+def test_plan_auto_refuses_a_model_no_plan_holds_before_calibrating(monkeypatch, capsys):
+    """--plan auto on llama3-405b: refused from memory alone, in one line with the least need, before a CPU
+    calibration (a minute) is measured for plan times it would not use."""
+    from shoal import auto_plan
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated for a model no plan holds")
+
+    monkeypatch.setattr(auto_plan, "local_world", no_calibration)
+    assert cli.main(["train", "--model", "llama3-405b", "--plan", "auto", "--device", "cpu", "--nproc", "2",
+                     "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shoal: error: plan auto: no plan for 2 cpu process(es) fits") and "\n" not in err
+    assert "; the least any plan needs: " in err and "would hold it" in err

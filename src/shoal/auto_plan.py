@@ -52,15 +52,20 @@ class AutoChoice:
 
 
 def choose(model: ModelConfig, *, global_batch: int, seq_len: int, world_size: int, device: str) -> AutoChoice:
-    """The fastest plan that fits, for `world_size` processes on `device` (ValueError if none does)."""
-    cluster, network = local_world(world_size, device)
+    """The fastest plan that fits, for `world_size` processes on `device` (ValueError if none does). Whether any
+    plan fits is known from memory alone, before a CPU's calibration (a minute) is measured for the times."""
+    from shoal.planner.fit import no_fit
+
     work = Workload(model=model, global_batch=global_batch, seq_len=seq_len)
+    what = (f"plan auto: no plan for {world_size} {device} process(es) fits this model's "
+            f"{parameters_text(model.num_params())} parameters with global batch {global_batch} x {seq_len}")
+    memory = memory_cluster(world_size, device)
+    if memory is not None and not search(work, memory, top=1).plans:
+        raise ValueError(f"{what}; {no_fit(work, memory, said=True)}")
+    cluster, network = local_world(world_size, device)
     result = search(work, cluster, network=network, top=1)
     if not result.plans:
-        raise ValueError(f"plan auto: no plan for {world_size} {device} process(es) fits this model's "
-                         f"{parameters_text(model.num_params())} parameters with global batch {global_batch} x "
-                         f"{seq_len} ({result.priced} priced); valid: more processes, a smaller batch or sequence, or "
-                         "a --plan")
+        raise ValueError(f"{what} ({result.priced} priced); valid: more processes, a smaller batch or sequence")
     return AutoChoice(estimate=result.plans[0], priced=result.priced, cluster=cluster)
 
 

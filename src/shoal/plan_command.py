@@ -71,9 +71,11 @@ def run(args: argparse.Namespace) -> int:
                              "and the search tries every micro-batch size")
         result = search(work, cluster, network=network, top=args.top)
         if not result.plans:
+            from shoal.planner.fit import no_fit
+
             raise ValueError(f"no plan fits {parameters_text(work.model.num_params())} parameters on "
-                             f"{cluster.describe()} ({result.priced} priced, all over memory); valid: more or larger "
-                             "devices, or a smaller --global-batch / --seq-len")
+                             f"{cluster.describe()} ({result.priced} priced, all over memory); "
+                             f"{no_fit(work, cluster, said=True)}")
         plans, priced = result.plans, result.priced
     seconds = time.perf_counter() - started
     if args.json:

@@ -34,35 +34,45 @@ def cpu_cluster(world_size: int, *, local: int, memory_bytes: int | None = None)
 def memory_refusal(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int | None = None,
                    top: int = 3) -> str | None:
     """One line when the (resolved) plan is predicted not to fit `cluster`'s devices, naming what
-    it needs, what there is and the plans that fit (or, when none does, the smallest need and how
-    many devices of this kind would hold the model); None when it fits."""
+    it needs, what there is and the plans that fit (or, when none does, `no_fit`'s reason); None
+    when it fits."""
     need = estimate(plan, work, cluster, micro_batch=micro_batch)
     if need.fits:
         return None
     have = cluster.device.memory_bytes
-    cpu = cluster.device_type == "cpu"
-    text = need.plan_text
-    if cpu:
-        local = cluster.per_node
-        each = need.mem_per_device_bytes + CPU_PROCESS_BYTES
-        what = (f"plan {text} needs about {_gb(each)} GB per process (Python and torch included), "
-                f"{_gb(each * local)} GB for its {local} process(es) on this machine; "
-                f"this machine has {_gb(have * local)} GB free")
+    if cluster.device_type == "cpu":
+        what = (f"plan {need.plan_text} needs about {_gb(_per_process(need, cluster))} GB per process (Python and "
+                f"torch included); this machine has {_gb(have * cluster.per_node)} GB free for {cluster.per_node}")
     else:
-        what = (f"plan {text} needs about {_gb(need.mem_per_device_bytes)} GB per device; this machine's GPUs "
-                f"have {_gb(have)} GB")
+        what = (f"plan {need.plan_text} needs about {_gb(need.mem_per_device_bytes)} GB per device; this machine's "
+                f"GPUs have {_gb(have)} GB")
     fits = list(dict.fromkeys(e.plan_text for e in search(work, cluster).plans))[:top]  # fastest first, each once
-    if fits:
-        return f"{what}; plans that fit: {', '.join(fits)}"
+    return f"{what}; plans that fit: {', '.join(fits)}" if fits else f"{what}; {no_fit(work, cluster)}"
+
+
+def no_fit(work: Workload, cluster: Cluster, *, said: bool = False) -> str:
+    """Why no plan fits `cluster`, in words: the least any plan needs here, and how many devices of this kind would
+    hold the model (or what stops every count: the blocks FSDP gathers whole outgrowing one device). `said`: the
+    caller's line already says that no plan fits."""
+    unit, units = ("process", "processes") if cluster.device_type == "cpu" else ("device", "devices")
     least = smallest_need(work, cluster)
-    count = devices_needed(work, cluster)
-    least_text = f"the smallest need on {cluster.world_size} is about {_gb(least.mem_per_device_bytes)} GB per " \
-                 f"{'process' if cpu else 'device'} ({least.plan_text})" if least is not None else \
-                 f"no plan runs on {cluster.world_size}"
-    more = (f"about {count} {'processes' if cpu else 'devices'} of {_gb(have)} GB each would hold it (sharded, "
-            "full recompute, one sequence per data rank)") if count else \
-        f"no count of devices of {_gb(have)} GB up to 65,536 would hold it"
-    return f"{what}; no plan fits: {least_text}; {more}"
+    need = f"{least.plan_text}, about {_gb(_per_process(least, cluster))} GB per {unit}" if least is not None else ""
+    if said:
+        here = f"the least any plan needs: {need}" if need else f"no plan runs on {cluster.world_size}"
+    else:
+        here = f"no plan fits (the least: {need})" if need else f"no plan runs on {cluster.world_size}"
+    count, last = devices_needed(work, cluster)
+    size = _gb(cluster.device.memory_bytes)
+    if count is not None:
+        return f"{here}; about {count} {units} of {size} GB would hold it (fsdp, full recompute, one sequence each)"
+    why = (f": the blocks FSDP gathers whole need about {_gb(last.memory['transient'])} GB alone at tp{last.plan.tp}"
+           if last is not None else "")
+    return f"{here}; no count of {units} of {size} GB would hold it{why}"
+
+
+def _per_process(e: Estimate, cluster: Cluster) -> float:
+    """An estimate's need per device, with the interpreter's baseline on CPUs (what the check compares)."""
+    return e.mem_per_device_bytes + (CPU_PROCESS_BYTES if cluster.device_type == "cpu" else 0.0)
 
 
 def smallest_need(work: Workload, cluster: Cluster) -> Estimate | None:
@@ -81,11 +91,12 @@ def smallest_need(work: Workload, cluster: Cluster) -> Estimate | None:
     return best
 
 
-def devices_needed(work: Workload, cluster: Cluster, *, limit: int = 65536) -> int | None:
+def devices_needed(work: Workload, cluster: Cluster, *, limit: int = 65536) -> tuple[int | None, Estimate | None]:
     """The fewest devices like `cluster`'s (a power of two) on which the model fits sharded over
     data (and tensor parallel within a node, up to 8), with full recompute and one sequence per
-    data rank; None beyond `limit`."""
-    n = 1
+    data rank, with that plan's estimate; (None, the last plan tried at the most tensor
+    parallelism) beyond `limit`."""
+    n, last = 1, None
     while n <= limit:
         per_node = min(n, cluster.per_node)
         bigger = dataclasses.replace(cluster, num_nodes=n // per_node, per_node=per_node)
@@ -94,11 +105,12 @@ def devices_needed(work: Workload, cluster: Cluster, *, limit: int = 65536) -> i
             facts = rules.Facts(world_size=n, device=cluster.device_type, model=work.model, global_batch=batch,
                                 seq_len=work.seq_len)
             plan = rules.fill(Plan(fsdp=batch, tp=tp, ac="full"), facts)
-            if rules.refusal(plan, facts) is None and \
-                    estimate(plan, dataclasses.replace(work, global_batch=batch), bigger).fits:
-                return n
+            if rules.refusal(plan, facts) is None:
+                last = estimate(plan, dataclasses.replace(work, global_batch=batch), bigger)
+                if last.fits:
+                    return n, last
         n *= 2
-    return None
+    return None, last
 
 
 def _gb(nbytes: float) -> str:
