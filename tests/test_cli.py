@@ -28,7 +28,7 @@ SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set",
 @pytest.mark.parametrize("argv, names", [
     (["--model", "gpt-9000"], ["'gpt-9000'", "tiny"]),
     (["--plan", "dp2,,tp"], ["'dp2,,tp'"]),
-    (["--plan", "tp3", "--nproc", "3"], ["tp=3", "8 attention heads", "valid: 1, 2, 4, 8"]),
+    (["--plan", "tp3", "--nproc", "3"], ["tp=3", "8 attention heads", "valid: tp in 1, 2, 4, 8"]),
     (["--plan", "pp2,sched=interleaved,vpp=1"], ["sched=interleaved", "vpp=1", "valid: sched=interleaved,vpp=2"]),
     (["--plan", "pp2,split=7"], ["split=7", "does not split 4 layers", "1..3"]),
     (["--plan", "dp3"], ["dp3", "world size is 2"]),

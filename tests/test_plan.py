@@ -130,10 +130,10 @@ def test_validate_against_model_and_batch():
     Plan.parse("dp2,tp2").resolve(4).validate(TINY, global_batch=8, seq_len=64)
     tp3 = Plan.parse("tp3").resolve(3)
     assert one_line_error(tp3.validate, TINY, global_batch=3, seq_len=64) == (
-        "tp=3 does not divide 8 attention heads; valid: 1, 2, 4, 8"
+        "tp=3 does not divide 8 attention heads; valid: tp in 1, 2, 4, 8"
     )
     kv = Plan.parse("tp8").resolve(8)
-    assert "tp=8 does not divide 4 KV heads; valid: 1, 2, 4" in one_line_error(kv.validate, TINY, global_batch=8,
+    assert "tp=8 does not divide 4 KV heads; valid: tp in 1, 2, 4" in one_line_error(kv.validate, TINY, global_batch=8,
                                                                                 seq_len=64)
     assert "pp=8 exceeds the model's 4 layers; valid: 1..4" in one_line_error(
         Plan.parse("pp8").resolve(8).validate, TINY, global_batch=16, seq_len=64)
@@ -147,7 +147,7 @@ def test_validate_against_model_and_batch():
         Plan.parse("ep2").resolve(2).validate, TINY, global_batch=8, seq_len=64)
     moe = PRESETS["tiny-moe"]  # 4 experts
     Plan.parse("ep4").resolve(4).validate(moe, global_batch=8, seq_len=64)
-    assert "ep=8 does not divide 4 experts; valid: 1, 2, 4" in one_line_error(
+    assert "ep=8 does not divide 4 experts; valid: ep in 1, 2, 4" in one_line_error(
         Plan.parse("ep8").resolve(8).validate, moe, global_batch=8, seq_len=64)
 
 

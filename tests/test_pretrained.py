@@ -148,8 +148,12 @@ def test_ignore_leaves_missing_tensors_to_the_seed(hf_folder, tmp_path):
     parallelize(seeded, seed=5)
     assert torch.equal(model.output.weight, seeded.output.weight)  # the seed's values, as without --init
     assert torch.equal(model.norm.weight, state["model.norm.weight"])
-    assert "ignored tensor(s) start from the seed instead: output.weight" in weights.describe(torch.float32)
+    said = weights.describe(torch.float32)
+    assert "ignored tensor(s) start from the seed instead: output.weight" in said
+    assert "; 1 ignored tensor(s) of the file left unread: extra.bias" in said
     assert runtime is not None
+    with pytest.raises(ValueError, match=r"--init-ignore lm_haed\.\* matches no tensor of the model or of --init "):
+        open_pretrained(tmp_path, cfg, ignore=["lm_head.*,extra.*", "lm_haed.*"])  # a typo is not a no-op
 
 
 def _bad_folders(src, tmp_path) -> dict:
@@ -213,7 +217,7 @@ def test_cli_init_then_export_gives_the_files_back(hf_folder, tmp_path, capfd):
         assert torch.equal(back[key], original), key
 
 
-def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path):
+def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path, monkeypatch):
     """`--init FOLDER` without `--model` trains the folder's own config.json (what `--model
     hf:FOLDER` gives); a `--model` given on the command line or in the config file wins."""
     from shoal import cli
@@ -221,15 +225,34 @@ def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path)
 
     folder = hf_folder["folder"]
 
-    def job(*argv: str):
+    def job(*argv: str, init: str = str(folder)):
         run = str(tmp_path / "run")
-        args = ["train", "--init", str(folder), "--device", "cpu", "--seq-len", "32", "--out", run, *argv]
+        args = ["train", "--init", init, "--device", "cpu", "--seq-len", "32", "--out", run, *argv]
         return cli.prepare_job(cli.build_parser().parse_args(args))
 
     chosen = job().config
     assert chosen.model == f"hf:{folder}" and chosen.model_config == load_model_config(f"hf:{folder}")
+    monkeypatch.chdir(folder.parent)
+    relative = job(init=folder.name).config
+    assert relative.init == str(folder)  # config.toml records where the weights came from, from anywhere
     config = tmp_path / "run.toml"
     config.write_text('model = "tiny"\n')
     with pytest.raises(ValueError, match="is --model the same model"):  # tiny's shapes are not the folder's
         job("--config", str(config))
     assert model_of_init(str(tmp_path)) == "tiny"  # no config.json: the default preset
+
+
+def test_init_without_config_json_says_the_model_is_the_default_preset(tmp_path, capsys):
+    """`--init` of a folder with weights but no config.json and no --model trains the default preset: a
+    warning says so before the weights are checked against it."""
+    from shoal import cli
+
+    torch.manual_seed(0)
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(folder / "model.safetensors"))
+    args = ["train", "--init", str(folder), "--device", "cpu", "--out", str(tmp_path / "run")]
+    with pytest.raises(ValueError, match="is --model the same model"):  # a (4, 4) embedding is not tiny's
+        cli.prepare_job(cli.build_parser().parse_args(args))
+    err = capsys.readouterr().err
+    assert f"shoal: warning: --init {folder} has no config.json" in err and "default preset tiny" in err

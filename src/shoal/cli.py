@@ -280,6 +280,11 @@ def prepare_job(args: argparse.Namespace) -> Any:
         cfg = from_flat(flags, from_flat(toml) if args.config else None)
         if cfg.init is not None and "model" not in flags and "model" not in toml:
             cfg = dataclasses.replace(cfg, model=model_of_init(cfg.init))
+            if not cfg.model.startswith("hf:"):
+                warn(f"--init {cfg.init} has no config.json to take the model's shape from: the model is the default "
+                     f"preset {cfg.model}, whose tensors the weights must match (--model names another)")
+        if cfg.init is not None:  # the run folder's config.toml records where the weights came from, from anywhere
+            cfg = dataclasses.replace(cfg, init=str(Path(cfg.init).absolute()))
         run_dir = cfg.out if cfg.out is not None else (None if under_torchrun() else default_run_dir())
     if args.resume is None:  # prepared data: the tokenizer is the manifest's
         cfg = dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, given="tokenizer" in flags))

@@ -268,7 +268,7 @@ def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
             sizes.append(("shared-expert hidden size", model.shared_ffn_dim))
         for what, size in sizes:
             if size % plan.tp:
-                return f"tp={plan.tp} does not divide {size} {what}; valid: {_divisor_list(size)}"
+                return f"tp={plan.tp} does not divide {size} {what}; valid: tp in {_divisor_list(size)}"
     seq = facts.seq_len
     if seq is not None and plan.tp > 1 and plan.sp and seq % plan.tp:
         return (f"tp={plan.tp} with sequence parallelism does not divide the sequence length {seq}; "
@@ -388,7 +388,8 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
         return (f"ep={plan.ep} is carved out of the {plan.data_ranks} data ranks (dp*fsdp) and does not divide "
                 f"them; valid: {_divisor_list(plan.data_ranks)}")
     if model.num_experts % plan.ep:
-        return f"ep={plan.ep} does not divide {model.num_experts} experts; valid: {_divisor_list(model.num_experts)}"
+        experts = model.num_experts
+        return f"ep={plan.ep} does not divide {experts} experts; valid: ep in {_divisor_list(experts)}"
     replicas = plan.data_ranks // plan.ep  # the data ranks outside ep, which shard the experts under fsdp
     if plan.fsdp > 1 and (plan.ep > 1 or plan.tp > 1) and model.dim % replicas:
         return (f"fsdp={plan.fsdp} with ep={plan.ep}, tp={plan.tp} shards every expert's model dim {model.dim} over "
@@ -415,7 +416,8 @@ def _mixer_rule(plan: Plan, facts: Facts) -> str | None:
         return (f"offload=on with an expert-parallel Mixer is not available in this version (the experts are "
                 f"sharded outside FSDP2); plan {plan}; valid: offload=off")
     if model.num_experts % plan.ep:
-        return f"ep={plan.ep} does not divide {model.num_experts} experts; valid: {_divisor_list(model.num_experts)}"
+        experts = model.num_experts
+        return f"ep={plan.ep} does not divide {experts} experts; valid: ep in {_divisor_list(experts)}"
     replicas = plan.data_ranks // plan.ep  # the data ranks outside ep, which shard the experts under fsdp
     for what, width in (("MoE_S width S'", model.routed_patches), ("MoE_C width C", model.dim)):
         if plan.fsdp > 1 and width % replicas:

@@ -60,8 +60,11 @@ class Pretrained:
     """Weight files checked against a model; reads boxes of its parameters (a `WeightSource`)."""
 
     def __init__(self, path: Path, cfg: ModelConfig, layout: SliceLayout, files: dict[str, Path],
-                 headers: dict[str, tuple[str, tuple[int, ...]]], skipped: set[str]) -> None:
+                 headers: dict[str, tuple[str, tuple[int, ...]]], skipped: set[str],
+                 dropped: Sequence[str] = ()) -> None:
         self.path, self.cfg, self.layout = path, cfg, layout
+        self.dropped = tuple(dropped)
+        """File keys the model has no use for that `ignore` let pass: never read."""
         self.files = files
         """File key -> the file holding it."""
         self.headers = headers
@@ -101,6 +104,8 @@ class Pretrained:
         if self.skipped:
             names = sorted(self.skipped)
             line += f"; {len(names)} ignored tensor(s) start from the seed instead: {', '.join(names[:3])}"
+        if self.dropped:
+            line += f"; {len(self.dropped)} ignored tensor(s) of the file left unread: {', '.join(self.dropped[:3])}"
         return line
 
 
@@ -164,15 +169,21 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
             if dtype not in FLOAT_DTYPES:
                 raise ValueError(f"--init {path}: tensor {key} in {key_files[key].name} is {dtype}, which the run "
                                  f"cannot take as a weight; valid: {', '.join(FLOAT_DTYPES)}")
-    unexpected = sorted(k for k in headers if k not in used and not layout.optional(cfg, k)
-                        and not _matches(patterns, k))
+    for pattern in patterns:  # a pattern that matches nothing is a typo, not a no-op
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in (*shapes, *used, *headers)):
+            raise ValueError(f"--init-ignore {pattern} matches no tensor of the model or of --init {path}; valid: "
+                             f"a glob over the model's names ({', '.join(list(shapes)[:2])}, ...) or the file's "
+                             f"({', '.join(list(headers)[:2])}, ...)")
+    extra = [k for k in headers if k not in used and not layout.optional(cfg, k)]
+    unexpected = sorted(k for k in extra if not _matches(patterns, k))
+    dropped = sorted(k for k in extra if _matches(patterns, k))
     if missing or unexpected:
         parts = ([f"missing {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])})"] if missing else []) \
             + ([f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])})"] if unexpected else [])
         raise ValueError(f"--init {path} ({layout.name} names) does not fit the model: {'; '.join(parts)}; "
                          "--init-ignore PATTERN skips tensors by name (glob)")
     read = {k: v for k, v in headers.items() if k in used and k in key_files}
-    return Pretrained(path, cfg, layout, {k: key_files[k] for k in read}, read, skipped)
+    return Pretrained(path, cfg, layout, {k: key_files[k] for k in read}, read, skipped, dropped)
 
 
 def _matches(patterns: Sequence[str], *names: str) -> bool:
