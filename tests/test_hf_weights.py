@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -230,6 +231,9 @@ def test_cli_export_errors(tiny_run, tmp_path, capsys):
     _one_error_line(capsys, ["export", "--run", "/nonexistent", "--out", "x"], "'/nonexistent'", "no such run folder")
     empty = tmp_path / "empty"
     empty.mkdir()
+    for command in (["export", "--run", str(empty), "--out", "x"], ["sample", "--run", str(empty), "--prompt", "a"]):
+        _one_error_line(capsys, command, "is not a shoal run folder: it has no config.toml")  # the same for both
+    shutil.copy(tiny_run / "config.toml", empty / "config.toml")  # a run folder without a checkpoint
     _one_error_line(capsys, ["export", "--run", str(empty), "--out", "x"], "no complete checkpoint")
     _one_error_line(capsys, ["export", "--run", str(tiny_run), "--step", "7", "--out", "x"], "--step 7", "valid: 1, 2")
     assert not os.path.exists("x")

@@ -491,9 +491,23 @@ def check_fresh_out(folder: Path) -> None:
 # ----------------------------------------------------------------------------- shoal sample
 
 
+def _run_folder(arg: str) -> Path:
+    """--run's folder, checked the same way for `sample` and `export`."""
+    from shoal.train.runs import CONFIG_FILE
+
+    run = Path(arg)
+    if not run.is_dir():
+        raise UserError(f"--run {arg!r}: no such run folder")
+    if not (run / CONFIG_FILE).is_file():
+        raise UserError(f"--run {arg!r} is not a shoal run folder: it has no {CONFIG_FILE}; valid: a folder "
+                        "`shoal train` wrote (its --out)")
+    return run
+
+
 def _sample(args: argparse.Namespace) -> int:
     from shoal.train.sample import sample
 
+    _run_folder(args.run)
     text = sample(Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, seed=args.seed)
     print(text, flush=True)
@@ -507,9 +521,7 @@ def _export(args: argparse.Namespace) -> int:
     from shoal.train.checkpoint import MANIFEST, checkpoint_dir, good_checkpoint, read_trainer_state
     from shoal.train.export import export_checkpoint
 
-    run = Path(args.run)
-    if not run.is_dir():
-        raise UserError(f"--run {args.run!r}: no such run folder")
+    run = _run_folder(args.run)
     if Path(args.out).exists() and not args.force:
         raise UserError(f"--out {args.out!r} already exists; valid: a new path, or --force to replace it")
     if args.step is None:

@@ -306,6 +306,11 @@ def _fully_shard(model: nn.Module, blocks: list[nn.Module], *, mesh: DeviceMesh,
     for unit in (blocks[i:i + step] for i in range(0, len(blocks), step)):
         # A list is one FSDP2 parameter group: gathered before the first block runs, reduced once.
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=not keep_full, **kwargs)
+    if "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
+        # Tensor parallelism's embedding hands on DTensor.to_local()'s view, which FSDP2 warns about at every
+        # run's first forward: an in-place op on it would skip the unit's pre-backward hook. shoal's model adds
+        # to the embedding's output out of place only (Transformer.forward), so the hazard cannot occur here.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
     for unit, needed_first in _end_units(model):
         if all(p in ignored for m in unit for p in m.parameters()):
             continue  # its tables are sharded by rows beside FSDP2 (vocab=sharded)
