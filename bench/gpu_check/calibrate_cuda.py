@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from bench.gpu_check.context import Context
 from bench.gpu_check.parts_kernels import _median_time
-from bench.gpu_check.parts_train import DEFAULT_PLAN, PLAN_MODEL, planner_cluster, train_plan
+from bench.gpu_check.parts_train import DEFAULT_PLAN, PLAN_MODEL, PLAN_STEPS, planner_cluster, train_plan
 from bench.gpu_check.report import safe_name
 
 # (name, tokens per step, dim, heads, kv heads, head dim, ffn, vocab, batch, seq): the training shapes
@@ -154,7 +154,7 @@ def part(ctx: Context, device_name: str | None) -> None:
             predicted = price(plan or DEFAULT_PLAN, work, parse_cluster(spec), None)
             row[f"predicted tokens/s ({label})"] = predicted.tokens_per_s
         if not ctx.dry:
-            got = train_plan(plan, PLAN_MODEL, "cuda", 12)
+            got = train_plan(plan, PLAN_MODEL, "cuda", PLAN_STEPS)
             if got["status"] == "ok":
                 row["measured tokens/s"] = got["tokens_per_s"]
                 for label in ("data sheet", "calibrated"):

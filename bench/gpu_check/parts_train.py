@@ -90,7 +90,10 @@ refuse at world size 1 (options of an fsdp axis of degree 1) are listed as refus
 PLAN_MODEL = ("tiny", ("num_layers=12", "dim=768", "num_heads=12", "num_kv_heads=12", "ffn_dim=2048",
                        "vocab_size=256", "max_seq_len=1024"), 16, 1024)
 """(preset, --set overrides, global batch, seq len): the 85M shape of bench/gpu_throughput.py."""
-PLAN_STEPS = 6
+PLAN_STEPS = 20
+"""Steps per plan: tokens/s is the median of the second half. At 6 (3 timed steps) the first H200 run read the
+default plan and tp1, the same plan, 30% apart; a step of the 85M shape takes ~40 ms, so 14 more cost <1 s a plan
+beside its ~35 s start and compile."""
 DEFAULT_PLAN = "dp1"
 """What the planner prices for `shoal train` without --plan on one GPU (the device's defaults fill the rest)."""
 MEMORY_TOLERANCE = 0.25
