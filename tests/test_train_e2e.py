@@ -122,3 +122,14 @@ def test_sample_prints_text(runs, capsys):
     assert cli.main(["sample", "--run", str(runs["dp2"]), "--prompt", "The ", "--max-new-tokens", "16"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("The ") and len(text.rstrip("\n")) > len("The ")
+
+
+def test_sample_streams_the_text_it_returns(runs):
+    """shoal sample prints tokens as they are drawn: the pieces handed on add up to the whole text, the prompt
+    first, one piece per drawn token at most (plus the prompt and a last flush), and the same seed draws the same."""
+    from shoal.train.sample import sample
+
+    pieces: list[str] = []
+    text = sample(runs["dp2"], "The ", max_new_tokens=12, seed=3, emit=pieces.append)
+    assert "".join(pieces) == text and pieces[0] == "The " and len(pieces) <= 12 + 2
+    assert sample(runs["dp2"], "The ", max_new_tokens=12, seed=3) == text

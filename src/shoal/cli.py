@@ -508,9 +508,9 @@ def _sample(args: argparse.Namespace) -> int:
     from shoal.train.sample import sample
 
     _run_folder(args.run)
-    text = sample(Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_k=args.top_k, seed=args.seed)
-    print(text, flush=True)
+    sample(Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+           top_k=args.top_k, seed=args.seed, emit=lambda piece: print(piece, end="", flush=True))  # as drawn
+    print(flush=True)
     return 0
 
 

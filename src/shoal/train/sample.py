@@ -6,6 +6,7 @@ loads into a plain single-process model.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,8 +20,9 @@ from shoal.train.runs import read_run_config
 
 
 def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
-           top_k: int = 40, seed: int = 0) -> str:
-    """The prompt followed by up to `max_new_tokens` sampled tokens, as text."""
+           top_k: int = 40, seed: int = 0, emit: Callable[[str], None] | None = None) -> str:
+    """The prompt followed by up to `max_new_tokens` sampled tokens, as text; `emit`, where given, is handed
+    that text piece by piece as the tokens are drawn (the prompt first), the pieces adding up to it."""
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 0")
     if temperature < 0:
@@ -38,25 +40,36 @@ def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     ids = tokenizer.encode(prompt) or tokenizer.encode("\n")
     generator = torch.Generator().manual_seed(seed)
-    new = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                   generator=generator)
-    return (prompt if prompt else "") + tokenizer.decode(new)
+    say = emit or (lambda piece: None)
+    say(prompt)
+    new: list[int] = []
+    shown = ""
+    for token in generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                          generator=generator):
+        new.append(token)
+        text = tokenizer.decode(new)
+        if not text.endswith("\ufffd"):  # a character whose bytes are not all drawn yet waits for them
+            say(text[len(shown):])
+            shown = text
+    text = tokenizer.decode(new)
+    say(text[len(shown):])
+    return prompt + text
 
 
 @torch.no_grad()
 def generate(model: Transformer, ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
-             generator: torch.Generator) -> list[int]:
-    """Sample tokens one at a time (no key/value cache: the models here are small)."""
+             generator: torch.Generator) -> Iterator[int]:
+    """Sample tokens one at a time, each as it is drawn (no key/value cache: the models here are small)."""
     window = model.config.max_seq_len
     seq = list(ids)
     for _ in range(max_new_tokens):
         logits_V = model(torch.tensor([seq[-window:]]))[0, -1].float()
         if temperature == 0:
             seq.append(int(logits_V.argmax()))
-            continue
-        logits_V = logits_V / temperature
-        if 0 < top_k < logits_V.numel():
-            kth = torch.topk(logits_V, top_k).values[-1]
-            logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
-        seq.append(int(torch.multinomial(logits_V.softmax(-1), 1, generator=generator)))
-    return seq[len(ids):]
+        else:
+            logits_V = logits_V / temperature
+            if 0 < top_k < logits_V.numel():
+                kth = torch.topk(logits_V, top_k).values[-1]
+                logits_V = logits_V.masked_fill(logits_V < kth, float("-inf"))
+            seq.append(int(torch.multinomial(logits_V.softmax(-1), 1, generator=generator)))
+        yield seq[-1]
