@@ -50,7 +50,8 @@ SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set",
     (["--plan", "dp2,zero=2"], ["zero=2", "fsdp axis", "add fsdpN"]),
     (["--plan", "fsdp2,sched=1f1b"], ["sched=1f1b", "pp axis"]),
     (["--plan", "fsdp2,mb=4"], ["mb=4", "pp axis"]),
-    (["--step", "5"], ["unrecognized arguments: --step 5"]),  # no abbreviation of --steps
+    (["--step", "5"], ["unrecognized argument(s) --step 5", "valid: --steps"]),  # no abbreviation; the near flag
+    (["--doc_mask", "on"], ["--doc_mask on", "valid: --doc-mask"]),
     (["--tf32", "maybe"], ["'maybe'", "on, off"]),
     (["--log-every", "0"], ["--log-every 0", ">= 1"]),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) and v and v[0].startswith("-") else None)
@@ -70,6 +71,13 @@ def test_bad_config_files(capsys, tmp_path):
     typed = tmp_path / "typed.toml"
     typed.write_text('steps = "many"\n')
     assert_user_error(capsys, ["train", "--config", str(typed)], "steps = 'many'", "int")
+    switch = tmp_path / "switch.toml"
+    switch.write_text("doc_mask = 3\n")
+    assert_user_error(capsys, ["train", "--config", str(switch)], "doc_mask = 3", "true or false", '"on" / "off"')
+    from shoal.train.config import from_flat
+
+    assert from_flat({"doc_mask": "on"}).data.doc_mask is True  # as the flag takes it
+    assert from_flat({"doc_mask": "off", "tf32": "off"}).tf32 is False
 
 
 def test_config_file_and_flags_layer(tmp_path):
@@ -111,6 +119,10 @@ def test_a_good_run_is_never_overwritten(capsys, good_run):
                       "already at step 2")
     assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "4", "--lr", "0.1"],
                       "--lr", "cannot change", "--steps")
+    assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "4", "--doc-mask", "on"],
+                      "--doc-mask cannot change", "(it was off)")  # as the flag is typed, not False
+    assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "4", "--out", str(good_run) + "x"],
+                      "--out", "its own folder", "valid: leave --out out")
     assert _digest(good_run / "checkpoints") == before
 
 
@@ -308,3 +320,29 @@ def test_readme_says_which_presets_train():
         row = next((r for r in rows if f"`{name}`" in r.split("|")[1]), None)
         assert row is not None, name
         assert row.split("|")[3].strip().startswith("yes"), row
+
+
+def test_data_and_tokenizer_paths_are_kept_absolute(tmp_path, monkeypatch):
+    """config.toml keeps --data's folders (a mixture's each, weights kept) and a tokenizer folder absolute, so a
+    run resumes from any working folder; a path that does not exist is left as typed for its own refusal."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "tok").mkdir()
+    monkeypatch.chdir(tmp_path)
+    data = cli._absolute_paths(cli_data(path="a", tokenizer="tok"))
+    assert (data.path, data.tokenizer) == (str(tmp_path / "a"), str(tmp_path / "tok"))
+    mixed = cli._absolute_paths(cli_data(path="a:0.7,b:0.3", tokenizer="byte"))
+    assert (mixed.path, mixed.tokenizer) == (f"{tmp_path / 'a'}:0.7,{tmp_path / 'b'}:0.3", "byte")
+    assert cli._absolute_paths(cli_data(path="gone:1,a:1", tokenizer="byte")).path == "gone:1,a:1"
+
+
+def cli_data(**fields):
+    from shoal.train.data import DataConfig
+
+    return DataConfig(**fields)
+
+
+def test_a_misspelled_flag_of_a_nested_command_names_the_near_ones(capsys, tmp_path):
+    assert_user_error(capsys, ["data", "prepare", str(tmp_path), "--tokenizer", "byte", "--out", str(tmp_path / "o"),
+                               "--hold-out", "0.1"], "--hold-out 0.1", "valid: --holdout", "shoal data prepare --help")
+    assert_user_error(capsys, ["sample", "--run", str(tmp_path), "--max-new-token", "5"], "valid: --max-new-tokens")

@@ -235,6 +235,9 @@ def test_cli_export_errors(tiny_run, tmp_path, capsys):
         _one_error_line(capsys, command, "is not a shoal run folder: it has no config.toml")  # the same for both
     shutil.copy(tiny_run / "config.toml", empty / "config.toml")  # a run folder without a checkpoint
     _one_error_line(capsys, ["export", "--run", str(empty), "--out", "x"], "no complete checkpoint")
+    _one_error_line(capsys, ["export", "--run", str(tiny_run), "--out", str(tmp_path / "new") + "/"], "is a folder",
+                    "--hf")  # a trailing slash names a folder: not a file called "new"
+    assert not (tmp_path / "new").exists()
     _one_error_line(capsys, ["export", "--run", str(tiny_run), "--step", "7", "--out", "x"], "--step 7", "valid: 1, 2")
     assert not os.path.exists("x")
 

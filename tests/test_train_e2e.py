@@ -133,3 +133,30 @@ def test_sample_streams_the_text_it_returns(runs):
     text = sample(runs["dp2"], "The ", max_new_tokens=12, seed=3, emit=pieces.append)
     assert "".join(pieces) == text and pieces[0] == "The " and len(pieces) <= 12 + 2
     assert sample(runs["dp2"], "The ", max_new_tokens=12, seed=3) == text
+
+
+def test_held_out_loss_weighs_each_batch_by_its_targets():
+    """Fine-tuning masks make held-out batches' target counts uneven: the held-out loss is the mean over every
+    target (batches weighted by their counts), not a mean of the batches' means; a batch with no targets adds
+    nothing. Trainer.evaluate over a stand-in runtime whose batch losses are given: (9 x 1 + 1 x 3) / 4 = 3
+    (a mean of means would say (9 + 1 + 0) / 3)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from shoal.parallel.vocab import IGNORE
+    from shoal.train.loop import Trainer
+
+    def targets(n: int) -> torch.Tensor:
+        t = torch.full((1, 4), IGNORE)
+        t[0, :n] = 1
+        return t
+
+    batches = [targets(1), targets(3), targets(0)]
+    means = iter([9.0, 1.0, 0.0])  # each batch's mean over its targets (0 for none, as the runtime's share gives)
+    runtime = SimpleNamespace(eval=lambda: None, train=lambda: None, global_mean=lambda t: t,
+                              eval_loss=lambda micro: torch.tensor(next(means)))
+    held_out = SimpleNamespace(batch=lambda i, size, part: (torch.zeros(1, 4, dtype=torch.long), batches[i]))
+    trainer = SimpleNamespace(runtime=runtime, loop=SimpleNamespace(eval_batches=3, global_batch=1), part=None,
+                              device=torch.device("cpu"), num_micro=1)
+    assert Trainer.evaluate(trainer, held_out) == pytest.approx(3.0)

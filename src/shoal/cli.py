@@ -32,6 +32,36 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # argparse would print usage and exit itself
         raise UserError(message)
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """argparse's, with the flags nearest a misspelled one named (`--step` -> `--steps`)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            raise UserError(self._unrecognized(parsed, extras))
+        return parsed
+
+    def _unrecognized(self, parsed: argparse.Namespace, extras: list[str]) -> str:
+        import difflib
+
+        parser: argparse.ArgumentParser = self
+        words = ["shoal"]
+        found = True
+        while found:  # down to the (sub)command whose parser holds the flags: `shoal data prepare`'s own
+            found = False
+            for action in parser._actions:
+                if not isinstance(action, argparse._SubParsersAction):
+                    continue
+                chosen = getattr(parsed, action.dest, None)
+                if chosen in action.choices:
+                    parser, found = action.choices[chosen], True
+                    words.append(chosen)
+                    break
+        flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+        unknown = [e for e in extras if e.startswith("-")] or extras
+        near = [m for e in unknown for m in difflib.get_close_matches(e.split("=")[0], flags, n=2, cutoff=0.7)]
+        where = " ".join(words) + " --help"
+        hint = f"valid: {', '.join(dict.fromkeys(near))}, or see {where}" if near else f"valid: the flags {where} lists"
+        return f"unrecognized argument(s) {' '.join(extras)}; {hint}"
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a `shoal` command; returns the exit status."""
@@ -285,6 +315,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
                      f"preset {cfg.model}, whose tensors the weights must match (--model names another)")
         if cfg.init is not None:  # the run folder's config.toml records where the weights came from, from anywhere
             cfg = dataclasses.replace(cfg, init=str(Path(cfg.init).absolute()))
+        cfg = dataclasses.replace(cfg, data=_absolute_paths(cfg.data))  # so that --resume works from any folder
         run_dir = cfg.out if cfg.out is not None else (None if under_torchrun() else default_run_dir())
     if args.resume is None:  # prepared data: the tokenizer is the manifest's
         cfg = dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, given="tokenizer" in flags))
@@ -349,6 +380,28 @@ def auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
     return cfg, choice.prediction()
 
 
+def _absolute_paths(data: Any) -> Any:
+    """The data config with --data's folders or files and a tokenizer folder made absolute (a mixture's each,
+    its weights kept); a path that does not exist is left as given, to be refused in the user's own words."""
+    import dataclasses
+
+    from shoal.data.dataset import parse_mixture
+
+    def absolute(spec: str | None) -> str | None:
+        if spec is None or Path(spec).exists():
+            return spec if spec is None else str(Path(spec).absolute())
+        try:
+            items = parse_mixture(spec)
+        except ValueError:
+            return spec
+        if not all(Path(folder).exists() for folder, _ in items):
+            return spec
+        return ",".join(f"{Path(folder).absolute()}:{weight!r}" for folder, weight in items)
+
+    tokenizer = data.tokenizer if data.tokenizer == "byte" else absolute(data.tokenizer)
+    return dataclasses.replace(data, path=absolute(data.path), tokenizer=tokenizer)
+
+
 def world_size(cfg: Any, device: str) -> int:
     """The run's number of processes: torchrun's world, --nproc, or one per GPU (2 on CPU)."""
     from shoal.launch import default_nproc, under_torchrun
@@ -370,12 +423,36 @@ def resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
         raise UserError("--config cannot be combined with --resume: the run folder's config.toml is the config")
     base = read_run_config(folder)
     stored = to_flat(base)
+    if "out" in flags:
+        if Path(flags["out"]).resolve() != folder.resolve():
+            raise UserError(f"--out {flags['out']!r} cannot change when resuming: a resumed run writes on in its own "
+                            f"folder {args.resume!r}; valid: leave --out out")
+        flags = {k: v for k, v in flags.items() if k != "out"}
     for key, value in flags.items():
-        if key not in RESUMABLE and stored.get(key) != (list(value) if isinstance(value, tuple) else value):
+        given = list(value) if isinstance(value, tuple) else value
+        if key not in RESUMABLE and _same_path(key, stored.get(key)) != _same_path(key, given):
             valid = ", ".join("--" + k.replace("_", "-") for k in RESUMABLE)
-            raise UserError(f"--{key.replace('_', '-')} cannot change when resuming {args.resume!r} (its config.toml "
-                            f"has {stored.get(key)!r}); flags a resumed run may change: {valid}")
+            raise UserError(f"--{key.replace('_', '-')} cannot change when resuming {args.resume!r} (it was "
+                            f"{_as_typed(stored.get(key))}); flags a resumed run may change: {valid}")
     return from_flat(flags, base)
+
+
+def _same_path(key: str, value: Any) -> Any:
+    """A path flag's value in the form config.toml keeps (absolute), so that the same folder compares equal."""
+    if key in ("data", "tokenizer", "init") and isinstance(value, str) and Path(value).exists():
+        return str(Path(value).absolute())
+    return value
+
+
+def _as_typed(value: Any) -> str:
+    """A stored config value as a user types it: on/off, a list's items, 'unset'."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return " ".join(map(str, value)) if value else "none"
+    return repr(value)
 
 
 def validate(cfg: Any, device: str) -> None:
@@ -534,7 +611,7 @@ def _export(args: argparse.Namespace) -> int:
                             f"valid: {', '.join(map(str, steps)) or 'none'}")
     read_trainer_state(path, checksums=True)
     target = Path(args.out)
-    if target.is_dir() and not args.hf:
+    if (target.is_dir() or args.out.endswith(("/", os.sep))) and not args.hf:  # "out/" names a folder
         raise UserError(f"--out {args.out!r} is a folder; valid: a file path (one safetensors file), or --hf to "
                         "write a Hugging Face folder")
     if target.is_dir():  # --force: the new folder replaces the old whole, never merged into it

@@ -12,6 +12,7 @@ config from the run folder; only the keys in `RESUMABLE` may change.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +155,9 @@ def from_flat(values: dict[str, Any], base: RunConfig | None = None) -> RunConfi
             top[key] = _model_config(value)
             continue
         if key not in KEYS:
-            raise ValueError(f"unknown config key {key!r}; valid: {', '.join(sorted(KEYS))}, model_config")
+            close = difflib.get_close_matches(key, [*KEYS, "model_config"], n=3)
+            raise ValueError(f"unknown config key {key!r}; valid: " + (f"{', '.join(close)}, or another of" if close
+                             else "one of") + " the long flags' names with underscores (shoal train --help)")
         section, name = KEYS[key]
         cls = RunConfig if section is None else _SECTIONS[section]
         typed = _coerce(key, value, _field_type(cls, name))
@@ -267,8 +270,11 @@ def _coerce(key: str, value: Any, type_name: str) -> Any:
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)
         raise ValueError(f"config key {key} must be a list of strings, got {value!r}")
+    if base == "bool" and value in ("on", "off"):  # as the flags take them
+        return value == "on"
     if not ok:
-        raise ValueError(f"config key {key} = {value!r} is not valid; it must be {type_name}")
+        valid = "true or false (or \"on\" / \"off\")" if base == "bool" else type_name
+        raise ValueError(f"config key {key} = {value!r} is not valid; it must be {valid}")
     return float(value) if base == "float" else value
 
 

@@ -106,8 +106,8 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
         return _encode(default_corpus(), tokenizer)
     path = Path(cfg.path)
     if not path.exists():
-        raise ValueError(f"data path {cfg.path!r} does not exist; valid: a folder of .txt files, "
-                         "a .txt, .bin or .npy file")
+        raise ValueError(f"data path {cfg.path!r} does not exist; valid: a folder of .txt files, a .txt, .bin or "
+                         ".npy file, a folder `shoal data prepare` made, or a mixture of them (DIR_A:0.7,DIR_B:0.3)")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:

@@ -275,15 +275,24 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, held_out: Any) -> float:
-        """Mean loss over `eval_batches` global batches of held-out data (the same ones each time)."""
+        """Mean loss per target over `eval_batches` global batches of held-out data (the same ones each time):
+        each batch's mean weighted by its count of targets, which fine-tuning's masks make uneven (a mean of the
+        batches' means let a batch of a few targets weigh as much as a full one, and one of none add a 0)."""
+        from shoal.parallel.vocab import num_targets
+
         self.runtime.eval()
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros(2, device=self.device)  # sum of (batch mean x its count), sum of counts
         for i in range(self.loop.eval_batches):
             inputs, targets = held_out.batch(i, self.loop.global_batch, self.part)
             micro = split_micro(inputs.to(self.device), targets.to(self.device), self.num_micro)
-            total += self.runtime.eval_loss(micro)
+            loss = self.runtime.eval_loss(micro)
+            count = num_targets(targets).to(self.device, torch.float32)  # this rank's part of the batch
+            # averaged over the data ranks: the batch's mean loss, and a count proportional to the batch's
+            mean_loss, mean_count = self.runtime.global_mean(torch.stack([loss.float(), count]))
+            total += torch.stack([mean_loss * mean_count, mean_count])
         self.runtime.train()
-        return float(self.runtime.global_mean(total / self.loop.eval_batches))
+        weighted, counted = total.tolist()
+        return weighted / counted if counted > 0 else float("nan")
 
     @torch.no_grad()
     def evaluate_images(self) -> dict[str, float]:
