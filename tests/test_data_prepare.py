@@ -9,6 +9,7 @@ import gzip
 import itertools
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -384,3 +385,176 @@ def test_prepare_help_names_every_default(capsys):
     entries = [e for e in text.split("options:")[1].split("\n  -") if e.strip().startswith("-")]
     assert len(entries) == 7
     assert all("[" in e or "(required" in e for e in entries), entries
+
+
+# ----------------------------------------------------------------------------- a new user's inputs
+
+
+def test_a_single_text_is_split_by_tokens_not_held_out_whole(tmp_path):
+    """A .txt given on its own (or a one-record jsonl) is one document: its last --holdout of
+    tokens are held out and the rest trained on, the two parts disjoint and together the text."""
+    text = DOCS[0] * 20
+    (tmp_path / "novel.txt").write_text(text)
+    (tmp_path / "other.txt").write_text(text[::-1])
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    out = tmp_path / "ds"
+    m = prepare(PrepareConfig(inputs=[str(tmp_path / n) for n in ("novel.txt", "other.txt", "one.jsonl")],
+                              tokenizer="byte", out=str(out), holdout=0.1, workers=1), progress=False)
+    ids = list(text.encode())
+    cut = int(len(ids) * 0.9)  # nanoGPT's split: the first 90% to train
+    for k, source in enumerate(m["sources"]):
+        assert source["train"]["documents"] == source["eval"]["documents"] == 1
+        train, held = _documents(out, k, "train"), _documents(out, k, "eval")
+        expected = ids[::-1] if k == 1 else ids
+        assert train == [expected[:cut] + [prep.BYTE_EOS]] and held == [expected[cut:] + [prep.BYTE_EOS]]
+    assert open_prepared(str(out), seq_len=64, seed=0).num_train == 3 * (cut + 1)
+
+
+def test_a_source_left_with_nothing_to_train_on_is_refused_and_removed(capsys, tmp_path):
+    (tmp_path / "two").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "two" / name).write_text(DOCS[1])
+    out = tmp_path / "new" / "ds"
+    base = ["data", "prepare", "--tokenizer", "byte", "--out", str(out), str(tmp_path / "two")]
+    # The golden-ratio rule holds out documents 0 and 1 of a shard at holdout > 0.618.
+    assert_user_error(capsys, [*base, "--holdout", "0.7"], "'" + str(tmp_path / "two") + "'", "0 tokens to train on",
+                      "--holdout")
+    assert not (tmp_path / "new").exists()  # nor the parent folder it made
+    entry = {"input": "x.jsonl", "train": {"documents": 3, "tokens": 9}, "eval": {"documents": 0, "tokens": 0}}
+    assert "holds out 0 tokens" in one_line_error(prep._check_splits, entry, 0.01)
+    prep._check_splits(entry, 0.0)  # nothing held out is what --holdout 0 asks for
+
+
+def test_a_source_holding_out_far_more_than_asked_is_warned_about(capsys, tmp_path):
+    (tmp_path / "two").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "two" / name).write_text(DOCS[1])
+    capsys.readouterr()
+    prepare(PrepareConfig(inputs=[str(tmp_path / "two")], tokenizer="byte", out=str(tmp_path / "ds"), holdout=0.01,
+                          workers=1), progress=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shoal: warning: ") and "holds out 50.0%" in err[0], err
+    assert str(tmp_path / "two") in err[0] and "split by tokens" in err[0]
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in DOCS)
+    (tmp_path / "many.jsonl").write_text(lines)
+    prepare(PrepareConfig(inputs=[str(tmp_path / "many.jsonl")], tokenizer="byte", out=str(tmp_path / "many"),
+                          holdout=0.01, workers=1), progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_broken_compressed_input_is_one_line_and_leaves_nothing(capsys, tmp_path):
+    import random
+
+    rng = random.Random(0)  # text that does not compress to a few bytes, so a cut file is truncated mid-stream
+    data = gzip.compress("".join(json.dumps({"text": "".join(rng.choices("abcdefgh ", k=200))}) + "\n"
+                                 for _ in range(500)).encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    (tmp_path / "plain.jsonl.gz").write_text(json.dumps({"text": "not compressed"}) + "\n")
+    corrupt = bytearray(data)
+    corrupt[len(data) // 2: len(data) // 2 + 64] = b"\xff" * 64  # an invalid deflate block: zlib.error
+    (tmp_path / "corrupt.jsonl.gz").write_bytes(bytes(corrupt))
+    out = tmp_path / "out"
+    for name in ("cut.jsonl.gz", "plain.jsonl.gz", "corrupt.jsonl.gz"):
+        assert_user_error(capsys, ["data", "prepare", str(tmp_path / name), "--tokenizer", "byte", "--out", str(out),
+                                   "--shard-mb", "0.01"], name, "cannot be decompressed")
+        assert not out.exists()
+
+
+def test_an_interrupted_preparation_that_meets_bad_input_leaves_nothing(monkeypatch, tmp_path):
+    good = "".join(json.dumps({"text": "x" * 50}) + "\n" for _ in range(30))
+    (tmp_path / "bad.jsonl").write_text(good + "{not json\n")
+    cfg = PrepareConfig(inputs=[str(tmp_path / "bad.jsonl")], tokenizer="byte", out=str(tmp_path / "out"),
+                        shard_mb=0.0005, workers=1)
+    real = prep._work
+    monkeypatch.setattr(prep, "_work", lambda chunk: real(chunk) if chunk.shard < 2 else (_ for _ in ()).throw(
+        KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg, progress=False)
+    assert (tmp_path / "out" / prep.PROGRESS).is_file()  # kept to resume
+    monkeypatch.setattr(prep, "_work", real)
+    assert "bad.jsonl:31" in one_line_error(prepare, cfg, progress=False)
+    assert list((tmp_path / "out").iterdir()) == []  # the resumed preparation's shards and progress too
+
+
+def test_empty_inputs_are_refused_and_empty_files_in_a_folder_skipped(capsys, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "a.txt").write_text("")
+    (tmp_path / "some").mkdir()
+    (tmp_path / "some" / "a.txt").write_text("")
+    (tmp_path / "some" / "b.txt").write_text("text")
+    out = tmp_path / "out"
+    base = ["data", "prepare", "--tokenizer", "byte", "--out", str(out)]
+    assert_user_error(capsys, [*base, str(tmp_path / "empty.txt")], "empty.txt", "is empty")
+    assert_user_error(capsys, [*base, str(tmp_path / "none")], "'" + str(tmp_path / "none") + "'", "no .txt files")
+    assert not out.exists()
+    m = prepare(PrepareConfig(inputs=[str(tmp_path / "some")], tokenizer="byte", out=str(out), holdout=0.0,
+                              workers=1), progress=False)
+    assert _documents(out, 0, "train") == [[*b"text", prep.BYTE_EOS]] and m["splits"]["eval"]["documents"] == 0
+    (tmp_path / "some" / "c.txt").symlink_to(tmp_path / "gone.txt")
+    assert_user_error(capsys, [*base.copy()[:-1], str(tmp_path / "out2"), str(tmp_path / "some")], "c.txt",
+                      "broken link")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_chat_messages_are_checked_one_by_one_and_untargeted_ones_counted(bpe, capsys, tmp_path):
+    from shoal.data.finetune import validate
+
+    def where() -> str:
+        return "c.jsonl:7"
+
+    user, helper = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+    assert validate("chat", [user, helper], where) == [user, helper]
+    message = one_line_error(validate, "chat", [user, {"role": "usr", "content": "x"}], where)
+    assert all(s in message for s in ("c.jsonl:7", "message 1", "'usr'", "system, user, assistant, tool")), message
+    message = one_line_error(validate, "chat", [user, helper, {"role": "user"}], where)
+    assert all(s in message for s in ("c.jsonl:7", "message 2", "'content'")), message
+    assert "message 0" in one_line_error(validate, "chat", [{"content": "x"}], where)
+    assert "message 1 is str" in one_line_error(validate, "chat", [user, "hi"], where)
+
+    chat = tmp_path / "chat"
+    shutil.copytree(bpe, chat)
+    (chat / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                                              "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    records = [[user, helper]] * 5 + [[user]] * 3 + [[user, helper]]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in records))
+    capsys.readouterr()
+    prepare(PrepareConfig(inputs=[str(tmp_path / "c.jsonl")], tokenizer=str(chat), out=str(tmp_path / "ds"),
+                          field="messages", format="chat", holdout=0.0, workers=1, shard_mb=0.0001), progress=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shoal: warning: 3 conversations"), err
+    assert "no assistant turn" in err[0] and "c.jsonl:6" in err[0]  # the first one, several shards in
+
+
+def test_data_without_held_out_tokens_trains_when_nothing_is_evaluated(tmp_path):
+    (tmp_path / "f.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:20]))
+    prepare(PrepareConfig(inputs=[str(tmp_path / "f.jsonl")], tokenizer="byte", out=str(tmp_path / "h0"),
+                          holdout=0.0, workers=1), progress=False)
+    message = one_line_error(open_prepared, str(tmp_path / "h0"), seq_len=16, seed=0)
+    assert "0 held-out tokens" in message and "--eval-every 0" in message
+    opened = open_prepared(str(tmp_path / "h0"), seq_len=16, seed=0, require_held_out=False)
+    assert opened.held_out is None and opened.held_out_sources is None and opened.num_held_out == 0
+    assert opened.train.batch(0, 4)[0].shape == (4, 16)
+    held = _letters(tmp_path, {"g": 30})["g"]  # data that has a held-out split keeps it
+    assert open_prepared(str(held), seq_len=8, seed=0, require_held_out=False).held_out is not None
+    # through shoal train: --eval-every 0 trains on it (no held-out loss), the default is refused in one line
+    from shoal import cli
+
+    flags = ["train", "--data", str(tmp_path / "h0"), "--device", "cpu", "--nproc", "1", "--steps", "2",
+             "--seq-len", "16", "--global-batch", "2", "--set", "num_layers=1", "--set", "dim=32", "--set",
+             "ffn_dim=64"]
+    assert cli.main([*flags, "--out", str(tmp_path / "r0"), "--eval-every", "0"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "r0" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and not any("eval_loss" in r for r in records)
+    assert cli.main([*flags, "--out", str(tmp_path / "r1")]) == 2
+
+
+def test_sources_of_folders_with_one_name_keep_their_held_out_losses_apart(tmp_path):
+    folders = []
+    for parent, letter in (("data", "h"), ("other", "i")):
+        (tmp_path / parent).mkdir()
+        folders.append(_letters(tmp_path / parent, {letter: 40})[letter].rename(tmp_path / parent / "books"))
+    opened = open_prepared(f"{folders[0]}:0.5,{folders[1]}:0.5", seq_len=8, seed=0)
+    assert opened.held_out_sources is not None and set(opened.held_out_sources) == {"data/books", "other/books"}
+    twice = open_prepared(f"{folders[0]}:0.5,{folders[0]}:0.5", seq_len=8, seed=0)
+    assert twice.held_out_sources is not None and set(twice.held_out_sources) == {"books", "books#2"}

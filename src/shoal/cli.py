@@ -481,7 +481,7 @@ def validate(cfg: Any, device: str) -> None:
     plan = rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
                          global_batch=loop.global_batch, seq_len=loop.seq_len, micro_batch=loop.micro_batch)
     _check_memory(cfg, plan, device)
-    top = open_data(cfg.data, seq_len=loop.seq_len, seed=loop.seed, max_id=True).max_id
+    top = open_data(cfg.data, seq_len=loop.seq_len, seed=loop.seed, max_id=True, held_out=loop.eval_every > 0).max_id
     if top >= model.vocab_size:
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
         raise UserError(f"the data holds token id {top} but the model's vocab_size is {model.vocab_size}; "

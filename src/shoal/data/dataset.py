@@ -246,6 +246,7 @@ class OpenedData:
 
     train: Any
     held_out: Any
+    """None: the data holds no held-out split and the run asked for none (open_prepared)."""
     num_train: int
     num_held_out: int
     max_id: int
@@ -255,8 +256,10 @@ class OpenedData:
     its input's file name where a folder has several), for a held-out loss per source."""
 
 
-def open_prepared(spec: str, *, seq_len: int, seed: int) -> OpenedData:
-    """A prepared dataset or a mixture of them, read through memory maps."""
+def open_prepared(spec: str, *, seq_len: int, seed: int, require_held_out: bool = True) -> OpenedData:
+    """A prepared dataset or a mixture of them, read through memory maps. `require_held_out`: the
+    run evaluates, so every source must hold a held-out sequence; without it, data that holds none
+    (prepared with --holdout 0) opens with `held_out` None."""
     mixture = parse_mixture(spec)
     manifests = [read_manifest(folder) for folder, _ in mixture]
     first = manifests[0]["tokenizer"]
@@ -264,29 +267,70 @@ def open_prepared(spec: str, *, seq_len: int, seed: int) -> OpenedData:
         if m["tokenizer"]["sha256"] != first["sha256"]:
             raise ValueError(f"--data {spec!r}: {folder!r} was tokenized with {m['tokenizer']['name']!r}, "
                              f"{mixture[0][0]!r} with {first['name']!r}; a mixture needs one tokenizer")
-    splits = []
-    for split in ("train", "eval"):
-        streams = []
-        for (folder, _), m in zip(mixture, manifests):
-            for src in m["sources"]:
-                stream = TokenStream(Path(folder), src[split]["shards"], m["dtype"], seq_len=seq_len,
-                                     name=f"{folder}:{src['input']}", masked=bool(m.get("loss_mask")))
-                if stream.num_windows < 1:
-                    what = "training" if split == "train" else "held-out"
-                    hint = "" if split == "train" else " (or prepare it with a larger --holdout)"
-                    raise ValueError(f"source {src['input']!r} of {folder!r} holds {stream.num_tokens} {what} "
-                                     f"tokens, fewer than one sequence of {seq_len + 1}; use a shorter "
-                                     f"--seq-len or more data{hint}")
-                streams.append(stream)
-        splits.append(streams)
-    # A folder's sources share its weight in proportion to their tokens.
-    weights = {split: [w * src[split]["tokens"] / m["splits"][split]["tokens"]
-                       for (_, w), m in zip(mixture, manifests) for src in m["sources"]] for split in ("train", "eval")}
-    labels = [Path(folder).name + (f"/{Path(src['input']).name}" if len(m["sources"]) > 1 else "")
-              for (folder, _), m in zip(mixture, manifests) for src in m["sources"]]
-    per_source = {label: MixtureBatches([stream], [1.0], seed=seed) for label, stream in zip(labels, splits[1])} \
-        if len(splits[1]) > 1 and len(set(labels)) == len(labels) else None
-    return OpenedData(train=MixtureBatches(splits[0], weights["train"], seed=seed),
-                      held_out=MixtureBatches(splits[1], weights["eval"], seed=seed),
-                      num_train=sum(s.num_tokens for s in splits[0]), num_held_out=sum(s.num_tokens for s in splits[1]),
+    train = _streams(mixture, manifests, "train", seq_len)
+    assert train is not None  # (a source with no training sequence is refused)
+    held = _streams(mixture, manifests, "eval", seq_len, refuse=require_held_out)
+
+    def weights(split: str) -> list[float]:  # a folder's sources share its weight in proportion to their tokens
+        return [w * src[split]["tokens"] / m["splits"][split]["tokens"]
+                for (_, w), m in zip(mixture, manifests) for src in m["sources"]]
+
+    labels = source_labels([(folder, src["input"] if len(m["sources"]) > 1 else None)
+                            for (folder, _), m in zip(mixture, manifests) for src in m["sources"]])
+    per_source = {label: MixtureBatches([stream], [1.0], seed=seed) for label, stream in zip(labels, held)} \
+        if held is not None and len(held) > 1 else None
+    return OpenedData(train=MixtureBatches(train, weights("train"), seed=seed),
+                      held_out=None if held is None else MixtureBatches(held, weights("eval"), seed=seed),
+                      num_train=sum(s.num_tokens for s in train),
+                      num_held_out=0 if held is None else sum(s.num_tokens for s in held),
                       max_id=max(int(m["max_id"]) for m in manifests), tokenizer=first, held_out_sources=per_source)
+
+
+def _streams(mixture: list[tuple[str, float]], manifests: list[dict[str, Any]], split: str, seq_len: int, *,
+             refuse: bool = True) -> list[TokenStream] | None:
+    """One split's stream of every source; a source with less than one sequence is refused in one
+    line (or, refuse=False, gives None: the split is left out)."""
+    streams = []
+    for (folder, _), m in zip(mixture, manifests):
+        for src in m["sources"]:
+            stream = TokenStream(Path(folder), src[split]["shards"], m["dtype"], seq_len=seq_len,
+                                 name=f"{folder}:{src['input']}", masked=bool(m.get("loss_mask")))
+            if stream.num_windows >= 1:
+                streams.append(stream)
+            elif split == "train":
+                raise ValueError(f"source {src['input']!r} of {folder!r} holds {stream.num_tokens} training tokens, "
+                                 f"fewer than one sequence of {seq_len + 1}; use a shorter --seq-len or more data")
+            elif refuse:
+                raise ValueError(f"source {src['input']!r} of {folder!r} holds {stream.num_tokens} held-out tokens "
+                                 f"(< one sequence of {seq_len + 1}); valid: --eval-every 0, a shorter --seq-len, "
+                                 "or a larger prepare --holdout")
+            else:
+                return None
+    return streams
+
+
+def source_labels(sources: list[tuple[str, str | None]]) -> list[str]:
+    """Short, distinct names of (folder, input or None) sources for their held-out losses: the
+    folder's name (and the input's file name where given), with as many parent folders as tell
+    apart folders of one name (data/books, other/books), and #2, #3 for a folder given twice."""
+    parts = [Path(folder).resolve().parts for folder, _ in sources]
+    depth = [1] * len(sources)
+
+    def label(i: int) -> str:
+        name = sources[i][1]
+        return "/".join(parts[i][-depth[i]:]) + (f"/{Path(name).name}" if name is not None else "")
+
+    while True:
+        labels = [label(i) for i in range(len(sources))]
+        grow = [i for i, text in enumerate(labels) if depth[i] < len(parts[i]) - 1
+                and any(other == text and parts[j] != parts[i] for j, other in enumerate(labels))]
+        if not grow:
+            break
+        for i in grow:
+            depth[i] += 1
+    seen: dict[str, int] = {}
+    out = []
+    for text in labels:
+        seen[text] = seen.get(text, 0) + 1
+        out.append(text if seen[text] == 1 else f"{text}#{seen[text]}")
+    return out

@@ -22,6 +22,8 @@ import numpy as np
 
 FORMATS = ("text", "chat", "completion")
 COMPLETION_FIELDS = ("prompt", "completion")
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles of chat messages (transformers' chat format); a template renders other names as text."""
 Encoded = tuple[list[int], list[int]]
 """A document's token ids and its loss mask (one 0/1 a token)."""
 
@@ -62,10 +64,10 @@ def validate(fmt: str, value: Any, where: Callable[[], str]) -> Any:
     """A record's value for `fmt`, checked; ValueError naming where() (file:line) otherwise (called
     on an error only: finding a line's number in a byte range reads the file up to it)."""
     if fmt == "chat":
-        if not (isinstance(value, list) and value and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in value)):
+        if not (isinstance(value, list) and value):
             raise ValueError(f"{where()}: messages must be a non-empty list of {{\"role\": str, \"content\": str}}")
+        for index, message in enumerate(value):
+            _check_message(message, index, where)
         return value
     if fmt == "completion":
         if not all(isinstance(v, str) for v in value):
@@ -74,6 +76,22 @@ def validate(fmt: str, value: Any, where: Callable[[], str]) -> Any:
     if not isinstance(value, str):
         raise ValueError(f"{where()}: holds {type(value).__name__}, not text")
     return value
+
+
+def _check_message(message: Any, index: int, where: Callable[[], str]) -> None:
+    """Message `index` of a conversation: a {"role", "content"} dict whose role a chat template knows."""
+    problem = None
+    if not isinstance(message, dict):
+        problem = f"is {type(message).__name__}, not a {{\"role\": str, \"content\": str}} object"
+    elif missing := [key for key in ("role", "content") if key not in message]:
+        problem = (f"has no {missing[0]!r} (has: {', '.join(map(str, message)) or 'nothing'}); valid: "
+                   "{\"role\": str, \"content\": str}")
+    elif wrong := [key for key in ("role", "content") if not isinstance(message[key], str)]:
+        problem = f"{wrong[0]!r} holds {type(message[wrong[0]]).__name__}, not text"
+    elif message["role"] not in ROLES:
+        problem = f"role {message['role']!r} is not valid; valid: {', '.join(ROLES)}"
+    if problem is not None:
+        raise ValueError(f"{where()}: message {index} {problem}")
 
 
 def encoder(fmt: str, tokenizer: str) -> Callable[[list[Any]], list[Encoded]]:

@@ -10,8 +10,11 @@ Layout of a prepared folder, for source k (one INPUT) and shard s (about --shard
   progress.json                      the settings of the preparation under way (for resuming)
   manifest.json                      written last, by rename: a folder without it is never read
 A fraction --holdout of each source's documents (spread evenly through every shard) goes to
-the eval split. Workers tokenize whole shards; a re-run skips the finished ones, so an
-interrupted preparation resumes where it stopped. Bad input leaves nothing behind.
+the eval split; a source that is one document (a .txt file) is split by tokens instead, its last
+--holdout of tokens held out. A source left with nothing to train on (or, at holdout > 0, nothing
+held out) is refused; one that holds out far more than asked is warned about. Workers tokenize
+whole shards; a re-run skips the finished ones, so an interrupted preparation resumes where it
+stopped. Bad input leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import shutil
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -31,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from shoal.data import finetune
-from shoal.data.sources import Chunk, check_readable, chunks, documents
+from shoal.data.sources import Chunk, check_readable, chunks, document_place, documents
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
@@ -39,6 +44,12 @@ FORMAT = "shoal-tokens"
 BYTE_EOS = 0
 """The byte tokenizer has no spare id: documents end with a NUL byte, which text does not hold."""
 _GOLDEN = (math.sqrt(5) - 1) / 2
+_SHARD_FILE = re.compile(r"\.?\d{3}-\d{6}\.")
+"""A file of a shard (kkk-ssssss.*, or its temporary .kkk-ssssss.*.tmp-pid)."""
+SKEW = 3
+"""A source whose held-out share of tokens exceeds SKEW x --holdout is warned about: its documents
+are too few or too uneven for the share asked (the golden-ratio spacing alone keeps a source of
+many documents within one document of it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,7 +140,8 @@ def _init_worker(tokenizer: str, eos_id: int, dtype: str, field_name: str, holdo
 def is_held_out(shard: int, index: int, holdout: float) -> bool:
     """Document `index` of a shard goes to eval: a golden-ratio sequence spreads the held-out
     documents evenly (within one of holdout x documents per shard); document 0 of shard 0 is
-    always held out when holdout > 0, so every source has an eval split."""
+    always held out when holdout > 0, so every source has an eval split (a source of one document
+    is split by tokens instead: split_documents)."""
     return (index * _GOLDEN + shard * math.sqrt(2)) % 1.0 < holdout if shard else (index * _GOLDEN) % 1.0 < holdout
 
 
@@ -139,35 +151,62 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+Document = tuple[list[int], list[int] | None]
+"""A document's token ids and, for fine-tuning formats, its loss mask."""
+
+
+def split_documents(chunk: Chunk, docs: list[Document], holdout: float) -> dict[str, list[Document]]:
+    """The chunk's documents by split. A source that is one document (a .txt file, a single
+    record) is split by tokens, as nanoGPT splits its text: the last `holdout` of its tokens are
+    held out (ending at the document's own EOS, as the first part ends at one of its own), the rest
+    trained on; held out as a whole it would leave nothing to train on."""
+    if not (chunk.whole and len(docs) == 1 and holdout > 0):
+        return {split: [d for j, d in enumerate(docs) if is_held_out(chunk.shard, j, holdout) == (split == "eval")]
+                for split in ("train", "eval")}
+    (ids, mask), = docs
+    cut = int(len(ids) * (1 - holdout))
+    parts = {"train": (ids[:cut], None if mask is None else mask[:cut]),
+             "eval": (ids[cut:], None if mask is None else mask[cut:])}
+    return {split: [part] if part[0] else [] for split, part in parts.items()}
+
+
 def _work(chunk: Chunk) -> dict[str, Any]:
     w = _WORKER
     fmt = w["format"]
     encoded = w["encode"](documents(chunk, w["field"], fmt))
-    ids, masks = (encoded, None) if fmt == "text" else ([e[0] for e in encoded], [e[1] for e in encoded])
+    docs: list[Document] = [(e, None) for e in encoded] if fmt == "text" else [(e[0], e[1]) for e in encoded]
     name = f"{chunk.source:03d}-{chunk.shard:06d}"
     record: dict[str, Any] = {"name": name, "max_id": int(w["eos"])}
-    for split in ("train", "eval"):
-        keep = [j for j in range(len(ids)) if is_held_out(chunk.shard, j, w["holdout"]) == (split == "eval")]
-        docs = [ids[j] for j in keep]
-        offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-        np.cumsum([len(d) + 1 for d in docs], out=offsets[1:])
-        tokens = np.full(int(offsets[-1]), w["eos"], dtype=w["dtype"])
-        for d, start in zip(docs, offsets[:-1]):
-            tokens[start: start + len(d)] = d
-        if len(tokens):
-            record["max_id"] = max(record["max_id"], int(tokens.max()))
-        if masks is not None:  # the EOS after a document is a target when the token before it is
-            mask = np.zeros(int(offsets[-1]), dtype=np.uint8)
-            for j, start in zip(keep, offsets[:-1]):
-                m = masks[j]
-                mask[start: start + len(m)] = m
-                mask[start + len(m)] = m[-1] if len(m) else 0
-            _write_atomic(w["out"] / f"{name}.{split}.mask", mask.tobytes())
-        _write_atomic(w["out"] / f"{name}.{split}.bin", tokens.tobytes())
-        _write_atomic(w["out"] / f"{name}.{split}.idx", offsets.tobytes())
-        record[split] = {"name": f"{name}.{split}", "documents": len(docs), "tokens": int(offsets[-1])}
+    untargeted = [j for j, (_, mask) in enumerate(docs) if mask is not None and not any(mask)]
+    if untargeted:  # (fine-tuning formats) documents with nothing to learn: counted for a warning
+        record["untargeted"] = {"documents": len(untargeted), "first": document_place(chunk, untargeted[0])}
+    for split, kept in split_documents(chunk, docs, w["holdout"]).items():
+        record[split] = _write_split(w["out"] / f"{name}.{split}", kept, eos=w["eos"], dtype=w["dtype"],
+                                     masked=fmt != "text")
+        record["max_id"] = max(record["max_id"], record[split].pop("max_id"))
     _write_atomic(w["out"] / f"{name}.json", json.dumps(record).encode())
     return record
+
+
+def _write_split(stem: Path, docs: list[Document], *, eos: int, dtype: str, masked: bool) -> dict[str, Any]:
+    """One split of a shard: its tokens (each document followed by EOS), document index and, for
+    fine-tuning formats, loss mask; returns its counts (and largest id)."""
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum([len(ids) + 1 for ids, _ in docs], out=offsets[1:])
+    tokens = np.full(int(offsets[-1]), eos, dtype=dtype)
+    for (ids, _), start in zip(docs, offsets[:-1]):
+        tokens[start: start + len(ids)] = ids
+    if masked:  # the EOS after a document is a target when the token before it is
+        mask_out = np.zeros(int(offsets[-1]), dtype=np.uint8)
+        for (_, m), start in zip(docs, offsets[:-1]):
+            assert m is not None
+            mask_out[start: start + len(m)] = m
+            mask_out[start + len(m)] = m[-1] if len(m) else 0
+        _write_atomic(stem.with_name(stem.name + ".mask"), mask_out.tobytes())
+    _write_atomic(stem.with_name(stem.name + ".bin"), tokens.tobytes())
+    _write_atomic(stem.with_name(stem.name + ".idx"), offsets.tobytes())
+    return {"name": stem.name, "documents": len(docs), "tokens": int(offsets[-1]),
+            "max_id": int(tokens.max()) if len(tokens) else eos}
 
 
 # ----------------------------------------------------------------------------- the whole preparation
@@ -193,7 +232,7 @@ def prepare(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, Any]:
     done = _existing(out, settings)
     if done is not None:
         return done
-    created = not out.exists()
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
     out.mkdir(parents=True, exist_ok=True)
     before = set(os.listdir(out))
     try:
@@ -202,14 +241,25 @@ def prepare(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, Any]:
         manifest = _manifest(cfg, tok, paths, kinds, records)
         _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
         (out / PROGRESS).unlink()
-        return manifest
     except ValueError:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        else:
-            for name in set(os.listdir(out)) - before:
-                (out / name).unlink(missing_ok=True)
+        _remove_preparation(out, created=created, before=before)
         raise
+    for message in _warnings(cfg, manifest, records):
+        print(f"shoal: warning: {message}", file=sys.stderr, flush=True)
+    return manifest
+
+
+def _remove_preparation(out: Path, *, created: Path | None, before: set[str]) -> None:
+    """After bad input: remove what this run wrote (`created`: the first folder of --out's path it
+    made) and, when it resumed an interrupted preparation of the same inputs, that one's shards and
+    progress too (these inputs cannot finish it)."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+        return
+    resumed = PROGRESS in before
+    for name in os.listdir(out):
+        if name not in before or (resumed and (name == PROGRESS or _SHARD_FILE.match(name))):
+            (out / name).unlink(missing_ok=True)
 
 
 def _input_identity(path: Path) -> dict[str, Any]:
@@ -287,8 +337,7 @@ def _manifest(cfg: PrepareConfig, tok: dict[str, Any], paths: list[Path], kinds:
             entry[split] = {"documents": sum(r[split]["documents"] for r in mine),
                             "tokens": sum(r[split]["tokens"] for r in mine),
                             "shards": [r[split] for r in mine]}
-        if entry["train"]["documents"] + entry["eval"]["documents"] == 0:
-            raise ValueError(f"input {str(path)!r} holds no documents")
+        _check_splits(entry, cfg.holdout)
         sources.append(entry)
     splits = {s: {"documents": sum(e[s]["documents"] for e in sources), "tokens": sum(e[s]["tokens"] for e in sources)}
               for s in ("train", "eval")}
@@ -297,3 +346,36 @@ def _manifest(cfg: PrepareConfig, tok: dict[str, Any], paths: list[Path], kinds:
             "tokenizer": tok, "dtype": token_dtype(tok["vocab_size"]),
             "max_id": max([r["max_id"] for r in records], default=0), "splits": splits, "sources": sources,
             "config": asdict(cfg), "settings": settings}
+
+
+def _check_splits(source: dict[str, Any], holdout: float) -> None:
+    """ValueError in one line when a source has no documents, nothing to train on, or (holdout > 0)
+    nothing held out: training would refuse it, after the whole preparation."""
+    path = source["input"]
+    if source["train"]["documents"] + source["eval"]["documents"] == 0:
+        raise ValueError(f"input {path!r} holds no documents")
+    if source["train"]["tokens"] == 0:
+        raise ValueError(f"input {path!r} leaves 0 tokens to train on ({source['eval']['documents']} document(s) "
+                         f"held out at --holdout {holdout}); valid: more documents, or a smaller --holdout")
+    if holdout > 0 and source["eval"]["tokens"] == 0:
+        raise ValueError(f"input {path!r} holds out 0 tokens at --holdout {holdout}; valid: more documents or "
+                         "a larger --holdout, or --holdout 0 (then train with --eval-every 0)")
+
+
+def _warnings(cfg: PrepareConfig, manifest: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
+    """What the user should know about a finished preparation, one line each: a source that holds
+    out far more than --holdout of its tokens, and fine-tuning documents with no target."""
+    out = []
+    for source in manifest["sources"]:
+        train, held = source["train"], source["eval"]
+        share = held["tokens"] / (train["tokens"] + held["tokens"])
+        if cfg.holdout > 0 and share > SKEW * cfg.holdout:
+            out.append(f"input {source['input']!r} holds out {share:.1%} of its tokens ({held['documents']} of its "
+                       f"{train['documents'] + held['documents']} documents) for --holdout {cfg.holdout}: give it "
+                       "more documents, or join them into one .txt file, which is split by tokens")
+    untargeted = [r["untargeted"] for r in records if "untargeted" in r]
+    if untargeted:
+        what = "conversations hold no assistant turn" if cfg.format == "chat" else "records have an empty completion"
+        out.append(f"{sum(u['documents'] for u in untargeted):,} {what}, so they add no training targets "
+                   f"(the first: {untargeted[0]['first']})")
+    return out

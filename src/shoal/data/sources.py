@@ -10,10 +10,13 @@ there with its file and line number.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
+import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,8 @@ class Chunk:
     path: str
     first_line: int
     items: list[Any]
+    whole: bool = False
+    """The chunk is its source's only shard: prepare splits a single document by tokens."""
 
 
 def kind_of(path: Path) -> str:
@@ -65,12 +70,50 @@ def check_readable(path: Path) -> str:
         except ImportError:
             raise ValueError(f"input {str(path)!r} needs the {needs!r} package, which is not installed; "
                              f"install it ({EXTRA})") from None
-    if kind == "folder" and not any(p.is_file() for p in path.rglob("*.txt")):
-        raise ValueError(f"input folder {str(path)!r} holds no .txt files")
+    if kind not in ("folder", "hf") and path.stat().st_size == 0:
+        raise ValueError(f"input {str(path)!r} is empty (0 bytes); valid: a file that holds text")
+    if kind == "folder":
+        _text_files(path)
     return kind
 
 
+def _text_files(folder: Path) -> list[Path]:
+    """A folder's .txt files that hold something, sorted; an empty one is skipped (it would be a
+    document of EOS alone), a broken link refused (its text would go missing unnoticed)."""
+    files = []
+    for p in sorted(folder.rglob("*.txt")):
+        if p.is_symlink() and not p.exists():
+            raise ValueError(f"input folder {str(folder)!r}: {str(p)!r} is a broken link (to {str(p.readlink())!r}); "
+                             "valid: fix the link or remove it")
+        if p.is_file() and p.stat().st_size > 0:
+            files.append(p)
+    if not files:
+        raise ValueError(f"input folder {str(folder)!r} holds no .txt files with text")
+    return files
+
+
+@contextmanager
+def _decompressing(path: Path) -> Iterator[None]:
+    """ValueError naming the file for a compressed input that is truncated or not what its name says."""
+    errors: tuple[type[BaseException], ...] = (EOFError, gzip.BadGzipFile, zlib.error)
+    if path.name.lower().endswith(".zst"):
+        import zstandard
+
+        errors += (zstandard.ZstdError,)
+    try:
+        yield
+    except errors as exc:
+        what = "it ends early: truncated?" if isinstance(exc, EOFError) else f"not {path.suffix} data: {exc}"
+        raise ValueError(f"input {str(path)!r} cannot be decompressed ({what}); valid: a whole {path.suffix} "
+                         "file") from None
+
+
 def _open_binary(path: Path) -> Any:
+    with _decompressing(path):
+        return _open(path)
+
+
+def _open(path: Path) -> Any:
     name = path.name.lower()
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
@@ -82,12 +125,23 @@ def _open_binary(path: Path) -> Any:
 
 
 def chunks(source: int, path: Path, field: str, shard_bytes: int) -> Iterator[Chunk]:
-    """The shards of one source, in order, each about `shard_bytes` of input."""
+    """The shards of one source, in order, each about `shard_bytes` of input; a source's only shard
+    is marked `whole`."""
+    pending = None
+    for chunk in _chunks(source, path, field, shard_bytes):
+        if pending is not None:
+            yield pending
+        pending = chunk
+    if pending is not None:
+        yield dataclasses.replace(pending, whole=pending.shard == 0)
+
+
+def _chunks(source: int, path: Path, field: str, shard_bytes: int) -> Iterator[Chunk]:
     kind = check_readable(path)
     if kind == "jsonl":
         yield from _jsonl_chunks(source, path, shard_bytes)
     elif kind in ("folder", "txt"):
-        files = sorted(p for p in path.rglob("*.txt") if p.is_file()) if kind == "folder" else [path]
+        files = _text_files(path) if kind == "folder" else [path]
         batch: list[str] = []
         size, shard = 0, 0
         for p in files:
@@ -117,7 +171,7 @@ def _jsonl_chunks(source: int, path: Path, shard_bytes: int) -> Iterator[Chunk]:
         return
     lines: list[bytes] = []
     size, shard, first = 0, 0, 1
-    with _open_binary(path) as raw:
+    with _open_binary(path) as raw, _decompressing(path):
         for number, line in enumerate(io.BufferedReader(raw) if not isinstance(raw, io.BufferedIOBase) else raw, 1):
             lines.append(line)
             size += len(line)
@@ -176,12 +230,7 @@ def documents(chunk: Chunk, field: str, fmt: str = "text") -> list[Any]:
         return chunk.items
     if chunk.kind == "files":
         return [Path(p).read_text(encoding="utf-8", errors="replace") for p in chunk.items]
-    lines, first = chunk.items, chunk.first_line
-    if chunk.kind == "jsonl-range":
-        start, end = chunk.items
-        with open(chunk.path, "rb") as f:
-            f.seek(start)
-            lines = f.read(end - start).split(b"\n")
+    lines, first = _lines(chunk), chunk.first_line
     fields = COMPLETION_FIELDS if fmt == "completion" else (field,)
     out = []
     for index, line in enumerate(lines):
@@ -204,6 +253,22 @@ def documents(chunk: Chunk, field: str, fmt: str = "text") -> list[Any]:
 
         out.append(validate(fmt, values if fmt == "completion" else values[0], place))
     return out
+
+
+def _lines(chunk: Chunk) -> list[bytes]:
+    """A jsonl chunk's lines (a byte range is read here, in the worker)."""
+    if chunk.kind != "jsonl-range":
+        return chunk.items
+    start, end = chunk.items
+    with open(chunk.path, "rb") as f:
+        f.seek(start)
+        return f.read(end - start).split(b"\n")
+
+
+def document_place(chunk: Chunk, index: int) -> str:
+    """`file:line` of a jsonl chunk's document `index` (blank lines hold none), for a warning about it."""
+    lines = _lines(chunk)
+    return _line(chunk, chunk.first_line, [i for i, line in enumerate(lines) if line.strip()][index])
 
 
 def _line(chunk: Chunk, first: int, index: int) -> str:

@@ -181,15 +181,17 @@ def split_tokens(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple
     return tokens[:-num_val], tokens[-num_val:]
 
 
-def open_data(cfg: DataConfig, *, seq_len: int, seed: int, max_id: bool = False) -> Any:
+def open_data(cfg: DataConfig, *, seq_len: int, seed: int, max_id: bool = False, held_out: bool = True) -> Any:
     """The training and held-out samplers (shoal.data.dataset.OpenedData): prepared datasets and
     mixtures through memory maps, every other input through load_tokens. `max_id`: also find the
-    largest token id (a scan of the tokens for inputs without a manifest)."""
+    largest token id (a scan of the tokens for inputs without a manifest). `held_out` False: the run
+    evaluates only where the data has a held-out split (--eval-every 0), so prepared data without one
+    (--holdout 0) opens with none."""
     from shoal.data.dataset import OpenedData, is_prepared_spec, open_prepared
 
     if is_prepared_spec(cfg.path):
         assert cfg.path is not None
-        opened = open_prepared(cfg.path, seq_len=seq_len, seed=seed)
+        opened = open_prepared(cfg.path, seq_len=seq_len, seed=seed, require_held_out=held_out)
         _check_tokenizer(cfg.tokenizer, opened.tokenizer, cfg.path)
         return opened
     tokens = load_tokens(cfg, load_tokenizer(cfg.tokenizer))

@@ -61,7 +61,7 @@ def load_teacher(checkpoint: str | Path, model: ModelConfig, device: torch.devic
 def router_usage(teacher: Runtime, cfg: RunConfig, batches: int = USAGE_BATCHES) -> dict[str, torch.Tensor]:
     """Per MoE layer (by index), each expert's share of the token assignments the teacher's router
     kept over the first `batches` training batches of `cfg`'s data."""
-    data = open_data(cfg.data, seq_len=cfg.loop.seq_len, seed=cfg.loop.seed)
+    data = open_data(cfg.data, seq_len=cfg.loop.seq_len, seed=cfg.loop.seed, held_out=False)  # training batches
     layers = {name.split(".")[1]: m for name, m in teacher.parts[0].named_modules() if isinstance(m, MoELayer)}
     kept = {layer: torch.zeros(m.num_experts, dtype=torch.float64) for layer, m in layers.items()}
     with torch.no_grad():

@@ -139,7 +139,7 @@ class Trainer:
                 for source, epoch in getattr(self.batches, "new_epochs", lambda *_: [])(s, self.loop.global_batch):
                     bar.write(f"step {s + 1}: source {source} starts epoch {epoch} (a new order of its sequences)")
             n = s + 1
-            eval_due = _due(n, self.loop.eval_every, self.loop.steps)
+            eval_due = _due(n, self.loop.eval_every, self.loop.steps) and self.held_out is not None
             ckpt_due = _due(n, self.loop.ckpt_every, self.loop.steps)
             self.stopped_by = signals.agreed() if signals is not None else None  # every rank, the same step
             ckpt_due = ckpt_due or self.stopped_by is not None

@@ -87,7 +87,7 @@ class TokenData:
 
 def load_data(cfg: RunConfig) -> TokenData:
     """Prepared datasets and mixtures through memory maps, other inputs whole (train.data.open_data)."""
-    data = open_data(cfg.data, seq_len=cfg.loop.seq_len, seed=cfg.loop.seed)
+    data = open_data(cfg.data, seq_len=cfg.loop.seq_len, seed=cfg.loop.seed, held_out=cfg.loop.eval_every > 0)
     return TokenData(data.train, data.held_out, data.num_train, data.num_held_out, data.held_out_sources)
 
 
