@@ -195,11 +195,11 @@ def open_data(cfg: DataConfig, *, seq_len: int, seed: int, max_id: bool = False,
         _check_tokenizer(cfg.tokenizer, opened.tokenizer, cfg.path)
         return opened
     tokens = load_tokens(cfg, load_tokenizer(cfg.tokenizer))
-    train, held_out = split_tokens(tokens, cfg.val_fraction, seq_len)
+    train, kept = split_tokens(tokens, cfg.val_fraction, seq_len)
     top = (int(tokens.max()) if len(tokens) else 0) if max_id else -1
     return OpenedData(train=TokenBatches(train, seq_len=seq_len, seed=seed),
-                      held_out=TokenBatches(held_out, seq_len=seq_len, seed=seed),
-                      num_train=len(train), num_held_out=len(held_out), max_id=top)
+                      held_out=TokenBatches(kept, seq_len=seq_len, seed=seed),
+                      num_train=len(train), num_held_out=len(kept), max_id=top)
 
 
 def resolve_tokenizer(cfg: DataConfig, *, given: bool) -> DataConfig:
