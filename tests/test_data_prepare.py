@@ -337,6 +337,11 @@ def _export_carries_the_tokenizer(run: Path, bpe: Path, out: Path) -> None:
     with pytest.raises(ValueError, match="none of the files"):  # moved since the run: refused before writing
         tokenizer_files(str(out / "gone"))
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    # config.json names the tokenizer's end (and begin) of text, which transformers' generate stops at
+    source = AutoTokenizer.from_pretrained(str(bpe))
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("eos_token_id") == source.eos_token_id and source.eos_token_id is not None
+    assert config.get("bos_token_id") == source.bos_token_id
     text = DOCS[0][:200]
     ids = AutoTokenizer.from_pretrained(str(out)).encode(text, add_special_tokens=False)
     assert ids == AutoTokenizer.from_pretrained(str(bpe)).encode(text, add_special_tokens=False)

@@ -64,7 +64,7 @@ def test_llama_with_bias_and_mha(tmp_path):
 
 def test_gpt2_maps_and_counts_like_transformers(tmp_path):
     hf = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32)
-    cfg = _map(_write(tmp_path, hf))
+    cfg = _map(_write(tmp_path, hf), "resid_pdrop=0.1")  # GPT-2's dropouts, which shoal does not apply
     assert ((cfg.norm, cfg.activation, cfg.pos_emb, cfg.bias, cfg.tie_embeddings)
             == ("layernorm", "gelu", "learned", True, True))
     assert (cfg.dim, cfg.num_layers, cfg.num_heads, cfg.ffn_dim, cfg.max_seq_len) == (64, 2, 4, 256, 32)
@@ -176,3 +176,17 @@ def test_bad_configs_give_one_line_errors(tmp_path):
             config_from_hf(path)
         message = str(info.value)
         assert words in message and "\n" not in message, message
+
+
+def test_dropout_a_config_sets_is_said_not_silently_dropped(tmp_path):
+    """GPT-2's configs set 0.1 dropouts, Llama's may set attention_dropout: shoal builds these families without
+    dropout, and says so in a warning naming the fields; a config without them says nothing."""
+    from shoal.models.config import ModelWarning
+
+    hf = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32)
+    with pytest.warns(ModelWarning, match=r"sets resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1: shoal builds"):
+        config_from_hf(_write(tmp_path, hf))
+    (tmp_path / "quiet").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelWarning)
+        config_from_hf(_write(tmp_path / "quiet", transformers.LlamaConfig(**TINY)))

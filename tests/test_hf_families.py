@@ -259,3 +259,24 @@ def test_shoal_plan_prices_a_pooled_router_loss_in_a_pipeline(capsys):
         assert "pp2,mb=4" in capsys.readouterr().out
     assert main(["plan", *model, "--cluster", "8xH100", "--top", "200", "--json"]) == 0
     assert any("pp" in p["plan"] for p in json.loads(capsys.readouterr().out))
+
+
+def test_a_pipeline_says_its_micro_batches_pool_the_router_loss():
+    """pp's micro-batches each pool a pooled load-balancing loss (as one process with --micro-batch does, the
+    HF Trainer's accumulation): the start-up text says so, with the --micro-batch that reproduces the curve;
+    mb=1, a dense model, or a per-layer router loss say nothing."""
+    from types import SimpleNamespace
+
+    from shoal.models.config import get_preset
+    from shoal.plan import Plan
+    from shoal.train.loop import Trainer
+
+    pooled = get_preset("tiny-moe").replace(aux_loss_pooled=True, capacity_factor=0.0)
+
+    def note(plan: str, cfg) -> list[str]:
+        return Trainer._pooling_note(SimpleNamespace(plan=Plan.parse(plan).resolve(2), model_cfg=cfg, local_batch=8))
+
+    (line,) = note("pp2,mb=4", pooled)
+    assert "pools each of the pipeline's 4 micro-batches" in line and "--micro-batch 2" in line
+    assert note("pp2,mb=1", pooled) == [] and note("dp2", pooled) == []
+    assert note("pp2,mb=4", get_preset("tiny-moe")) == [] and note("pp2,mb=4", get_preset("tiny")) == []

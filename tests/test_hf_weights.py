@@ -213,6 +213,7 @@ def test_cli_export_hf_loads_in_transformers(tiny_run, tmp_path, capsys):
     (out / "stale.safetensors").write_bytes(b"old")
     assert cli.main(["export", "--run", str(tiny_run), "--out", str(out), "--hf", "--force"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0  # the byte tokenizer's EOS
     _one_error_line(capsys, ["export", "--run", str(tiny_run), "--out", str(out), "--force"], str(out), "is a folder")
     _one_error_line(capsys, ["export", "--run", str(tiny_run), "--out", str(tiny_run.parent), "--hf", "--force"],
                     "holds the run folder")

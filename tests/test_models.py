@@ -140,12 +140,13 @@ def test_with_overrides_converts_types():
     (["pos_emb=alibi"], "valid: rope, learned"),
     (["dim=0"], "model field dim=0 must be >= 1"),
     (["dim=100"], "dim=100 is not divisible by num_heads=8"),
-    (["num_kv_heads=3"], "num_kv_heads=3 does not divide num_heads=8"),
+    (["num_kv_heads=3"], "num_kv_heads=3 does not divide num_heads=8; valid: num_kv_heads in 1, 2, 4, 8"),
     (["num_kv_heads=-4"], "num_kv_heads=-4 does not divide num_heads=8"),
     (["dim=8"], "rotary embeddings need an even head dim"),
     (["num_experts=-1"], "num_experts=-1 must be >= 0"),
     (["num_experts=4", "top_k=5"], "top_k=5 must lie in 1..num_experts=4"),
     (["num_experts=4", "moe_every=0"], "moe_every=0 must be >= 1"),
+    (["num_experts=4", "moe_every=5"], "moe_every=5 makes none of the 4 layers an MoE layer; valid: moe_every in 1..4"),
     (["init_std=-1"], "model field init_std=-1.0 must be >= 0"),
     (["init_std=nan"], "model field init_std=nan must be a finite number"),
     (["norm_eps=0"], "model field norm_eps=0.0 must be > 0"),
@@ -168,3 +169,19 @@ def test_parameter_counts_read_as_people_write_them():
 
     assert [parameters_text(n) for n in (113_152, 850_000, 999_999_999, 8_030_261_248, 405_853_388_800)] == [
         "0.113M", "0.85M", "1B", "8.03B", "406B"]
+
+
+def test_a_model_warning_is_one_shoal_line(capsys):
+    """A setting that runs but is likely a mistake (top-1 routing with normalised weights) is said in one
+    `shoal: warning:` line by the command line, not as Python's warning with its source line."""
+    import warnings
+
+    from shoal import cli
+
+    cli.show_model_warnings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        cli.show_model_warnings()  # installed once, however often asked
+        PRESETS["tiny-moe"].with_overrides(["top_k=1"])
+    err = capsys.readouterr().err
+    assert err.count("shoal: warning: top_k=1 with norm_topk=true") == 1 and "UserWarning" not in err

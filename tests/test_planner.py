@@ -746,3 +746,17 @@ def test_fp32_gemms_run_on_tf32_tensor_cores_where_the_gpu_has_them():
         a, b = (estimate(p, Workload(model=cfg, global_batch=8, seq_len=256, tf32=t), parse_cluster(cluster))
                 for t in (True, False))
         assert a.step_time_s == b.step_time_s
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--top", "0"], "--top 0 is not valid; valid: a count of plans >= 1"),
+    (["--top", "-1"], "--top -1 is not valid"),
+    (["--calibrate", "--plan", "dp2"], "--calibrate measures this machine and prices no plan; --plan would be ignored"),
+    (["--quick"], "--quick shortens --calibrate"),
+])
+def test_plan_flags_that_would_do_nothing_are_refused(capsys, argv, words):
+    """Flags shoal plan would ignore (a plan with --calibrate, --quick without it) or misread (--top below 1 kept
+    all but the last) are one-line errors, before any calibration runs."""
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1

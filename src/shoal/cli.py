@@ -63,8 +63,29 @@ class _Parser(argparse.ArgumentParser):
         return f"unrecognized argument(s) {' '.join(extras)}; {hint}"
 
 
+def show_model_warnings() -> None:
+    """A model setting's warning (shoal.models.config.ModelWarning) as one `shoal: warning:` line, not Python's
+    two-line warning with its source; every other warning as Python shows it."""
+    import warnings
+
+    from shoal.models.config import ModelWarning
+
+    default = warnings.showwarning
+
+    def show(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        if issubclass(category, ModelWarning):
+            warn(str(message))
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    if getattr(warnings.showwarning, "__name__", "") != "show":
+        warnings.showwarning = show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a `shoal` command; returns the exit status."""
+    show_model_warnings()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -569,15 +590,17 @@ def check_fresh_out(folder: Path) -> None:
 
 
 def _run_folder(arg: str) -> Path:
-    """--run's folder, checked the same way for `sample` and `export`."""
+    """--run's folder, checked the same way for `sample` and `export` (which needs only the checkpoints: a
+    folder with them and no config.toml exports)."""
+    from shoal.train.checkpoint import checkpoint_dir
     from shoal.train.runs import CONFIG_FILE
 
     run = Path(arg)
     if not run.is_dir():
         raise UserError(f"--run {arg!r}: no such run folder")
-    if not (run / CONFIG_FILE).is_file():
-        raise UserError(f"--run {arg!r} is not a shoal run folder: it has no {CONFIG_FILE}; valid: a folder "
-                        "`shoal train` wrote (its --out)")
+    if not (run / CONFIG_FILE).is_file() and not checkpoint_dir(run).is_dir():
+        raise UserError(f"--run {arg!r} is not a shoal run folder: it has no {CONFIG_FILE} and no checkpoints; "
+                        "valid: a folder `shoal train` wrote (its --out)")
     return run
 
 

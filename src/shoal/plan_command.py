@@ -52,6 +52,15 @@ def run(args: argparse.Namespace) -> int:
     from shoal.planner.calibrate import calibrate
     from shoal.planner.profile import save_profile
 
+    if args.top < 1:
+        raise ValueError(f"--top {args.top} is not valid; valid: a count of plans >= 1")
+    pricing = [f"--{k.replace('_', '-')}" for k in ("plan", "micro_batch", "json", "explain")
+               if getattr(args, k) not in (None, False)]
+    if args.calibrate and pricing:  # calibration measures this machine and prices nothing
+        raise ValueError(f"--calibrate measures this machine and prices no plan; {', '.join(pricing)} would be "
+                         "ignored; valid: shoal plan --calibrate [--quick] alone, then price plans")
+    if args.quick and not args.calibrate:
+        raise ValueError("--quick shortens --calibrate; valid: shoal plan --calibrate --quick")
     if args.calibrate:
         path = save_profile(calibrate(quick=args.quick))
         print(f"calibration profile written to {path}")

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class ModelWarning(UserWarning):
+    """A model setting that runs but is likely not what the user meant: the command line shows it as
+    `shoal: warning: ...`."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape and style of a decoder-only transformer (Llama-style by default)."""
@@ -139,11 +144,16 @@ class ModelConfig:
             raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}; valid: a multiple "
                              "of num_heads, or head_size set")
         if self.kv_heads < 1 or self.num_heads % self.kv_heads:
-            raise ValueError(f"num_kv_heads={self.kv_heads} does not divide num_heads={self.num_heads}")
+            valid = ", ".join(str(d) for d in range(1, self.num_heads + 1) if self.num_heads % d == 0)
+            raise ValueError(f"num_kv_heads={self.kv_heads} does not divide num_heads={self.num_heads}; valid: "
+                             f"num_kv_heads in {valid}")
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head dim; got {self.head_dim}")
         if self.num_experts < 0:
             raise ValueError(f"model field num_experts={self.num_experts} must be >= 0 (0 makes every layer dense)")
+        if self.num_experts and self.moe_every > self.num_layers:
+            raise ValueError(f"moe_every={self.moe_every} makes none of the {self.num_layers} layers an MoE layer; "
+                             f"valid: moe_every in 1..{self.num_layers}, or num_experts=0 for a dense model")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must lie in 1..num_experts={self.num_experts}")
         if self.num_prototypes < 0 or (self.num_prototypes and (self.num_experts % self.num_prototypes
@@ -158,8 +168,9 @@ class ModelConfig:
         if self.rope_type != "default" and self.rope_factor <= 0:
             raise ValueError(f"rope_factor={self.rope_factor} must be > 0 with rope_type={self.rope_type!r}")
         if self.num_experts and self.top_k == 1 and self.norm_topk:
-            warnings.warn("top_k=1 with norm_topk=true: every routing weight is 1, so the gate learns from the "
-                          "auxiliary losses only; set norm_topk=false for Switch-style top-1 routing", stacklevel=3)
+            warnings.warn(ModelWarning("top_k=1 with norm_topk=true: every routing weight is 1, so the gate learns "
+                                       "from the auxiliary losses only; set norm_topk=false for Switch-style top-1 "
+                                       "routing"), stacklevel=3)
 
     @property
     def head_dim(self) -> int:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
-from shoal.models.config import ModelConfig, get_preset
+from shoal.models.config import ModelConfig, ModelWarning, get_preset
 
 # transformers' defaults for fields a config.json may leave out (shape fields are required).
 _LLAMA_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
@@ -56,6 +57,10 @@ def load_model_config(name: str) -> ModelConfig:
     return get_preset(name)
 
 
+DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+"""Dropout rates a family's config.json may set, which shoal's build of it does not apply."""
+
+
 def config_from_hf(path: str | Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json (the file, or a folder holding one).
 
@@ -68,6 +73,10 @@ def config_from_hf(path: str | Path) -> ModelConfig:
         raise ValueError(f"hf config {str(path)!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
     hf = _Fields(str(path), {**_DEFAULTS[model_type], **raw})
     fields = _gpt2(hf) if model_type == "gpt2" else _llama(hf)
+    dropped = [f"{k}={raw[k]}" for k in DROPOUT_KEYS if isinstance(raw.get(k), (int, float)) and raw[k] > 0]
+    if dropped:
+        warnings.warn(ModelWarning(f"hf config {str(path)!r} sets {', '.join(dropped)}: shoal builds the family "
+                                   "without dropout, so it trains without it (an export writes 0)"), stacklevel=2)
     try:
         return ModelConfig(**fields)
     except ValueError as exc:

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.models.config import _convert, _split_pair
+from shoal.models.config import ModelWarning, _convert, _split_pair
 
 FAMILY = "mixer"
 """The `family` key that marks a stored Mixer shape (a run folder's config.toml)."""
@@ -84,8 +84,8 @@ class MixerConfig:
             raise ValueError(f"num_prototypes={self.num_prototypes} must divide num_experts={self.num_experts} "
                              f"and equal top_k={self.top_k} (top-1 in each group), or be 0 (plain top-k)")
         if self.num_experts and self.top_k == 1 and self.norm_topk:
-            warnings.warn("top_k=1 with norm_topk=true: every routing weight is 1; set norm_topk=false",
-                          stacklevel=3)
+            warnings.warn(ModelWarning("top_k=1 with norm_topk=true: every routing weight is 1; set "
+                                       "norm_topk=false"), stacklevel=3)
 
     # ------------------------------------------------------------------ derived shapes
     @property

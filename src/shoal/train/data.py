@@ -84,6 +84,11 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)  # type: ignore[return-value]  # one list of ids decodes to one str
 
+    def special_ids(self) -> dict[str, int]:
+        """The begin and end token ids a Hugging Face config names (those the tokenizer has)."""
+        ids = {"bos_token_id": self._tok.bos_token_id, "eos_token_id": self._tok.eos_token_id}
+        return {k: int(v) for k, v in ids.items() if isinstance(v, int)}
+
 
 def load_tokenizer(name: str) -> Tokenizer:
     if name == "byte":

@@ -97,7 +97,7 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     folder = _hf_folder(out)
     _stream(folder / "model.safetensors", entries,
             lambda hf: weight_map.to_hf_tensor(by_hf[hf], [fetch(p) for p in by_hf[hf].parts], cfg), info)
-    _write_hf_config(folder, cfg)
+    _write_hf_config(folder, cfg, special_token_ids(tokenizer))
     _copy_files(extra_files, folder)
     return folder
 
@@ -134,7 +134,7 @@ def export_model(runtime: Runtime, out: Path | str, *, metadata: dict[str, str] 
         return None
     weights = {k: v.detach() for k, v in weights.items()}
     if cfg is not None:
-        folder = _write_hf(weights, Path(out), cfg, metadata or {})
+        folder = _write_hf(weights, Path(out), cfg, metadata or {}, special_token_ids(tokenizer))
         _copy_files(extra_files, folder)
         return folder
     return _write(weights, Path(out), metadata or {})
@@ -162,11 +162,12 @@ def import_weights(path: Path | str, *, runtime: Runtime, strict: bool = True) -
         raise ValueError(f"weights file {path} {exc}") from None
 
 
-def _write_hf(weights: dict[str, torch.Tensor], out: Path, cfg: ModelConfig, metadata: dict[str, str]) -> Path:
+def _write_hf(weights: dict[str, torch.Tensor], out: Path, cfg: ModelConfig, metadata: dict[str, str],
+              special: dict[str, int]) -> Path:
     """Folder `out` with model.safetensors (transformers' names) and config.json; returns the folder."""
     _write(adapter_of_config(cfg).weight_map().shoal_to_hf(weights, cfg), _hf_folder(out) / "model.safetensors",
            metadata)
-    _write_hf_config(out, cfg)
+    _write_hf_config(out, cfg, special)
     return out
 
 
@@ -176,9 +177,22 @@ def _hf_folder(out: Path) -> Path:
     return out
 
 
-def _write_hf_config(out: Path, cfg: ModelConfig) -> None:
+def special_token_ids(tokenizer: str | None) -> dict[str, int]:
+    """The config.json entries that tell transformers' generate where text ends (and begins): a Hugging Face
+    tokenizer's own ids, byte 0 for the byte tokenizer (the EOS `shoal data prepare` ends documents with), none
+    without a tokenizer."""
+    if tokenizer is None:
+        return {}
+    if tokenizer == "byte":
+        return {"eos_token_id": 0}
+    from shoal.train.data import HFTokenizer
+
+    return HFTokenizer(tokenizer).special_ids()
+
+
+def _write_hf_config(out: Path, cfg: ModelConfig, special: dict[str, int]) -> None:
     tmp = out / f".config.json.tmp-{os.getpid()}"
-    config = adapter_of_config(cfg).weight_map().hf_config(cfg)
+    config = {**adapter_of_config(cfg).weight_map().hf_config(cfg), **special}
     tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     _usual_permissions(tmp)
     os.replace(tmp, out / "config.json")
@@ -201,9 +215,9 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
     return model
 
 
-def _checkpoint_tokenizer(checkpoint: Path) -> str | None:
+def _checkpoint_tokenizer(checkpoint: Path) -> str:
     """The tokenizer a `shoal train` checkpoint's run read its tokens with: `--tokenizer`, or the
-    prepared `--data`'s (its manifest names it); None for the byte tokenizer."""
+    prepared `--data`'s (its manifest names it); "byte" for the byte tokenizer."""
     from shoal.train.config import from_flat  # the trainer's config, only when needed
     from shoal.train.data import resolve_tokenizer
 
@@ -215,7 +229,7 @@ def _checkpoint_tokenizer(checkpoint: Path) -> str | None:
             name = resolve_tokenizer(data, given=False).tokenizer
         except (OSError, ValueError, KeyError):  # the prepared data has moved since: the byte tokenizer recorded
             pass
-    return None if name == "byte" else name
+    return name
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -343,6 +343,7 @@ class Trainer:
         lines = [
             *head,
             self.runtime.describe(),
+            *self._pooling_note(),
             *([self.init_note] if self.init_note else []),
             *(f"  default {note}" for note in self.plan_notes),
             f"run folder: {self.run_dir}"
@@ -350,6 +351,16 @@ class Trainer:
             + (f"; restart {self.restart} after a failure" if self.restart else ""),
         ]
         return "\n".join(lines)
+
+    def _pooling_note(self) -> list[str]:
+        """A load-balancing loss pooled over a forward's tokens (transformers' Mixtral, Qwen2-MoE) pools each of
+        the pipeline's micro-batches: the curve is one process's with that micro-batch, which the user is told."""
+        mb = self.plan.micro_batches if self.plan.pp > 1 else 1
+        if not getattr(self.model_cfg, "aux_loss_pooled", False) or mb <= 1:
+            return []
+        return [f"  note: the load-balancing loss pools each of the pipeline's {mb} micro-batches, as transformers' "
+                f"Trainer does with accumulation: the loss is one process's with --micro-batch "
+                f"{self.local_batch // mb}, not with the whole batch pooled (mb=1 pools it whole)"]
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
         state = {"step": step, "scheduler": self.scheduler.state_dict(), "plan": str(self.plan),
