@@ -63,7 +63,8 @@ from shoal.parallel.tied import TiedGrads
 # IGNORE (the target that takes no loss) and cross_entropy_sum are also the trainer's, through here.
 from shoal.parallel.vocab import IGNORE as IGNORE
 from shoal.parallel.vocab import cross_entropy_sum as cross_entropy_sum
-from shoal.parallel.vocab import local_value, num_targets, vocab_parallel_loss
+from shoal.parallel.vocab import local_value, vocab_parallel_loss
+from shoal.parallel.vocab import num_targets as num_targets
 from shoal.plan import Plan
 from shoal.rules import EngineChoice
 

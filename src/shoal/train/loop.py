@@ -278,7 +278,7 @@ class Trainer:
         """Mean loss per target over `eval_batches` global batches of held-out data (the same ones each time):
         each batch's mean weighted by its count of targets, which fine-tuning's masks make uneven (a mean of the
         batches' means let a batch of a few targets weigh as much as a full one, and one of none add a 0)."""
-        from shoal.parallel.vocab import num_targets
+        from shoal.runtime import num_targets
 
         self.runtime.eval()
         total = torch.zeros(2, device=self.device)  # sum of (batch mean x its count), sum of counts
