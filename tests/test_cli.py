@@ -334,6 +334,7 @@ def test_data_and_tokenizer_paths_are_kept_absolute(tmp_path, monkeypatch):
     mixed = cli._absolute_paths(cli_data(path="a:0.7,b:0.3", tokenizer="byte"))
     assert (mixed.path, mixed.tokenizer) == (f"{tmp_path / 'a'}:0.7,{tmp_path / 'b'}:0.3", "byte")
     assert cli._absolute_paths(cli_data(path="gone:1,a:1", tokenizer="byte")).path == "gone:1,a:1"
+    assert cli._same_path("data", "a:0.7,b:0.3") == mixed.path  # --resume with the same mixture typed again
 
 
 def cli_data(**fields):

@@ -406,21 +406,23 @@ def _absolute_paths(data: Any) -> Any:
     its weights kept); a path that does not exist is left as given, to be refused in the user's own words."""
     import dataclasses
 
+    tokenizer = data.tokenizer if data.tokenizer == "byte" else _absolute(data.tokenizer)
+    return dataclasses.replace(data, path=_absolute(data.path), tokenizer=tokenizer)
+
+
+def _absolute(spec: str | None) -> str | None:
+    """A path, or a mixture's folders (DIR_A:0.7,DIR_B:0.3), made absolute where they exist."""
     from shoal.data.dataset import parse_mixture
 
-    def absolute(spec: str | None) -> str | None:
-        if spec is None or Path(spec).exists():
-            return spec if spec is None else str(Path(spec).absolute())
-        try:
-            items = parse_mixture(spec)
-        except ValueError:
-            return spec
-        if not all(Path(folder).exists() for folder, _ in items):
-            return spec
-        return ",".join(f"{Path(folder).absolute()}:{weight!r}" for folder, weight in items)
-
-    tokenizer = data.tokenizer if data.tokenizer == "byte" else absolute(data.tokenizer)
-    return dataclasses.replace(data, path=absolute(data.path), tokenizer=tokenizer)
+    if spec is None or Path(spec).exists():
+        return spec if spec is None else str(Path(spec).absolute())
+    try:
+        items = parse_mixture(spec)
+    except ValueError:
+        return spec
+    if not all(Path(folder).exists() for folder, _ in items):
+        return spec
+    return ",".join(f"{Path(folder).absolute()}:{weight!r}" for folder, weight in items)
 
 
 def world_size(cfg: Any, device: str) -> int:
@@ -460,8 +462,8 @@ def resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
 
 def _same_path(key: str, value: Any) -> Any:
     """A path flag's value in the form config.toml keeps (absolute), so that the same folder compares equal."""
-    if key in ("data", "tokenizer", "init") and isinstance(value, str) and Path(value).exists():
-        return str(Path(value).absolute())
+    if key in ("data", "tokenizer", "init") and isinstance(value, str) and value != "byte":
+        return _absolute(value)
     return value
 
 
