@@ -32,6 +32,17 @@ def _die_on_rank_1() -> None:
         os._exit(3)
 
 
+def _crash_on_rank_1_while_rank_0_waits() -> None:
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGABRT)  # as glibc's abort on a corrupted heap
+    dist.all_reduce(torch.ones(1))
+
+
 def test_results_reports_and_failures():
     heard: list[tuple[int, str]] = []
     pool = WorkerPool(2, on_report=lambda rank, message: heard.append((rank, message)))
@@ -47,5 +58,17 @@ def test_results_reports_and_failures():
     try:
         with pytest.raises(RuntimeError, match="_die_on_rank_1: rank 1 of 2 exited with code 3"):
             pool.run(_die_on_rank_1)
+    finally:
+        pool.close()
+
+
+def test_a_crashed_rank_is_named_as_the_cause_of_its_peers_failure():
+    """Rank 0's error is the lost connection; the rank that died (and its signal) is the cause."""
+    pool = WorkerPool(2)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)_crash_on_rank_1_while_rank_0_waits: rank 1 of 2 was killed by "
+                                               r"SIGABRT(; then rank 0 failed:\n.*)?$") as caught:
+            pool.run(_crash_on_rank_1_while_rank_0_waits)
+        assert "exited with code" not in str(caught.value)
     finally:
         pool.close()

@@ -4,8 +4,13 @@ the planner's calibration (shoal.planner.calibrate) both run their work on one.
 `WorkerPool(n)` starts n processes once (spawned, one thread each, one process group reused by
 every function run on it), runs picklable functions on all ranks and returns each rank's result.
 A failure on any rank, a rank that dies, or a silence past the timeout tears the pool down and
-raises an error naming the rank, so one broken task cannot wedge the next. A function can
-`report(message)` as it goes: the pool hands each report to its `on_report` callback (progress).
+raises an error naming the rank, so one broken task cannot wedge the next. A rank that dies makes
+its peers fail too ("Connection reset by peer"), often before its death is seen: the pool waits a
+moment after an error and names a dead rank, with its signal, as the cause. A worker that dies of
+a fatal signal (a crash in C code) prints every thread's Python stack first (faulthandler).
+
+A function can `report(message)` as it goes: the pool hands each report to its `on_report`
+callback (progress).
 
 The processes meet through a FileStore in a temporary folder rather than a TCP port, so two
 pools (a calibration beside a test run) cannot race for the same port.
@@ -13,9 +18,11 @@ pools (a calibration beside a test run) cannot race for the same port.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -24,6 +31,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+DEATH_WAIT_S = 1.0
+"""After a rank's error, how long the pool watches for a peer's death that caused it."""
 
 _reports: Any = None
 """In a worker: the queue that `report` puts on (None elsewhere)."""
@@ -40,6 +50,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, tasks: Any, result
     global _reports
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a crash in C code (SIGSEGV, SIGABRT) says where Python was
     _reports = results
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
@@ -96,8 +107,8 @@ class WorkerPool:
                 if dead or time.monotonic() > deadline:
                     self.close()
                     if dead:
-                        raise RuntimeError(f"{fn.__name__}: rank {dead[0][0]} of {self.world_size} exited with "
-                                           f"code {dead[0][1]}") from None
+                        raise RuntimeError(f"{fn.__name__}: rank {dead[0][0]} of {self.world_size} "
+                                           f"{_exit_words(dead[0][1])}") from None
                     missing = sorted(set(range(self.world_size)) - set(out))
                     raise TimeoutError(f"{fn.__name__}: rank(s) {missing} gave no answer in "
                                        f"{self.timeout_s:.0f} s") from None
@@ -108,10 +119,24 @@ class WorkerPool:
                     self._on_report(rank, payload)
                 continue
             if kind == "error":
+                dead = self._dead_within(DEATH_WAIT_S)
                 self.close()
+                if dead:  # the error is most likely this death seen from a peer
+                    died, code = dead[0]
+                    raise RuntimeError(f"{fn.__name__}: rank {died} of {self.world_size} {_exit_words(code)}; "
+                                       f"then rank {rank} failed:\n{payload}")
                 raise RuntimeError(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{payload}")
             out[rank] = payload
         return [out[r] for r in range(self.world_size)]
+
+    def _dead_within(self, seconds: float) -> list[tuple[int, int | None]]:
+        """The ranks (and exit codes) that are dead now or die within `seconds`."""
+        deadline = time.monotonic() + seconds
+        while True:
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
 
     def close(self) -> None:
         for p, q in zip(self._procs, self._tasks):
@@ -123,3 +148,13 @@ class WorkerPool:
                 p.kill()
                 p.join()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _exit_words(code: int | None) -> str:
+    """'exited with code 3', or 'was killed by SIGABRT' for a negative (signal) exit code."""
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
