@@ -752,6 +752,8 @@ def test_fp32_gemms_run_on_tf32_tensor_cores_where_the_gpu_has_them():
     (["--top", "0"], "--top 0 is not valid; valid: a count of plans >= 1"),
     (["--top", "-1"], "--top -1 is not valid"),
     (["--calibrate", "--plan", "dp2"], "--calibrate measures this machine and prices no plan; --plan would be ignored"),
+    (["--calibrate", "--model", "small", "--cluster", "8xH100"],
+     "--calibrate measures this machine and prices no plan; --model small, --cluster 8xH100 would be ignored"),
     (["--quick"], "--quick shortens --calibrate"),
 ])
 def test_plan_flags_that_would_do_nothing_are_refused(capsys, argv, words):

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top {args.top} is not valid; valid: a count of plans >= 1")
     pricing = [f"--{k.replace('_', '-')}" for k in ("plan", "micro_batch", "json", "explain")
                if getattr(args, k) not in (None, False)]
+    pricing += [f"--{k} {getattr(args, k)}" for k, default in (("model", "tiny"), ("cluster", "local"))
+                if getattr(args, k) != default]  # calibration measures this machine's kernels, not a model's
     if args.calibrate and pricing:  # calibration measures this machine and prices nothing
         raise ValueError(f"--calibrate measures this machine and prices no plan; {', '.join(pricing)} would be "
                          "ignored; valid: shoal plan --calibrate [--quick] alone, then price plans")
