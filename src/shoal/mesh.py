@@ -28,7 +28,24 @@ def build_mesh(plan: Plan, device: str | None = None) -> DeviceMesh:
     `device`: "cpu" or "cuda"; None: `device_type()`."""
     device = device or device_type()
     names, sizes = plan.resolve(dist.get_world_size(), device).mesh_shape()
-    return init_device_mesh(device, sizes, mesh_dim_names=names)
+    return shared_mesh(device, tuple(sizes), tuple(names))
+
+
+_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[dist.ProcessGroup, DeviceMesh]] = {}
+
+
+def shared_mesh(device: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """`init_device_mesh(device, sizes, names)`, made once per process and default group and then
+    reused. Every mesh makes its own process groups, each with gloo threads and sockets that live
+    as long as the process: a process that parallelizes many models (a test worker, a calibration)
+    would pile them up otherwise (hundreds of threads). torch itself treats meshes of one shape as
+    interchangeable (DTensor's caches compare them by layout), so one shared mesh is no change."""
+    default = dist.distributed_c10d._get_default_group()
+    key = (device, sizes, names)
+    known = _MESHES.get(key)
+    if known is None or known[0] is not default:  # a new default group (init again): new groups too
+        _MESHES[key] = known = (default, init_device_mesh(device, sizes, mesh_dim_names=names))
+    return known[1]
 
 
 def axis_size(mesh: DeviceMesh, axis: str) -> int:

@@ -303,15 +303,10 @@ def reference_update(case: ParityCase, grads: dict[str, torch.Tensor]) -> tuple[
     return full_tensors(model), coef
 
 
-_MESHES: dict[tuple[int, ...], Any] = {}
-
-
 def cached_mesh(plan: Plan) -> Any:
-    """One DeviceMesh per mesh shape per worker: creating process groups is slow on gloo."""
-    key = plan.resolve(dist.get_world_size()).mesh_shape()[1]
-    if key not in _MESHES:
-        _MESHES[key] = build_mesh(plan)
-    return _MESHES[key]
+    """The plan's DeviceMesh: one per mesh shape per worker (build_mesh shares them), since
+    creating process groups is slow on gloo and every group keeps threads and sockets."""
+    return build_mesh(plan)
 
 
 def parallel_setup(case: ParityCase) -> tuple[Runtime, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:

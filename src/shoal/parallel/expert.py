@@ -57,10 +57,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from shoal.mesh import shared_mesh
 from shoal.moe.dispatch import Dispatcher
 from shoal.moe.experts import Experts
 from shoal.moe.layer import MoELayer
@@ -77,7 +78,7 @@ def ep_mesh(world_size: int, ep: int, device_type: str, *, tp: int = 1, pp: int 
     expert slice (r // tp) % ep. It matches the plan's mesh (pp outermost, then the data axes,
     tp innermost; cp does not run with MoE models)."""
     names = ("pp", "ep_replica", "ep", "tp")
-    mesh = init_device_mesh(device_type, (pp, world_size // (pp * ep * tp), ep, tp), mesh_dim_names=names)
+    mesh = shared_mesh(device_type, (pp, world_size // (pp * ep * tp), ep, tp), names)
     return mesh["ep_replica", "ep", "tp"]
 
 
