@@ -31,7 +31,7 @@ def build_mesh(plan: Plan, device: str | None = None) -> DeviceMesh:
     return shared_mesh(device, tuple(sizes), tuple(names))
 
 
-_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[dist.ProcessGroup, DeviceMesh]] = {}
+_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[dist.ProcessGroup | None, DeviceMesh]] = {}
 
 
 def shared_mesh(device: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -40,7 +40,7 @@ def shared_mesh(device: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> 
     as long as the process: a process that parallelizes many models (a test worker, a calibration)
     would pile them up otherwise (hundreds of threads). torch itself treats meshes of one shape as
     interchangeable (DTensor's caches compare them by layout), so one shared mesh is no change."""
-    default = dist.distributed_c10d._get_default_group()
+    default = dist.group.WORLD
     key = (device, sizes, names)
     known = _MESHES.get(key)
     if known is None or known[0] is not default:  # a new default group (init again): new groups too

@@ -152,9 +152,7 @@ class WorkerPool:
 
 def _exit_words(code: int | None) -> str:
     """'exited with code 3', or 'was killed by SIGABRT' for a negative (signal) exit code."""
-    if code is not None and code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            pass
+    names = {s.value: s.name for s in signal.Signals}
+    if code is not None and -code in names:
+        return f"was killed by {names[-code]}"
     return f"exited with code {code}"
