@@ -28,7 +28,7 @@ SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set",
 @pytest.mark.parametrize("argv, names", [
     (["--model", "gpt-9000"], ["'gpt-9000'", "tiny"]),
     (["--plan", "dp2,,tp"], ["'dp2,,tp'"]),
-    (["--plan", "tp3", "--nproc", "3"], ["tp=3", "8 attention heads", "valid: tp in 1, 2, 4, 8"]),
+    (["--plan", "tp3", "--nproc", "3"], ["tp=3", "8 attention heads", "valid: tp in 1, 2, 4"]),
     (["--plan", "pp2,sched=interleaved,vpp=1"], ["sched=interleaved", "vpp=1", "valid: sched=interleaved,vpp=2"]),
     (["--plan", "pp2,split=7"], ["split=7", "does not split 4 layers", "1..3"]),
     (["--plan", "dp3"], ["dp3", "world size is 2"]),
@@ -44,6 +44,7 @@ SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set",
     (["--lr", "-1"], ["--lr -1.0"]),
     (["--model", "tiny-moe", "--plan", "cp2"], ["cp=2", "Mixture-of-Experts", "num_experts=4"]),
     (["--tokenizer", "/no/such/tokenizer"], ["'/no/such/tokenizer'", "byte"]),
+    (["--init", "/no/such/weights"], ["--init /no/such/weights: no such file or folder"]),  # and no warning first
     (["--bogus", "1"], ["--bogus"]),
     (["--steps", "ten"], ["'ten'"]),
     # An option that would do nothing without its axis is refused, naming the axis.

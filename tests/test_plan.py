@@ -130,7 +130,7 @@ def test_validate_against_model_and_batch():
     Plan.parse("dp2,tp2").resolve(4).validate(TINY, global_batch=8, seq_len=64)
     tp3 = Plan.parse("tp3").resolve(3)
     assert one_line_error(tp3.validate, TINY, global_batch=3, seq_len=64) == (
-        "tp=3 does not divide 8 attention heads; valid: tp in 1, 2, 4, 8"
+        "tp=3 does not divide 8 attention heads; valid: tp in 1, 2, 4"
     )
     kv = Plan.parse("tp8").resolve(8)
     assert "tp=8 does not divide 4 KV heads; valid: tp in 1, 2, 4" in one_line_error(kv.validate, TINY, global_batch=8,

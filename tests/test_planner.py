@@ -344,6 +344,19 @@ def test_shoal_plan_prices_one_plan_and_explains(capsys):
     assert "fsdp2,tp8" in out and "tp_comm" in out and "memory optimizer" in out
 
 
+def test_shoal_plan_prints_the_train_command_of_its_first_plan(capsys):
+    """The line ends with what `shoal train` needs to run the plan as priced: its micro-batch where it
+    accumulates, and torchrun's shape where the cluster has several nodes."""
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "8xH100", "--global-batch", "64", "--seq-len", "4096",
+                 "--plan", "fsdp8", "--micro-batch", "2"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("train plan 1: shoal train --nproc 8 --model llama3-8b --plan fsdp8")
+    assert line.endswith("--global-batch 64 --seq-len 4096 --micro-batch 2")
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "2x8xH100", "--global-batch", "64", "--top", "1"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("train plan 1: torchrun --nnodes 2 --nproc-per-node 8 ... -m shoal train --model llama3-8b")
+
+
 @pytest.mark.parametrize(("argv", "words"), [
     (["--cluster", "12xA100"], "12"),
     (["--cluster", "8xB300"], "B300"),

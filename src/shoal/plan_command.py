@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {args.model}: {parameters_text(work.model.num_params())} parameters; global batch "
           f"{work.global_batch} x {work.seq_len} tokens; {priced} plan(s) priced in {seconds:.2f} s")
     print(format_table(plans))
+    print(f"train plan 1: {train_command(args, plans[0], cluster)}")
     if args.explain:
         for e in plans:
             print(explain(e))
@@ -172,6 +173,18 @@ def price(text: str, work: Workload, cluster: Cluster, network: Network | None, 
     for note in notes:
         print(f"shoal: note: {note}", file=sys.stderr)
     return estimate(plan, work, cluster, micro_batch=micro_batch, network=network)
+
+
+def train_command(args: argparse.Namespace, e: Estimate, cluster: Cluster) -> str:
+    """The `shoal train` line that runs plan `e` as it was priced: its micro-batch (a pipeline's is in the plan)."""
+    flags = [f"--model {args.model}", *(f"--set {s}" for s in args.set), f"--plan {e.plan_text}",
+             f"--global-batch {args.global_batch}", f"--seq-len {args.seq_len}"]
+    if e.plan.pp == 1 and e.micro_batch * e.plan.data_ranks != args.global_batch:
+        flags.append(f"--micro-batch {e.micro_batch}")
+    if cluster.num_nodes > 1:
+        return f"torchrun --nnodes {cluster.num_nodes} --nproc-per-node {cluster.per_node} ... -m shoal train " \
+               + " ".join(flags)
+    return f"shoal train --nproc {cluster.world_size} " + " ".join(flags)
 
 
 def format_table(plans: list[Estimate]) -> str:

@@ -35,6 +35,7 @@ no data engine).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -266,9 +267,10 @@ def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
                  ("FFN hidden size", model.ffn_dim), ("vocabulary size", model.vocab_size)]
         if model.num_shared_experts and model.shared_ffn_dim:
             sizes.append(("shared-expert hidden size", model.shared_ffn_dim))
+        common = math.gcd(*(size for _, size in sizes))  # a valid tp divides every one of them
         for what, size in sizes:
             if size % plan.tp:
-                return f"tp={plan.tp} does not divide {size} {what}; valid: tp in {_divisor_list(size)}"
+                return f"tp={plan.tp} does not divide {size} {what}; valid: tp in {_divisor_list(common)}"
     seq = facts.seq_len
     if seq is not None and plan.tp > 1 and plan.sp and seq % plan.tp:
         return (f"tp={plan.tp} with sequence parallelism does not divide the sequence length {seq}; "
