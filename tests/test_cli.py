@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal import cli
+from shoal import cli, train_command
 from shoal.testing import assert_user_error
 
 # These tests mean CPU/gloo with 2 processes, also on a machine with GPUs.
@@ -263,13 +263,13 @@ def test_gpu_machine_defaults(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 80 * 2**30}))
     out = str(tmp_path / "run")
-    job = cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out]))
-    assert job.device == "cuda" and cli.world_size(job.config, job.device) == 1
+    job = train_command.prepare_job(cli.build_parser().parse_args(["train", "--out", out]))
+    assert job.device == "cuda" and train_command.world_size(job.config, job.device) == 1
     plan = parse_plan(job.config.plan).resolve(1, job.device)
     assert (plan.precision, plan.reduce) == ("bf16", "fp32")
     assert_user_error(capsys, ["train", "--out", out, "--nproc", "2"], "--nproc 2", "1 GPU(s)", "--device cpu")
-    job = cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out, "--device", "cpu"]))
-    assert job.device == "cpu" and cli.world_size(job.config, job.device) == 2
+    job = train_command.prepare_job(cli.build_parser().parse_args(["train", "--out", out, "--device", "cpu"]))
+    assert job.device == "cpu" and train_command.world_size(job.config, job.device) == 2
     assert parse_plan(job.config.plan).resolve(2, job.device).precision == "fp32"
     assert not (tmp_path / "run").exists()
 
@@ -330,12 +330,12 @@ def test_data_and_tokenizer_paths_are_kept_absolute(tmp_path, monkeypatch):
     (tmp_path / "b").mkdir()
     (tmp_path / "tok").mkdir()
     monkeypatch.chdir(tmp_path)
-    data = cli._absolute_paths(cli_data(path="a", tokenizer="tok"))
+    data = train_command._absolute_paths(cli_data(path="a", tokenizer="tok"))
     assert (data.path, data.tokenizer) == (str(tmp_path / "a"), str(tmp_path / "tok"))
-    mixed = cli._absolute_paths(cli_data(path="a:0.7,b:0.3", tokenizer="byte"))
+    mixed = train_command._absolute_paths(cli_data(path="a:0.7,b:0.3", tokenizer="byte"))
     assert (mixed.path, mixed.tokenizer) == (f"{tmp_path / 'a'}:0.7,{tmp_path / 'b'}:0.3", "byte")
-    assert cli._absolute_paths(cli_data(path="gone:1,a:1", tokenizer="byte")).path == "gone:1,a:1"
-    assert cli._same_path("data", "a:0.7,b:0.3") == mixed.path  # --resume with the same mixture typed again
+    assert train_command._absolute_paths(cli_data(path="gone:1,a:1", tokenizer="byte")).path == "gone:1,a:1"
+    assert train_command._same_path("data", "a:0.7,b:0.3") == mixed.path  # --resume with the same mixture typed again
 
 
 def cli_data(**fields):

@@ -220,7 +220,7 @@ def test_cli_init_then_export_gives_the_files_back(hf_folder, tmp_path, capfd):
 def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path, monkeypatch):
     """`--init FOLDER` without `--model` trains the folder's own config.json (what `--model
     hf:FOLDER` gives); a `--model` given on the command line or in the config file wins."""
-    from shoal import cli
+    from shoal import cli, train_command
     from shoal.train.config import model_of_init
 
     folder = hf_folder["folder"]
@@ -228,7 +228,7 @@ def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path,
     def job(*argv: str, init: str = str(folder)):
         run = str(tmp_path / "run")
         args = ["train", "--init", init, "--device", "cpu", "--seq-len", "32", "--out", run, *argv]
-        return cli.prepare_job(cli.build_parser().parse_args(args))
+        return train_command.prepare_job(cli.build_parser().parse_args(args))
 
     chosen = job().config
     assert chosen.model == f"hf:{folder}" and chosen.model_config == load_model_config(f"hf:{folder}")
@@ -245,7 +245,7 @@ def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path,
 def test_init_without_config_json_says_the_model_is_the_default_preset(tmp_path, capsys):
     """`--init` of a folder with weights but no config.json and no --model trains the default preset: a
     warning says so before the weights are checked against it."""
-    from shoal import cli
+    from shoal import cli, train_command
 
     torch.manual_seed(0)
     folder = tmp_path / "weights"
@@ -253,6 +253,6 @@ def test_init_without_config_json_says_the_model_is_the_default_preset(tmp_path,
     save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(folder / "model.safetensors"))
     args = ["train", "--init", str(folder), "--device", "cpu", "--out", str(tmp_path / "run")]
     with pytest.raises(ValueError, match="is --model the same model"):  # a (4, 4) embedding is not tiny's
-        cli.prepare_job(cli.build_parser().parse_args(args))
+        train_command.prepare_job(cli.build_parser().parse_args(args))
     err = capsys.readouterr().err
     assert f"shoal: warning: --init {folder} has no config.json" in err and "default preset tiny" in err

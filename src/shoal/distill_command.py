@@ -1,5 +1,5 @@
 """`shoal distill`: a trained MoE run distilled into a dense student (OneS, arXiv 2201.10890), its command line
-on top of `shoal train`'s (shoal.cli): the student is a normal run, trained by the same workers.
+on top of `shoal train`'s (shoal.train_command): the student is a normal run, trained by the same workers.
 """
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shoal.cli import (
-    TRAIN_FLAGS,
-    UserError,
+from shoal.cli import TRAIN_FLAGS, UserError
+from shoal.train_command import (
     auto_plan,
     check_fresh_out,
     check_resumable,

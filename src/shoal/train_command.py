@@ -1,0 +1,335 @@
+"""`shoal train`: the user's flags and config file checked and resolved into the Job the workers run
+(shoal.train.worker), all in the parent process before any worker starts, then the workers launched.
+A mistake is a UserError (one line, exit 2, nothing written; shoal.cli prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from shoal.cli import RUN_FAILED, USER_ERROR, UserError, fail, warn
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_job(prepare_job(args))
+
+
+def run_job(job: Any) -> int:
+    """Run a prepared Job on its workers (or this torchrun rank); returns the exit status."""
+    from shoal.launch import Stopped, WorkerFailed, launch, under_torchrun
+    from shoal.train.preempt import STOPPED
+    from shoal.train.worker import run_worker
+
+    try:
+        if under_torchrun():
+            result = run_worker(job) or {}
+        else:
+            results = launch(run_worker, job, nproc=world_size(job.config, job.device),
+                             max_restarts=job.config.max_restarts)
+            result = results.get(0) or {}
+    except WorkerFailed as exc:
+        return fail(str(exc), RUN_FAILED, job.run_dir)
+    except Stopped as exc:  # a second signal: the workers were killed
+        return _stopped(exc.signal_name, job.run_dir)
+    if "error" in result:
+        return fail(result["error"], USER_ERROR, job.run_dir)
+    return STOPPED if "stopped" in result else 0
+
+
+def _stopped(signal_name: str, run_dir: str | None) -> int:
+    """Exit status after a signal to this process: STOPPED when the workers wrote their stop
+    checkpoint (rank 0 has printed where), else a line naming the newest checkpoint."""
+    from shoal.train.checkpoint import latest_checkpoint, read_trainer_state
+    from shoal.train.preempt import STOPPED
+
+    path = latest_checkpoint(run_dir) if run_dir is not None else None
+    if path is not None and read_trainer_state(path).get("stopped_by"):
+        return STOPPED
+    newest = f"the newest checkpoint is {path}" if path is not None else "no checkpoint was written"
+    return fail(f"stopped by {signal_name} before the workers could write a checkpoint; {newest}", STOPPED, run_dir)
+
+
+def prepare_job(args: argparse.Namespace) -> Any:
+    """Validate everything the user gave and return the Job the workers run (ValueError if wrong)."""
+    import dataclasses
+
+    from shoal.launch import resolve_device, under_torchrun
+    from shoal.models import MixerConfig
+    from shoal.train.config import from_flat, load_toml, model_of_init, resolve_model
+    from shoal.train.data import doc_eos_id, resolve_tokenizer
+    from shoal.train.runs import Job, default_run_dir, with_model
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
+    check_torchrun_flags(flags)
+    if args.resume is not None and ("init" in flags or "init_ignore" in flags):
+        raise UserError("--init cannot be combined with --resume: a resumed run continues from its checkpoint; "
+                        "valid: --init for a new run, --resume DIR to continue one")
+    if args.resume is not None:
+        cfg = resume_config(args, flags)
+        run_dir: str | None = args.resume
+    else:
+        toml = load_toml(args.config) if args.config else {}
+        cfg = from_flat(flags, from_flat(toml) if args.config else None)
+        if cfg.init is not None and not Path(cfg.init).exists():  # said before any guess about its model
+            raise UserError(f"--init {Path(cfg.init).absolute()}: no such file or folder; valid: a Hugging Face "
+                            "folder of safetensors or a file/folder written by shoal export")
+        if cfg.init is not None and "model" not in flags and "model" not in toml:
+            cfg = dataclasses.replace(cfg, model=model_of_init(cfg.init))
+            if not cfg.model.startswith("hf:"):
+                warn(f"--init {cfg.init} has no config.json to take the model's shape from: the model is the default "
+                     f"preset {cfg.model}, whose tensors the weights must match (--model names another)")
+        if cfg.init is not None:  # the run folder's config.toml records where the weights came from, from anywhere
+            cfg = dataclasses.replace(cfg, init=str(Path(cfg.init).absolute()))
+        cfg = dataclasses.replace(cfg, data=_absolute_paths(cfg.data))  # so that --resume works from any folder
+        run_dir = cfg.out if cfg.out is not None else (None if under_torchrun() else default_run_dir())
+    if args.resume is None:  # prepared data: the tokenizer is the manifest's
+        cfg = dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, given="tokenizer" in flags))
+    model = resolve_model(cfg)
+    if cfg.data.doc_mask and isinstance(model, MixerConfig):
+        raise UserError("--doc-mask on marks documents of text; the image Mixer has none; valid: --doc-mask off")
+    if cfg.data.doc_mask and args.resume is None and not isinstance(model, MixerConfig):  # a resumed run has it
+        model = dataclasses.replace(model, doc_eos_id=doc_eos_id(cfg.data))
+    cfg = with_model(cfg, model)
+    device = resolve_device(cfg.device)
+    prediction = None
+    if args.resume is None and cfg.plan is not None and cfg.plan.strip() == "auto":
+        if isinstance(model, MixerConfig):
+            raise UserError("--plan auto prices transformers; the image Mixer takes a plan of dp, fsdp and ep "
+                            "axes; valid: e.g. --plan dp2, fsdp2 or ep2")
+        cfg, prediction = auto_plan(cfg, device)
+    validate(cfg, device)
+    if args.resume is None and cfg.init is not None:  # the files' headers only: before any worker starts
+        from shoal.train.pretrained import open_pretrained
+
+        if isinstance(model, MixerConfig):
+            raise UserError("--init loads pretrained transformer weights; the image Mixer starts from the seed's")
+        open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
+    resume_from = None
+    if args.resume is not None:
+        resume_from = str(check_resumable(Path(args.resume), cfg.loop.steps))
+    elif run_dir is not None:
+        check_fresh_out(Path(run_dir))
+    return Job(config=cfg, run_dir=run_dir, resume=args.resume is not None, resume_from=resume_from, device=device,
+               prediction=prediction)
+
+
+def check_torchrun_flags(flags: dict[str, Any]) -> None:
+    """Under torchrun, refuse the flags that torchrun's own settings replace."""
+    from shoal.launch import under_torchrun
+
+    if under_torchrun() and flags.get("max_restarts"):
+        raise UserError("--max-restarts under torchrun: give torchrun --max-restarts N (and shoal --out DIR), "
+                        "torchrun restarts the workers")
+    if under_torchrun() and "nproc" in flags and flags["nproc"] != int(os.environ["WORLD_SIZE"]):
+        raise UserError(f"--nproc {flags['nproc']} but torchrun started {os.environ['WORLD_SIZE']} processes; "
+                        "leave --nproc out under torchrun")
+
+
+def auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
+    """The run config with `--plan auto` replaced by the planner's choice, and its prediction."""
+    import dataclasses
+
+    from shoal.auto_plan import choose
+
+    if cfg.loop.micro_batch is not None:
+        raise UserError(f"--micro-batch {cfg.loop.micro_batch} with --plan auto: the planner chooses the "
+                        "micro-batch with the plan; valid: leave --micro-batch out, or give a --plan")
+    choice = choose(cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len,
+                    world_size=world_size(cfg, device), device=device)
+    if os.environ.get("RANK", "0") == "0":
+        print(choice.describe(), flush=True)
+    e = choice.estimate
+    local = cfg.loop.global_batch // e.plan.data_ranks
+    micro = e.micro_batch if e.plan.pp == 1 and e.micro_batch != local else None
+    cfg = dataclasses.replace(cfg, plan=choice.plan_text, loop=dataclasses.replace(cfg.loop, micro_batch=micro))
+    return cfg, choice.prediction()
+
+
+def _absolute_paths(data: Any) -> Any:
+    """The data config with --data's folders or files and a tokenizer folder made absolute (a mixture's each,
+    its weights kept); a path that does not exist is left as given, to be refused in the user's own words."""
+    import dataclasses
+
+    tokenizer = data.tokenizer if data.tokenizer == "byte" else _absolute(data.tokenizer)
+    return dataclasses.replace(data, path=_absolute(data.path), tokenizer=tokenizer)
+
+
+def _absolute(spec: str | None) -> str | None:
+    """A path, or a mixture's folders (DIR_A:0.7,DIR_B:0.3), made absolute where they exist."""
+    from shoal.data.dataset import parse_mixture
+
+    if spec is None or Path(spec).exists():
+        return spec if spec is None else str(Path(spec).absolute())
+    try:
+        items = parse_mixture(spec)
+    except ValueError:
+        return spec
+    if not all(Path(folder).exists() for folder, _ in items):
+        return spec
+    return ",".join(f"{Path(folder).absolute()}:{weight!r}" for folder, weight in items)
+
+
+def world_size(cfg: Any, device: str) -> int:
+    """The run's number of processes: torchrun's world, --nproc, or one per GPU (2 on CPU)."""
+    from shoal.launch import default_nproc, under_torchrun
+
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.nproc if cfg.nproc is not None else default_nproc(device)
+
+
+def resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
+    """The run folder's config with the flags a resumed run may change."""
+    from shoal.train.config import RESUMABLE, from_flat, to_flat
+    from shoal.train.runs import read_run_config
+
+    folder = Path(args.resume)
+    if not folder.is_dir():
+        raise UserError(f"--resume {args.resume!r}: no such run folder")
+    if args.config:
+        raise UserError("--config cannot be combined with --resume: the run folder's config.toml is the config")
+    base = read_run_config(folder)
+    stored = to_flat(base)
+    if "out" in flags:
+        if Path(flags["out"]).resolve() != folder.resolve():
+            raise UserError(f"--out {flags['out']!r} cannot change when resuming: a resumed run writes on in its own "
+                            f"folder {args.resume!r}; valid: leave --out out")
+        flags = {k: v for k, v in flags.items() if k != "out"}
+    for key, value in flags.items():
+        given = list(value) if isinstance(value, tuple) else value
+        if key not in RESUMABLE and _same_path(key, stored.get(key)) != _same_path(key, given):
+            valid = ", ".join("--" + k.replace("_", "-") for k in RESUMABLE)
+            raise UserError(f"--{key.replace('_', '-')} cannot change when resuming {args.resume!r} (it was "
+                            f"{_as_typed(stored.get(key))}); flags a resumed run may change: {valid}")
+    return from_flat(flags, base)
+
+
+def _same_path(key: str, value: Any) -> Any:
+    """A path flag's value in the form config.toml keeps (absolute), so that the same folder compares equal."""
+    if key in ("data", "tokenizer", "init") and isinstance(value, str) and value != "byte":
+        return _absolute(value)
+    return value
+
+
+def _as_typed(value: Any) -> str:
+    """A stored config value as a user types it: on/off, a list's items, 'unset'."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return " ".join(map(str, value)) if value else "none"
+    return repr(value)
+
+
+def validate(cfg: Any, device: str) -> None:
+    """Model, plan, batch and data against each other, for the world the run will have on `device`."""
+    import torch
+
+    from shoal import rules
+    from shoal.launch import under_torchrun
+    from shoal.models import MixerConfig, Transformer
+    from shoal.train.config import parse_plan
+    from shoal.train.data import load_tokenizer, open_data
+
+    model, loop = cfg.model_config, cfg.loop
+    world = world_size(cfg, device)
+    if device == "cuda" and not under_torchrun() and world > torch.cuda.device_count():
+        raise UserError(f"--nproc {world} exceeds the {torch.cuda.device_count()} GPU(s) of this machine (one "
+                        f"process per GPU); valid: 1..{torch.cuda.device_count()}, or --device cpu")
+    if isinstance(model, MixerConfig):
+        _validate_images(cfg, model, world, device)
+        return
+    with torch.device("meta"):  # builds no weights: catches what the model itself refuses
+        Transformer(model)
+    if loop.seq_len > model.max_seq_len:
+        raise UserError(f"--seq-len {loop.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
+                        f"valid: 1..{model.max_seq_len} (or --set max_seq_len={loop.seq_len})")
+    plan = rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
+                         global_batch=loop.global_batch, seq_len=loop.seq_len, micro_batch=loop.micro_batch)
+    _check_memory(cfg, plan, device)
+    top = open_data(cfg.data, seq_len=loop.seq_len, seed=loop.seed, max_id=True, held_out=loop.eval_every > 0).max_id
+    if top >= model.vocab_size:
+        vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+        raise UserError(f"the data holds token id {top} but the model's vocab_size is {model.vocab_size}; "
+                        f"use --set vocab_size={max(top + 1, vocab)}")
+
+
+def _validate_images(cfg: Any, model: Any, world: int, device: str) -> None:
+    """An image Mixer's run: the model builds, the plan runs it (shoal.rules), the image set is
+    there and fits the model. The planner prices transformers only: no memory check."""
+    import torch
+
+    from shoal import rules
+    from shoal.models import Mixer
+    from shoal.train.config import parse_plan
+    from shoal.train.images import check_shape, load_image_set
+
+    with torch.device("meta"):
+        Mixer(model)
+    loop = cfg.loop
+    rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
+                  global_batch=loop.global_batch, micro_batch=loop.micro_batch)
+    images, labels = load_image_set(cfg.data.path)
+    check_shape(images, labels, channels=model.channels, image_size=model.image_size,
+                num_classes=model.num_classes, data=cfg.data.path or "digits")
+
+
+def _check_memory(cfg: Any, plan: Any, device: str) -> None:
+    """Refuse (one line) a plan the planner predicts won't fit this machine (shoal.planner.fit)."""
+    from shoal.auto_plan import memory_cluster
+    from shoal.planner.estimate import Workload
+    from shoal.planner.fit import memory_refusal
+
+    if not cfg.memory_check:
+        warn("--no-memory-check: the plan is not priced against this machine's memory before it starts")
+        return
+    cluster = memory_cluster(plan.world_size, device)
+    if cluster is None:  # a GPU the planner has no spec for: nothing to price it with
+        warn("this GPU has no planner spec: the plan's memory is not checked before start")
+        return
+    work = Workload(model=cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len,
+                    tf32=cfg.tf32)
+    reason = memory_refusal(plan, work, cluster, micro_batch=cfg.loop.micro_batch)
+    if reason is not None:
+        raise UserError(reason + " (--no-memory-check runs it anyway)")
+
+
+def check_resumable(folder: Path, steps: int) -> Path:
+    """The checkpoint to resume `folder` from. A corrupt newest checkpoint is skipped with a
+    warning naming it and the one used instead, automatically: a preempted job restarted by a
+    scheduler has nobody to answer a question, and losing the steps since the previous
+    checkpoint beats not training. Under torchrun every rank decides alone, from file sizes only
+    (re-reading the whole checkpoint on every rank costs too much); DCP's own errors remain."""
+    from shoal.launch import under_torchrun
+    from shoal.train.checkpoint import TRAINER_STATE, good_checkpoint, latest_checkpoint, read_trainer_state
+
+    if under_torchrun():
+        path = latest_checkpoint(folder)
+        if path is None:
+            raise UserError(f"--resume {str(folder)!r}: the run folder holds no complete checkpoint to resume from")
+        state = read_trainer_state(path)  # sizes and the trainer state's checksum
+    else:
+        path = good_checkpoint(folder)  # every file's checksum
+        state = read_trainer_state(path)
+    try:
+        done = int(state["step"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"checkpoint {path} is not a shoal train checkpoint: its {TRAINER_STATE} has no step") from None
+    if done >= steps:
+        raise UserError(f"--steps {steps}: the run in {str(folder)!r} is already at step {done}; "
+                        f"give a larger --steps to continue it")
+    return path
+
+
+def check_fresh_out(folder: Path) -> None:
+    from shoal.train.checkpoint import latest_checkpoint
+
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--out {str(folder)!r} is a file, not a folder")
+    if folder.is_dir() and latest_checkpoint(folder) is not None:
+        raise UserError(f"--out {str(folder)!r} already holds a trained run; continue it with --resume "
+                        f"{folder} or choose another --out")
