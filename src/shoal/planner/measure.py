@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from shoal.mesh import shared_mesh
 from shoal.planner.profile import COLLECTIVES, IN_STEP_KINDS
 from shoal.pool import report
 
@@ -158,7 +158,7 @@ DTENSOR_CHAIN = 16
 def dtensor_chain_step() -> Callable[[], None]:
     """One pass of the chain `_measure_dtensor_dispatch` times, on a DTensor sharded over every rank
     of the default group (shoal.planner.counts counts the dispatches it runs)."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = shared_mesh("cpu", (dist.get_world_size(),), ("world",))  # one mesh (and its groups) per process
     x = distribute_tensor(torch.randn(8 * dist.get_world_size()), mesh, [Shard(0)]).requires_grad_()
     return _chain_step(x, lambda y: y.to_local().sum(), DTENSOR_CHAIN)
 
