@@ -72,3 +72,31 @@ def test_a_crashed_rank_is_named_as_the_cause_of_its_peers_failure():
         assert "exited with code" not in str(caught.value)
     finally:
         pool.close()
+
+
+def _abort_on_rank_1_once(marker: str) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()  # as glibc aborts a process whose heap it finds corrupt
+    return dist.get_rank()
+
+
+def _abort_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.abort()
+
+
+def test_the_tests_pools_rerun_a_task_once_after_a_crash_in_c(pools, tmp_path):
+    """The test suite's `pools` (tests/conftest.py) run a task whose worker was killed by SIGABRT once more on a
+    fresh pool; a task that crashes again fails, and a Python error is never rerun."""
+    marker = tmp_path / "crashed"
+    assert pools(2).run(_abort_on_rank_1_once, str(marker)) == [0, 1]
+    assert marker.exists()  # the first run did crash
+    with pytest.raises(RuntimeError, match="rank 1 of 2 was killed by SIGABRT"):
+        pools(2).run(_abort_on_rank_1)
+    with pytest.raises(RuntimeError, match="rank 1 of 2"):
+        pools(2).run(_fail_on_rank_1)
