@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -31,21 +34,35 @@ def build_mesh(plan: Plan, device: str | None = None) -> DeviceMesh:
     return shared_mesh(device, tuple(sizes), tuple(names))
 
 
-_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[dist.ProcessGroup | None, DeviceMesh]] = {}
+_SHARED: dict[tuple[Any, ...], tuple[dist.ProcessGroup | None, Any]] = {}
+
+
+def _once(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """`make()` once per process and default group for `key`, then the same object: every mesh and group
+    makes process groups, each with gloo threads and sockets that live as long as the process, so a
+    process that parallelizes many models (a test worker, a calibration) would pile them up otherwise
+    (hundreds of threads). A new default group (init again) makes new ones."""
+    default = dist.group.WORLD
+    known = _SHARED.get(key)
+    if known is None or known[0] is not default:
+        _SHARED[key] = known = (default, make())
+    return known[1]
 
 
 def shared_mesh(device: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """`init_device_mesh(device, sizes, names)`, made once per process and default group and then
-    reused. Every mesh makes its own process groups, each with gloo threads and sockets that live
-    as long as the process: a process that parallelizes many models (a test worker, a calibration)
-    would pile them up otherwise (hundreds of threads). torch itself treats meshes of one shape as
-    interchangeable (DTensor's caches compare them by layout), so one shared mesh is no change."""
-    default = dist.group.WORLD
-    key = (device, sizes, names)
-    known = _MESHES.get(key)
-    if known is None or known[0] is not default:  # a new default group (init again): new groups too
-        _MESHES[key] = known = (default, init_device_mesh(device, sizes, mesh_dim_names=names))
-    return known[1]
+    """`init_device_mesh(device, sizes, names)`, made once per process and default group (`_once`).
+    torch itself treats meshes of one shape as interchangeable (DTensor's caches compare them by
+    layout), so one shared mesh is no change."""
+    mesh: DeviceMesh = _once(("mesh", device, sizes, names),
+                             lambda: init_device_mesh(device, sizes, mesh_dim_names=names))
+    return mesh
+
+
+def shared_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """`dist.new_group(ranks)`, made once per process and default group (`_once`). Collective over the
+    default group the first time, like new_group: every rank asks for the same groups in the same order."""
+    group: dist.ProcessGroup = _once(("group", ranks), lambda: dist.new_group(list(ranks)))
+    return group
 
 
 def axis_size(mesh: DeviceMesh, axis: str) -> int:

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {args.model}: {parameters_text(work.model.num_params())} parameters; global batch "
           f"{work.global_batch} x {work.seq_len} tokens; {priced} plan(s) priced in {seconds:.2f} s")
     print(format_table(plans))
-    print(f"train plan 1: {train_command(args, plans[0], cluster)}")
+    print(f"train plan 1: {train_line(args, plans[0], cluster)}")
     if args.explain:
         for e in plans:
             print(explain(e))
@@ -175,7 +175,7 @@ def price(text: str, work: Workload, cluster: Cluster, network: Network | None, 
     return estimate(plan, work, cluster, micro_batch=micro_batch, network=network)
 
 
-def train_command(args: argparse.Namespace, e: Estimate, cluster: Cluster) -> str:
+def train_line(args: argparse.Namespace, e: Estimate, cluster: Cluster) -> str:
     """The `shoal train` line that runs plan `e` as it was priced: its micro-batch (a pipeline's is in the plan)."""
     flags = [f"--model {args.model}", *(f"--set {s}" for s in args.set), f"--plan {e.plan_text}",
              f"--global-batch {args.global_batch}", f"--seq-len {args.seq_len}"]

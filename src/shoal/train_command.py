@@ -73,9 +73,10 @@ def prepare_job(args: argparse.Namespace) -> Any:
     else:
         toml = load_toml(args.config) if args.config else {}
         cfg = from_flat(flags, from_flat(toml) if args.config else None)
-        if cfg.init is not None and not Path(cfg.init).exists():  # said before any guess about its model
-            raise UserError(f"--init {Path(cfg.init).absolute()}: no such file or folder; valid: a Hugging Face "
-                            "folder of safetensors or a file/folder written by shoal export")
+        if cfg.init is not None:  # said before any guess about its model
+            from shoal.train.pretrained import check_exists
+
+            check_exists(cfg.init)
         if cfg.init is not None and "model" not in flags and "model" not in toml:
             cfg = dataclasses.replace(cfg, model=model_of_init(cfg.init))
             if not cfg.model.startswith("hf:"):

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shoal.mesh import shared_group
+
 
 def tie_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     """The group of this rank's pipeline's first and last stage ranks (None: this rank holds
@@ -33,23 +35,10 @@ def tie_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     rows = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, pp).tolist()
     mine = None
     for row in rows:  # every rank creates (or finds) every group, in the same order
-        group = _pair_group(row[0], row[-1])
+        group = shared_group((row[0], row[-1]))
         if dist.get_rank() in (row[0], row[-1]):
             mine = group
     return mine
-
-
-_PAIRS: dict[tuple[int, int], tuple[dist.ProcessGroup | None, dist.ProcessGroup]] = {}
-
-
-def _pair_group(first: int, last: int) -> dist.ProcessGroup:
-    """`dist.new_group([first, last])` made once per process and default group, as shoal.mesh.shared_mesh
-    makes meshes: each group keeps gloo threads and sockets for the life of the process."""
-    default = dist.group.WORLD
-    known = _PAIRS.get((first, last))
-    if known is None or known[0] is not default:
-        _PAIRS[(first, last)] = known = (default, dist.new_group([first, last]))
-    return known[1]
 
 
 class TiedGrads:

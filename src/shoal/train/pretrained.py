@@ -190,12 +190,17 @@ def _matches(patterns: Sequence[str], *names: str) -> bool:
     return any(fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
 
 
+def check_exists(path: str | Path) -> None:
+    """--init's PATH refused in one line where nothing is there."""
+    if not Path(path).exists():
+        raise ValueError(f"--init {Path(path).absolute()}: no such file or folder; valid: a Hugging Face folder of "
+                         "safetensors or a file/folder written by shoal export")
+
+
 def _weight_files(path: Path) -> list[Path]:
     """The safetensors files at `path`: itself, the shards its index names, model.safetensors, or
     every *.safetensors of a folder."""
-    if not path.exists():
-        raise ValueError(f"--init {path}: no such file or folder; valid: a Hugging Face folder of safetensors "
-                         "or a file/folder written by shoal export")
+    check_exists(path)
     if path.is_file() and path.name != INDEX:
         return [path]
     index = path if path.is_file() else path / INDEX
