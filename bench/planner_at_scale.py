@@ -19,9 +19,9 @@ from pathlib import Path
 
 from shoal import rules
 from shoal.plan import Plan
+from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.comm import RingNetwork
 from shoal.planner.estimate import Estimate, Workload, estimate
-from shoal.planner.hardware import parse_cluster
 from shoal.planner.published import PUBLISHED, PublishedRun
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "planner_at_scale.md"
@@ -252,7 +252,7 @@ def _checked_mae(table_rows: list[Row]) -> float:
 
 
 def _without_copies(table_rows: list[Row]) -> float:
-    """The checked runs' mean absolute error were FSDP2's copies (estimate.fsdp2_copy_bytes) left out: they are waited
+    """The checked runs' mean absolute error were FSDP2's copies (costs.fsdp2_copy_bytes) left out: they are waited
     for at once, so leaving them out takes their seconds off the step."""
     errors = []
     for r in table_rows:
@@ -288,7 +288,7 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
         f"as DGX A100s with 8 HDR NICs, {_checked_mae(infiniband):.1f}%; Megatron-DeepSpeed's data axis run as shoal's "
         f"FSDP2 instead of DeepSpeed's pipeline engine, {_checked_mae(shoal_engine):.1f}%; the A100's GEMMs by tile "
         f"and wave quantization instead of its measured square-GEMM table, {_checked_mae(quantized):.1f}%; FSDP2's "
-        f"copies around its collectives (estimate.fsdp2_copy_bytes) unpriced, {_without_copies(table_rows):.1f}%; "
+        f"copies around its collectives (costs.fsdp2_copy_bytes) unpriced, {_without_copies(table_rows):.1f}%; "
         f"Megatron-LM's local DDP priced as overlapping backward, {_checked_mae(overlapped):.1f}%. No "
         "constant was chosen by how it moved these rows.")
 

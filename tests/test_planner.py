@@ -14,9 +14,10 @@ from shoal.parallel.schedules import bubble_fraction, build_schedule, peak_in_fl
 from shoal.plan import Plan
 from shoal.plan_command import price
 from shoal.planner import compute, memory
+from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.comm import RingNetwork, ring_time
-from shoal.planner.estimate import Workload, _bubble, _training_gemm_time, estimate
-from shoal.planner.hardware import parse_cluster
+from shoal.planner.costs import _training_gemm_time
+from shoal.planner.estimate import Workload, _bubble, estimate
 from shoal.planner.search import search
 
 TINY = get_preset("tiny")  # 4 layers, dim 128, 8 heads of 16, 4 KV heads, FFN 384, SwiGLU, vocab 256
@@ -120,7 +121,7 @@ def test_shared_experts_count_at_their_own_width():
     probabilities 2 * 4, its top-2 weights twice and two statistics 2 * 2 + 2: 1,492.
     Parameters: the planner's per-rank count is the model's own (ModelConfig.num_params, which
     builds the shared expert at its width) less the final norm."""
-    from shoal.planner.estimate import _Costs
+    from shoal.planner.costs import Costs
 
     assert compute.ffn_width(QWEN2_MOE, 0) == 112
     assert compute.block_work(QWEN2_MOE, 0, seq_len=16, causal_skip=True, fused_attention=True).matmul == 68_224
@@ -128,7 +129,7 @@ def test_shared_experts_count_at_their_own_width():
                                       fused_attention=True) == 1_492
     cluster = parse_cluster("1xA100-80GB")
     plan = Plan.parse("dp1").resolve(1, "cuda")
-    cost = _Costs(plan, QWEN2_MOE, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
+    cost = Costs(plan, QWEN2_MOE, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
     dense, experts = cost.params_per_rank(QWEN2_MOE.num_layers, head=True)
     assert dense + experts == QWEN2_MOE.num_params() - QWEN2_MOE.dim
 
@@ -136,7 +137,7 @@ def test_shared_experts_count_at_their_own_width():
 def test_a_tied_head_under_pp_is_a_copy():
     """Under pp the last stage keeps a copy of a tied embedding for its head: it holds V x D as an
     untied head's stage does (one process holds the tied table once)."""
-    from shoal.planner.estimate import _Costs
+    from shoal.planner.costs import Costs
 
     cluster = parse_cluster("2xA100-80GB")
     V, D = TINY.vocab_size, TINY.dim
@@ -145,7 +146,7 @@ def test_a_tied_head_under_pp_is_a_copy():
         plan = Plan.parse(text).resolve(2, "cuda")
         for tied in (False, True):
             cfg = TINY.replace(tie_embeddings=tied)
-            cost = _Costs(plan, cfg, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
+            cost = Costs(plan, cfg, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
             counts[text, tied] = cost.params_per_rank(2, head=True)[0]
     assert counts["pp2", True] == counts["pp2", False]
     assert counts["dp2", False] - counts["dp2", True] == V * D
@@ -476,7 +477,7 @@ def test_small_gemms_and_overlapped_collectives_on_an_h100_by_hand():
     SwiGLU: two of n = 384, k = 128 and one of n = 128, k = 384. The block's matmul time is theirs,
     FLOP-weighted; its data-parallel gradient traffic hidden behind backward costs 18.9% of itself
     more (OVERLAP_SLOWDOWN), on top of what stays exposed."""
-    from shoal.planner.estimate import OVERLAP_SLOWDOWN, _gemm_scale
+    from shoal.planner.costs import OVERLAP_SLOWDOWN, _gemm_scale
     from shoal.planner.hardware import DEVICES
 
     h100 = DEVICES["H100-80GB"]
@@ -500,7 +501,7 @@ def test_small_gemms_and_overlapped_collectives_on_an_h100_by_hand():
 def test_overlap_exposed_by_hand():
     """Traffic of 10 s in 5 equal pieces beside compute: the last piece (2 s) always shows; the other 8 s
     hide as far as the compute lasts (all of them beside 20 s of it, 3 s beside 3 s)."""
-    from shoal.planner.estimate import overlap_exposed
+    from shoal.planner.costs import overlap_exposed
 
     assert overlap_exposed(10.0, 20.0, pieces=5) == pytest.approx((2.0, 8.0))
     assert overlap_exposed(10.0, 3.0, pieces=5) == pytest.approx((7.0, 3.0))
@@ -512,7 +513,7 @@ def test_data_schedule_puts_each_collective_in_its_pass():
     """FSDP2 at zero=3 gathers in forward and again in backward on every micro-batch and reduces every
     micro-batch; shoal's ZeRO-1 engine gathers once, beside the first forward, and reduces the last
     micro-batch only; DDP reduces in the last backward."""
-    from shoal.planner.estimate import data_schedule
+    from shoal.planner.costs import data_schedule
 
     z3 = data_schedule("fsdp2", 3, micro=4)
     assert z3["fsdp_all_gather"] == {"forward": 0.5, "backward": 0.5}
@@ -529,7 +530,7 @@ def test_data_schedule_puts_each_collective_in_its_pass():
 def test_unsharded_fsdp2_reduction_hides_behind_one_backward():
     """dp8 at bf16 runs FSDP2 over a replicated mesh (rules.choose_engine); its all-reduce, counted once a
     step, hides behind the last micro-batch's backward only, however many micro-batches the step has."""
-    from shoal.planner.estimate import OVERLAP_SLOWDOWN, overlap_exposed
+    from shoal.planner.costs import OVERLAP_SLOWDOWN, overlap_exposed
     from shoal.rules import choose_engine
 
     plan = Plan.parse("dp8").resolve(8, "cuda")
@@ -552,7 +553,7 @@ def test_gathers_hide_only_behind_forward_by_hand():
     pass issues with that pass's compute (half the gathers in forward; the other half and the
     reduce-scatters in backward), the hidden part charged OVERLAP_SLOWDOWN more, plus FSDP2's copies around
     them, which the compute stream waits for."""
-    from shoal.planner.estimate import OVERLAP_SLOWDOWN, overlap_exposed
+    from shoal.planner.costs import OVERLAP_SLOWDOWN, overlap_exposed
     from shoal.rules import choose_engine
 
     e = _estimate("fsdp8", cluster="8xH100", batch=64)
@@ -577,7 +578,7 @@ def test_fsdp2_copies_by_hand():
     into the reduce-scatter input (read in bf16, written in the fp32 reduce dtype). TINY on 8 H100s at fsdp8 (zero=3,
     one micro-batch): 4 blocks of 49,152 attention, 147,456 FFN and 256 norm weights, and an untied 256 x 128
     embedding and head: 852,992 parameters, gathered twice and reduced once, at the HBM3 Triad's 2.97 TB/s."""
-    from shoal.planner.estimate import fsdp2_copy_bytes
+    from shoal.planner.costs import fsdp2_copy_bytes
 
     params = 4 * (49_152 + 147_456 + 256) + 2 * 256 * 128
     assert fsdp2_copy_bytes(params, param_bytes=2, grad_bytes=2, reduce_bytes=4, gathers=2, reduces=1) == (

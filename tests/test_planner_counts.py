@@ -1,4 +1,4 @@
-"""The op counts in shoal.planner.estimate, recounted from the code as it is now.
+"""The op counts in shoal.planner.costs, recounted from the code as it is now.
 
 The cost model prices a CPU step's host time as counts of ops, taken from the model and the
 parallel code, times the seconds calibration measures per op. A count goes stale silently when
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shoal.models import PRESETS
 from shoal.plan import Plan
 from shoal.planner import counts
-from shoal.planner.estimate import DTENSOR_DISPATCHES, DTENSOR_DISPATCHES_PER_OP, OPS_PER_BLOCK, RING_OPS_PER_HOP
+from shoal.planner.costs import DTENSOR_DISPATCHES, DTENSOR_DISPATCHES_PER_OP, OPS_PER_BLOCK, RING_OPS_PER_HOP
 from shoal.testing import cached_mesh, case, parallel_setup
 from shoal.train.step import split_micro
 
@@ -177,15 +177,15 @@ def test_runtime_cross_entropy_is_torchs():
 
 
 def test_accumulated_table_gradient():
-    """The planner's accumulation term (shoal.planner.estimate._memory): an embedding table's
+    """The planner's accumulation term (shoal.planner.peak.peak_terms): an embedding table's
     gradient peaks at two tables beside its weight when micro-batches accumulate (the next
     micro-batch's gradient made whole, then added), one with a single micro-batch; and the planner
     charges a stage the larger of that table and the loss's logits (they are not held at once)."""
     import torch
     from torch import nn
 
+    from shoal.planner.cluster_file import parse_cluster
     from shoal.planner.estimate import Workload, estimate
-    from shoal.planner.hardware import parse_cluster
     from shoal.train.memory import TensorPeak
 
     table = nn.Embedding(20000, 32)

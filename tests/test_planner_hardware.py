@@ -9,18 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shoal.planner import hardware
-from shoal.planner.hardware import (
-    ALIASES,
-    DEVICES,
-    Cluster,
-    DeviceSpec,
-    Link,
-    dump_cluster,
-    get_device,
-    load_cluster,
-    parse_cluster,
-)
+from shoal.planner import cluster_file, hardware
+from shoal.planner.cluster_file import dump_cluster, load_cluster, parse_cluster
+from shoal.planner.hardware import ALIASES, DEVICES, Cluster, DeviceSpec, Link, get_device
 from shoal.testing import one_line_error
 
 
@@ -183,12 +174,13 @@ def test_bad_toml(tmp_path, text, names):
 
 
 def test_no_torch_import():
-    tree = ast.parse(Path(hardware.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module}
-    assert "torch" not in imported
+    for module in (hardware, cluster_file):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert "torch" not in imported, module.__name__
     assert isinstance(DEVICES["cpu"], DeviceSpec) and isinstance(parse_cluster("1xcpu"), Cluster)
 
 

@@ -75,7 +75,7 @@ def measure_bandwidth(device: str, nbytes: int, repeats: int) -> float:
 
 def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
     """Measure, write the profile (JSON record and cluster TOML) under ctx.out, return the profile."""
-    from shoal.planner.hardware import dump_cluster, parse_cluster
+    from shoal.planner.cluster_file import dump_cluster, parse_cluster
 
     dev, repeats = ctx.device, 3 if ctx.dry else 20
     dtype = torch.float32 if ctx.dry else torch.bfloat16
@@ -142,7 +142,7 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
 def part(ctx: Context, device_name: str | None) -> None:
     """Calibrate, then one-GPU predictions (data sheet and calibrated) against measured `shoal train` runs."""
     from shoal.plan_command import price, workload
-    from shoal.planner.hardware import parse_cluster
+    from shoal.planner.cluster_file import parse_cluster
 
     toml = calibrate(ctx, device_name)["toml"]
     preset, sets, batch, seq = PLAN_MODEL

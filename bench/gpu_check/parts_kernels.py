@@ -241,9 +241,9 @@ def _ring_rank_by_rank(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: in
 
 def ops(ctx: Context) -> None:
     """Kernels one block launches under compile (GPU) or aten ops it runs eagerly (dry run), per block:
-    the difference between a 3-block and a 1-block model, beside estimate.OPS_PER_BLOCK."""
+    the difference between a 3-block and a 1-block model, beside costs.OPS_PER_BLOCK."""
     from shoal.models import ModelConfig, Transformer
-    from shoal.planner.estimate import OPS_PER_BLOCK
+    from shoal.planner.costs import OPS_PER_BLOCK
 
     dev, compiled = ctx.device, not ctx.dry
     counts = {}
@@ -266,7 +266,7 @@ def ops(ctx: Context) -> None:
     ctx.figures.update(per_block=per_block, constant=constant, compiled=compiled, totals=counts)
     what = "GPU kernels" if compiled else "aten ops (eager, CPU)"
     ctx.check(f"{what} per block counted", per_block["forward"] > 0, f"forward {per_block['forward']:g}, backward "
-              f"{per_block['backward']:g}; estimate.OPS_PER_BLOCK[{compiled}] = {constant}")
+              f"{per_block['backward']:g}; costs.OPS_PER_BLOCK[{compiled}] = {constant}")
     if compiled:
         ratio = per_block["forward"] / constant
         ctx.check("compiled kernels per block within 2x of the planner's constant", 0.5 <= ratio <= 2,

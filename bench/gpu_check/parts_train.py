@@ -110,7 +110,7 @@ def planner_cluster(device_name: str | None) -> str:
 def predicted(plan: str, model: tuple, device_name: str | None) -> dict[str, Any]:
     """The planner's step time and memory for one plan on one device of this kind (pure, no GPU)."""
     from shoal.plan_command import price, workload
-    from shoal.planner.hardware import parse_cluster
+    from shoal.planner.cluster_file import parse_cluster
 
     preset, sets, batch, seq = model
     work = workload(preset, list(sets), global_batch=batch, seq_len=seq)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.models.config import ModelConfig, parameters_text
+from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.comm import CalibratedNetwork, Network
 from shoal.planner.estimate import Estimate, Workload
-from shoal.planner.hardware import DEVICES, Cluster, parse_cluster
+from shoal.planner.hardware import DEVICES, Cluster
 from shoal.planner.search import search
 
 GPU_NAMES = {"H200": "H200", "H100": "H100-80GB", "A100-SXM4-40GB": "A100-40GB", "A100-PCIE-40GB": "A100-40GB",

@@ -15,9 +15,10 @@ from typing import Any
 from shoal import rules
 from shoal.models import ModelConfig, parameters_text
 from shoal.plan import Plan
+from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.comm import CalibratedNetwork, Network
 from shoal.planner.estimate import Estimate, Workload, estimate
-from shoal.planner.hardware import Cluster, parse_cluster
+from shoal.planner.hardware import Cluster
 from shoal.planner.search import search
 
 GB = 1e9

@@ -1,6 +1,6 @@
 """Recount, from the code as it is, the op counts the cost model's host-overhead terms multiply.
 
-`shoal.planner.estimate` prices a CPU step's host time as counts of ops times the seconds one op
+`shoal.planner.costs` prices a CPU step's host time as counts of ops times the seconds one op
 costs, which calibration measures (`measure._measure_dispatch`, `_measure_dtensor_dispatch`).
 The counts (OPS_PER_BLOCK, RING_OPS_PER_HOP, DTENSOR_DISPATCHES, DTENSOR_DISPATCHES_PER_OP) come
 from the model and the parallel code: these functions count them again, so that a test fails when

@@ -22,7 +22,7 @@ fsdp4, tp2 and pp2 peak 21-28 MB above the baseline beyond their live tensors, m
 
 
 class MicroBatch(Protocol):
-    """What the memory terms need of one micro-batch's costs on a rank (estimate's per-plan costs)."""
+    """What the memory terms need of one micro-batch's costs on a rank (shoal.planner.costs.Costs)."""
 
     tokens: float
     """Tokens of one micro-batch on this rank."""

@@ -1,0 +1,356 @@
+"""One plan's per-rank costs of a micro-batch: the terms shoal.planner.estimate adds up into a step.
+
+`Costs` prices what one rank does for one micro-batch (compute, the tensor-, context- and
+expert-parallel collectives, the pipeline's point-to-points, the host's dispatch), the step's own
+small collectives, and the data axes' gradient and parameter traffic with the part of it that
+hides behind compute (data_schedule, overlap_exposed). The formulas and their sources are listed
+in shoal.planner.estimate's docstring and named beside each term here; estimate keeps what is
+priced once a step (the pipeline bubble, the optimizer, memory) and the result. estimate imports
+this module, never the reverse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.models.config import ModelConfig
+from shoal.plan import Plan
+from shoal.planner import compute
+from shoal.planner.comm import Network
+from shoal.planner.hardware import Cluster
+
+OPS_PER_BLOCK = {False: 42, True: 13}
+"""Host ops of one dense block's forward (each with its backward, the unit calibration times),
+eager and compiled, on a CPU, the one device whose host time the estimate charges: every call
+into the dispatcher, views at half (the norms, attention with RoPE and grouped-query heads, the
+FFN, the residual adds and dropouts); compiled, the graph's fused kernels and the matmul and
+attention kernels it calls. Counted by shoal.planner.counts.block_ops on the tiny preset;
+tests/test_planner_counts.py recounts them."""
+DTENSOR_DISPATCHES = {"block": 144, "head": 56}
+"""DTensor dispatches of one block's forward and backward under tensor parallelism, and of the
+vocabulary-parallel embedding, head and loss: shoal.planner.counts.dtensor_dispatches on the tiny
+preset at tp2, the block's from 2 and 4 layers; tests/test_planner_counts.py recounts them. Without
+sequence parallelism a block runs as many (its norms' DTensor ops replace the all-reduces'
+wrapping) and the head slightly fewer; these serve both."""
+DTENSOR_DISPATCHES_PER_OP = 25 / 17
+"""What the calibration's DTensor chain (measure._measure_dtensor_dispatch, whose figure is per op of
+the chain, its backward included) runs per op: 25 dispatches for its 16 ops and the final sum
+(shoal.planner.counts.dtensor_dispatches_per_chain_op; tests/test_planner_counts.py recounts it)."""
+RING_OPS_PER_HOP = 61.5
+"""Host ops of one block's ring attention per ring step (context parallelism): the zig-zag chunk
+pairs' attention, the log-sum-exp merge and the exchange, forward and hand-written backward
+(shoal.parallel.context), counted as OPS_PER_BLOCK is by shoal.planner.counts.ring_ops_per_hop at
+cp2, the smallest ring (a larger one runs fewer per step: the causal mask hides more of its chunk
+pairs); tests/test_planner_counts.py recounts it."""
+OVERLAP_SLOWDOWN = 0.189
+"""How much longer a GPU's compute takes while a collective runs beside it (NCCL's kernels hold SMs and
+memory bandwidth): the mean slowdown measured over GPT and Llama layers on A100 and H100 in Tatikonda
+et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning"
+(arXiv 2507.03114, abstract: 18.9% on average, 40.0% at most). Charged on the communication time hidden."""
+
+
+def matmul_dtype(plan: Plan, cluster: Cluster, *, tf32: bool = False) -> str:
+    """The matmul rate's key: the plan's precision, fp16's for bf16 on a device without it, TF32's for fp32 GEMMs
+    with `tf32` on a GPU that has it."""
+    rates = cluster.device.peak_flops
+    if plan.precision == "fp32" and tf32 and cluster.device_type == "cuda" and "tf32" in rates:
+        return "tf32"
+    return plan.precision if plan.precision in rates else "fp16"
+
+
+class Costs:
+    """Per-rank costs of one micro-batch under one plan (the pieces `estimate` adds up)."""
+
+    def __init__(self, plan: Plan, cfg: ModelConfig, cluster: Cluster, net: Network, *, tokens: float,
+                 seq_len: int, fused: bool, policy: str = "shoal", tp_engine: str = "dtensor",
+                 tf32: bool = False) -> None:
+        self.fused, self.policy, self.tp_engine = fused, policy, tp_engine
+        self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
+        self.rate = cluster.device.flops(matmul_dtype(plan, cluster, tf32=tf32))
+        # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate; a fused kernel at its published
+        # rate for the model's head dimension and each kernel's sequence (a cp chunk; the ring's chunk pairs mostly
+        # unmasked), forward and backward apart (hardware.DeviceSpec.attention_rates).
+        forward_rate, backward_rate = (cluster.device.attention_rates(
+            matmul_dtype(plan, cluster), head_dim=cfg.head_dim, seq_len=seq_len / plan.cp, causal=plan.cp == 1)
+            if fused else (self.rate, self.rate))
+        self.attention_rate = forward_rate
+        self.attention_bwd_time = forward_rate / backward_rate  # a backward FLOP's time over a forward FLOP's
+        # A GPU's fused kernel recomputes the scores in backward (the calibrated CPU profile times its own kernel).
+        self.attention_bwd = compute.attention_backward_multiplier(fused_kernel=fused and cluster.device_type == "cuda")
+        self.mem_bw = cluster.device.memory_bw
+        self.bytes = 4.0 if plan.precision == "fp32" else 2.0
+        on_cpu = self.on_cpu = cluster.device_type == "cpu"
+        # Collectives on a CPU share its cores with compute (gloo's threads): little of them hides.
+        self.overlap = 0.0 if on_cpu else 1.0
+        # A GPU's host queues kernels ahead of the device (hidden); a CPU's cores run both.
+        self.op_overhead = cluster.device.op_overhead if on_cpu else 0.0
+        self.dtensor_overhead = cluster.device.dtensor_overhead if on_cpu else 0.0
+        self.stride = {"tp": 1, "cp": plan.tp, "fsdp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.fsdp,
+                       "pp": plan.tp * plan.cp * plan.fsdp * (plan.dp or 1), "ep": plan.tp}
+        # Small products run below the large-GEMM rate (hardware.DeviceSpec.gemm_factor): time multipliers.
+        self.mm_scale = {moe: _gemm_scale(cluster.device, cfg, tokens, plan.tp, moe=moe) for moe in (False, True)}
+        self.head_scale = _training_gemm_time(cluster.device, tokens, cfg.vocab_size / plan.tp, cfg.dim)
+        self.work = {moe: compute.block_work(cfg, compute.block_index(cfg, moe=moe), seq_len=seq_len,
+                                             causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
+                     for moe in (False, True)}
+        # The share of a block's weight-product work selective recompute reruns (none under shoal's policy).
+        self.selective_share = {moe: (compute.titan_recomputed_matmul(cfg, moe=moe) / self.work[moe].matmul
+                                      if policy == "torchtitan-op" and plan.ac == "selective" else 0.0)
+                                for moe in (False, True)}
+
+    def head_in_blocks(self) -> float:
+        dense = self.work[False]
+        return compute.head_flops(self.cfg) / (dense.matmul + dense.attention)
+
+    def moe_count(self, lo: int, hi: int) -> int:
+        """MoE blocks among lo..hi-1 (block i is MoE when (i + 1) % moe_every == 0)."""
+        if not self.cfg.num_experts:
+            return 0
+        k = self.cfg.moe_every
+        return hi // k - lo // k
+
+    def stage(self, lo: int, hi: int, *, head: bool) -> tuple[float, float, dict[str, float]]:
+        """(forward, backward, terms per micro-batch) of blocks lo..hi-1 (and the head)."""
+        p, T, tp = self.plan, self.tokens, self.plan.tp
+        assert p.vpp is not None, "estimates are of resolved plans"
+        moe = self.moe_count(lo, hi)
+        blocks = [(self.work[True], moe), (self.work[False], hi - lo - moe)]
+        mm_moe = self.mm_scale[True] * blocks[0][0].matmul * moe * T / tp / self.rate
+        mm_dense = self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe) * T / tp / self.rate
+        mm = mm_moe + mm_dense
+        selective_mm = self.selective_share[True] * mm_moe + self.selective_share[False] * mm_dense
+        attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate
+        elem = sum(w.elementwise * n for w, n in blocks) * T * self.bytes / tp / self.mem_bw
+        block_elem = elem
+        if head:
+            mm += self.head_scale * compute.head_flops(self.cfg) * T / tp / self.rate
+            elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
+        recompute = compute.recomputed(p.ac, matmul=mm, attention=attn, fused_attention=self.fused,
+                                       elementwise=elem if p.ac == "full" else block_elem,  # the head: full only
+                                       selective_matmul=selective_mm)
+        if self.on_cpu and p.ac == "selective":  # the calibrated CPU model keeps the accounting it was checked with
+            recompute = attn
+        ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
+        if p.cp > 1:
+            ops += (hi - lo) * RING_OPS_PER_HOP * p.cp if p.cp_mode == "ring" else 0
+        host = ops * self.op_overhead
+        if tp > 1:
+            dispatches = (hi - lo) * DTENSOR_DISPATCHES["block"] + (DTENSOR_DISPATCHES["head"] if head else 0)
+            host += dispatches / DTENSOR_DISPATCHES_PER_OP * self.dtensor_overhead
+        n = hi - lo
+        act = T * self.cfg.dim * self.bytes
+        if tp > 1 and p.sp:
+            tp_fwd = 2 * (self.net.time("all_gather", tp, act, stride=1)
+                          + self.net.time("reduce_scatter", tp, act, stride=1))
+        else:
+            tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
+        tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
+        if tp > 1 and p.sp and p.ac == "selective" and not self.on_cpu:  # reductions kept, not all-gathers: 2 rerun
+            tp_comm += n * 2 * self.net.time("all_gather", tp, act, stride=1)
+        if tp > 1 and head:  # vocabulary-parallel embedding and loss: ~2 collectives each way, small
+            tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
+        cp_comm = n * self._ring(attn / max(n, 1))
+        routed = compute.experts_per_token(self.cfg) - self.cfg.num_shared_experts
+        ep_comm = (moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"])
+                   if p.ep > 1 else 0.0)
+        p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if p.sp and tp > 1 else 1),
+                                    stride=self.stride["pp"]) if p.pp > 1 else 0.0
+        attention_bwd = self.attention_bwd * self.attention_bwd_time * attn
+        terms = {"compute_matmul": 3 * mm, "compute_attention": attn + attention_bwd,
+                 "compute_elementwise": 3 * elem,
+                 "recompute": recompute, "tp_comm": tp_comm, "cp_comm_exposed": cp_comm, "ep_comm": ep_comm,
+                 "pp_p2p": 2 * p2p, "host_overhead": host}
+        fwd = mm + attn + elem + n * tp_fwd + cp_comm / 3 + ep_comm / 2 + p2p + host / 3
+        return fwd, sum(terms.values()) - fwd, terms
+
+    def _ring(self, attn_fwd: float) -> float:
+        """Exposed ring time of one block (forward + backward) given its attention's forward time.
+        Forward passes K and V on cp-1 times; backward (in fp32) passes them cp-1 times more and the
+        dK, dV accumulator cp times (shoal.parallel.context). Each hop hides behind one chunk's
+        attention, 1/cp of the block's."""
+        cp = self.plan.cp
+        if cp == 1:
+            return 0.0
+        kv = self.tokens * 2 * self.cfg.kv_heads * self.cfg.head_dim / self.plan.tp
+        hop = self.net.time("ring", cp, kv * self.bytes, stride=self.stride["cp"])
+        hop_fp32 = self.net.time("ring", cp, kv * 4, stride=self.stride["cp"])
+        hidden = self.overlap * attn_fwd / cp
+        return (cp - 1) * max(0.0, hop - hidden) + (2 * cp - 1) * max(0.0, hop_fp32 - hidden)
+
+    def step_sync(self, kind: str) -> float:
+        """The small collectives of every step, each a latency (shoal.train): the trainer's agreement
+        on stop signals (the world), the loss averaged over each data and cp axis, the gradient
+        norm's reduction over each axis that shards the gradients (DTensor reduces one mesh
+        dimension at a time) and over the pipeline's stages, and under tensor parallelism without
+        FSDP the norm weights' partial gradients (shoal.parallel.tensor.reduce_partial_grads)."""
+        p = self.plan
+        axes = [("dp", p.dp or 1), ("fsdp", p.fsdp), ("cp", p.cp)]  # the loss's mean
+        axes += [("fsdp", p.fsdp)] if kind in ("zero", "fsdp2") else []  # the norm's reductions
+        axes += [("tp", p.tp), ("pp", p.pp)]
+        axes += [("tp", p.tp)] if kind == "none" else []  # the partial gradients (FSDP2 reduces its own)
+        calls = [(n, self.stride[axis]) for axis, n in axes if n > 1]
+        calls += [(p.world_size, 1)] if p.world_size > 1 else []  # the stop-signal agreement
+        return sum(self.net.time("all_reduce", n, 8.0, stride=stride) for n, stride in calls)
+
+    def params_per_rank(self, blocks: int, *, head: bool, embedding: bool = False) -> tuple[float, float]:
+        """(dense parameters, expert parameters) one rank of a stage of `blocks` blocks holds; under pp
+        the stage holds the embedding table when `embedding` and the head's when `head`."""
+        cfg, p = self.cfg, self.plan
+        D = cfg.dim
+        attn = compute.attention_matmul_flops(cfg) / 2
+        mlp = compute.mlp_matmul_flops(cfg) / 2
+        moe = round(blocks * self.moe_count(0, cfg.num_layers) / cfg.num_layers)
+        moe_sets = 1 if cfg.share_moe and moe else moe
+        shared = cfg.num_shared_experts * compute.mlp_matmul_flops(cfg, compute.shared_width(cfg)) / 2
+        shared += D if cfg.shared_gate and cfg.num_shared_experts else 0  # at their own width, and their gate
+        dense = (blocks * (attn + 2 * D) + (blocks - moe) * mlp + moe * (D * cfg.num_experts + shared))
+        embed = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
+        # Under pp the last stage holds the head's table: its own, or a copy of a tied embedding's.
+        dense += embed if p.pp == 1 else cfg.vocab_size * D * (int(head) + int(embedding))
+        experts = moe_sets * cfg.num_experts * mlp / p.ep
+        return dense / p.tp, experts / p.tp
+
+    def vocab_traffic(self, micro: int) -> dict[str, float]:
+        """vocab=sharded, one step's seconds of moving the tables' activations instead of the tables: per
+        micro-batch the token ids and the (N*T, D) embedding rows (reduce-scattered forward, gathered
+        backward), the hidden states (gathered forward, reduce-scattered backward), and the (T, V) logits
+        by all-to-all each way (shoal/parallel/sharded_vocab.py), over the ranks the tables are split on
+        (fsdp x cp, consecutive in the mesh's rank order)."""
+        cfg, n, stride = self.cfg, self.plan.fsdp * self.plan.cp, self.stride["cp"]
+        rows = n * self.tokens * cfg.dim * self.bytes  # every such rank's tokens' rows
+        return {"vocab_rows": micro * 2 * (self.net.time("reduce_scatter", n, rows, stride=stride)
+                                           + self.net.time("all_gather", n, rows, stride=stride)),
+                "vocab_logits": micro * 2 * self.net.time("all_to_all", n, self.tokens * cfg.vocab_size * self.bytes,
+                                                          stride=stride)}
+
+    def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
+                  fwd: float, bwd: float) -> tuple[float, dict[str, float]]:
+        """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic, given one
+        micro-batch's forward and backward seconds on this rank: each collective hides only behind the
+        pass it is issued in (`data_schedule`), all but its last unit's piece (`overlap_exposed`)."""
+        p = self.plan
+        grad = 4.0 if p.reduce == "fp32" else 2.0
+        # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
+        dp, fsdp = (p.dp or 1) * p.cp, p.fsdp
+        calls = units + 1  # one collective per bucket or unit, plus the rest of the model
+        span = ((p.dp or 1) - 1) * self.stride["dp"] + (p.cp - 1) * self.stride["cp"]
+        dp_stride = max(1, span // max(1, dp - 1))  # the dp x cp group's spread in rank order
+
+        def net(kind: str, n: int, nbytes: float, *, stride: int) -> float:
+            return calls * self.net.time(kind, n, nbytes / calls, stride=stride)
+
+        terms: dict[str, float] = {}
+        if kind == "ddp" or (kind == "fsdp2" and fsdp == 1):
+            terms["dp_allreduce"] = net("all_reduce", dp, params * grad, stride=dp_stride)
+            if experts and p.ep < p.data_ranks:  # each expert's replicas: the data ranks outside its ep group
+                terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
+                                                stride=p.ep * p.tp)
+        elif kind in ("zero", "fsdp2"):
+            tables = 0.0
+            if p.vocab == "sharded":  # the tables stay sharded; their rows' activations travel (sharded_vocab.py)
+                tables = self.cfg.vocab_size * self.cfg.dim * (1.0 if self.cfg.tie_embeddings else 2.0)
+                params -= tables
+                terms.update(self.vocab_traffic(micro))
+            # ZeRO-2 and -3 reduce every micro-batch's gradients, ZeRO-1 only the last's
+            # (shoal.parallel.data); ZeRO-3 gathers each unit in forward and again in backward,
+            # FSDP2 at zero=1/2 once per micro-batch, shoal's ZeRO-1/2 engine once per step.
+            reduces = 1 if zero == 1 else micro
+            gathers = {3: 2 * micro}.get(zero, micro if kind == "fsdp2" else 1)
+            terms["fsdp_reduce_scatter"] = reduces * net("reduce_scatter", fsdp, params * grad,
+                                                         stride=self.stride["fsdp"])
+            terms["fsdp_all_gather"] = gathers * net("all_gather", fsdp, params * self.bytes,
+                                                     stride=self.stride["fsdp"])
+            if dp > 1:  # every shard's gradient, the tables' too (averaged over dp as FSDP2 averages its own)
+                terms["dp_allreduce"] = reduces * net("all_reduce", dp, (params + tables) * grad / fsdp,
+                                                      stride=dp_stride)
+            if experts and p.ep < p.data_ranks:
+                terms["expert_allreduce"] = net("all_reduce", p.data_ranks // p.ep, experts * grad,
+                                                stride=p.ep * p.tp)  # the replicas outside each ep group
+            if kind == "fsdp2":
+                terms["fsdp_copies"] = fsdp2_copy_bytes(params, param_bytes=self.bytes, grad_bytes=self.bytes,
+                                                        reduce_bytes=grad, gathers=gathers,
+                                                        reduces=reduces) / self.mem_bw
+        # Unsharded FSDP2 is priced as DDP is: one reduction, in the last micro-batch's backward (the traffic
+        # above counts it once, as a pipeline's last backward or no_sync would run it).
+        schedule = data_schedule("ddp" if kind == "fsdp2" and fsdp == 1 else kind, zero, micro=micro)
+        passes = {"forward": 0.0, "backward": 0.0}
+        # Waited for at once: the tables' activations, and FSDP2's copies on the compute stream.
+        blocking = sum(seconds for term, seconds in terms.items() if term.startswith("vocab_") or term == "fsdp_copies")
+        for term, seconds in terms.items():
+            for phase, share in schedule.get(term, {}).items():
+                passes[phase] += share * seconds
+        windows = {"forward": schedule["forward_passes"] * fwd, "backward": schedule["backward_passes"] * bwd}
+        exposed = hidden = 0.0
+        for phase, seconds in passes.items():
+            shown, hid = overlap_exposed(seconds, self.overlap * windows[phase], pieces=units + 1)
+            exposed, hidden = exposed + shown, hidden + hid
+        return blocking + exposed + OVERLAP_SLOWDOWN * hidden, terms
+
+
+def fsdp2_copy_bytes(params: float, *, param_bytes: float, grad_bytes: float, reduce_bytes: float, gathers: int,
+                     reduces: int) -> float:
+    """Device-memory bytes one rank's FSDP2 moves in a step copying around its collectives, for `params` parameters
+    (unsharded) gathered `gathers` and reduced `reduces` times. Read from torch's FSDP2
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; torch/distributed/_composable/fsdp/ before 2.6):
+    after each all-gather `foreach_all_gather_copy_out` copies the gathered buffer into the parameters
+    (split_with_sizes_copy: every gathered element read and written at the parameter dtype), and before each
+    reduce-scatter `foreach_reduce` copies the unsharded gradients into the reduce-scatter input at the reduce
+    dtype (read at the gradient's, written at the reduce dtype's). Both run on, or are waited for by, the compute
+    stream, so neither hides behind compute. The all-gather's copy-in (a rank's own shard cast to the parameter
+    dtype, on a side stream) moves 1/N of that and is left out."""
+    return params * (gathers * 2 * param_bytes + reduces * (grad_bytes + reduce_bytes))
+
+
+def data_schedule(kind: str, zero: int, *, micro: int) -> dict[str, Any]:
+    """Where each data-axis collective of a step runs, read off the engines' schedules (shoal.parallel.data,
+    shoal.parallel.zero): {term: {pass: share of its seconds}}, and over how many micro-batches' forward and
+    backward passes each pass's collectives are spread ("forward_passes", "backward_passes").
+
+    - Parameter all-gathers run in forward: FSDP2 gathers each unit just before it runs (prefetching the
+      next) on every micro-batch, and at zero=3 once more in backward (half of its gathers); shoal's ZeRO-1/2
+      engine starts every bucket's gather when the step's first forward begins and waits for each just
+      before its blocks run, so they hide behind one forward only.
+    - Gradient reduce-scatters and all-reduces run in backward as each unit's (bucket's) gradients are
+      produced: every micro-batch's at zero=2 and 3, the last micro-batch's only at zero=1 and under DDP
+      (gradients accumulate under no_sync)."""
+    every = zero >= 2 and kind in ("zero", "fsdp2")
+    gathers_fwd = 0.5 if kind == "fsdp2" and zero == 3 else 1.0
+    backward = {"backward": 1.0}
+    return {"fsdp_all_gather": {"forward": gathers_fwd, "backward": 1 - gathers_fwd},
+            "fsdp_reduce_scatter": backward, "dp_allreduce": backward, "expert_allreduce": backward,
+            "forward_passes": 1 if kind == "zero" else micro, "backward_passes": micro if every else 1}
+
+
+def overlap_exposed(traffic: float, window: float, *, pieces: int) -> tuple[float, float]:
+    """(exposed, hidden) seconds of `traffic` issued as `pieces` equal collectives, one as each piece of the
+    work they follow completes, beside `window` seconds of compute. The last piece starts when the compute
+    is done, so it is always exposed; the others hide as far as the compute lasts (the overlap of bucketed
+    gradient reduction, Li et al. 2020, "PyTorch Distributed", section 3.2.3; of FSDP's per-unit gathers and
+    reduce-scatters, Zhao et al. 2023, "PyTorch FSDP", section 3.3)."""
+    if traffic <= 0:
+        return 0.0, 0.0
+    hidden = max(0.0, min(window, traffic * (1 - 1 / pieces)))
+    return traffic - hidden, hidden
+
+
+def _training_gemm_time(device: Any, tokens: float, n: float, k: float) -> float:
+    """Time over time-at-the-large-GEMM-rate of one weight's three products in a training step, each as much
+    work: forward (tokens x k) @ (k x n), the input gradient (tokens x n) @ (n x k) and the weight gradient
+    (k x tokens) @ (tokens x n), whose outputs differ in shape (hardware.DeviceSpec.gemm_factor)."""
+    factors = (device.gemm_factor(tokens, n, k), device.gemm_factor(tokens, k, n), device.gemm_factor(k, n, tokens))
+    return sum(1 / f for f in factors) / 3
+
+
+def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: bool) -> float:
+    """Time over time-at-the-large-GEMM-rate of one block's weight products, FLOP-weighted: Q/K/V and
+    output projections and the dense FFN as (tokens x k) @ (k x n) on one tp rank, forward and backward
+    (_training_gemm_time). Routed experts and the router are left at 1."""
+    D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    gemms = [((cfg.num_heads + 2 * cfg.kv_heads) * hd / tp, D), (D, cfg.num_heads * hd / tp)]  # (n, k)
+    if not moe:
+        gemms += [(F / tp, D)] * (2 if cfg.activation == "swiglu" else 1) + [(D, F / tp)]
+    listed = sum(2.0 * n * k for n, k in gemms) * tp  # per token, all ranks (block_work's convention)
+    slow = sum(2.0 * n * k * _training_gemm_time(device, tokens, n, k) for n, k in gemms) * tp
+    whole = compute.block_work(cfg, compute.block_index(cfg, moe=moe), seq_len=1, causal_skip=True,
+                               fused_attention=True).matmul
+    return (whole - listed + slow) / whole
