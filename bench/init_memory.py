@@ -65,9 +65,9 @@ def _status() -> tuple[int, int]:
 
 def load_and_measure(plan_text: str | None, folder: str, cfg: ModelConfig) -> dict:
     """On this rank: the meta model loaded under `plan_text` (None: one process) and its memory."""
+    from shoal.mesh import build_mesh
     from shoal.parallelize import parallelize
     from shoal.plan import Plan
-    from shoal.testing import cached_mesh
     from shoal.train.pretrained import open_pretrained
 
     weights = open_pretrained(folder, cfg)
@@ -78,7 +78,7 @@ def load_and_measure(plan_text: str | None, folder: str, cfg: ModelConfig) -> di
         import torch.distributed as dist
 
         plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-        mesh = cached_mesh(plan)
+        mesh = build_mesh(plan)
     base = _status()
     peak = list(base)
     done = threading.Event()

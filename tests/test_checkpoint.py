@@ -257,12 +257,12 @@ def test_latest_without_pointer_and_prune(tmp_path):
 def _ddp(world_plan: str, seed: int):
     import torch.distributed as dist
 
+    from shoal.mesh import build_mesh
     from shoal.plan import Plan
-    from shoal.testing import cached_mesh
 
     plan = Plan.parse(world_plan).resolve(dist.get_world_size())
     torch.manual_seed(seed)
-    runtime = parallelize(Transformer(CFG), plan, cached_mesh(plan))
+    runtime = parallelize(Transformer(CFG), plan, build_mesh(plan))
     opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     rows_per_rank = 4 // dist.get_world_size()
     rank = dist.get_rank()

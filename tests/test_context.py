@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shoal.mesh import build_mesh
 from shoal.models.transformer import causal_attention
 from shoal.parallel import context
 from shoal.parallel.context import ContextSplit, a2a_attention, chunks_of, positions, ring_attention
 from shoal.plan import Plan
-from shoal.testing import SMALL, cached_mesh, case, check_parity, one_line_error, run_parallel
+from shoal.testing import SMALL, case, check_parity, one_line_error, run_parallel
 
 ATOL = 1e-5
 
@@ -47,7 +48,7 @@ def _attention_vs_full(mode: str, causal: bool, seq_len: int, flash: bool = True
 
 def _attention_error(mode: str, causal: bool, seq_len: int) -> float:
     plan = Plan.parse(f"cp{dist.get_world_size()}").resolve(dist.get_world_size())
-    split = ContextSplit(cached_mesh(plan)["cp"])
+    split = ContextSplit(build_mesh(plan)["cp"])
     torch.manual_seed(0)
     q, k, v, dy = (torch.randn(2, 4, seq_len, 8, dtype=torch.float32) for _ in range(4))
     for t in (q, k, v):

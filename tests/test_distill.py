@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.moe.gather import student_config, student_weights
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
-from shoal.testing import assert_rounding_close, assert_user_error, cached_mesh
+from shoal.testing import assert_rounding_close, assert_user_error
 from shoal.train.kd import kd_loss, pack_targets, unpack_targets
 from shoal.train.step import split_micro, train_step
 
@@ -95,7 +96,7 @@ def _parallel(plan_text: str) -> list[float]:
     """The same run with the student under `plan_text` on this pool's ranks, the teacher whole."""
     teacher, student = _models(torch.float32)
     plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-    runtime = parallelize(student, plan, cached_mesh(plan))
+    runtime = parallelize(student, plan, build_mesh(plan))
     optimizer, loss_fn, losses = _optimizer(runtime.parameters()), kd_loss(TEMPERATURE, ALPHA), []
     index, count = runtime.data_rank
     rows = BATCH // count

@@ -93,10 +93,10 @@ def _init_under(plan_text: str, folder: str, tokens) -> dict:
     import torch
     import torch.distributed as dist
 
+    from shoal.mesh import build_mesh
     from shoal.models import Transformer
     from shoal.models.hf import config_from_hf
     from shoal.parallelize import parallelize
-    from shoal.testing import cached_mesh
     from shoal.train.pretrained import open_pretrained
 
     cfg = config_from_hf(folder)
@@ -104,7 +104,7 @@ def _init_under(plan_text: str, folder: str, tokens) -> dict:
     with torch.device("meta"):
         model = Transformer(cfg)
     plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-    runtime = parallelize(model, plan, cached_mesh(plan), weights=weights)
+    runtime = parallelize(model, plan, build_mesh(plan), weights=weights)
     with torch.no_grad():
         logits = runtime.eval()(tokens)
     return {"logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits}

@@ -113,16 +113,17 @@ def export_and_import_sharded(folder: str) -> dict:
     import the fsdp2 folder into a zeroed tensor-parallel model; its full weights and logits."""
     import torch.distributed as dist
 
+    from shoal.mesh import build_mesh
     from shoal.plan import Plan
-    from shoal.testing import cached_mesh, case, full_tensors
+    from shoal.testing import case, full_tensors
 
     run = case(model=TINY)
     for plan_text, name in (("fsdp2", "fsdp"), ("fsdp2,zero=1", "zero")):
         plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-        export_model(parallelize(run.build_model(), plan, cached_mesh(plan)), f"{folder}/{name}", hf=True)
+        export_model(parallelize(run.build_model(), plan, build_mesh(plan)), f"{folder}/{name}", hf=True)
     dist.barrier()  # rank 0 has written
     plan = Plan.parse("tp2").resolve(dist.get_world_size())
-    runtime = parallelize(run.build_model(), plan, cached_mesh(plan))
+    runtime = parallelize(run.build_model(), plan, build_mesh(plan))
     with torch.no_grad():
         for p in runtime.parameters():
             p.zero_()

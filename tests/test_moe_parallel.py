@@ -155,12 +155,12 @@ def _expert_local_shapes(plan_text: str) -> dict[str, tuple[int, ...]]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from shoal.mesh import build_mesh
     from shoal.parallelize import parallelize
     from shoal.plan import Plan
-    from shoal.testing import cached_mesh
 
     plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-    runtime = parallelize(case(model=MOE).build_model(), plan, cached_mesh(plan))
+    runtime = parallelize(case(model=MOE).build_model(), plan, build_mesh(plan))
     return {name.rpartition(".")[2]: tuple(p.to_local().shape) for name, p in runtime.named_parameters()
             if name.startswith("layers.0.feed_forward.experts.") and isinstance(p, DTensor)}
 

@@ -102,14 +102,14 @@ def _layout(model_cfg: ModelConfig) -> bool:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
+    from shoal.mesh import build_mesh
     from shoal.parallel.tensor import apply_tensor_parallel
-    from shoal.testing import cached_mesh
 
     plan = Plan.parse("tp2").resolve(dist.get_world_size())
     torch.manual_seed(0)
     from shoal.models import Transformer
 
-    model = apply_tensor_parallel(Transformer(model_cfg), mesh=cached_mesh(plan), plan=plan)
+    model = apply_tensor_parallel(Transformer(model_cfg), mesh=build_mesh(plan), plan=plan)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     assert model.output.weight is model.tok_embeddings.weight
     assert model.output.weight.placements == (Shard(0),)

@@ -66,15 +66,15 @@ def _sharded_after_forward():
     import torch
     from torch.distributed.tensor import DTensor
 
+    from shoal.mesh import build_mesh
     from shoal.parallelize import parallelize
     from shoal.plan import Plan
-    from shoal.testing import cached_mesh
 
     out = {}
     for zero in (3, 2, 1):
         plan = Plan.parse(f"fsdp2,zero={zero}").resolve(2)
         c = case(plan=str(plan))
-        runtime = parallelize(c.build_model(), plan, cached_mesh(plan))
+        runtime = parallelize(c.build_model(), plan, build_mesh(plan))
         assert all(isinstance(p, DTensor) for p in runtime.parameters())  # what an optimizer updates
         runtime(c.batches()[0][0][:2]).sum()  # forward only, graph kept
         block = runtime.parts[0].layers["0"]
@@ -92,14 +92,14 @@ def test_bucket_groups_blocks_into_units(pools):
 
 
 def _units(plans):
+    from shoal.mesh import build_mesh
     from shoal.models import Transformer
     from shoal.parallelize import parallelize
-    from shoal.testing import cached_mesh
 
     out = []
     for text in plans:
         plan = Plan.parse(text).resolve(2)
-        runtime = parallelize(Transformer(SMALL), plan, cached_mesh(plan))
+        runtime = parallelize(Transformer(SMALL), plan, build_mesh(plan))
         if plan.zero < 3:  # the engine's own buckets
             out.append(len(runtime._engine.buckets))
         else:
@@ -131,14 +131,14 @@ def _tables_while_they_run():
     import torch
     from torch.distributed.tensor import DTensor
 
+    from shoal.mesh import build_mesh
     from shoal.parallelize import parallelize
-    from shoal.testing import cached_mesh
 
     out = {}
     for vocab in ("sharded", "gathered"):
         plan = Plan.parse(f"fsdp2,vocab={vocab}").resolve(2)
         c = case(plan=str(plan))
-        runtime = parallelize(c.build_model(), plan, cached_mesh(plan))
+        runtime = parallelize(c.build_model(), plan, build_mesh(plan))
         model = runtime.parts[0]
         seen: dict = {}
         for name in ("tok_embeddings", "output"):

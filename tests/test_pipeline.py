@@ -14,6 +14,7 @@ import dataclasses
 
 import pytest
 
+from shoal.mesh import build_mesh
 from shoal.parallel.pipeline import split_layers
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
@@ -21,7 +22,6 @@ from shoal.testing import (
     SMALL,
     assert_rounding_close,
     assert_trained_close,
-    cached_mesh,
     case,
     check_parity,
     one_line_error,
@@ -85,7 +85,7 @@ def test_pp_errors_are_one_line():
 def _refused(text: str) -> str:
     try:
         plan = Plan.parse(text).resolve(4)
-        parallelize(case(model=dataclasses.replace(SMALL, num_layers=4)).build_model(), plan, cached_mesh(plan))
+        parallelize(case(model=dataclasses.replace(SMALL, num_layers=4)).build_model(), plan, build_mesh(plan))
     except ValueError as exc:
         return str(exc)
     return ""

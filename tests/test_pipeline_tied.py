@@ -62,10 +62,10 @@ def test_tied_gpt_structure_pp2(pools):
 def _export_under(plan_text: str, folder: str, out: str) -> None:
     """Worker: shoal's model of a Hugging Face folder, read by `--init`'s sliced reader under
     plan_text, exported live as a Hugging Face folder and as a shoal file."""
+    from shoal.mesh import build_mesh
     from shoal.models import Transformer
     from shoal.models.hf import config_from_hf
     from shoal.parallelize import parallelize
-    from shoal.testing import cached_mesh
     from shoal.train.export import export_model
     from shoal.train.pretrained import open_pretrained
 
@@ -73,7 +73,7 @@ def _export_under(plan_text: str, folder: str, out: str) -> None:
     with torch.device("meta"):
         model = Transformer(cfg)
     plan = Plan.parse(plan_text).resolve(torch.distributed.get_world_size())
-    runtime = parallelize(model, plan, cached_mesh(plan), weights=open_pretrained(folder, cfg))
+    runtime = parallelize(model, plan, build_mesh(plan), weights=open_pretrained(folder, cfg))
     export_model(runtime, f"{out}/hf", hf=True)
     export_model(runtime, f"{out}/shoal.safetensors")
 
@@ -152,16 +152,16 @@ def test_tied_checkpoint_from_pp2_resumes_in_one_process(pools, tmp_path):
 
 def _names_on_meta(plan_text: str) -> list[str]:
     """Worker: the trainable names of the tied model built on the meta device under plan_text."""
+    from shoal.mesh import build_mesh
     from shoal.models import Transformer
     from shoal.parallelize import parallelize
-    from shoal.testing import cached_mesh
 
     with torch.device("meta"):
         model = Transformer(TIED)
     if plan_text == "single":
         return [n for n, _ in parallelize(model).named_parameters()]
     plan = Plan.parse(plan_text).resolve(torch.distributed.get_world_size())
-    return [n for n, _ in parallelize(model, plan, cached_mesh(plan)).named_parameters()]
+    return [n for n, _ in parallelize(model, plan, build_mesh(plan)).named_parameters()]
 
 
 def test_materializing_keeps_the_tie(pools):

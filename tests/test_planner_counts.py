@@ -15,11 +15,12 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from shoal.mesh import build_mesh
 from shoal.models import PRESETS
 from shoal.plan import Plan
 from shoal.planner import counts
 from shoal.planner.costs import DTENSOR_DISPATCHES, DTENSOR_DISPATCHES_PER_OP, OPS_PER_BLOCK, RING_OPS_PER_HOP
-from shoal.testing import cached_mesh, case, parallel_setup
+from shoal.testing import case, parallel_setup
 from shoal.train.step import split_micro
 
 TINY = PRESETS["tiny"].replace(max_seq_len=16)
@@ -39,7 +40,7 @@ def test_ring_ops_per_hop(pools):
 
 
 def _ring_ops() -> float:
-    mesh = cached_mesh(Plan.parse("cp2").resolve(dist.get_world_size()))
+    mesh = build_mesh(Plan.parse("cp2").resolve(dist.get_world_size()))
     return counts.ring_ops_per_hop(mesh["cp"])
 
 
@@ -129,7 +130,7 @@ def _loss_parallel_copies(dtype_name: str) -> float:
     from shoal.train.memory import TensorPeak
 
     dtype = getattr(torch, dtype_name)
-    mesh = cached_mesh(Plan.parse("tp2").resolve(dist.get_world_size()))["tp"]
+    mesh = build_mesh(Plan.parse("tp2").resolve(dist.get_world_size()))["tp"]
     B, T, D, V = 4, 64, 16, 20000
     gen = torch.Generator().manual_seed(0)
     h = distribute_tensor(torch.randn(B * T, D, generator=gen).to(dtype), mesh, [Replicate()]).requires_grad_()
@@ -249,7 +250,7 @@ def _sharded_logits_peak() -> float:
     from shoal.train.memory import TensorPeak
 
     T, D, V = 512, 16, 40000
-    mesh = cached_mesh(Plan.parse("fsdp2").resolve(dist.get_world_size()))["fsdp"]
+    mesh = build_mesh(Plan.parse("fsdp2").resolve(dist.get_world_size()))["fsdp"]
     gen = torch.Generator().manual_seed(dist.get_rank())
     linear = nn.Linear(D, V, bias=False)
     weight = shard_classifier(linear, mesh)

@@ -25,11 +25,12 @@ from safetensors.torch import load_file, save_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 
+from shoal.mesh import build_mesh  # noqa: E402
 from shoal.models import ModelConfig, Transformer  # noqa: E402
 from shoal.models.hf import load_model_config  # noqa: E402
 from shoal.parallelize import parallelize  # noqa: E402
 from shoal.plan import Plan  # noqa: E402
-from shoal.testing import assert_user_error, cached_mesh, full_tensors  # noqa: E402
+from shoal.testing import assert_user_error, full_tensors  # noqa: E402
 from shoal.train.export import export_model  # noqa: E402
 from shoal.train.pretrained import open_pretrained  # noqa: E402
 
@@ -67,7 +68,7 @@ def _load_under(plan_text: str, path: str, cfg: ModelConfig, tokens: torch.Tenso
     with torch.device("meta"):
         model = Transformer(cfg)
     plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-    runtime = parallelize(model, plan, cached_mesh(plan), weights=weights)
+    runtime = parallelize(model, plan, build_mesh(plan), weights=weights)
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in runtime.parameters())
     logits = None
     if tokens is not None:

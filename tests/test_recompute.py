@@ -69,9 +69,9 @@ def test_recompute_applies_through_parallelize(pools):
 
 
 def _wrapped_blocks(plan_text):
+    from shoal.mesh import build_mesh
     from shoal.models import Transformer
-    from shoal.testing import cached_mesh
 
     plan = Plan.parse(plan_text).resolve(2)
-    runtime = parallelize(Transformer(SMALL), plan, cached_mesh(plan))
+    runtime = parallelize(Transformer(SMALL), plan, build_mesh(plan))
     return [type(b).__name__ for b in runtime.parts[0].layers.values()]

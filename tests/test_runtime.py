@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shoal.mesh import build_mesh
 from shoal.models import Transformer
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.rules import EngineChoice, choose_engine
-from shoal.testing import SMALL, cached_mesh, full_tensors
+from shoal.testing import SMALL, full_tensors
 from shoal.train.step import train_step
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
@@ -110,7 +111,7 @@ def _engines(plans):
     out = []
     for text in plans:
         plan = Plan.parse(text).resolve(dist.get_world_size())
-        runtime = parallelize(Transformer(SMALL), plan, cached_mesh(plan))
+        runtime = parallelize(Transformer(SMALL), plan, build_mesh(plan))
         engine = runtime._engine  # the one look inside: is the choice what runs?
         out.append((runtime.choice.kind, type(engine).__name__, type(engine.model).__name__,
                     "data-parallel engine:" in runtime.describe()))

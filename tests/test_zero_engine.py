@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shoal.mesh import build_mesh
 from shoal.parallel.precision import PrecisionPolicy
 from shoal.parallel.zero import ZeroDataParallel
 from shoal.plan import Plan
-from shoal.testing import cached_mesh
 
 
 class _Toy(nn.Module):
@@ -51,7 +51,7 @@ def _averaged_grads(toy: _Toy, x: torch.Tensor, skip_last: bool) -> dict[str, to
 
 def _engine_mechanics() -> dict:
     plan = Plan.parse("fsdp2,zero=1").resolve(2)
-    mesh = cached_mesh(plan)
+    mesh = build_mesh(plan)
     torch.manual_seed(0)
     toy = _Toy()
     reference = {n: p.detach().clone() for n, p in toy.named_parameters()}

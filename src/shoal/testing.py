@@ -303,18 +303,12 @@ def reference_update(case: ParityCase, grads: dict[str, torch.Tensor]) -> tuple[
     return full_tensors(model), coef
 
 
-def cached_mesh(plan: Plan) -> Any:
-    """The plan's DeviceMesh: one per mesh shape per worker (build_mesh shares them), since
-    creating process groups is slow on gloo and every group keeps threads and sockets."""
-    return build_mesh(plan)
-
-
 def parallel_setup(case: ParityCase) -> tuple[Runtime, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
     """On this rank: the case's model parallelized by its plan, its optimizer, and this rank's
     slice of every global batch."""
     plan = Plan.parse(case.plan).resolve(dist.get_world_size())
     plan.validate(case.model, global_batch=case.global_batch, seq_len=case.seq_len)
-    runtime = parallelize(case.build_model(), plan, cached_mesh(plan))
+    runtime = parallelize(case.build_model(), plan, build_mesh(plan))
     optimizer = case.optimizer_for(runtime)
     index, count = runtime.data_rank
     rows = case.global_batch // count
@@ -444,7 +438,7 @@ def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, en
         runtime = parallelize(case.build_model())
     else:
         plan = Plan.parse(plan_text).resolve(dist.get_world_size())
-        runtime = parallelize(case.build_model(), plan, cached_mesh(plan))
+        runtime = parallelize(case.build_model(), plan, build_mesh(plan))
     optimizer = case.optimizer_for(runtime)
     if start > 0:
         path = latest_checkpoint(run_dir)
