@@ -218,6 +218,18 @@ def test_cli_export_hf_loads_in_transformers(tiny_run, tmp_path, capsys):
     _one_error_line(capsys, ["export", "--run", str(tiny_run), "--out", str(out), "--force"], str(out), "is a folder")
     _one_error_line(capsys, ["export", "--run", str(tiny_run), "--out", str(tiny_run.parent), "--hf", "--force"],
                     "holds the run folder")
+    # Nor anything the run folder already holds (its checkpoints, one of them, its config), nor a new path among
+    # its checkpoints: all refused with nothing touched. A new file elsewhere in the run folder is fine.
+    owned = sorted(str(p) for p in tiny_run.rglob("*"))
+    step = sorted((tiny_run / "checkpoints").glob("step_*"))[-1]
+    for target, hf in ((tiny_run / "checkpoints", True), (step, True), (tiny_run / "config.toml", False),
+                       (tiny_run / "checkpoints" / "x.safetensors", False)):
+        _one_error_line(capsys, ["export", "--run", str(tiny_run), "--out", str(target), "--force", *["--hf"] * hf],
+                        str(target), "would replace part of the run folder")
+    assert sorted(str(p) for p in tiny_run.rglob("*")) == owned
+    inside = tiny_run / "export.safetensors"
+    assert cli.main(["export", "--run", str(tiny_run), "--out", str(inside)]) == 0
+    inside.unlink()
     assert tiny_run.is_dir() and not list(tmp_path.glob(".*"))
 
 

@@ -305,6 +305,7 @@ def _export(args: argparse.Namespace) -> int:
     from shoal.train.export import export_checkpoint
 
     run = _run_folder(args.run)
+    _outside_run(Path(args.out), run, checkpoint_dir(run), args)
     if Path(args.out).exists() and not args.force:
         raise UserError(f"--out {args.out!r} already exists; valid: a new path, or --force to replace it")
     if args.step is None:
@@ -321,13 +322,23 @@ def _export(args: argparse.Namespace) -> int:
         raise UserError(f"--out {args.out!r} is a folder; valid: a file path (one safetensors file), or --hf to "
                         "write a Hugging Face folder")
     if target.is_dir():  # --force: the new folder replaces the old whole, never merged into it
-        if target.resolve() == run.resolve() or target.resolve() in run.resolve().parents:
-            raise UserError(f"--out {args.out!r} holds the run folder {args.run!r}; valid: a folder outside it")
         out = _replace_folder(target, lambda staging: export_checkpoint(path, staging, hf=True))
     else:
         out = export_checkpoint(path, args.out, hf=args.hf)
     print(f"wrote {out} ({'Hugging Face folder' if args.hf else 'safetensors'}, from {path})", flush=True)
     return 0
+
+
+def _outside_run(target: Path, run: Path, checkpoints: Path, args: argparse.Namespace) -> None:
+    """Refuse an --out that would replace the run's own files: the run folder or a folder holding it, anything
+    already in the run folder (its config, summary, checkpoints; --force would overwrite it), or a new path
+    among its checkpoints. A new file or folder elsewhere in the run folder is fine."""
+    out, home = target.resolve(), run.resolve()
+    if out == home or out in home.parents:
+        raise UserError(f"--out {args.out!r} holds the run folder {args.run!r}; valid: a path outside it")
+    if home in out.parents and (out.exists() or out == checkpoints.resolve() or checkpoints.resolve() in out.parents):
+        raise UserError(f"--out {args.out!r} would replace part of the run folder {args.run!r}; valid: a path "
+                        "outside it, or a new one in it outside its checkpoints")
 
 
 def _replace_folder(target: Path, write: Any) -> Path:
