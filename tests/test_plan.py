@@ -41,7 +41,7 @@ def test_parse_fields():
     assert Plan.parse(str(plan)) == plan
     assert Plan.parse("fsdp2,zero=2,precision=fp16") == Plan(fsdp=2, zero=2, precision="fp16")
     assert str(Plan.parse("fsdp2,precision=bf16,reduce=bf16")) == "fsdp2,precision=bf16,reduce=bf16"
-    assert Plan.parse("dp4,ep2,auto") == Plan(dp=4, ep=2, auto=True)
+    assert Plan.parse("auto") == Plan(auto=True)
     assert Plan.parse("fsdp2,tp2,sp=off,ac=full").__str__() == "fsdp2,tp2,sp=off,ac=full"
 
 
@@ -101,6 +101,8 @@ def test_degrees():
     ("dp2,dp4", "plan 'dp2,dp4' names 'dp' twice"),
     ("mb=2,pp2,mb=4", "names 'mb' twice"),
     ("auto,auto", "names 'auto' twice"),
+    ("dp4,ep2,auto", "plan 'dp4,ep2,auto': 'auto' has the planner choose every axis and stands alone; valid: auto by "
+                     "itself"),
     ("pp2,sched=foo", "sched='foo' is not valid; valid: gpipe, 1f1b, interleaved, zb"),
     ("fsdp2,zero=4", "zero='4' is not valid; valid: 1, 2, 3"),
     ("precision=fp8", "precision='fp8' is not valid; valid: fp32, bf16, fp16"),

@@ -336,6 +336,10 @@ def test_shoal_plan_json_has_the_documented_keys(capsys):
                 "breakdown"} <= p.keys()
         Plan.parse(p["plan"])
     assert plans[0]["step_time_s"] <= plans[1]["step_time_s"]
+    # --plan auto asks for the search, as leaving --plan out does.
+    assert main(["plan", "--model", "gpt3-1.3b", "--cluster", "16xA100-80GB", "--global-batch", "64",
+                 "--seq-len", "2048", "--top", "3", "--json", "--plan", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out) == plans
 
 
 def test_shoal_plan_prices_one_plan_and_explains(capsys):

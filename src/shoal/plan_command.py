@@ -36,7 +36,8 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--nproc", type=int, default=None, help="processes with --cluster local [2]")
     plan.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step [16]")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence [128]")
-    plan.add_argument("--plan", default=None, help="price this one plan instead of searching")
+    plan.add_argument("--plan", default=None, help="price this one plan instead of searching (auto: search, as "
+                      "without --plan)")
     plan.add_argument("--micro-batch", type=int, default=None, help="with --plan: sequences per accumulation "
                       "pass (no pipeline) [the whole local batch]")
     plan.add_argument("--top", type=int, default=10, help="plans to show [10]")
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     work = workload(args.model, args.set, global_batch=args.global_batch, seq_len=args.seq_len)
     cluster, network = resolve_cluster(args.cluster, args.nproc)
     started = time.perf_counter()
-    if args.plan is not None:
+    if args.plan is not None and args.plan.strip() != "auto":  # auto: the search below, as with no --plan
         plans = [price(args.plan, work, cluster, network, micro_batch=args.micro_batch)]
         priced = 1
     else:
