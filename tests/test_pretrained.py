@@ -187,6 +187,11 @@ def test_bad_input_refused_before_any_worker(hf_folder, tmp_path, capsys):
     assert_user_error(capsys, [*base, "--init", str(bad["missing_shard"])], "model-00002-of-00002.safetensors",
                       "missing")
     assert_user_error(capsys, [*base, "--init", str(bad["empty"])], "holds no weights")
+    (bad["empty"] / "checkpoints").mkdir()  # a run folder: its weights are in its checkpoints
+    assert_user_error(capsys, [*base, "--init", str(bad["empty"])], "is a run folder", "shoal export --run")
+    (bad["empty"] / "checkpoints").rmdir()
+    assert_user_error(capsys, [*base, "--model", "tiny-moe", "--init", str(folder)], "holds a dense model's weights",
+                      "but the model is Mixture-of-Experts")
     config = tmp_path / "run.toml"  # the config-file key is the same check
     config.write_text(f'init = "{bad["empty"]}"\ninit_ignore = ["lm_head.*"]\n')
     assert_user_error(capsys, [*base, "--config", str(config)], "holds no weights")
@@ -245,15 +250,22 @@ def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path,
 
 def test_init_without_config_json_says_the_model_is_the_default_preset(tmp_path, capsys):
     """`--init` of a folder with weights but no config.json and no --model trains the default preset: a
-    warning says so before the weights are checked against it."""
+    warning says so once the weights fit it, and a refusal of weights that do not fit says it in its one line."""
     from shoal import cli, train_command
+    from shoal.models import preset
 
     torch.manual_seed(0)
     folder = tmp_path / "weights"
     folder.mkdir()
     save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(folder / "model.safetensors"))
     args = ["train", "--init", str(folder), "--device", "cpu", "--out", str(tmp_path / "run")]
-    with pytest.raises(ValueError, match="is --model the same model"):  # a (4, 4) embedding is not tiny's
-        train_command.prepare_job(cli.build_parser().parse_args(args))
+    assert_user_error(capsys, args, "is --model the same model", "(the model is the default preset tiny: no "
+                      "config.json beside the weights; --model names another)")
+    with torch.device("meta"):
+        names = [name for name, _ in Transformer(preset("tiny")).named_parameters()]
+    state = {name: p.detach().clone() for name, p in Transformer(preset("tiny")).named_parameters()}
+    assert sorted(state) == sorted(names)
+    save_file(state, str(folder / "model.safetensors"))  # shoal's names and tiny's shapes: they fit
+    train_command.prepare_job(cli.build_parser().parse_args(args))
     err = capsys.readouterr().err
-    assert f"shoal: warning: --init {folder} has no config.json" in err and "default preset tiny" in err
+    assert err.startswith(f"shoal: warning: --init {folder} has no config.json") and "default preset tiny" in err

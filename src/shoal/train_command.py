@@ -67,6 +67,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
     if args.resume is not None and ("init" in flags or "init_ignore" in flags):
         raise UserError("--init cannot be combined with --resume: a resumed run continues from its checkpoint; "
                         "valid: --init for a new run, --resume DIR to continue one")
+    guessed = None  # the warning that --init's model is a guess
     if args.resume is not None:
         cfg = resume_config(args, flags)
         run_dir: str | None = args.resume
@@ -79,9 +80,9 @@ def prepare_job(args: argparse.Namespace) -> Any:
             check_exists(cfg.init)
         if cfg.init is not None and "model" not in flags and "model" not in toml:
             cfg = dataclasses.replace(cfg, model=model_of_init(cfg.init))
-            if not cfg.model.startswith("hf:"):
-                warn(f"--init {cfg.init} has no config.json to take the model's shape from: the model is the default "
-                     f"preset {cfg.model}, whose tensors the weights must match (--model names another)")
+            if not cfg.model.startswith("hf:"):  # said once the weights are read: an error about them says it
+                guessed = (f"--init {cfg.init} has no config.json to take the model's shape from: the model is the "
+                           f"default preset {cfg.model}, whose tensors the weights must match (--model names another)")
         if cfg.init is not None:  # the run folder's config.toml records where the weights came from, from anywhere
             cfg = dataclasses.replace(cfg, init=str(Path(cfg.init).absolute()))
         cfg = dataclasses.replace(cfg, data=_absolute_paths(cfg.data))  # so that --resume works from any folder
@@ -107,7 +108,15 @@ def prepare_job(args: argparse.Namespace) -> Any:
 
         if isinstance(model, MixerConfig):
             raise UserError("--init loads pretrained transformer weights; the image Mixer starts from the seed's")
-        open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
+        try:
+            open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
+        except ValueError as exc:
+            if guessed is None or not any(w in str(exc) for w in ("shape", "does not fit", "holds a")):
+                raise
+            raise UserError(f"{exc} (the model is the default preset {cfg.model}: no config.json beside the "
+                            "weights; --model names another)") from None
+        if guessed is not None:
+            warn(guessed)
     resume_from = None
     if args.resume is not None:
         resume_from = str(check_resumable(Path(args.resume), cfg.loop.steps))

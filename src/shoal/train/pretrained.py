@@ -140,6 +140,12 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
     _check_index(path, key_files)
     layouts = adapter_of_config(cfg).weight_map().SLICE_LAYOUTS
     layout = next((lay for lay in layouts if lay.marker in headers), SHOAL)
+    experts = any(".experts." in key for key in headers)
+    if experts != bool(cfg.num_experts):  # a family mismatch, which layout.check would word as a field's value
+        held, model = ("Mixture-of-Experts", "dense") if experts else ("dense", "Mixture-of-Experts")
+        raise ValueError(f"--init {path} holds a {held} model's weights (expert tensors: "
+                         f"{'some' if experts else 'none'}) but the model is {model}; valid: a {held} --model, or "
+                         f"weights of a {model} model")
     try:
         layout.check(cfg)
     except ValueError as exc:
@@ -217,6 +223,9 @@ def _weight_files(path: Path) -> list[Path]:
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
     found = sorted(path.glob("*.safetensors"))
+    if not found and (path / "checkpoints").is_dir():  # a run folder: its weights are in checkpoints, not here
+        raise ValueError(f"--init {path} is a run folder, whose checkpoints --init does not read; valid: shoal "
+                         f"export --run {path} --out W.safetensors, then --init W.safetensors, or --resume {path}")
     if not found:
         raise ValueError(f"--init {path}: the folder holds no weights (no model.safetensors, {INDEX} or "
                          "*.safetensors); valid: a Hugging Face folder of safetensors or shoal export's output")
