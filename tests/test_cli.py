@@ -63,6 +63,7 @@ def test_bad_train_flags(capsys, tmp_path, argv, names):
 
 def test_bad_config_files(capsys, tmp_path):
     assert_user_error(capsys, ["train", "--config", str(tmp_path / "none.toml")], "none.toml")
+    assert_user_error(capsys, ["train", "--config", str(tmp_path)], str(tmp_path), "is a folder", "a TOML file")
     bad = tmp_path / "bad.toml"
     bad.write_text("steps = = 3\n")
     assert_user_error(capsys, ["train", "--config", str(bad)], "bad.toml", "not valid TOML")
@@ -71,7 +72,13 @@ def test_bad_config_files(capsys, tmp_path):
     assert_user_error(capsys, ["train", "--config", str(unknown)], "'stepz'", "steps")
     typed = tmp_path / "typed.toml"
     typed.write_text('steps = "many"\n')
-    assert_user_error(capsys, ["train", "--config", str(typed)], "steps = 'many'", "int")
+    assert_user_error(capsys, ["train", "--config", str(typed)], "steps = 'many'", "a whole number")
+    typed.write_text('plan = 5\n')
+    assert_user_error(capsys, ["train", "--config", str(typed)], "plan = 5", "a string in quotes")
+    typed.write_text('resume = "runs/x"\n')
+    assert_user_error(capsys, ["train", "--config", str(typed)], "'resume'", "on the command line", "--resume DIR")
+    typed.write_text('[model_config]\ndims = 3\n')
+    assert_user_error(capsys, ["train", "--config", str(typed)], "'dims' in [model_config]", "dim")
     switch = tmp_path / "switch.toml"
     switch.write_text("doc_mask = 3\n")
     assert_user_error(capsys, ["train", "--config", str(switch)], "doc_mask = 3", "true or false", '"on" / "off"')

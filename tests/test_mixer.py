@@ -119,6 +119,7 @@ def test_bad_image_input_is_one_line(capsys, monkeypatch, tmp_path):
     base = ["train", "--model", "sparse-mlp", "--device", "cpu", "--nproc", "2", "--out", str(tmp_path / "r")]
     assert_user_error(capsys, [*base, "--set", "patch_size=3"], "patch_size=3", "image_size=8")
     assert_user_error(capsys, [*base, "--data", str(tmp_path / "none.npz")], "none.npz", "does not exist")
+    assert_user_error(capsys, [*base, "--data", str(tmp_path)], str(tmp_path), "is a folder", "an .npz file")
     np.savez(tmp_path / "rgb.npz", images=np.zeros((4, 3, 8, 8)), labels=np.zeros(4, dtype=np.int64))
     assert_user_error(capsys, [*base, "--data", str(tmp_path / "rgb.npz")], "channels=3")
     assert_user_error(capsys, [*base, "--set", "num_classes=5"], "num_classes=10")

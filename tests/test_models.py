@@ -129,7 +129,8 @@ def test_with_overrides_converts_types():
 
 
 @pytest.mark.parametrize("pairs, words", [
-    (["dims=3"], "unknown model field 'dims' in --set; valid: activation, aux_loss_coef, aux_loss_pooled, bias,"),
+    (["dims=3"], "unknown model field 'dims' in --set; valid: dim, or another field"),
+    (["zzz=3"], "unknown model field 'zzz' in --set; valid: activation, aux_loss_coef, aux_loss_pooled, bias,"),
     (["dim"], "--set takes key=value, got 'dim'"),
     (["=3"], "--set takes key=value"),
     (["num_layers=abc"], "model field num_layers='abc' is not a valid int"),

@@ -228,12 +228,22 @@ class ModelConfig:
         values: dict[str, object] = {}
         for key, raw in items:
             if key not in types:
-                raise ValueError(f"unknown model field {key!r} in --set; valid: {', '.join(sorted(types))}")
+                where = "[model_config]" if isinstance(pairs, dict) else "--set"
+                raise ValueError(unknown_field(key, list(types), where))
             values[key] = _convert(key, str(raw), str(types[key]))
         return self.replace(**values)
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def unknown_field(key: str, fields: list[str], where: str) -> str:
+    """The refusal of a model field no config has: the closest names where a typo is likely, else all of them."""
+    import difflib
+
+    close = difflib.get_close_matches(key, fields, n=3)
+    valid = f"{', '.join(close)}, or another field" if close else ", ".join(sorted(fields))
+    return f"unknown model field {key!r} in {where}; valid: {valid}"
 
 
 def _split_pair(pair: str) -> tuple[str, str]:

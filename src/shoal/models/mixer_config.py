@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.models.config import ModelWarning, _convert, _split_pair
+from shoal.models.config import ModelWarning, _convert, _split_pair, unknown_field
 
 FAMILY = "mixer"
 """The `family` key that marks a stored Mixer shape (a run folder's config.toml)."""
@@ -165,7 +165,8 @@ class MixerConfig:
             if key == "family":
                 continue
             if key not in types:
-                raise ValueError(f"unknown model field {key!r} in --set for a Mixer; valid: {', '.join(sorted(types))}")
+                where = "[model_config]" if isinstance(pairs, dict) else "--set"
+                raise ValueError(unknown_field(key, list(types), f"{where} for a Mixer"))
             values[key] = _convert(key, str(raw), str(types[key]))
         return self.replace(**values)
 

@@ -154,6 +154,9 @@ def from_flat(values: dict[str, Any], base: RunConfig | None = None) -> RunConfi
         if key == "model_config":
             top[key] = _model_config(value)
             continue
+        if key in ("resume", "config"):
+            raise ValueError(f"config key {key!r}: --{key} is given on the command line, not in a config file; "
+                             f"valid: shoal train --{key} {'DIR' if key == 'resume' else 'FILE'}")
         if key not in KEYS:
             close = difflib.get_close_matches(key, [*KEYS, "model_config"], n=3)
             raise ValueError(f"unknown config key {key!r}; valid: " + (f"{', '.join(close)}, or another of" if close
@@ -186,7 +189,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     """The flat keys of a TOML config file; a one-line ValueError for a missing or malformed file."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist; valid: a TOML file with keys such as steps = 100")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"config file {str(path)!r} {what}; valid: a TOML file with keys such as steps = 100")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -273,7 +277,8 @@ def _coerce(key: str, value: Any, type_name: str) -> Any:
     if base == "bool" and value in ("on", "off"):  # as the flags take them
         return value == "on"
     if not ok:
-        valid = "true or false (or \"on\" / \"off\")" if base == "bool" else type_name
+        words = {"int": "a whole number", "float": "a number", "str": "a string in quotes"}
+        valid = "true or false (or \"on\" / \"off\")" if base == "bool" else words.get(base, type_name)
         raise ValueError(f"config key {key} = {value!r} is not valid; it must be {valid}")
     return float(value) if base == "float" else value
 

@@ -57,8 +57,9 @@ def load_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     """An .npz image set: (images (N, channels, H, W) float32, labels (N,) int64)."""
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"image set {path!r} does not exist; valid: --data {DIGITS} (built in) or an .npz file "
-                         "with images and labels")
+        what = "is a folder" if file.is_dir() else "does not exist"
+        raise ValueError(f"image set {path!r} {what}; valid: --data {DIGITS} (built in) or an .npz file with images "
+                         "and labels")
     try:
         with np.load(file) as data:
             images, labels = np.asarray(data["images"]), np.asarray(data["labels"])
