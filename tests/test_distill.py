@@ -212,3 +212,23 @@ def test_distill_writes_a_resumable_run_folder(tmp_path):
 
     weights = load_file(str(exported))
     assert "layers.0.feed_forward.w1.weight" in weights and not any("experts" in k for k in weights)
+
+
+def test_distill_resume_takes_its_own_settings_again_and_refuses_others(tmp_path, capsys):
+    """`shoal distill --resume` with the run's own --teacher or --gather (as a user retyping the first command
+    does) gets past the check; another value is refused in one line naming the stored one."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    student = tmp_path / "student"
+    student.mkdir()
+    (student / "distill.json").write_text(json.dumps({"teacher": str(teacher), "checkpoint": str(teacher / "c"),
+                                                      "gather": "topk", "gather_k": 3}))
+    base = ["distill", "--resume", str(student)]
+    assert_user_error(capsys, [*base, "--teacher", str(tmp_path)], "--teacher cannot change",
+                      f"(it was {str(teacher)!r})")
+    assert_user_error(capsys, [*base, "--gather", "svd"], "--gather cannot change", "(it was 'topk')")
+    assert_user_error(capsys, [*base, "--kd-alpha", "0.9"], "--kd-alpha cannot change", "(it was 0.5)")
+    assert_user_error(capsys, [*base, "--set", "dim=8"], "--set cannot change")
+    # The run's own settings pass this check and stop at the next: the folder has no config.toml.
+    line = assert_user_error(capsys, [*base, "--teacher", str(teacher / "."), "--gather", "topk", "--gather-k", "3"])
+    assert "cannot change" not in line, line

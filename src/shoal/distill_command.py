@@ -27,18 +27,21 @@ def add_parser(sub: Any) -> None:
                              description="OneS (arXiv 2201.10890): gather each MoE layer's experts of a trained "
                              "run into one dense FFN, then train that dense student by knowledge distillation from "
                              "the MoE's logits, under any dense plan. The student's run folder is a normal run folder.")
-    distill.add_argument("--teacher", metavar="RUN_DIR", help="the trained MoE run folder (its newest checkpoint "
+    distill.add_argument("--teacher", metavar="RUN_DIR", default=argparse.SUPPRESS,
+                         help="the trained MoE run folder (its newest checkpoint "
                          "that verifies, written under any plan) (required for a new run)")
-    distill.add_argument("--gather", default="svd", help="how the dense FFN starts from the experts: sum, mean, "
+    distill.add_argument("--gather", default=argparse.SUPPRESS,
+                         help="how the dense FFN starts from the experts: sum, mean, "
                          "topk (each expert's K largest-magnitude entries, summed), svd (each expert's top-r "
                          "singular components, summed), top-experts (the k experts the router uses most, averaged) "
                          "or none (random initialisation) [svd]")
-    distill.add_argument("--gather-k", type=int, metavar="K", help="topk: entries kept per expert matrix "
+    distill.add_argument("--gather-k", type=int, metavar="K", default=argparse.SUPPRESS,
+                         help="topk: entries kept per expert matrix "
                          "[ceil(ffn_dim x dim / num_experts)]; svd: singular components kept per expert "
                          "[min(ffn_dim, dim) // num_experts]; top-experts: experts kept [the teacher's top_k]")
-    distill.add_argument("--kd-temperature", type=float, default=1.0, metavar="T",
+    distill.add_argument("--kd-temperature", type=float, default=argparse.SUPPRESS, metavar="T",
                          help="softmax temperature of the distillation term [1.0]")
-    distill.add_argument("--kd-alpha", type=float, default=0.5, metavar="A",
+    distill.add_argument("--kd-alpha", type=float, default=argparse.SUPPRESS, metavar="A",
                          help="loss = A x T^2 KL(teacher || student) + (1 - A) x cross-entropy on the data [0.5]")
     distill.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
                          help="change a field of the student (the teacher's shape with one dense FFN of the "
@@ -73,8 +76,10 @@ def prepare_distill(args: argparse.Namespace) -> Any:
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "resume", *_DISTILL_ONLY)}
     check_torchrun_flags(flags)
+    given = {k: v for k, v in vars(args).items() if k in _DISTILL_ONLY}  # the flags default to absent
     if args.resume is not None:
-        return _resume_distill(args, flags)
+        return _resume_distill(args, given, flags)
+    args = argparse.Namespace(**{**_DISTILL_DEFAULTS, **vars(args)})
     if args.teacher is None:
         raise UserError("--teacher RUN_DIR is required: the trained MoE run to distil (or --resume DIR)")
     if under_torchrun() and flags.get("out") is None:
@@ -100,19 +105,24 @@ def prepare_distill(args: argparse.Namespace) -> Any:
     return Job(config=cfg, run_dir=str(run_dir), device=device, distill=spec)
 
 
-def _resume_distill(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
+def _resume_distill(args: argparse.Namespace, given: dict[str, Any], flags: dict[str, Any]) -> Any:
     from shoal.launch import resolve_device
     from shoal.train.distill import read_distill_config
     from shoal.train.runs import Job
 
-    given = [k for k in _DISTILL_ONLY if k in vars(args) and vars(args)[k] != _DISTILL_DEFAULTS.get(k)]
-    if given:
-        raise UserError(f"--{given[0].replace('_', '-')} cannot change when resuming {args.resume!r}; its "
-                        f"distill.json holds the teacher and the loss")
     folder = Path(args.resume)
     if not folder.is_dir():
         raise UserError(f"--resume {args.resume!r}: no such run folder")
     spec = read_distill_config(folder)
+    stored = {"teacher": spec.teacher, "gather": spec.gather, "gather_k": spec.gather_k,
+              "kd_temperature": spec.temperature, "kd_alpha": spec.alpha}
+    for key, value in given.items():
+        same = (Path(value).resolve() == Path(spec.teacher).resolve() if key == "teacher"
+                else key in stored and value == stored[key])  # --set: the student's shape is the checkpoint's
+        if not same:
+            was = f" (it was {stored[key]!r})" if key in stored else ""
+            raise UserError(f"--{key.replace('_', '-')} cannot change when resuming {args.resume!r}{was}; its "
+                            f"distill.json holds the teacher and the loss; valid: leave it out")
     cfg = resume_config(argparse.Namespace(resume=args.resume, config=None), flags)
     device = resolve_device(cfg.device)
     validate(cfg, device)
