@@ -52,6 +52,7 @@ SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set",
     (["--plan", "fsdp2,sched=1f1b"], ["sched=1f1b", "pp axis"]),
     (["--plan", "fsdp2,mb=4"], ["mb=4", "pp axis"]),
     (["--step", "5"], ["unrecognized argument(s) --step 5", "valid: --steps"]),  # no abbreviation; the near flag
+    (["--global", "5"], ["unrecognized argument(s) --global 5", "valid: --global-batch"]),  # a flag cut short
     (["--doc_mask", "on"], ["--doc_mask on", "valid: --doc-mask"]),
     (["--tf32", "maybe"], ["'maybe'", "on, off"]),
     (["--log-every", "0"], ["--log-every 0", ">= 1"]),

@@ -281,6 +281,11 @@ def test_bad_input_is_one_line_and_leaves_nothing(capsys, tmp_path):
     assert_user_error(capsys, [*base, str(tmp_path / "nofield.jsonl")], "nofield.jsonl:31", "'text'", "body")
     assert_user_error(capsys, [*base, str(tmp_path / "empty.jsonl")], "empty.jsonl", "no documents")
     assert_user_error(capsys, [*base, str(tmp_path / "missing.jsonl")], "missing.jsonl", "does not exist")
+    line = assert_user_error(capsys, [*base, "--workers", "0", str(tmp_path / "bad.jsonl")], "--workers 0", "1 or more")
+    assert "--shard-mb" not in line
+    assert_user_error(capsys, [*base, "--shard-mb", "0", str(tmp_path / "bad.jsonl")], "--shard-mb 0.0", "more than 0")
+    assert_user_error(capsys, ["data", "prepare", "--workerz", "2"], "--workerz", "valid: --workers")  # not --tokenizer
+    assert_user_error(capsys, ["data"], "required: prepare")
     assert not out.exists()
     out.mkdir()
     (out / "keep.txt").write_text("mine")

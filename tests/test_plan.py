@@ -101,6 +101,7 @@ def test_degrees():
     ("dp2,dp4", "plan 'dp2,dp4' names 'dp' twice"),
     ("mb=2,pp2,mb=4", "names 'mb' twice"),
     ("auto,auto", "names 'auto' twice"),
+    ("dp2,zero", "plan option 'zero' in 'dp2,zero' needs a value, as zero=VALUE; valid: 1, 2, 3"),
     ("dp4,ep2,auto", "plan 'dp4,ep2,auto': 'auto' has the planner choose every axis and stands alone; valid: auto by "
                      "itself"),
     ("pp2,sched=foo", "sched='foo' is not valid; valid: gpipe, 1f1b, interleaved, zb"),

@@ -34,31 +34,41 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
-        """argparse's, with the flags nearest a misspelled one named (`--step` -> `--steps`)."""
-        parsed, extras = self.parse_known_args(args, namespace)
+        """argparse's, with the flags nearest a misspelled one named (`--step` -> `--steps`), also where
+        argparse would first complain of a required flag the misspelling was meant to be (`--ru` for `--run`)."""
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            parsed, extras = self.parse_known_args(argv, namespace)
+        except UserError as exc:
+            command, _ = self._command(argv)
+            known = {s for a in command._actions for s in a.option_strings}
+            unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in known]
+            if str(exc).startswith("the following arguments are required") and unknown:
+                raise UserError(self._unrecognized(argv, unknown)) from None
+            raise
         if extras:
-            raise UserError(self._unrecognized(parsed, extras))
+            raise UserError(self._unrecognized(argv, extras))
         return parsed
 
-    def _unrecognized(self, parsed: argparse.Namespace, extras: list[str]) -> str:
-        import difflib
-
+    def _command(self, argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+        """The (sub)command's parser that holds the flags (`shoal data prepare`'s own), and its words."""
         parser: argparse.ArgumentParser = self
         words = ["shoal"]
-        found = True
-        while found:  # down to the (sub)command whose parser holds the flags: `shoal data prepare`'s own
-            found = False
-            for action in parser._actions:
-                if not isinstance(action, argparse._SubParsersAction):
-                    continue
-                chosen = getattr(parsed, action.dest, None)
-                if chosen in action.choices:
-                    parser, found = action.choices[chosen], True
-                    words.append(chosen)
-                    break
+        for word in argv:
+            subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            if subs and word in subs[0].choices:
+                parser = subs[0].choices[word]
+                words.append(word)
+        return parser, words
+
+    def _unrecognized(self, argv: list[str], extras: list[str]) -> str:
+        import difflib
+
+        parser, words = self._command(argv)
         flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
         unknown = [e for e in extras if e.startswith("-")] or extras
         near = [m for e in unknown for m in difflib.get_close_matches(e.split("=")[0], flags, n=2, cutoff=0.7)]
+        near += [f for e in unknown for f in flags if len(e) > 3 and f.startswith(e.split("=")[0])]  # a flag cut short
         where = " ".join(words) + " --help"
         hint = f"valid: {', '.join(dict.fromkeys(near))}, or see {where}" if near else f"valid: the flags {where} lists"
         return f"unrecognized argument(s) {' '.join(extras)}; {hint}"

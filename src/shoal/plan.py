@@ -165,6 +165,10 @@ class Plan:
             else:
                 name = part.rstrip("0123456789")
                 digits = part[len(name):]
+                if part in ("mb", "vpp", "split", "bucket", *_CHOICES):  # an option without its value
+                    valid = (", ".join(_CHOICES[part]) if part in _CHOICES else "layer indices joined by '/'"
+                             if part == "split" else "a whole number >= 1")
+                    raise ValueError(f"plan option {part!r} in {text!r} needs a value, as {part}=VALUE; valid: {valid}")
                 if name not in AXES:
                     raise ValueError(
                         f"unknown plan axis {part!r} in {text!r}; valid axes: "

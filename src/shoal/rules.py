@@ -510,7 +510,9 @@ def split_refusal(points: Sequence[int], *, num_layers: int, num_stages: int) ->
     if len(points) != num_stages - 1 or list(points) != sorted(set(points)) or \
             not all(0 < p < num_layers for p in points):
         return (f"split={'/'.join(map(str, points))} does not split {num_layers} layers into {num_stages} stages; "
-                f"valid: {num_stages - 1} increasing layer indices in 1..{num_layers - 1}")
+                + (f"valid: one layer index in 1..{num_layers - 1} (the second stage's first layer)" if num_stages == 2
+                   else f"valid: {num_stages - 1} increasing layer indices in 1..{num_layers - 1} joined by '/' (the "
+                   "first layer of each stage after the first)"))
     return None
 
 

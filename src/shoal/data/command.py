@@ -12,7 +12,7 @@ def add_parser(sub: Any) -> None:
     """The `data` subcommand and its `prepare` action."""
     data = sub.add_parser("data", help="prepare training data", description="Turn jsonl / parquet / text / saved "
                           "Hugging Face datasets into memory-mapped token shards that shoal train --data reads.")
-    actions = data.add_subparsers(dest="action", parser_class=type(data), required=True)
+    actions = data.add_subparsers(dest="action", parser_class=type(data), required=True, metavar="prepare")
     prep = actions.add_parser("prepare", help="tokenize inputs into a prepared dataset folder",
                               description="Tokenize each INPUT (a source) in parallel into token shards with a "
                               "document index and a manifest; holds out --holdout of each source's documents. "

@@ -218,8 +218,10 @@ def prepare(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, Any]:
         raise ValueError("no INPUT given; valid: jsonl, parquet, .txt files or folders, saved datasets folders")
     if not 0 <= cfg.holdout < 1:
         raise ValueError(f"--holdout {cfg.holdout} is not valid; valid: 0 <= holdout < 1")
-    if cfg.workers < 1 or not cfg.shard_mb > 0:
-        raise ValueError(f"--workers {cfg.workers} / --shard-mb {cfg.shard_mb}: valid: workers >= 1, shard-mb > 0")
+    if cfg.workers < 1:
+        raise ValueError(f"--workers {cfg.workers} is not valid; valid: 1 or more")
+    if not cfg.shard_mb > 0:
+        raise ValueError(f"--shard-mb {cfg.shard_mb} is not valid; valid: more than 0")
     tok = tokenizer_identity(cfg.tokenizer)
     paths = [Path(p) for p in cfg.inputs]
     kinds = [check_readable(p) for p in paths]
