@@ -85,8 +85,9 @@ def test_every_table_is_sane(name):
 
 def test_describe():
     assert parse_cluster("64xA100-80GB").describe() == (
-        "64 x A100-80GB: 8 nodes of 8, NVLink 3 (300 GB/s) within, InfiniBand HDR (25 GB/s per device) across")
-    assert parse_cluster("4xcpu").describe() == "4 x cpu: 1 node of 4, gloo loopback (2 GB/s) within"
+        "64 x A100-80GB (80 GiB): 8 nodes of 8, NVLink 3 (300 GB/s) within, InfiniBand HDR (25 GB/s per device) "
+        "across")
+    assert parse_cluster("4xcpu").describe() == "4 x cpu (16 GiB): 1 node of 4, gloo loopback (2 GB/s) within"
 
 
 @pytest.mark.parametrize("text, names", [

@@ -156,7 +156,7 @@ def _version() -> str:
 # (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
 TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "preset (tiny, tiny-gpt, small, gpt3-1.3b..gpt3-175b, llama3-8b/70b/405b, bert-large; "
-     "tiny-moe, mixtral-8x7b) or hf:<dir or config.json> [tiny]"),
+     "tiny-moe, mixtral-8x7b; the image models mixer, sparse-mlp) or hf:<dir or config.json> [tiny]"),
     ("--plan", str, "parallel plan: dpN, fsdpN, tpN, cpN, ppN, epN and options, e.g. fsdp2,tp2,zero=1 (see README), "
      "or auto: the planner's fastest plan for this world [dp over all processes]"),
     ("--nproc", int, "local worker processes to start; ignored under torchrun [one per GPU; 2 on CPU]"),
@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
                        help="override a model field (repeatable), e.g. --set num_layers=2 [the preset's values]")
     train.add_argument("--init", metavar="PATH", default=argparse.SUPPRESS,
-                       help="start from pretrained weights: a Hugging Face folder of safetensors (Llama names) or "
+                       help="start from pretrained weights: a Hugging Face folder of safetensors (Llama, Mistral, "
+                       "Qwen2/3, Mixtral, GPT-2 names) or "
                        "a shoal export; each rank reads only its slices, any dtype cast to the run's; without "
                        "--model, the model is the folder's config.json [off: the seed's]")
     train.add_argument("--init-ignore", action="append", metavar="GLOB", default=argparse.SUPPRESS,

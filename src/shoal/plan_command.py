@@ -21,7 +21,7 @@ from shoal.planner.estimate import Estimate, Workload, estimate
 from shoal.planner.hardware import Cluster
 from shoal.planner.search import search
 
-GB = 1e9
+GiB = 2**30  # the table's memory, in the unit device memory is sized in (an "80GB" H100 holds 80 GiB)
 
 
 def add_parser(sub: Any) -> None:
@@ -190,12 +190,12 @@ def train_line(args: argparse.Namespace, e: Estimate, cluster: Cluster) -> str:
 
 
 def format_table(plans: list[Estimate]) -> str:
-    head = f"{'#':>3}  {'plan':<44} {'mbs':>4} {'step s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7}"
+    head = f"{'#':>3}  {'plan':<44} {'mbs':>4} {'step s':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8}"
     rows = [head]
     for i, e in enumerate(plans, 1):
         fits = "" if e.fits else "  (over memory)"
         rows.append(f"{i:>3}  {e.plan_text:<44} {e.micro_batch:>4} {e.step_time_s:>9.4g} {e.tokens_per_s:>10.4g} "
-                    f"{e.tflops_per_device:>8.3g} {e.mfu:>6.1%} {e.mem_per_device_bytes / GB:>7.3g}{fits}")
+                    f"{e.tflops_per_device:>8.3g} {e.mfu:>6.1%} {e.mem_per_device_bytes / GiB:>8.3g}{fits}")
     return "\n".join(rows)
 
 
@@ -204,5 +204,5 @@ def explain(e: Estimate) -> str:
     lines = [f"\n{e.plan_text} (engine {e.engine}, micro-batch {e.micro_batch}):"]
     lines += [f"  time   {k:<22} {v:10.4g} s  {v / e.step_time_s:6.1%}" for k, v in e.time.items() if v]
     lines += [f"  data   {k:<22} {v:10.4g} s  (before overlap)" for k, v in e.traffic.items() if v]
-    lines += [f"  memory {k:<22} {v / GB:10.4g} GB" for k, v in e.memory.items() if v]
+    lines += [f"  memory {k:<22} {v / GiB:10.4g} GiB" for k, v in e.memory.items() if v]
     return "\n".join(lines)

@@ -394,7 +394,7 @@ class Cluster:
         """One line for humans, e.g. for the head of `shoal plan` output."""
         nodes = f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''} of {self.per_node}"
         within = f"{self.intra.name} ({self.intra.bandwidth / GB:g} GB/s) within"
-        text = f"{self.world_size} x {self.device.name}: {nodes}, {within}"
+        text = f"{self.world_size} x {self.device.name} ({self.device.memory_bytes / GiB:g} GiB): {nodes}, {within}"
         if self.num_nodes > 1:
             text += f", {self.inter.name} ({self.inter.bandwidth / GB:g} GB/s per device) across"
         return text

@@ -211,7 +211,8 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
                          "by `shoal train`?); give the model shape as export_checkpoint(..., config=ModelConfig)")
     model = resolve_model(from_flat(state["config"]))
     if not isinstance(model, ModelConfig):
-        raise ValueError(f"checkpoint {checkpoint} holds an image Mixer; --hf writes transformers (Llama) only")
+        raise ValueError(f"checkpoint {checkpoint} holds an image Mixer; --hf writes transformers' language models "
+                         "only; valid: the plain export (one safetensors file)")
     return model
 
 
