@@ -78,3 +78,48 @@ def test_every_plan_starts_from_the_one_process_weights(pools, plan, world, cfg)
             assert set(got) == set(reference)
         for name, value in got.items():
             assert torch.equal(value, reference[name]), f"{plan}: {name} differs"
+
+
+class _UserLM(torch.nn.Module):
+    """A user's own module (no init_spec): each submodule initialises itself by reset_parameters(); the head is
+    tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 32)
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 32))
+        self.norm = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 96, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.body(self.embed(tokens))))
+
+
+def _user_module(plan_text: str | None) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        model = _UserLM()
+    if plan_text is None:
+        return full_tensors(parallelize(model, seed=SEED))
+    torch.manual_seed(123 + torch.distributed.get_rank())  # each rank's own random state plays no part
+    plan = Plan.parse(plan_text).resolve(torch.distributed.get_world_size())
+    return full_tensors(parallelize(model, plan, build_mesh(plan), seed=SEED))
+
+
+def test_a_users_module_starts_from_the_same_weights_under_every_plan(pools):
+    """A user's module built on the meta device, reset by its modules' reset_parameters(), starts from the one
+    process's weights bit for bit under dp2, fsdp2 (each rank keeps its shard of the whole module's reset)
+    and fsdp2,zero=2; the values follow torch's own rules (Linear's bounds, LayerNorm's ones), the head stays
+    tied, and the caller's random state is left as it was."""
+    state = torch.random.get_rng_state()
+    reference = _user_module(None)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    bound = 1 / math.sqrt(32)  # nn.Linear(32, 48): kaiming_uniform_(a=sqrt(5)) draws within 1/sqrt(fan_in)
+    assert reference["body.0.weight"].abs().max() <= bound and reference["body.0.weight"].std() > bound / 3
+    assert torch.equal(reference["norm.weight"], torch.ones(32))
+    assert reference["embed.weight"].std() > 0.5  # Embedding's N(0, 1), the first owner of the tied weight
+    for plan in ("dp2", "fsdp2", "fsdp2,zero=2"):
+        for got in pools(2).run(_user_module, plan):
+            assert set(got) == set(reference), plan
+            for name, value in got.items():
+                assert torch.equal(value, reference[name]), f"{plan}: {name} differs"

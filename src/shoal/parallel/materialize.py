@@ -7,9 +7,12 @@ function of the seed and the parameter's name alone (shoal/models/init.py). So e
 from the same weights as one process, and no rank holds a full copy it does not keep.
 
 The initial values come from the model family's `init_spec(name, ndim)` (shoal's Transformer
-has one); a user's module without it is initialised by each submodule's `reset_parameters()`
-(the values then depend on the plan, as they would in torch), and refused when a submodule with
-parameters has none.
+has one); a user's module without it is initialised by each submodule's `reset_parameters()`, and
+refused when a submodule with parameters has none. A sharded parameter reset in place would draw
+its own stream on every shard (torch's DTensor keeps shards' random draws consistent only on
+CUDA), so each submodule is reset on full-size stand-ins for its own parameters, from a generator
+seeded by the seed and the submodule's name, and each rank keeps its slice: the same values under
+every plan as in one process, for one submodule's full parameters of memory at a time.
 
 With `weights` (pretrained weights, shoal/train/pretrained.py) each parameter's slice is read from
 the files instead of drawn: the same slices, from a file instead of a generator, so under every
@@ -29,7 +32,7 @@ from torch.distributed.tensor import DTensor
 # rank's shard holds, for every placement and uneven split): torch keeps it in a private module.
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from shoal.models.init import fill_slice_
+from shoal.models.init import block_seed, fill_slice_
 from shoal.parallel.data import clean_name
 
 
@@ -55,9 +58,7 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device, weights: 
     if spec is None and weights is not None:
         raise ValueError(f"pretrained weights load into a model with init_spec (shoal's models); "
                          f"{type(module).__name__} has none")
-    if spec is None:
-        _reset_each(module, device)
-        return
+    owners = _owners(module) if spec is None else []  # refused before anything is allocated
     tied = _second_names(module)
     module.to_empty(device=device)
     for second, first in tied:  # to_empty gives each name its own new tensor: tie them again
@@ -65,6 +66,11 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device, weights: 
         source = module.get_parameter(first)
         if module.get_parameter(second) is not source:
             setattr(module.get_submodule(owner), leaf, source)
+    if spec is None:
+        done: set[int] = set()  # a tied parameter keeps the values of the first module that owns it
+        for name, sub in owners:
+            _reset_whole(sub, clean_name(name), seed, done)
+        return
     for name, param in module.named_parameters():
         key = clean_name(name)
         if isinstance(param, DTensor):
@@ -100,13 +106,45 @@ def _second_names(module: nn.Module) -> list[tuple[str, str]]:
     return pairs
 
 
-def _reset_each(module: nn.Module, device: torch.device) -> None:
-    owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
-    missing = [type(m).__name__ for m in owners if not hasattr(m, "reset_parameters")]
+def _owners(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules that own parameters, each of which must initialise them (reset_parameters)."""
+    owners = [(name, m) for name, m in module.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    missing = [type(m).__name__ for _, m in owners if not hasattr(m, "reset_parameters")]
     if missing:
         raise ValueError(f"a model built on the meta device needs each of its modules to initialise itself; "
                          f"{missing[0]} has no reset_parameters() (and the model no init_spec); valid: build it "
                          "on a real device, or give those modules reset_parameters()")
-    module.to_empty(device=device)
-    for m in owners:
-        getattr(m, "reset_parameters")()  # noqa: B009 (typed as a Tensor-or-Module attribute otherwise)
+    return owners
+
+
+def _reset_whole(module: nn.Module, name: str, seed: int, done: set[int]) -> None:
+    """`module.reset_parameters()` on full-size stand-ins for its own parameters, drawn from a generator
+    seeded by `seed` and the module's name; each parameter not in `done` then keeps this rank's slice of
+    its stand-in (and joins `done`)."""
+    own = dict(module.named_parameters(recurse=False))
+    stand_ins = {}
+    for key, param in own.items():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        stand_ins[key] = nn.Parameter(torch.empty(param.shape, dtype=local.dtype, device=local.device))
+    devices = [stand_ins[k].device for k in stand_ins if stand_ins[k].device.type == "cuda"]
+    try:
+        for key, stand_in in stand_ins.items():
+            module._parameters[key] = stand_in
+        with torch.random.fork_rng(devices=devices[:1]):  # the caller's random state is left as it was
+            torch.manual_seed(block_seed(seed, name, 0))
+            getattr(module, "reset_parameters")()  # noqa: B009 (typed as a Tensor-or-Module attribute otherwise)
+    finally:
+        for key, param in own.items():
+            module._parameters[key] = param
+    for key, param in own.items():
+        if id(param) in done:
+            continue
+        done.add(id(param))
+        full = stand_ins[key].detach()
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            full = full[tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))]
+        else:
+            local = param
+        local.detach().copy_(full)
