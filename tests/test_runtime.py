@@ -151,3 +151,51 @@ def test_engine_choice_is_frozen_data():
     choice = EngineChoice(kind="zero", zero=2, bucket=2, units=3)
     with pytest.raises(AttributeError):
         choice.kind = "ddp"  # type: ignore[misc]  # the point: a frozen field refuses assignment
+
+
+class _Wrapped(torch.nn.Module):
+    """A model whose forward returns an output object, as an unmodified transformers model does."""
+
+    def __init__(self, inner: torch.nn.Module, form: str) -> None:
+        super().__init__()
+        self.inner, self.form = inner, form
+
+    def forward(self, tokens: torch.Tensor) -> object:
+        from transformers.modeling_outputs import CausalLMOutput
+
+        logits = self.inner(tokens)
+        return CausalLMOutput(logits=logits) if self.form == "output" else (logits,)
+
+
+def test_default_loss_reads_an_output_objects_logits():
+    """The default loss takes `.logits` from a forward's output object (transformers' CausalLMOutput) and gives
+    the loss and gradients a logits-returning forward gives, bit for bit (the same kernels on the same values);
+    an output it cannot read is refused in one line naming its type."""
+    torch.manual_seed(0)
+    inner = Transformer(SMALL)
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 9))
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    plain = parallelize(inner)
+    expected = plain.forward_backward(batch)
+    grads = {n: p.grad.clone() for n, p in inner.named_parameters()}
+    inner.zero_grad(set_to_none=True)
+    wrapped = parallelize(_Wrapped(inner, "output"))
+    assert torch.equal(wrapped.forward_backward(batch), expected)
+    assert all(torch.equal(p.grad, grads[n]) for n, p in inner.named_parameters())
+    with pytest.raises(TypeError, match=r"its forward returned tuple; valid: a forward that returns the logits"):
+        parallelize(_Wrapped(inner, "tuple")).forward_backward(batch)
+
+
+def test_a_transformers_model_under_tp_is_pointed_to_from_hf():
+    from shoal.models.adapter import adapter_with
+
+    class LookLikeTransformers(torch.nn.Linear):  # a config and generate(), as a transformers model has
+        config = None
+
+        def generate(self) -> None: ...
+
+    with pytest.raises(ValueError, match=r"has none; valid: shoal's Transformer or Mixer \(a transformers model: load "
+                                         r"its folder with shoal.from_hf\)"):
+        adapter_with(LookLikeTransformers(2, 2), "tp")
+    with pytest.raises(ValueError, match=r"Linear has none; valid: shoal's Transformer or Mixer, or the data axes"):
+        adapter_with(torch.nn.Linear(2, 2), "tp")

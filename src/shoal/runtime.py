@@ -220,7 +220,7 @@ class Runtime:
                 ranks *= dist.get_world_size(group)
             count = count.to(device)
         factor = ranks / count.clamp(min=1).double()  # a batch without targets: loss 0, no gradient
-        return lambda output, targets: cross_entropy_sum(output, targets, consume=True) * factor.float()
+        return lambda output, targets: cross_entropy_sum(_logits(output), targets, consume=True) * factor.float()
 
     def _sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
         """`value` (no gradient) summed over the ranks that see other tokens, on its device."""
@@ -455,3 +455,15 @@ class Runtime:
         if self._pipeline is not None:
             words += "\n" + self._pipeline.describe()
         return words
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """What the default loss reads of a forward's output: the logits tensor, or the `.logits` of an output
+    object (an unmodified transformers model returns a CausalLMOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"the default loss reads the model's logits, but its forward returned {type(output).__name__}; "
+                    "valid: a forward that returns the logits (or an object with .logits), or a loss_fn of your own")

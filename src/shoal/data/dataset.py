@@ -59,7 +59,12 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
         return [(spec, 1.0)]
     out = []
     for item in spec.split(","):
+        if not item.strip():  # "A:0.7," would otherwise read the working folder
+            raise ValueError(f"--data {spec!r} has an empty item; valid: DIR or DIR_A:0.7,DIR_B:0.3, items separated "
+                             "by single commas")
         folder, sep, weight = item.rpartition(":")
+        if sep and not folder.strip():
+            raise ValueError(f"--data {spec!r}: weight {weight!r} has no folder; valid: DIR_A:0.7,DIR_B:0.3")
         if not sep:
             folder, weight = item, "1"
         try:

@@ -209,8 +209,10 @@ def adapter_with(model: nn.Module, axis: str) -> ModelAdapter:
     """The adapter of `model`'s family when it takes `axis`; a one-line ValueError otherwise."""
     adapter = adapter_for(model)
     if adapter is None:
+        hf = " (a transformers model: load its folder with shoal.from_hf)" if hasattr(model, "config") and \
+            hasattr(model, "generate") else ""
         raise ValueError(f"{axis} needs a model adapter (shoal.models.adapter) and {type(model).__name__} has none; "
-                         "valid: shoal's Transformer or Mixer, or the data axes dp and fsdp")
+                         f"valid: shoal's Transformer or Mixer{hf}, or the data axes dp and fsdp")
     if not adapter.takes(axis):
         raise ValueError(f"{axis} is not available for the {adapter.family}; it takes "
                          f"{', '.join(sorted(adapter.axes)) or 'no axis'} besides dp and fsdp")

@@ -117,6 +117,9 @@ class RunConfig:
         _at_least("max_restarts", self.max_restarts, 0)
         if self.device not in DEVICES:
             raise ValueError(f"--device {self.device!r} is not valid; valid: {', '.join(DEVICES)}")
+        if self.data.path is not None and not self.data.path.strip():  # Path("") would be the working folder
+            raise ValueError("--data '' names nothing; valid: a folder of .txt files, a .txt, .bin or .npy file, a "
+                             "prepared folder or a mixture (DIR_A:0.7,DIR_B:0.3), or leave --data out")
         if self.init_ignore and self.init is None:
             raise ValueError(f"--init-ignore {' '.join(self.init_ignore)} names tensors of --init's files, and "
                              "no --init was given; valid: --init PATH with it, or no --init-ignore")
