@@ -104,14 +104,14 @@ def prepare_job(args: argparse.Namespace) -> Any:
         cfg, prediction = auto_plan(cfg, device)
     validate(cfg, device)
     if args.resume is None and cfg.init is not None:  # the files' headers only: before any worker starts
-        from shoal.train.pretrained import open_pretrained
+        from shoal.train.pretrained import WeightsMismatch, open_pretrained
 
         if isinstance(model, MixerConfig):
             raise UserError("--init loads pretrained transformer weights; the image Mixer starts from the seed's")
         try:
             open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
-        except ValueError as exc:
-            if guessed is None or not any(w in str(exc) for w in ("shape", "does not fit", "holds a")):
+        except WeightsMismatch as exc:
+            if guessed is None:
                 raise
             raise UserError(f"{exc} (the model is the default preset {cfg.model}: no config.json beside the "
                             "weights; --model names another)") from None

@@ -126,11 +126,11 @@ def _reset_whole(module: nn.Module, name: str, seed: int, done: set[int]) -> Non
     for key, param in own.items():
         local = param.to_local() if isinstance(param, DTensor) else param
         stand_ins[key] = nn.Parameter(torch.empty(param.shape, dtype=local.dtype, device=local.device))
-    devices = [stand_ins[k].device for k in stand_ins if stand_ins[k].device.type == "cuda"]
+    cuda = [t.device for t in stand_ins.values() if t.device.type == "cuda"][:1]  # the one this rank draws on
     try:
         for key, stand_in in stand_ins.items():
             module._parameters[key] = stand_in
-        with torch.random.fork_rng(devices=devices[:1]):  # the caller's random state is left as it was
+        with torch.random.fork_rng(devices=cuda):  # the caller's random state is left as it was
             torch.manual_seed(block_seed(seed, name, 0))
             getattr(module, "reset_parameters")()  # noqa: B009 (typed as a Tensor-or-Module attribute otherwise)
     finally:

@@ -124,6 +124,11 @@ class _Counted:
         return tensor
 
 
+class WeightsMismatch(ValueError):
+    """The files hold weights of another model than the run's (a family, a tensor's shape, missing or unexpected
+    names): where the run's model was a guess (no config.json beside them), the refusal says so."""
+
+
 def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str] = ()) -> Pretrained:
     """The weights at `path` checked against model `cfg` from the files' headers (no tensor data
     is read): one-line ValueErrors for a folder with no weights, a missing or damaged shard,
@@ -143,13 +148,13 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
     experts = any(".experts." in key for key in headers)
     if experts != bool(cfg.num_experts):  # a family mismatch, which layout.check would word as a field's value
         held, model = ("Mixture-of-Experts", "dense") if experts else ("dense", "Mixture-of-Experts")
-        raise ValueError(f"--init {path} holds a {held} model's weights (expert tensors: "
+        raise WeightsMismatch(f"--init {path} holds a {held} model's weights (expert tensors: "
                          f"{'some' if experts else 'none'}) but the model is {model}; valid: a {held} --model, or "
                          f"weights of a {model} model")
     try:
         layout.check(cfg)
     except ValueError as exc:
-        raise ValueError(f"--init {path} holds {layout.name} weights, but {exc}") from None
+        raise WeightsMismatch(f"--init {path} holds {layout.name} weights, but {exc}") from None
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
     skipped: set[str] = set()
@@ -170,7 +175,7 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
                 if ignored:
                     skipped.add(name)
                     continue
-                raise ValueError(f"--init {path}: tensor {key} in {key_files[key].name} has shape {tuple(found)}, "
+                raise WeightsMismatch(f"--init {path}: tensor {key} in {key_files[key].name} has shape {tuple(found)}, "
                                  f"the model expects {tuple(want)} (for {name}); is --model the same model?")
             if dtype not in FLOAT_DTYPES:
                 raise ValueError(f"--init {path}: tensor {key} in {key_files[key].name} is {dtype}, which the run "
@@ -186,7 +191,7 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
     if missing or unexpected:
         parts = ([f"missing {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])})"] if missing else []) \
             + ([f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])})"] if unexpected else [])
-        raise ValueError(f"--init {path} ({layout.name} names) does not fit the model: {'; '.join(parts)}; "
+        raise WeightsMismatch(f"--init {path} ({layout.name} names) does not fit the model: {'; '.join(parts)}; "
                          "--init-ignore PATTERN skips tensors by name (glob)")
     read = {k: v for k, v in headers.items() if k in used and k in key_files}
     return Pretrained(path, cfg, layout, {k: key_files[k] for k in read}, read, skipped, dropped)
