@@ -88,3 +88,47 @@ def test_file_names_and_count(tmp_path):
         (tmp_path / f"f{i}.txt").write_text("")
     problems = report.check_out_dir(tmp_path)
     assert any("a,b.json" in p for p in problems) and any("9 files" in p for p in problems)
+
+
+def test_a_part_stopped_at_its_budget_keeps_the_checks_it_saved(tmp_path):
+    """Each check is saved as it is made: a part stopped (or crashed) half-way reports those, marked timeout or
+    error with the reason; a part that ended reports what it wrote."""
+    from bench.gpu_check.context import Context
+
+    path = tmp_path / "result.json"
+    ctx = Context(dry=True, out=tmp_path, save_to=path)
+    ctx.check("first test", True, "passed")
+    stopped = gpu_check.collect(path, timed_out=True, returncode=-9, output="last words", budget=240)
+    assert stopped["status"] == "timeout" and [c["name"] for c in stopped["checks"]] == ["first test"]
+    assert stopped["error"].startswith("stopped at its budget of 240 s") and "last words" in stopped["error"]
+    crashed = gpu_check.collect(path, timed_out=False, returncode=1, output="", budget=240)
+    assert crashed["status"] == "error" and len(crashed["checks"]) == 1
+    path.write_text(json.dumps({"status": "ok", "checks": [], "error": None}))
+    assert gpu_check.collect(path, timed_out=False, returncode=0, output="", budget=240)["status"] == "ok"
+    assert gpu_check.collect(tmp_path / "none.json", timed_out=True, returncode=-9, output="",
+                             budget=240)["checks"] == []
+
+
+def test_a_streamed_command_is_stopped_at_its_deadline_with_the_lines_it_printed():
+    import time
+
+    from bench.gpu_check.context import stream_command
+
+    seen: list[str] = []
+    cmd = [sys.executable, "-c", "import time; print('tests/a.py::t PASSED', flush=True); time.sleep(60)"]
+    start = time.monotonic()
+    status, text = stream_command(cmd, deadline=start + 3, on_line=seen.append)
+    assert status == 124 and time.monotonic() - start < 30
+    assert seen == ["tests/a.py::t PASSED"] and "stopped at the part's deadline" in text
+    status, _ = stream_command([sys.executable, "-c", "raise SystemExit(3)"], deadline=time.monotonic() + 60,
+                               on_line=seen.append)
+    assert status == 3
+
+
+def test_the_tests_part_reads_each_outcome_of_pytest_verbose():
+    from bench.gpu_check.parts_train import TEST_OUTCOME
+
+    line = "tests/test_devices.py::test_cuda_step[bf16-on] PASSED                    [ 50%]"
+    assert TEST_OUTCOME.match(line).groups() == ("tests/test_devices.py::test_cuda_step[bf16-on]", "PASSED")
+    assert TEST_OUTCOME.match("tests/test_fast_step.py::test_resume_gpu FAILED").group(2) == "FAILED"
+    assert TEST_OUTCOME.match("FAILED tests/test_fast_step.py::test_resume_gpu - Timeout") is None

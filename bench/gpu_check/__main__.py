@@ -33,7 +33,7 @@ class Part:
 
 
 PARTS = [  # most likely to fail first (GPU code paths that have never run), then the long benchmarks
-    Part("tests", 180, "the CUDA-only tests (tests/test_devices.py, tests/test_fast_step.py)", "parts_train:tests"),
+    Part("tests", 240, "the CUDA-only tests (tests/test_devices.py, tests/test_fast_step.py)", "parts_train:tests"),
     Part("train", 100, "`shoal train` with no flags on one GPU", "parts_train:default_train"),
     Part("plans", 260, "every one-process plan (precision, compile, recompute, offload, zero 1-3, tp1) for a few "
          "steps: loss, peak memory, and the planner's memory and tokens/s beside them (the memory check)",
@@ -56,6 +56,8 @@ BY_NAME = {p.name: p for p in PARTS}
 CALL_BUDGET_S = 480
 """The default --budget on a GPU: one call. The GPU machine stops a command at 10 minutes and lends a
 session 15 minutes in all, its start included; the install and the interpreter's start fit in the rest."""
+PART_MARGIN_S = 15
+"""A part's own deadline comes this long before its budget, so that it can end and save what it has."""
 DRY_RUN_SLACK = 3
 """A dry run's part may take up to its budget x this (CPU at toy sizes, on a shared 2-core CI box)."""
 
@@ -67,8 +69,10 @@ def _function(part: Part) -> tuple[Callable[..., Any], tuple[str, ...]]:
 
 
 def worker(name: str, result_path: Path, out: Path, dry: bool, device_name: str | None) -> None:
-    """One part in this process: its checks and figures, or the error that stopped it, as JSON."""
-    ctx = Context(dry=dry, out=out)
+    """One part in this process: its checks and figures, or the error that stopped it, as JSON (saved as
+    each check is made: a part stopped at its budget keeps them)."""
+    budget = BY_NAME[name].budget_s * (DRY_RUN_SLACK if dry else 1)
+    ctx = Context(dry=dry, out=out, save_to=result_path, deadline=time.monotonic() + budget - PART_MARGIN_S)
     fn, extra = _function(BY_NAME[name])
     status, error = "ok", None
     try:
@@ -104,12 +108,19 @@ def run_part(part: Part, args: argparse.Namespace, header: dict[str, Any]) -> di
             timed_out = True
         wall = time.perf_counter() - start
         sys.stdout.write(output)
-        if result_path.exists() and not timed_out:
-            result = json.loads(result_path.read_text())
-        else:
-            why = f"stopped at its budget of {budget} s" if timed_out else f"exit status {proc.returncode}"
-            result = {"status": "timeout" if timed_out else "error", "error": f"{why}\n{output[-3000:]}", "checks": []}
+        result = collect(result_path, timed_out=timed_out, returncode=proc.returncode, output=output, budget=budget)
     return {**result, "about": part.about, "budget_s": budget, "wall_s": wall}
+
+
+def collect(result_path: Path, *, timed_out: bool, returncode: int | None, output: str,
+            budget: float) -> dict[str, Any]:
+    """A part's result: what it wrote on ending, or, stopped or crashed, the checks it saved so far and why it has
+    no more."""
+    saved = json.loads(result_path.read_text()) if result_path.exists() else {"checks": []}
+    if saved.get("status") not in (None, "partial") and not timed_out:
+        return saved
+    why = f"stopped at its budget of {budget:g} s" if timed_out else f"exit status {returncode}"
+    return {**saved, "status": "timeout" if timed_out else "error", "error": f"{why}\n{output[-3000:]}"}
 
 
 def device_header(dry: bool) -> dict[str, Any]:

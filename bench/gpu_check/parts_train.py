@@ -3,6 +3,7 @@ every one-process plan (loss, peak memory, the planner's memory beside it), and 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -11,27 +12,48 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_check.context import REPO, Context, read_jsonl, run_command, shoal_command
+from bench.gpu_check.context import REPO, Context, read_jsonl, run_command, shoal_command, stream_command
 
 CUDA_TESTS = ("tests/test_devices.py", "tests/test_fast_step.py")
 """The test files with tests skipped where torch sees no GPU; `-k` picks those tests."""
 CUDA_TEST_FILTER = "cuda or gpu"
+CUDA_TEST_TIMEOUT_S = 120
+"""One CUDA test's limit (its compile included): a test that hangs fails alone instead of taking the part's budget."""
+TEST_OUTCOME = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
 
 def tests(ctx: Context) -> None:
-    """The tests skipped without CUDA, run where it is (dry run: collected only)."""
-    mode = ["--collect-only"] if ctx.dry else ["-rfEs"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *mode, "-k", CUDA_TEST_FILTER, *CUDA_TESTS]
-    status, text = run_command(cmd, timeout_s=600)
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|error|selected|collected)",
-                                                text.splitlines()[-1] if text.strip() else "")}
+    """The tests skipped without CUDA, run where it is, each test's outcome saved as it ends (a part stopped at
+    its budget keeps the ones that ended); under pytest-timeout no one test may take more than
+    CUDA_TEST_TIMEOUT_S (dry run: collected only)."""
+    mode = ["--collect-only", "-q"] if ctx.dry else ["-v", "-rfE", "--durations=10"]
+    if not ctx.dry and importlib.util.find_spec("pytest_timeout") is not None:
+        mode.append(f"--timeout={CUDA_TEST_TIMEOUT_S}")
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *mode, "-k", CUDA_TEST_FILTER, *CUDA_TESTS]
+    outcomes: dict[str, str] = {}
+
+    def on_line(line: str) -> None:
+        found = TEST_OUTCOME.match(line)
+        if found and not ctx.dry:
+            test, outcome = found.group(1), found.group(2)
+            outcomes[test] = outcome
+            ctx.check(f"test {test}", outcome in ("PASSED", "SKIPPED", "XFAIL"), outcome.lower())
+
+    status, text = stream_command(cmd, deadline=ctx.deadline, on_line=on_line)
     if ctx.dry:
         found = len(re.findall(r"^tests/\S+::\S+", text, re.MULTILINE))
         ctx.figures["collected"] = found
         ctx.check("CUDA tests collected", status == 0 and found > 0, f"{found} tests, `{' '.join(cmd[2:])}`")
         return
+    reasons = dict(re.findall(r"^(?:FAILED|ERROR) (\S+) - (.*)$", text, re.MULTILINE))
+    for check in ctx.checks:
+        test = check["name"].removeprefix("test ")
+        if not check["ok"] and test in reasons:
+            check["detail"] += f": {reasons[test][:300]}"
+    counts = {k: sum(v == k for v in outcomes.values()) for k in sorted(set(outcomes.values()))}
     ctx.figures.update(counts=counts, tail=text[-3000:])
-    ctx.check("CUDA tests pass", status == 0, f"{counts}")
+    ended = "ran to the end" if status != 124 else "stopped at the part's deadline: the tests not listed did not end"
+    ctx.check("CUDA tests pass", status == 0, f"{counts}; {ended}")
 
 
 def default_train(ctx: Context) -> None:
@@ -83,10 +105,14 @@ def _run_in(cwd: str, cmd: list[str], timeout_s: float = 900) -> tuple[int, str]
 # ----------------------------------------------------------------------------- one-process plans
 
 
-PLANS = ("", "compile=off", "precision=fp32,compile=off", "precision=fp16", "ac=selective", "ac=full",
-         "fsdp1,zero=1", "fsdp1,zero=2", "fsdp1,zero=3", "fsdp1,offload=on", "tp1", "reduce=bf16")
-"""The one-process plans to try on a GPU ("" is the default: bf16, compile on); those the plan rules
-refuse at world size 1 (options of an fsdp axis of degree 1) are listed as refused, not run."""
+PLANS = ("", "reduce=bf16", "fsdp1,offload=on", "compile=off", "ac=selective", "ac=full", "precision=fp16",
+         "precision=fp32,compile=off", "tp1", "fsdp1,zero=1", "fsdp1,zero=2", "fsdp1,zero=3")
+"""The one-process plans to try on a GPU ("" is the default: bf16, compile on), those no GPU run has reached
+first; those the plan rules refuse at world size 1 (options of an fsdp axis of degree 1) are listed as
+refused, not run."""
+PLAN_START_S = 50
+"""What one plan's run takes on an H200 (start, compile, 20 steps: 35-45 s on 2026-11-27): a plan starts only
+while this much of the part's time is left, and the rest are listed as not run."""
 PLAN_MODEL = ("tiny", ("num_layers=12", "dim=768", "num_heads=12", "num_kv_heads=12", "ffn_dim=2048",
                        "vocab_size=256", "max_seq_len=1024"), 16, 1024)
 """(preset, --set overrides, global batch, seq len): the 85M shape of bench/gpu_throughput.py."""
@@ -138,6 +164,9 @@ def train_plan(plan: str, model: tuple, device: str, steps: int) -> dict[str, An
             "tokens_per_s": later[len(later) // 2], "peak_gb": max(r["mem_peak_mb"] for r in records) * 2**20 / 1e9}
 
 
+PLANS_TABLE = "one-process plans (85M shape, 16 x 1024)"
+
+
 def plans(ctx: Context, device_name: str | None) -> None:
     """Every one-process plan for a few steps, with the planner's memory and time beside the measured."""
     model = PLAN_MODEL
@@ -152,6 +181,10 @@ def plans(ctx: Context, device_name: str | None) -> None:
             rows.append({"plan": plan or "(default)", "predicted_gb": pred["mem_per_device_gb"],
                          "predicted_tokens_per_s": pred["tokens_per_s"]})
             continue
+        if ctx.seconds_left() < PLAN_START_S:
+            rows.append({"plan": plan or "(default)", "status": "not run: the part's time ran out",
+                         "predicted_gb": pred["mem_per_device_gb"], "predicted_tokens_per_s": pred["tokens_per_s"]})
+            continue
         got = train_plan(plan, model, ctx.device, PLAN_STEPS)
         row = {"plan": plan or "(default)", "status": got["status"]}
         if got["status"] == "ok":
@@ -164,6 +197,7 @@ def plans(ctx: Context, device_name: str | None) -> None:
             row["peak / predicted"] = got["peak_gb"] / pred["mem_per_device_gb"]
             row["tokens/s measured / predicted"] = got["tokens_per_s"] / pred["tokens_per_s"]
         rows.append(row)
+        ctx.tables[PLANS_TABLE] = rows  # saved with the checks below
         print(f"  plan {row['plan']}: {row}", flush=True)
         ctx.check(f"plan {row['plan']} trains", got["status"] == "ok" and math.isfinite(got.get("last_loss", math.nan)),
                   row.get("error", f"loss {row.get('first_loss', 0):.3f} -> {row.get('last_loss', 0):.3f}"))
@@ -171,7 +205,10 @@ def plans(ctx: Context, device_name: str | None) -> None:
             ratio = row["peak / predicted"]
             ctx.check(f"plan {row['plan']} memory: measured / predicted", abs(ratio - 1) <= MEMORY_TOLERANCE,
                       f"{row['peak_gb']:.2f} / {pred['mem_per_device_gb']:.2f} GB = {ratio:.2f}", goal=True)
-    ctx.tables["one-process plans (85M shape, 16 x 1024)"] = rows
+    ctx.tables[PLANS_TABLE] = rows
+    not_run = [r["plan"] for r in rows if str(r.get("status", "")).startswith("not run")]
+    if not_run:
+        ctx.figures["plans not run (the part's time ran out)"] = not_run
     priced = [r for r in rows if "predicted_gb" in r]
     ctx.check("one-process plans priced for one GPU", len(priced) >= 6, f"{len(priced)} of {len(PLANS)} plans "
               f"(refused: {', '.join(r['plan'] for r in rows if r not in priced) or 'none'})")
