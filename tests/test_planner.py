@@ -74,7 +74,11 @@ def test_activation_elements_by_hand():
     # unfused attention keeps the probabilities (H * T per token) unless recomputed
     unfused = dict(seq_len=128, fused_attention=False)
     assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **unfused) == 2826 + 8 * 128
-    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="selective", **unfused) == 2826
+    # shoal's selective recompute keeps the block's input, the weight products' outputs (q, k, v: 128 + 2 * 64;
+    # the two up projections 2F; the two row-parallel outputs 2D) and a fused kernel's output and log-sum-exps
+    # (136); unfused attention's products are rerun
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="selective", **unfused) == 128 + 256 + 768 + 256
+    assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="selective", **kw) == 1408 + 136
 
 
 @pytest.mark.parametrize(("kind", "expected"), [
@@ -627,7 +631,25 @@ def test_torchtitan_selective_policy_in_the_estimate():
                / device.flops("bf16"))
     blocks_mm = shoal_way.time["compute_matmul"] / 3 - head_mm
     assert titan.time["recompute"] - shoal_way.time["recompute"] == pytest.approx(share * blocks_mm, rel=1e-6)
-    assert titan.memory["activations"] < shoal_way.memory["activations"] / 2
+    # it keeps every second weight product's output where shoal's policy keeps each: 31,776 elements a token and
+    # block against 51,232 (memory.titan_selective_elements, memory.shoal_selective_elements)
+    assert titan.memory["activations"] < 0.7 * shoal_way.memory["activations"]
+
+
+def test_megatron_selective_policy_reruns_and_drops_the_attention_core_alone():
+    """Korthikanti et al. 2022 (section 5): Megatron-LM's selective recompute keeps all but the attention core
+    (the scores and probabilities unfused attention stores), which backward reruns."""
+    from shoal.planner.compute import recomputed
+
+    assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=False,
+                      policy="megatron") == 3.0
+    assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True,
+                      policy="megatron") == 0.0
+    unfused = dict(seq_len=128, fused_attention=False, tp=1, sp=False)
+    none = memory.activation_elements(TINY, 0, ac="none", **unfused)
+    assert memory.activation_elements(TINY, 0, ac="selective", policy="megatron", **unfused) == none - 8 * 128
+    assert memory.activation_elements(TINY, 0, ac="selective", **unfused) < none - 8 * 128  # shoal keeps less
+
 
 def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
     """shoal.parallel.recompute keeps matmul and fused-attention outputs and tensor-parallel reductions:

@@ -342,3 +342,60 @@ def _saved_per_token(plan: str, num_layers: int, model=TINY) -> float:
     inputs, _ = batches[0]
     (model,) = runtime.parts  # no pipeline: the one part, sharded in place
     return saved_activation_elements(model, inputs) / inputs.numel()
+
+
+@pytest.mark.parametrize("plan", ["dp1", "tp2", "tp2,sp=off"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-gpt"])
+def test_selective_recompute_activation_count(pools, plan, model):
+    """memory.activation_elements under ac=selective (shoal's policy: the weight products', the attention
+    kernel's and the reductions' outputs kept), recounted: the storages a forward creates that are still alive
+    after it (the block inputs the checkpoints keep and what the policy saves; a DTensor by this rank's local
+    tensor), 4 blocks less 2, per block and token. Exact: whole elements of whole tensors."""
+    from shoal.planner import memory
+
+    cfg = PRESETS[model].replace(max_seq_len=16)
+    world = 1 if plan == "dp1" else 2
+    sizes = [pools(world).run(_kept_per_token, f"{plan},ac=selective", layers, cfg) for layers in (2, 4)]
+    assert len({*sizes[0]}) == 1 and len({*sizes[1]}) == 1, sizes  # every rank keeps the same
+    resolved = Plan.parse(f"{plan},ac=selective").resolve(world)
+    assert (sizes[1][0] - sizes[0][0]) / 2 == memory.activation_elements(
+        cfg, 0, seq_len=16, tp=resolved.tp, sp=bool(resolved.sp), ac="selective", fused_attention=True)
+
+
+def _kept_per_token(plan: str, num_layers: int, model) -> float:
+    import gc
+
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    class Created(TorchDispatchMode):  # shoal.parallel.recompute.CreatedStorages, counting a DTensor's local part
+        def __init__(self) -> None:
+            super().__init__()
+            self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {local(t).untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for t in map(local, (t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))):
+                if t.is_floating_point() and t.untyped_storage()._cdata not in inputs:
+                    storage = t.untyped_storage()
+                    elements = storage.nbytes() // t.element_size()
+                    self.created.setdefault(storage._cdata, (StorageWeakRef(storage), elements))
+            return out
+
+    runtime, _, batches = parallel_setup(case(plan=plan, model=model.replace(num_layers=num_layers), global_batch=2,
+                                              seq_len=model.max_seq_len, steps=1))
+    inputs, _ = batches[0]
+    (part,) = runtime.parts
+    with Created() as created:
+        out = part(inputs)  # held: the graph, and with it what it saves, lives as long as the output
+    gc.collect()  # a storage only garbage in a cycle still holds is not kept (it was counted, now and then)
+    kept = sum(n for ref, n in created.created.values() if not ref.expired())
+    del out
+    return kept / inputs.numel()

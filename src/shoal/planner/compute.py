@@ -145,9 +145,11 @@ def attention_backward_multiplier(*, fused_kernel: bool) -> float:
     return FUSED_BACKWARD if fused_kernel else 2.0
 
 
-SELECTIVE_POLICIES = ("shoal", "torchtitan-op")
+SELECTIVE_POLICIES = ("shoal", "torchtitan-op", "megatron")
 """What `ac=selective` keeps, by the trainer that runs it: shoal's policy (shoal.parallel.recompute: the output of
-every weight product and of the attention kernel) or torchtitan's per-op policy (`titan_recomputed_matmul`)."""
+every weight product and of the attention kernel), torchtitan's per-op policy (`titan_recomputed_matmul`), or
+Megatron-LM's (Korthikanti et al. 2022, section 5: everything but the attention core, the scores, softmax and
+dropout, which backward reruns)."""
 
 
 def block_matmuls(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
@@ -182,15 +184,18 @@ def titan_recomputed_matmul(cfg: ModelConfig, *, moe: bool) -> float:
 
 
 def recomputed(ac: str, *, matmul: float, attention: float, elementwise: float, fused_attention: bool,
-               selective_matmul: float = 0.0) -> float:
+               selective_matmul: float = 0.0, policy: str = "shoal") -> float:
     """The forward work backward reruns, of a block's matmul, attention-core and elementwise work (in any one
     unit: FLOPs or seconds). Full recompute reruns all of it. Selective recompute runs shoal's policy
     (shoal.parallel.recompute: the outputs of matmuls and of the fused attention kernel are kept, every other
     op is recomputed): the elementwise ops, and unfused attention's score products with them (batched
     products the policy does not keep); plus `selective_matmul`, the part of `matmul` a policy that keeps
-    fewer products reruns (torchtitan's: `titan_recomputed_matmul`)."""
+    fewer products reruns (torchtitan's: `titan_recomputed_matmul`). Megatron-LM's `policy` reruns the attention
+    core alone (none of it with a fused kernel, which recomputes its scores in its own backward)."""
     if ac == "full":
         return matmul + attention + elementwise
+    if ac == "selective" and policy == "megatron":
+        return 0.0 if fused_attention else attention
     if ac == "selective":
         return elementwise + selective_matmul + (0.0 if fused_attention else attention)
     return 0.0

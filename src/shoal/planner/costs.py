@@ -127,7 +127,7 @@ class Costs:
             elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
         recompute = compute.recomputed(p.ac, matmul=mm, attention=attn, fused_attention=self.fused,
                                        elementwise=elem if p.ac == "full" else block_elem,  # the head: full only
-                                       selective_matmul=selective_mm)
+                                       selective_matmul=selective_mm, policy=self.policy)
         if self.on_cpu and p.ac == "selective":  # the calibrated CPU model keeps the accounting it was checked with
             recompute = attn
         ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)

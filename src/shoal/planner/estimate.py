@@ -96,8 +96,9 @@ class Workload:
     PyTorch's SDPA runs and shoal calls); False for the unfused QK^T / softmax / AV of trainers before
     it (Megatron-LM until 2022), which computes and stores the whole T x T score matrix."""
     selective_policy: str = "shoal"
-    """What `ac=selective` keeps (compute.SELECTIVE_POLICIES): shoal's policy, or "torchtitan-op" for a run
-    of torchtitan's per-op selective recompute, which keeps every second weight product's output only."""
+    """What `ac=selective` keeps (compute.SELECTIVE_POLICIES): shoal's policy, "torchtitan-op" for a run of
+    torchtitan's per-op selective recompute, which keeps every second weight product's output only, or
+    "megatron" for Megatron-LM's, which reruns the attention core alone."""
     tf32: bool = True
     """fp32 matmuls on TF32 tensor cores where the GPU has them (`shoal train --tf32`, on by default): an fp32 plan's
     GEMMs priced at the device's "tf32" rate; attention, which SDPA runs in fp32 without a fused 16-bit kernel, is

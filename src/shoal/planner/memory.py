@@ -54,9 +54,11 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     DTensor (`tp_engine` "dtensor": shoal, torchtitan), which all-gathers it and keeps what the product
     was given, whole; Megatron-LM ("megatron") keeps its sequence shard and gathers it again in backward
     (Korthikanti et al. 2022, section 4.2.2), so all of a norm's tensors split there.
-    Selective recompute drops the softmax probabilities; full recompute keeps only
-    the block's input (the recomputed block's own tensors are counted once, in `transient`).
-    Selective recompute under torchtitan's per-op `policy` keeps less: `titan_selective_elements`."""
+    Full recompute keeps only the block's input (the recomputed block's own tensors are counted once, in
+    `transient`). Selective recompute of a dense block keeps what shoal's policy saves
+    (`shoal_selective_elements`), or under torchtitan's per-op `policy` `titan_selective_elements`; Megatron-LM's
+    (Korthikanti et al. 2022) all but unfused attention's probabilities; of an MoE block shoal's policy is priced
+    as Megatron-LM's (the expert kernels' own saving is not counted: an upper bound)."""
     D, width = cfg.dim, compute.ffn_width(cfg, index)  # shared experts at their own width
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
@@ -69,6 +71,8 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
         return D / (tp if sp else 1)
     if ac == "selective" and policy == "torchtitan-op" and not moe:
         return titan_selective_elements(cfg, tp=tp, sp=sp)
+    if ac == "selective" and policy == "shoal" and not moe:
+        return shoal_selective_elements(cfg, index, tp=tp, sp=sp, fused_attention=fused_attention)
     if ac == "selective":
         scores = 0
     return norms + permuted + (split + scores) / tp
@@ -80,6 +84,24 @@ def router_elements(cfg: ModelConfig) -> float:
     two per-token statistics (the z-loss's log-sum-exp, the top-k weights' sum), within one element a token of
     what autograd keeps with or without the z-loss and the normalisation."""
     return 2 * cfg.num_experts + 2 * cfg.top_k + 2
+
+
+def shoal_selective_elements(cfg: ModelConfig, index: int, *, tp: int, sp: bool, fused_attention: bool = True) -> float:
+    """Elements a dense block keeps per token on one tensor-parallel rank under shoal's selective recompute
+    (shoal.parallel.recompute keeps the outputs of the weight products, of the attention kernel and of the
+    tensor-parallel reductions; the norms, RoPE, the activation and the residual adds are recomputed): the
+    checkpointed block's input (split under sequence parallelism); q, k and v before RoPE and the grouped heads'
+    repeat, and a fused kernel's output and log-sum-exp per head (unfused attention's batched products are rerun),
+    split by tp; the up projections' outputs, split by
+    tp; and the two row-parallel products' outputs whole (a partial sum under tp), each with its reduction's
+    output under tp (all-reduce: whole; reduce-scatter: split). tests/test_planner.py counts it."""
+    D, width = cfg.dim, compute.ffn_width(cfg, index)
+    heads = cfg.num_heads * cfg.head_dim
+    qkv = heads + 2 * cfg.kv_heads * cfg.head_dim
+    attention = heads + cfg.num_heads if fused_attention else 0
+    up = (2 if cfg.activation == "swiglu" else 1) * width
+    reduced = 0.0 if tp == 1 else (D / tp if sp else D)
+    return D / (tp if sp else 1) + (qkv + attention + up) / tp + 2 * (D + reduced)
 
 
 def titan_selective_elements(cfg: ModelConfig, *, tp: int, sp: bool) -> float:

@@ -92,9 +92,13 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
         moe = cost.moe_count(lo, hi)
         act = per_block[True] * moe + per_block[False] * (hi - lo - moe)
         held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)  # type: ignore[arg-type]  # resolved
-        if plan.ac == "full" or any(cost.selective_share.values()):  # the block being recomputed holds all of its
+        if plan.ac == "full" or (plan.ac == "selective" and cost.policy != "megatron"):  # the block being
+            # recomputed holds all of its tensors again (under shoal's selective policy, those it did not keep: its
+            # matmuls' outputs come from the forward's; Megatron-LM's reruns one attention core, counted as kept)
             recomputed = memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
                                                     fused_attention=cost.fused, tp_engine=cost.tp_engine)
+            if plan.ac == "selective" and not any(cost.selective_share.values()):
+                recomputed -= per_block[False]
             held += recomputed * tokens * cost.bytes
         logits = memory.logits_bytes(cfg, tokens, tp=plan.tp, logit_bytes=int(cost.bytes)) if head else 0.0
         if head and plan.vocab == "sharded":  # the classifier's backward: the logits' gradient, both all-to-all buffers

@@ -41,7 +41,8 @@ class PublishedRun:
     Megatron-LM and its forks before FlashAttention (2022)."""
     selective_policy: str = "shoal"
     """What the trainer's selective recompute keeps (shoal.planner.compute.SELECTIVE_POLICIES): "torchtitan-op"
-    for torchtitan's runs, which use its per-op policy (selective_ac_option 'op' in its llama3 8B train config)."""
+    for torchtitan's runs, which use its per-op policy (selective_ac_option 'op' in its llama3 8B train config);
+    "megatron" for Korthikanti et al. 2022's, whose selective recompute (section 5) reruns the attention core."""
     data_engine: str = "shoal"
     """Who ran the data axes (shoal.planner.estimate.DATA_ENGINES): "deepspeed-pipe" for Megatron-DeepSpeed's
     runs, whose pipeline engine reduces (and at ZeRO-1 gathers) once a step after the last backward."""
@@ -143,7 +144,7 @@ _KORTHI_NOTE = (
 def _korthi(size: str, heads: int, hidden: int, layers: int, pp: int, gpus: int, batch: int, mbs: int,
             mfu: float, hfu: float, tokens: float) -> PublishedRun:
     mb = [f"pp{pp}", f"mb={batch // mbs}"] if pp > 1 else []
-    return PublishedRun(fused_attention=False, tp_engine="megatron",
+    return PublishedRun(fused_attention=False, tp_engine="megatron", selective_policy="megatron",
         name=f"Megatron-LM 2022 (seq-parallel + selective recompute), GPT {size} on {gpus} A100", checked=False,
         model=_gpt(layers, hidden, heads, 51200, 2048, pp=pp),
         cluster=f"{gpus}xA100-80GB",
