@@ -132,6 +132,8 @@ def _init_group(backend: str) -> None:
 
     if dist.is_initialized():
         return
+    if backend == "nccl":  # NCCL and DeviceMesh take the process's device as it is set, not a guess
+        torch.cuda.set_device(0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -142,6 +144,7 @@ def _init_group(backend: str) -> None:
 def attention(ctx: Context) -> None:
     """Ring and head-scatter (a2a) attention at cp=1 against SDPA and against torch's `context_parallel`
     (values and gradients), and the ring's blocks at cp=2 and 4 rank by rank in this process."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from shoal.parallel.context import ContextSplit, a2a_attention, ring_attention
@@ -195,6 +198,7 @@ def attention(ctx: Context) -> None:
             times[name] = _median_time(lambda fn=fn, qb=qb, kb=kb, vb=vb: fn(qb, kb, vb).backward(g.to(dtype)), dev,
                                        2 if ctx.dry else 10)
     ctx.figures["forward + backward seconds"] = times
+    dist.destroy_process_group()
 
 
 def _attend(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
