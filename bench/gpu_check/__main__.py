@@ -42,6 +42,9 @@ PARTS = [  # most likely to fail first (GPU code paths that have never run), the
          "one layer's speed per path and bench/moe_layer.py's naive loop", "parts_kernels:moe"),
     Part("attention", 60, "ring and a2a attention against SDPA and torch's context_parallel at cp=1 (values, "
          "gradients); the ring's blocks at cp=2, 4 rank by rank", "parts_kernels:attention"),
+    Part("engine", 60, "what a one-process bf16 run pays for its data engine (FSDP2 of degree 1) against the bare "
+         "model and autocast: host time of a deep tiny model's forward and backward (bench/engine_overhead.py)",
+         "parts_kernels:engine"),
     Part("ops", 90, "kernels per block under compile (profiler), beside the planner's OPS_PER_BLOCK",
          "parts_kernels:ops"),
     Part("calibrate", 170, "CUDA calibration (GEMMs and attention of training shapes, memory bandwidth) written "
