@@ -35,7 +35,7 @@ class Part:
 PARTS = [  # most likely to fail first (GPU code paths that have never run), then the long benchmarks
     Part("tests", 320, "the CUDA-only tests (tests/test_devices.py, tests/test_fast_step.py)", "parts_train:tests"),
     Part("train", 100, "`shoal train` with no flags on one GPU", "parts_train:default_train"),
-    Part("plans", 260, "every one-process plan (precision, compile, recompute, offload, zero 1-3, tp1) for a few "
+    Part("plans", 360, "every one-process plan (precision, compile, recompute, offload, zero 1-3, tp1) for a few "
          "steps: loss, peak memory, and the planner's memory and tokens/s beside them (the memory check)",
          "parts_train:plans"),
     Part("moe", 60, "MoE experts: grouped matmul and padded paths against the loop (values, gradients); "

@@ -157,6 +157,7 @@ def part(ctx: Context, device_name: str | None) -> None:
             got = train_plan(plan, PLAN_MODEL, "cuda", PLAN_STEPS)
             if got["status"] == "ok":
                 row["measured tokens/s"] = got["tokens_per_s"]
+                row["spread (iqr / median)"] = got["tokens_per_s_iqr_rel"]
                 for label in ("data sheet", "calibrated"):
                     row[f"measured / predicted ({label})"] = got["tokens_per_s"] / row[f"predicted tokens/s ({label})"]
             else:

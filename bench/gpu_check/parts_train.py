@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.common import summarize
 from bench.gpu_check.context import REPO, Context, read_jsonl, run_command, shoal_command, stream_command
 
 CUDA_TESTS = ("tests/test_devices.py", "tests/test_fast_step.py")
@@ -112,16 +113,17 @@ PLANS = ("", "reduce=bf16", "fsdp1,offload=on", "compile=off", "ac=selective", "
 """The one-process plans to try on a GPU ("" is the default: bf16, compile on), those no GPU run has reached
 first; those the plan rules refuse at world size 1 (options of an fsdp axis of degree 1) are listed as
 refused, not run."""
-PLAN_START_S = 50
-"""What one plan's run takes on an H200 (start, compile, 20 steps: 35-45 s on 2026-11-27): a plan starts only
-while this much of the part's time is left, and the rest are listed as not run."""
+PLAN_START_S = 55
+"""What one plan's run takes on an H200 (start, compile and 20 steps took 35-45 s on 2026-11-27; 60 steps ~2 s
+more): a plan starts only while this much of the part's time is left, and the rest are listed as not run."""
 PLAN_MODEL = ("tiny", ("num_layers=12", "dim=768", "num_heads=12", "num_kv_heads=12", "ffn_dim=2048",
                        "vocab_size=256", "max_seq_len=1024"), 16, 1024)
 """(preset, --set overrides, global batch, seq len): the 85M shape of bench/gpu_throughput.py."""
-PLAN_STEPS = 20
-"""Steps per plan: tokens/s is the median of the second half. At 6 (3 timed steps) the first H200 run read the
-default plan and tp1, the same plan, 30% apart; a step of the 85M shape takes ~40 ms, so 14 more cost <1 s a plan
-beside its ~35 s start and compile."""
+PLAN_STEPS = 60
+"""Steps per plan: tokens/s is the median of the second half, its spread beside it. At 6 (3 timed steps) the first
+H200 run read the default plan and tp1, the same plan, 30% apart; at 20 the second read the default plan 218K
+tokens/s in one part and 314K in another; a step of the 85M shape takes ~50 ms, so 40 more cost ~2 s a plan beside
+its ~35 s start and compile."""
 DEFAULT_PLAN = "dp1"
 """What the planner prices for `shoal train` without --plan on one GPU (the device's defaults fill the rest)."""
 MEMORY_TOLERANCE = 0.25
@@ -161,9 +163,10 @@ def train_plan(plan: str, model: tuple, device: str, steps: int) -> dict[str, An
         records = read_jsonl(path) if path.exists() else []
     if status or not records:
         return {"status": "failed", "error": text.strip().splitlines()[-1][:300] if text.strip() else f"exit {status}"}
-    later = sorted(r["tokens_per_s"] for r in records[len(records) // 2:])
+    later = summarize([r["tokens_per_s"] for r in records[len(records) // 2:]])
     return {"status": "ok", "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],
-            "tokens_per_s": later[len(later) // 2], "peak_gb": max(r["mem_peak_mb"] for r in records) * 2**20 / 1e9}
+            "tokens_per_s": later["median"], "tokens_per_s_iqr_rel": later["iqr_rel"],
+            "peak_gb": max(r["mem_peak_mb"] for r in records) * 2**20 / 1e9}
 
 
 PLANS_TABLE = "one-process plans (85M shape, 16 x 1024)"
@@ -191,7 +194,7 @@ def plans(ctx: Context, device_name: str | None) -> None:
         row = {"plan": plan or "(default)", "status": got["status"]}
         if got["status"] == "ok":
             row.update(first_loss=got["first_loss"], last_loss=got["last_loss"], tokens_per_s=got["tokens_per_s"],
-                       peak_gb=got["peak_gb"])
+                       tokens_per_s_iqr_rel=got["tokens_per_s_iqr_rel"], peak_gb=got["peak_gb"])
         else:
             row["error"] = got["error"]
         row.update(predicted_gb=pred["mem_per_device_gb"], predicted_tokens_per_s=pred["tokens_per_s"])
