@@ -92,9 +92,9 @@ def shoal_selective_elements(cfg: ModelConfig, index: int, *, tp: int, sp: bool,
     tensor-parallel reductions; the norms, RoPE, the activation and the residual adds are recomputed): the
     checkpointed block's input (split under sequence parallelism); q, k and v before RoPE and the grouped heads'
     repeat, and a fused kernel's output and log-sum-exp per head (unfused attention's batched products are rerun),
-    split by tp; the up projections' outputs, split by
-    tp; and the two row-parallel products' outputs whole (a partial sum under tp), each with its reduction's
-    output under tp (all-reduce: whole; reduce-scatter: split). tests/test_planner.py counts it."""
+    split by tp; the up projections' outputs, split by tp; and the two row-parallel products' outputs whole (a
+    partial sum under tp), each with its reduction's output under tp (all-reduce: whole; reduce-scatter: split).
+    tests/test_planner_counts.py recounts it."""
     D, width = cfg.dim, compute.ffn_width(cfg, index)
     heads = cfg.num_heads * cfg.head_dim
     qkv = heads + 2 * cfg.kv_heads * cfg.head_dim

@@ -88,18 +88,20 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
                                                  fused_attention=cost.fused, policy=cost.policy,
                                                  tp_engine=cost.tp_engine)
                  for moe in (False, True)}
+    # The block being recomputed in backward holds its tensors again: all of them under full recompute, those
+    # shoal's selective policy did not keep (its products' outputs come from the forward's); Megatron-LM's reruns
+    # one attention core, counted as kept.
+    def count(ac: str) -> float:
+        return memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac=ac,
+                                          fused_attention=cost.fused, policy=cost.policy, tp_engine=cost.tp_engine)
+    recomputed = 0.0
+    if plan.ac == "full" or (plan.ac == "selective" and cost.policy != "megatron"):
+        recomputed = count("none") - (count("selective") if plan.ac == "selective" and cost.policy == "shoal" else 0.0)
     for lo, hi, head in stages:
         moe = cost.moe_count(lo, hi)
         act = per_block[True] * moe + per_block[False] * (hi - lo - moe)
         held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)  # type: ignore[arg-type]  # resolved
-        if plan.ac == "full" or (plan.ac == "selective" and cost.policy != "megatron"):  # the block being
-            # recomputed holds all of its tensors again (under shoal's selective policy, those it did not keep: its
-            # matmuls' outputs come from the forward's; Megatron-LM's reruns one attention core, counted as kept)
-            recomputed = memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac="none",
-                                                    fused_attention=cost.fused, tp_engine=cost.tp_engine)
-            if plan.ac == "selective" and not any(cost.selective_share.values()):
-                recomputed -= per_block[False]
-            held += recomputed * tokens * cost.bytes
+        held += recomputed * tokens * cost.bytes
         logits = memory.logits_bytes(cfg, tokens, tp=plan.tp, logit_bytes=int(cost.bytes)) if head else 0.0
         if head and plan.vocab == "sharded":  # the classifier's backward: the logits' gradient, both all-to-all buffers
             logits = max(logits, memory.SHARDED_LOGIT_COPIES * tokens * cfg.vocab_size * cost.bytes)
