@@ -12,7 +12,8 @@ unit. Contenders, interleaved repeat by repeat (bench.common.measure_pair):
 - fsdp2 fp32: FSDP2 of degree 1 per block and root, nothing cast (FSDP2's own overhead);
 - shoal dp1 bf16: shoal's runtime for `dp1,precision=bf16,compile=off` (FSDP2 of degree 1, bf16 params,
   fp32 reduction).
-Ratios are against plain fp32. `python -m bench.engine_overhead [--device cuda]`.
+Ratios are against plain fp32; beside them the aten ops each dispatches (the host's work on any device).
+`python -m bench.engine_overhead [--device cuda]`.
 """
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ def contenders(device: str) -> dict[str, Callable[[], Any]]:
             "fsdp2 fp32": step(sharded), "shoal dp1 bf16": step(shoal_bf16)}
 
 
+def dispatched_ops(fn: Callable[[], Any]) -> int:
+    """The aten ops one call of `fn` dispatches: the host's work, whatever the device (a GPU's host pays each)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
 def run(device: str, repeats: int) -> list[dict[str, Any]]:
     if not dist.is_initialized():
         with socket.socket() as s:
@@ -75,10 +92,12 @@ def run(device: str, repeats: int) -> list[dict[str, Any]]:
             torch.cuda.set_device(0)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=0, world_size=1)
-    results = measure_pair(contenders(device), warmup=5, repeats=repeats)
+    fns = contenders(device)
+    results = measure_pair(fns, warmup=5, repeats=repeats)
     base = results["plain fp32"]["time_s"]["median"]
     return [{"contender": name, "ms": r["time_s"]["median"] * 1e3, "iqr_rel": r["time_s"]["iqr_rel"],
-             "vs plain fp32": r["time_s"]["median"] / base} for name, r in results.items()]
+             "vs plain fp32": r["time_s"]["median"] / base, "aten ops": dispatched_ops(fns[name])}
+            for name, r in results.items()]
 
 
 def main() -> None:
