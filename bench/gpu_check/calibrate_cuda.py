@@ -73,6 +73,25 @@ def measure_bandwidth(device: str, nbytes: int, repeats: int) -> float:
     return 2 * nbytes / _median_time(lambda: y.copy_(x), device, repeats)
 
 
+HOST_CHAIN = 2000
+"""Ops in the chain that times the host's cost per op: each a kernel on a one-element tensor, so the device waits
+on the host and the chain's time over its length is what one dispatched op costs the host."""
+
+
+def measure_op_overhead(device: str, repeats: int) -> float:
+    """Seconds the host spends per dispatched op (an add on one element, its kernel launch included). Recorded in
+    the profile's JSON, not priced: the planner charges host time on CPUs only (shoal.planner.costs), and whether
+    a GPU's step is host-bound is what this figure and the engine part are to tell."""
+    x = torch.zeros(1, device=device)
+
+    def chain() -> None:
+        y = x
+        for _ in range(HOST_CHAIN):
+            y = y + 1
+
+    return _median_time(chain, device, repeats) / HOST_CHAIN
+
+
 def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
     """Measure, write the profile (JSON record and cluster TOML) under ctx.out, return the profile."""
     from shoal.planner.cluster_file import dump_cluster, parse_cluster
@@ -104,6 +123,7 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
         attn_flops += 3 * fwd_flops
         attn_time += 3.5 * fwd_flops / rates["forward_backward"]
     bandwidth = measure_bandwidth(dev, 2**24 if ctx.dry else 2**31, repeats)
+    op_overhead = measure_op_overhead(dev, repeats)
     matmul_eff = min(1.0, large / peak)
     attention_eff = min(1.0, attn_flops / attn_time / peak)
     device = dataclasses.replace(base.device, name=f"{base.device.name}-calibrated", matmul_efficiency=matmul_eff,
@@ -120,7 +140,8 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
     profile = {"device_name": device_name, "device_kind": base.device.name, "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "dry_run": ctx.dry, "matmul_efficiency": matmul_eff, "attention_efficiency": attention_eff,
-               "memory_bw_gbs": bandwidth / 1e9, "gemm_square_tflops": [[s, r / 1e12] for s, r in square],
+               "memory_bw_gbs": bandwidth / 1e9, "host_us_per_op": op_overhead * 1e6,
+               "gemm_square_tflops": [[s, r / 1e12] for s, r in square],
                "gemms": gemm_rows, "attention": attn_rows}
     json_path.write_text(json.dumps(profile, indent=1))
     ctx.tables["square GEMMs"] = [{"size": size, "tflops": rate / 1e12, "efficiency": rate / peak}
@@ -128,7 +149,7 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
     ctx.tables["GEMMs of training shapes"] = gemm_rows
     ctx.tables["causal attention (SDPA)"] = attn_rows
     ctx.figures.update(matmul_efficiency=matmul_eff, attention_efficiency=attention_eff,
-                       memory_bw_gbs=bandwidth / 1e9, data_sheet={
+                       memory_bw_gbs=bandwidth / 1e9, host_us_per_op=op_overhead * 1e6, data_sheet={
                            "matmul_efficiency": base.device.matmul_efficiency,
                            "attention_efficiency": base.device.attention_efficiency,
                            "memory_bw_gbs": base.device.memory_bw / 1e9}, profile=toml_path.name)
