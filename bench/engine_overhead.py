@@ -12,7 +12,8 @@ unit. Contenders, interleaved repeat by repeat (bench.common.measure_pair):
 - fsdp2 fp32: FSDP2 of degree 1 per block and root, nothing cast (FSDP2's own overhead);
 - shoal dp1 bf16: shoal's runtime for `dp1,precision=bf16,compile=off` (FSDP2 of degree 1, bf16 params,
   fp32 reduction).
-Ratios are against plain fp32; beside them the aten ops each dispatches (the host's work on any device).
+Ratios are against plain fp32; beside them the host ops each runs (shoal.planner.counts.host_ops, the unit of
+the planner's host time: outermost aten and c10d calls, views at half), the host's work on any device.
 `python -m bench.engine_overhead [--device cuda]`.
 """
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import measure_pair, report
+from shoal.planner.counts import host_ops
 
 LAYERS, TOKENS = 12, 8
 
@@ -39,6 +41,7 @@ def contenders(device: str) -> dict[str, Callable[[], Any]]:
 
     from shoal.mesh import build_mesh
     from shoal.models import PRESETS, Transformer
+    from shoal.parallel.data import blocks_of
     from shoal.parallelize import parallelize
     from shoal.plan import Plan
 
@@ -48,7 +51,7 @@ def contenders(device: str) -> dict[str, Callable[[], Any]]:
     plain = Transformer(cfg).to(device)
     sharded = Transformer(cfg).to(device)
     mesh = init_device_mesh(device, (1,))
-    for block in sharded.layers.values() if hasattr(sharded.layers, "values") else sharded.layers:
+    for block in blocks_of(sharded):
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
     plan = Plan.parse("dp1,precision=bf16,compile=off").resolve(1, device)
@@ -67,22 +70,6 @@ def contenders(device: str) -> dict[str, Callable[[], Any]]:
             "fsdp2 fp32": step(sharded), "shoal dp1 bf16": step(shoal_bf16)}
 
 
-def dispatched_ops(fn: Callable[[], Any]) -> int:
-    """The aten ops one call of `fn` dispatches: the host's work, whatever the device (a GPU's host pays each)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            Count.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.calls
-
-
 def run(device: str, repeats: int) -> list[dict[str, Any]]:
     if not dist.is_initialized():
         with socket.socket() as s:
@@ -96,7 +83,7 @@ def run(device: str, repeats: int) -> list[dict[str, Any]]:
     results = measure_pair(fns, warmup=5, repeats=repeats)
     base = results["plain fp32"]["time_s"]["median"]
     return [{"contender": name, "ms": r["time_s"]["median"] * 1e3, "iqr_rel": r["time_s"]["iqr_rel"],
-             "vs plain fp32": r["time_s"]["median"] / base, "aten ops": dispatched_ops(fns[name])}
+             "vs plain fp32": r["time_s"]["median"] / base, "host ops": host_ops(fns[name])}
             for name, r in results.items()]
 
 

@@ -349,8 +349,9 @@ def _saved_per_token(plan: str, num_layers: int, model=TINY) -> float:
 def test_selective_recompute_activation_count(pools, plan, model):
     """memory.activation_elements under ac=selective (shoal's policy: the weight products', the attention
     kernel's and the reductions' outputs kept), recounted: the storages a forward creates that are still alive
-    after it (the block inputs the checkpoints keep and what the policy saves; a DTensor by this rank's local
-    tensor), 4 blocks less 2, per block and token. Exact: whole elements of whole tensors."""
+    after it (recompute.kept_activation_bytes: the block inputs the checkpoints keep and what the policy saves; a
+    DTensor by this rank's local tensor), 4 blocks less 2, per block and token. Exact: whole elements of whole
+    float32 tensors."""
     from shoal.planner import memory
 
     cfg = PRESETS[model].replace(max_seq_len=16)
@@ -363,39 +364,12 @@ def test_selective_recompute_activation_count(pools, plan, model):
 
 
 def _kept_per_token(plan: str, num_layers: int, model) -> float:
-    import gc
-
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t._local_tensor if isinstance(t, DTensor) else t
-
-    class Created(TorchDispatchMode):  # shoal.parallel.recompute.CreatedStorages, counting a DTensor's local part
-        def __init__(self) -> None:
-            super().__init__()
-            self.created: dict[int, tuple[StorageWeakRef, int]] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {local(t).untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor)}
-            for t in map(local, (t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))):
-                if t.is_floating_point() and t.untyped_storage()._cdata not in inputs:
-                    storage = t.untyped_storage()
-                    elements = storage.nbytes() // t.element_size()
-                    self.created.setdefault(storage._cdata, (StorageWeakRef(storage), elements))
-            return out
+    from shoal.parallel.recompute import kept_activation_bytes
 
     runtime, _, batches = parallel_setup(case(plan=plan, model=model.replace(num_layers=num_layers), global_batch=2,
                                               seq_len=model.max_seq_len, steps=1))
     inputs, _ = batches[0]
     (part,) = runtime.parts
-    with Created() as created:
-        out = part(inputs)  # held: the graph, and with it what it saves, lives as long as the output
-    gc.collect()  # a storage only garbage in a cycle still holds is not kept (it was counted, now and then)
-    kept = sum(n for ref, n in created.created.values() if not ref.expired())
+    kept, out = kept_activation_bytes(lambda: part(inputs))  # the output held: the graph lives as long as it
     del out
-    return kept / inputs.numel()
+    return kept / 4 / inputs.numel()  # float32 elements

@@ -56,9 +56,14 @@ class Context:
         return {"checks": self.checks, "figures": self.figures, "tables": self.tables}
 
 
+def offline_env() -> dict[str, str]:
+    """This process's environment with Hugging Face's libraries kept offline (the GPU machine reaches nothing)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def run_command(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> tuple[int, str]:
     """(exit status, the output's last 4,000 characters) of a command run from the repository root."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    full_env = {**offline_env(), **(env or {})}
     try:
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=full_env, timeout=timeout_s,
                               check=False)
@@ -72,7 +77,7 @@ def stream_command(cmd: list[str], *, deadline: float, on_line: Callable[[str], 
     """(exit status, the output's last 4,000 characters) of a command run from the repository root, each line
     printed and handed to `on_line` as it comes; the command and its children are stopped at `deadline`
     (time.monotonic()), exit status 124."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    full_env = {**offline_env(), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     stopped = threading.Event()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import summarize
-from bench.gpu_check.context import REPO, Context, read_jsonl, run_command, shoal_command, stream_command
+from bench.gpu_check.context import REPO, Context, offline_env, read_jsonl, run_command, shoal_command, stream_command
 
 CUDA_TESTS = ("tests/test_devices.py", "tests/test_fast_step.py")
 """The test files with tests skipped where torch sees no GPU; `-k` picks those tests."""
@@ -96,7 +96,7 @@ def _run_in(cwd: str, cmd: list[str], timeout_s: float = 900) -> tuple[int, str]
     import os
     import subprocess
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = offline_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_pythonpath(), env.get("PYTHONPATH", "")) if p)
     try:
         done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)

@@ -18,12 +18,14 @@ afterwards. Recompute reruns the same kernels on the same inputs, so gradients a
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -71,8 +73,8 @@ def apply_recompute(model: nn.Module, *, plan: Plan) -> nn.Module:
 
 
 class CreatedStorages(TorchDispatchMode):
-    """While active, notes every tensor storage an op creates (not views of its inputs); each
-    storage once. `live_bytes()`: the bytes of those still alive."""
+    """While active, notes every tensor storage an op creates (not views of its inputs), a DTensor's by
+    this rank's local tensor; each storage once. `live_bytes()`: the bytes of those still alive."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,17 +83,22 @@ class CreatedStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # A view (of a weight, say) shares its input's storage: only new storages are created.
-        inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {_local(t).untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                storage = t.untyped_storage()
+            if isinstance(t, torch.Tensor) and _local(t).untyped_storage()._cdata not in inputs:
+                storage = _local(t).untyped_storage()
                 self.created.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
         return out
 
     def live_bytes(self) -> int:
+        gc.collect()  # a storage that only garbage in a reference cycle still holds is not kept
         self.created = {k: v for k, v in self.created.items() if not v[0].expired()}
         return sum(size for _, size in self.created.values())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def kept_activation_bytes(forward: Callable[[], T]) -> tuple[int, T]:

@@ -149,8 +149,8 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
     if experts != bool(cfg.num_experts):  # a family mismatch, which layout.check would word as a field's value
         held, model = ("Mixture-of-Experts", "dense") if experts else ("dense", "Mixture-of-Experts")
         raise WeightsMismatch(f"--init {path} holds a {held} model's weights (expert tensors: "
-                         f"{'some' if experts else 'none'}) but the model is {model}; valid: a {held} --model, or "
-                         f"weights of a {model} model")
+                              f"{'some' if experts else 'none'}) but the model is {model}; valid: a {held} "
+                              f"--model, or weights of a {model} model")
     try:
         layout.check(cfg)
     except ValueError as exc:
@@ -175,8 +175,9 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
                 if ignored:
                     skipped.add(name)
                     continue
-                raise WeightsMismatch(f"--init {path}: tensor {key} in {key_files[key].name} has shape {tuple(found)}, "
-                                 f"the model expects {tuple(want)} (for {name}); is --model the same model?")
+                raise WeightsMismatch(f"--init {path}: tensor {key} in {key_files[key].name} has shape "
+                                      f"{tuple(found)}, the model expects {tuple(want)} (for {name}); is --model the "
+                                      "same model?")
             if dtype not in FLOAT_DTYPES:
                 raise ValueError(f"--init {path}: tensor {key} in {key_files[key].name} is {dtype}, which the run "
                                  f"cannot take as a weight; valid: {', '.join(FLOAT_DTYPES)}")
@@ -192,7 +193,7 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
         parts = ([f"missing {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])})"] if missing else []) \
             + ([f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])})"] if unexpected else [])
         raise WeightsMismatch(f"--init {path} ({layout.name} names) does not fit the model: {'; '.join(parts)}; "
-                         "--init-ignore PATTERN skips tensors by name (glob)")
+                              "--init-ignore PATTERN skips tensors by name (glob)")
     read = {k: v for k, v in headers.items() if k in used and k in key_files}
     return Pretrained(path, cfg, layout, {k: key_files[k] for k in read}, read, skipped, dropped)
 
