@@ -3,15 +3,16 @@ deep, tiny model (12 blocks, dim 128, 8 tokens: the arithmetic is negligible, th
 overhead is what is timed), by how its parameters reach 16-bit.
 
 Why: on the H200 (docs/gpu_check/H200_2026-11-27/) the 85M shape trained faster in fp32 (355K tokens/s)
-than in bf16 (290K, compile off), where bf16's matrix products run at twice fp32's (TF32) rate. A one-process
-fp32 plan runs the bare model (no data engine); bf16 runs FSDP2 with a shard degree of 1 for its
-MixedPrecisionPolicy (shoal.parallel.precision), which puts hooks, a gathered copy and a reduction around every
-unit. Contenders, interleaved repeat by repeat (bench.common.measure_pair):
+than in bf16 (290K, compile off), where bf16's matrix products run at twice fp32's (TF32) rate: one-process
+bf16 then ran FSDP2 with a shard degree of 1 for its MixedPrecisionPolicy, which puts hooks, a gathered copy
+and a reduction around every unit, and this bench measured its host time at 1.46x autocast's on that machine.
+shoal now runs one-process mixed precision under torch.autocast (shoal.rules, engine "autocast").
+Contenders, interleaved repeat by repeat (bench.common.measure_pair):
 - plain fp32: the bare model (shoal's fp32 dp1);
 - autocast bf16: the bare model under torch.autocast (what a plain training loop does);
 - fsdp2 fp32: FSDP2 of degree 1 per block and root, nothing cast (FSDP2's own overhead);
-- shoal dp1 bf16: shoal's runtime for `dp1,precision=bf16,compile=off` (FSDP2 of degree 1, bf16 params,
-  fp32 reduction).
+- fsdp2 bf16: the same with bf16 parameters and fp32 reduction (shoal's one-process bf16 until 2026-11-27);
+- shoal dp1 bf16: shoal's runtime for `dp1,precision=bf16,compile=off`, called as the trainer calls it.
 Ratios are against plain fp32; beside them the host ops each runs (shoal.planner.counts.host_ops, the unit of
 the planner's host time: outermost aten and c10d calls, views at half), the host's work on any device.
 `python -m bench.engine_overhead [--device cuda]`.
@@ -37,7 +38,7 @@ LAYERS, TOKENS = 12, 8
 def contenders(device: str) -> dict[str, Callable[[], Any]]:
     """One forward and backward per contender, on `device`, in this process (a process group of one)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from shoal.mesh import build_mesh
     from shoal.models import PRESETS, Transformer
@@ -49,15 +50,18 @@ def contenders(device: str) -> dict[str, Callable[[], Any]]:
     tokens = torch.randint(0, cfg.vocab_size, (1, TOKENS), device=device)
     torch.manual_seed(0)
     plain = Transformer(cfg).to(device)
-    sharded = Transformer(cfg).to(device)
     mesh = init_device_mesh(device, (1,))
-    for block in blocks_of(sharded):
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
-    plan = Plan.parse("dp1,precision=bf16,compile=off").resolve(1, device)
-    (shoal_bf16,) = parallelize(Transformer(cfg).to(device), plan, build_mesh(plan, device)).parts
 
-    def step(model: torch.nn.Module, autocast: bool = False) -> Callable[[], Any]:
+    def fsdp2(policy: MixedPrecisionPolicy) -> torch.nn.Module:
+        sharded = Transformer(cfg).to(device)
+        for block in blocks_of(sharded):
+            fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        return fully_shard(sharded, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+
+    plan = Plan.parse("dp1,precision=bf16,compile=off").resolve(1, device)
+    shoal_bf16 = parallelize(Transformer(cfg).to(device), plan, build_mesh(plan, device))
+
+    def step(model: Callable[[torch.Tensor], torch.Tensor], autocast: bool = False) -> Callable[[], Any]:
         def run() -> None:
             with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
                 out = model(tokens)
@@ -67,7 +71,9 @@ def contenders(device: str) -> dict[str, Callable[[], Any]]:
         return run
 
     return {"plain fp32": step(plain), "autocast bf16": step(plain, autocast=True),
-            "fsdp2 fp32": step(sharded), "shoal dp1 bf16": step(shoal_bf16)}
+            "fsdp2 fp32": step(fsdp2(MixedPrecisionPolicy())),
+            "fsdp2 bf16": step(fsdp2(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))),
+            "shoal dp1 bf16": step(shoal_bf16)}
 
 
 def run(device: str, repeats: int) -> list[dict[str, Any]]:

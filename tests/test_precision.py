@@ -56,6 +56,24 @@ def test_mixed_precision_tracks_fp32(pools):
     assert results[0][2]["scale"] == 2.0**16  # fp16: no overflow at this scale on this model
 
 
+ONE_PROCESS = [case(plan="precision=bf16", steps=6), case(plan="precision=fp16", steps=6),
+               case(plan="precision=bf16", steps=6, num_micro=2)]
+"""One data rank in mixed precision runs under torch.autocast (shoal.rules' engine "autocast"), not FSDP2."""
+
+
+def test_one_process_mixed_precision_tracks_fp32(pools):
+    """The same tolerance as above: autocast rounds only each product's inputs to 16 bits, and keeps the
+    residual stream and the element-wise work in fp32, which is nearer the fp32 run than FSDP2's casts."""
+    results = pools(1).run(train_losses, ONE_PROCESS)
+    for c, result in zip(ONE_PROCESS, results[0], strict=True):
+        compute = PrecisionPolicy.from_name(Plan.parse(c.plan).resolve(1).precision).param_dtype
+        assert result["logits_dtype"] == compute, c.plan  # the products ran in 16 bits
+        assert result["master"] == {torch.float32}, c.plan
+        assert_close(result["losses"], run_reference(c)["losses"], rtol=1e-3, atol=0, what=f"{c.plan} losses")
+        assert result["losses"] != pytest.approx(run_reference(c)["losses"], rel=1e-7), f"{c.plan}: no cast happened"
+    assert results[0][1]["scale"] == 2.0**16
+
+
 def test_loss_scaler_skips_overflowing_steps():
     scaler = LossScaler(init_scale=8.0, growth_interval=2)
     assert scaler.unscale_factor(torch.tensor(float("inf"))) is None and scaler.scale_value == 4.0

@@ -31,7 +31,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
     ("dp1", 1, "cpu", ("none", 0, 0, 0)),
     ("dp2", 2, "cpu", ("ddp", 0, 0, 0)),
     ("dp2", 2, "cuda", ("fsdp2", 2, 2, 2)),  # bf16 by default on GPUs: DDP has no parameter-dtype policy
-    ("dp1", 1, "cuda", ("fsdp2", 2, 2, 2)),
+    ("dp1", 1, "cuda", ("autocast", 0, 0, 0)),  # one data rank in bf16: torch.autocast, no FSDP2 hooks
+    ("dp1,precision=fp16", 1, "cpu", ("autocast", 0, 0, 0)),
+    ("tp2", 2, "cuda", ("fsdp2", 2, 2, 2)),  # bf16 over a tensor-parallel model: FSDP2 casts its DTensors
     ("tp2", 4, "cpu", ("fsdp2", 2, 2, 2)),  # replicated over a tensor-parallel model
     ("tp2", 2, "cpu", ("none", 0, 0, 0)),
     ("fsdp2,zero=1", 2, "cpu", ("zero", 1, 2, 2)),

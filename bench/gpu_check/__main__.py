@@ -42,8 +42,8 @@ PARTS = [  # most likely to fail first (GPU code paths that have never run), the
          "one layer's speed per path and bench/moe_layer.py's naive loop", "parts_kernels:moe"),
     Part("attention", 60, "ring and a2a attention against SDPA and torch's context_parallel at cp=1 (values, "
          "gradients); the ring's blocks at cp=2, 4 rank by rank", "parts_kernels:attention"),
-    Part("engine", 60, "what a one-process bf16 run pays for its data engine (FSDP2 of degree 1) against the bare "
-         "model and autocast: host time of a deep tiny model's forward and backward (bench/engine_overhead.py)",
+    Part("engine", 60, "what a one-process bf16 run pays for its parameter cast (autocast; FSDP2 of degree 1 before) "
+         "against the bare model: host time of a deep tiny model's forward and backward (bench/engine_overhead.py)",
          "parts_kernels:engine"),
     Part("ops", 90, "kernels per block under compile (profiler), beside the planner's OPS_PER_BLOCK",
          "parts_kernels:ops"),
@@ -52,7 +52,7 @@ PARTS = [  # most likely to fail first (GPU code paths that have never run), the
          "calibrate_cuda:part"),
     Part("throughput-85m", 300, "bench/gpu_throughput.py at the 85M shape with its goals",
          "parts_train:throughput:85m"),
-    Part("throughput-1.9b", 300, "bench/gpu_throughput.py at the 1.9B shape with its goals",
+    Part("throughput-1.9b", 470, "bench/gpu_throughput.py at the 1.9B shape with its goals (a call of its own)",
          "parts_train:throughput:1.9b"),
 ]
 BY_NAME = {p.name: p for p in PARTS}

@@ -17,6 +17,11 @@ takes its usual value where that is valid and otherwise the valid value nearest 
 
 The data-parallel engines (shoal/parallel/data.py builds them; `choose_engine` picks one):
 - none: one data rank in full precision; the model is left as the other axes made it.
+- autocast: one data rank, nothing else split, in bf16 or fp16: the fp32 parameters are the master
+  weights and torch.autocast casts them for each product (shoal/parallel/precision.py). FSDP2 of
+  degree 1 would cast them too, but its hooks cost a step 1.5-1.8x autocast's host time
+  (bench/engine_overhead.py: 54 against 37 ms on an H200's host, 53 against 30 ms on a 2-core
+  CPU), and on an H200 the 85M shape trained faster in fp32 than in bf16 under it (docs/gpu_check/).
 - ddp: torch's DistributedDataParallel (replicated, full precision, no tensor parallel).
 - zero: shoal's ZeRO-1/2 engine (shoal/parallel/zero.py): fsdp > 1 at stage 1 or 2, on a model
   without tensor parallelism and without offload. Under pp it also runs replicated data
@@ -24,8 +29,8 @@ The data-parallel engines (shoal/parallel/data.py builds them; `choose_engine` p
   all-reduced after the last one's backward): DDP prepares its reduction in forward, and a
   pipeline runs later forwards before earlier backwards.
 - fsdp2: torch's FSDP2 `fully_shard` for everything else: ZeRO-3, offload, data parallel over a
-  tensor-parallel model, and replicated mixed precision (a shard degree of 1, since DDP has no
-  parameter-dtype policy).
+  tensor-parallel model, and replicated mixed precision over two or more data ranks (a shard degree
+  of 1, since DDP has no parameter-dtype policy).
 Two pipeline schedules need more of the engine than some engines give: zero-bubble's weight
 passes assign gradients no FSDP2 hook sees (zb runs without an engine or on shoal's ZeRO-1/2
 engine), and interleaved chunks would each need an engine of their own (interleaved runs with
@@ -141,9 +146,9 @@ class EngineChoice:
     """The data-parallel engine of one plan and how it groups the model."""
 
     kind: str
-    """none, ddp, zero or fsdp2 (see the module docstring)."""
+    """none, autocast, ddp, zero or fsdp2 (see the module docstring)."""
     zero: int
-    """The ZeRO stage it runs: 1, 2 or 3; 0 for none and ddp (nothing sharded)."""
+    """The ZeRO stage it runs: 1, 2 or 3; 0 for none, autocast and ddp (nothing sharded)."""
     bucket: int
     """Transformer blocks per gather/reduce unit (0 when nothing is gathered or reduced by units)."""
     units: int
@@ -153,6 +158,8 @@ class EngineChoice:
         """One line for the plan's words at start-up."""
         if self.kind == "none":
             return "one data rank, nothing to replicate or shard"
+        if self.kind == "autocast":
+            return "one data rank: fp32 master weights, cast for each product by torch.autocast"
         if self.kind == "ddp":
             return "torch DDP (bucketed all-reduce overlapped with backward)"
         engine = "shoal's ZeRO-1/2 engine" if self.kind == "zero" else "torch FSDP2"
@@ -166,6 +173,9 @@ def choose_engine(plan: Plan, *, num_layers: int) -> EngineChoice:
     full_precision = plan.precision == "fp32" and plan.reduce == "fp32"
     if plan.dp == 1 and plan.fsdp == 1 and plan.cp == 1 and full_precision:
         return EngineChoice(kind="none", zero=0, bucket=0, units=0)
+    alone = plan.dp == 1 and plan.fsdp == 1 and plan.cp == 1 and plan.tp == 1 and plan.pp == 1
+    if alone and not plan.offload:
+        return EngineChoice(kind="autocast", zero=0, bucket=0, units=0)
     if plan.pp > 1 and plan.tp == 1 and not plan.offload and (plan.fsdp == 1 or plan.zero < 3):
         zero = 1 if plan.fsdp == 1 else plan.zero
         bucket = plan.bucket if plan.bucket is not None else DEFAULT_BUCKET[zero]

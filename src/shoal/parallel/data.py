@@ -8,6 +8,8 @@ docstring, the one place that says it):
   parameters kept as plain tensors, float32 row shards for the optimizer, one reduce-scatter per
   bucket in backward, one all-gather per bucket after the step). Its module docstring says why
   FSDP2 was not good enough there.
+- autocast: one data rank in bf16 or fp16 with nothing else split: the module under torch.autocast
+  (`shoal.parallel.precision.Autocast`), its fp32 parameters the master weights.
 - fsdp2: FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive transformer
   blocks (one by default at zero=3), the embeddings, the head (final norm and classifier) and the
   root.
@@ -74,7 +76,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shoal.mesh import replica_mesh
 from shoal.models.adapter import adapter_for
-from shoal.parallel.precision import PrecisionPolicy
+from shoal.parallel.precision import Autocast, PrecisionPolicy
 from shoal.parallel.sharded_vocab import shard_classifier, shard_embedding
 from shoal.parallel.zero import ZeroDataParallel
 from shoal.plan import Plan
@@ -150,6 +152,8 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan, choic
         raise ValueError(f"offload=on needs fsdp > 1 (plan {plan}); valid: add fsdpN, or offload=off")
     if choice.kind == "none":
         return TorchDataEngine(model, model)  # a tp-only model stays as tensor parallel left it
+    if choice.kind == "autocast":
+        return TorchDataEngine(Autocast(model, dtype=precision.param_dtype, device_type=mesh.device_type), model)
     ignored = {id(p) for p in ignore}
     if choice.kind == "ddp":
         names = [name for name, p in model.named_parameters() if id(p) in ignored]
@@ -190,6 +194,8 @@ class TorchDataEngine:
     def __init__(self, model: nn.Module, module: nn.Module, *, gradient_sync_toggle: bool = False) -> None:
         self.model, self.module = model, module
         self._toggle = gradient_sync_toggle  # FSDP2 at ZeRO-1: reduce on the last micro-batch only
+        # DCP names parameters through DDP and FSDP2 as the module does, but not through a wrapper of ours.
+        self._named = module if isinstance(model, Autocast) else model
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for name, param in self.module.named_parameters():
@@ -225,29 +231,29 @@ class TorchDataEngine:
             torch._foreach_mul_(group, factor.to(grads[0].device))
 
     def reduce_grads(self) -> None:
-        # Nothing is left: "none" reduces nothing, DDP never runs under pp, and a zero-bubble
+        # Nothing is left: "none" and "autocast" reduce nothing, DDP never runs under pp, and a zero-bubble
         # schedule on FSDP2 is refused (shoal.rules).
         pass
 
     def model_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(self._named)
 
     def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, optimizer)
+        return get_optimizer_state_dict(self._named, optimizer)
 
     def load_state_dicts(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None,
                          optimizer: torch.optim.Optimizer | None) -> None:
-        set_state_dict(self.model, optimizer if optimizer is not None else (),
+        set_state_dict(self._named, optimizer if optimizer is not None else (),
                        model_state_dict=model_sd, optim_state_dict=optim_sd or {})
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))  # a model's: tensors
+        return cast(dict[str, torch.Tensor], get_model_state_dict(self._named, options=options))  # a model's: tensors
 
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         # strict=False: the runtime checked the names; a partial dict leaves the rest as it is.
         options = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(self.model, cast(dict[str, Any], weights), options=options)  # dict is invariant
+        set_model_state_dict(self._named, cast(dict[str, Any], weights), options=options)  # dict is invariant
 
 
 def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

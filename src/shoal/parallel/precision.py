@@ -8,8 +8,10 @@ reduced in, and whether the loss is scaled.
 - fp16: as bf16 with float16 compute, plus dynamic loss scaling (`LossScaler`): float16's small
   range underflows small gradients unless the loss is multiplied up before backward.
 
-The cast itself is FSDP2's `MixedPrecisionPolicy` (data.py applies it; a replicated run uses FSDP2
-with a shard degree of 1 for it, since DDP has no parameter-dtype policy).
+Who casts: FSDP2's `MixedPrecisionPolicy` where a data engine runs (data.py applies it; replicated
+data parallelism uses FSDP2 with a shard degree of 1 for it, since DDP has no parameter-dtype
+policy), and torch.autocast (`Autocast`) for one data rank with nothing else split, where FSDP2's
+hooks would cost more host time than the step's kernels take on a GPU (shoal.rules).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,6 +55,23 @@ class PrecisionPolicy:
         if self.is_full:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+
+class Autocast(nn.Module):
+    """`module`'s forward under torch.autocast at `dtype`: its float32 parameters stay the master
+    weights the optimizer updates, each product casts them (once per forward: autocast caches the
+    casts) and its gradients come back in float32. Element-wise work between products stays in the
+    inputs' dtype, so the residual stream stays float32 (nearer the fp32 run than FSDP2's bf16
+    copies). Wraps rather than patches the module; its state dicts are taken from `module`, whose
+    names carry no wrapper prefix (TorchDataEngine)."""
+
+    def __init__(self, module: nn.Module, *, dtype: torch.dtype, device_type: str) -> None:
+        super().__init__()
+        self.module, self.dtype, self.device_type = module, dtype, device_type
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 class LossScaler:

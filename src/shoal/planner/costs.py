@@ -270,12 +270,15 @@ class Costs:
                 terms["fsdp_copies"] = fsdp2_copy_bytes(params, param_bytes=self.bytes, grad_bytes=self.bytes,
                                                         reduce_bytes=grad, gathers=gathers,
                                                         reduces=reduces) / self.mem_bw
+        if kind == "autocast":  # each micro-batch casts every weight for its products and each gradient back
+            terms["autocast_casts"] = micro * params * AUTOCAST_CAST_BYTES / self.mem_bw
         # Unsharded FSDP2 is priced as DDP is: one reduction, in the last micro-batch's backward (the traffic
         # above counts it once, as a pipeline's last backward or no_sync would run it).
         schedule = data_schedule("ddp" if kind == "fsdp2" and fsdp == 1 else kind, zero, micro=micro)
         passes = {"forward": 0.0, "backward": 0.0}
-        # Waited for at once: the tables' activations, and FSDP2's copies on the compute stream.
-        blocking = sum(seconds for term, seconds in terms.items() if term.startswith("vocab_") or term == "fsdp_copies")
+        # Waited for at once: the tables' activations, and FSDP2's copies and autocast's casts on the compute stream.
+        blocking = sum(seconds for term, seconds in terms.items()
+                       if term.startswith("vocab_") or term in ("fsdp_copies", "autocast_casts"))
         for term, seconds in terms.items():
             for phase, share in schedule.get(term, {}).items():
                 passes[phase] += share * seconds
@@ -285,6 +288,12 @@ class Costs:
             shown, hid = overlap_exposed(seconds, self.overlap * windows[phase], pieces=units + 1)
             exposed, hidden = exposed + shown, hidden + hid
         return blocking + exposed + OVERLAP_SLOWDOWN * hidden, terms
+
+
+AUTOCAST_CAST_BYTES = (4 + 2) + (2 + 4)
+"""Bytes per parameter that torch.autocast moves per forward and backward (shoal.parallel.precision.Autocast):
+each fp32 weight read and written as a 16-bit copy for its products (cached for the rest of that forward), and
+its 16-bit gradient read and written as the fp32 gradient it accumulates into."""
 
 
 def fsdp2_copy_bytes(params: float, *, param_bytes: float, grad_bytes: float, reduce_bytes: float, gathers: int,

@@ -46,10 +46,11 @@ from shoal.rules import EngineChoice, choose_engine, micro_batches
 OPTIMIZER_BYTES = 28 + 4 * 2
 """Bytes an Adam step moves per parameter: read weight, gradient, two moments (16), write the weight
 and the moments (12), and read the gradient twice for the clipping norm and the scaling (8)."""
-ENGINE_OPS_PER_PARAMETER = {"fsdp2": 6, "zero": 3, "ddp": 1, "none": 0}
+ENGINE_OPS_PER_PARAMETER = {"fsdp2": 6, "zero": 3, "ddp": 1, "autocast": 2, "none": 0}
 """Host ops per parameter tensor per micro-batch that a data engine's hooks run: FSDP2 copies each
 shard into and out of the gathered buffer in forward and again in backward; shoal's ZeRO engine
-packs and unpacks gradient buckets; DDP marks each gradient ready."""
+packs and unpacks gradient buckets; DDP marks each gradient ready; autocast casts each weight for
+its products and its gradient back."""
 OPS_PER_PARAMETER = 3
 """Host ops per parameter tensor per step outside forward and backward: the clipping norm, the
 optimizer's per-tensor update, zeroing the gradient."""
@@ -277,6 +278,6 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 def _units(kind: str, units: int, params: float) -> int:
     """Gather/reduce units besides the rest of the model: the engine's, or DDP's 25 MB buckets."""
-    if kind in ("ddp", "none"):
+    if kind in ("ddp", "none", "autocast"):
         return max(1, math.ceil(params * 4 / DDP_BUCKET_BYTES)) - 1
     return units

@@ -64,6 +64,8 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
             unsharded_accumulation: bool = False) -> tuple[dict[str, float], float]:
     """The busiest device's memory terms in bytes, and all its gradients' bytes."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
+    if kind == "autocast":  # fp32 parameters (the master weights) and gradients, the 16-bit casts of the weights
+        pb, gb, ob = 4.0 + pb, 4.0, 8.0  # kept from each product's forward to its backward (autocast's cache)
     rb = 4.0 if plan.reduce == "fp32" else 2.0  # bytes of a gradient element as the data axis reduces it
     shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
     # shoal's ZeRO-1 engine holds full gradients only to accumulate them (no_sync): with one micro-batch and no
@@ -81,7 +83,7 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     # its gradient of the embedding table (or the classifier) whole before adding it to the one held
     # (tests/test_planner_counts.py measures it): a table's bytes more, late in the backward, after the
     # loss's logits are freed, so a stage holds the larger of the two, not both.
-    table = cfg.vocab_size * cfg.dim / plan.tp * gb if micro > 1 and kind == "none" else 0.0
+    table = cfg.vocab_size * cfg.dim / plan.tp * gb if micro > 1 and kind in ("none", "autocast") else 0.0
     worst: dict[str, float] = {}
     per_block = {moe: memory.activation_elements(cfg, compute.block_index(cfg, moe=moe),
                                                  seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=plan.ac,
