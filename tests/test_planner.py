@@ -802,3 +802,20 @@ def test_plan_flags_that_would_do_nothing_are_refused(capsys, argv, words):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+def test_one_process_mixed_precision_is_priced_as_autocast():
+    """One data rank in bf16 runs under torch.autocast (rules.choose_engine): fp32 parameters (the master
+    weights) plus the 16-bit casts kept from forward to backward, fp32 gradients, Adam's two fp32 moments, and
+    the casts' traffic (costs.AUTOCAST_CAST_BYTES a parameter each micro-batch) waited for on the compute stream;
+    no DTensor dispatch, no collective."""
+    from shoal.planner.costs import AUTOCAST_CAST_BYTES
+
+    mixed, full = _estimate("dp1", cluster="1xH100"), _estimate("dp1,precision=fp32", cluster="1xH100")
+    assert (mixed.engine, full.engine) == ("autocast", "none")
+    params = full.memory["parameters"] / 4
+    assert mixed.memory["parameters"] == pytest.approx(6 * params)
+    assert mixed.memory["optimizer"] == pytest.approx(8 * params) == full.memory["optimizer"]
+    bandwidth = parse_cluster("1xH100").device.memory_bw
+    assert mixed.traffic["autocast_casts"] == pytest.approx(params * AUTOCAST_CAST_BYTES / bandwidth)
+    assert mixed.time["dp_sync_exposed"] == pytest.approx(mixed.traffic["autocast_casts"])
