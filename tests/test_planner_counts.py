@@ -373,3 +373,41 @@ def _kept_per_token(plan: str, num_layers: int, model) -> float:
     kept, out = kept_activation_bytes(lambda: part(inputs))  # the output held: the graph lives as long as it
     del out
     return kept / 4 / inputs.numel()  # float32 elements
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-gpt"])
+def test_autocast_activation_count(model):
+    """One process in bf16 runs under torch.autocast (rules: the engine "autocast"), which keeps the residual
+    stream and the norms in float32 and casts a norm's output once for each product reading it: 2 bytes for
+    each of memory.activation_elements and memory.autocast_extra_elements, recounted as bytes autograd saves
+    (4 blocks less 2, per block and token) less the 16-bit casts of the blocks' weights (priced with the
+    parameters). Exact: whole bytes of whole tensors."""
+    import torch
+    from torch import nn
+
+    from shoal.models import Transformer
+    from shoal.parallel.precision import Autocast
+    from shoal.planner import memory
+
+    cfg = PRESETS[model].replace(max_seq_len=16)
+    inputs = torch.randint(0, cfg.vocab_size, (2, 16))
+
+    def per_token(layers: int) -> float:
+        net = Autocast(Transformer(cfg.replace(num_layers=layers)), dtype=torch.bfloat16, device_type="cpu")
+        skip = {t.untyped_storage().data_ptr() for t in [*net.parameters(), *net.buffers()]}
+        sizes: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
+                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            net(inputs)
+        return sum(sizes.values()) / inputs.numel()
+
+    block = Transformer(cfg.replace(num_layers=1)).layers["0"]
+    casts = 2 * sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+    per_block = (per_token(4) - per_token(2)) / 2 - casts / inputs.numel()
+    priced = memory.activation_elements(cfg, 0, seq_len=16, tp=1, sp=False, ac="none", fused_attention=True)
+    assert per_block == 2 * (priced + memory.autocast_extra_elements(cfg, 0, ac="none"))

@@ -78,6 +78,25 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     return norms + permuted + (split + scores) / tp
 
 
+def autocast_extra_elements(cfg: ModelConfig, index: int, *, ac: str) -> float:
+    """What block `index` keeps per token beyond `activation_elements` under torch.autocast (one process in bf16
+    or fp16, the engine "autocast"), in 16-bit elements (a float32 tensor counts twice), as the planner prices
+    a 16-bit run's activations at 2 bytes. Autocast leaves the residual stream and the norms in float32: a norm
+    keeps its input and its statistics in float32 (RMSNorm also its normalised input: 2D + 1 more; LayerNorm
+    D + 2); and it casts a float32 tensor afresh for every product that reads it, so each product after a norm
+    keeps its own 16-bit copy where 16-bit parameters would share one (q, k and v: 2D more; SwiGLU's up
+    projections: D more). The attention kernel's log-sum-exp is float32 too (H more). Only without recompute
+    (a recomputed block's tensors are rerun, not kept); an MoE layer's experts read permuted copies, counted
+    already. A fused RMSNorm kernel (CUDA) keeps less: an upper bound there. Recounted, byte for byte:
+    tests/test_planner_counts.py."""
+    if ac != "none":
+        return 0.0
+    D = cfg.dim
+    norms = 2 * (2 * D + 1 if cfg.norm == "rmsnorm" else D + 2)
+    ffn = D if cfg.activation == "swiglu" and not cfg.is_moe_layer(index) else 0
+    return norms + 2 * D + ffn + cfg.num_heads
+
+
 def router_elements(cfg: ModelConfig) -> float:
     """What an MoE layer's router keeps per token, replicated under tp (shoal.moe.router): its float32 logits and
     probabilities (E each), its top-k weights twice (as chosen, and as the multiplier of the experts' outputs) and

@@ -85,10 +85,14 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     # loss's logits are freed, so a stage holds the larger of the two, not both.
     table = cfg.vocab_size * cfg.dim / plan.tp * gb if micro > 1 and kind in ("none", "autocast") else 0.0
     worst: dict[str, float] = {}
+    # Under autocast (one process in 16 bits) the norms and the residual stream stay fp32 and each product casts
+    # its own copy of its input: more than a 16-bit run keeps (memory.autocast_extra_elements).
     per_block = {moe: memory.activation_elements(cfg, compute.block_index(cfg, moe=moe),
                                                  seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=plan.ac,
                                                  fused_attention=cost.fused, policy=cost.policy,
                                                  tp_engine=cost.tp_engine)
+                 + (memory.autocast_extra_elements(cfg, compute.block_index(cfg, moe=moe), ac=plan.ac)
+                    if kind == "autocast" else 0.0)
                  for moe in (False, True)}
     # The block being recomputed in backward holds its tensors again: all of them under full recompute, those
     # shoal's selective policy did not keep (its products' outputs come from the forward's); Megatron-LM's reruns
