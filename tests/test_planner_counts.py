@@ -375,21 +375,24 @@ def _kept_per_token(plan: str, num_layers: int, model) -> float:
     return kept / 4 / inputs.numel()  # float32 elements
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-gpt"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-gpt", "tiny,qk_norm"])
 def test_autocast_activation_count(model):
     """One process in bf16 runs under torch.autocast (rules: the engine "autocast"), which keeps the residual
     stream and the norms in float32 and casts a norm's output once for each product reading it: 2 bytes for
     each of memory.activation_elements and memory.autocast_extra_elements, recounted as bytes autograd saves
     (4 blocks less 2, per block and token) less the 16-bit casts of the blocks' weights (priced with the
-    parameters). Exact: whole bytes of whole tensors."""
+    parameters). Qwen3's per-head norms (qk_norm) are counted in fp32 as well (activation_elements), and promoted
+    to fp32 under autocast by their fp32 weights. Exact: whole bytes of whole tensors."""
     import torch
     from torch import nn
 
     from shoal.models import Transformer
     from shoal.parallel.precision import Autocast
     from shoal.planner import memory
+    from shoal.testing import saved_activation_elements
 
-    cfg = PRESETS[model].replace(max_seq_len=16)
+    name, *flags = model.split(",")
+    cfg = PRESETS[name].replace(max_seq_len=16, **{flag: True for flag in flags})
     inputs = torch.randint(0, cfg.vocab_size, (2, 16))
 
     def per_token(layers: int) -> float:
@@ -411,3 +414,5 @@ def test_autocast_activation_count(model):
     per_block = (per_token(4) - per_token(2)) / 2 - casts / inputs.numel()
     priced = memory.activation_elements(cfg, 0, seq_len=16, tp=1, sp=False, ac="none", fused_attention=True)
     assert per_block == 2 * (priced + memory.autocast_extra_elements(cfg, 0, ac="none"))
+    fp32 = [saved_activation_elements(Transformer(cfg.replace(num_layers=n)), inputs) / inputs.numel() for n in (2, 4)]
+    assert (fp32[1] - fp32[0]) / 2 == priced  # the same blocks in fp32, element for element

@@ -9,12 +9,14 @@ zero would mean nothing was cast, which the test also rules out.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.plan import Plan
-from shoal.testing import assert_close, case, parallel_setup, run_parallel, run_reference
+from shoal.testing import SMALL, assert_close, case, parallel_setup, run_parallel, run_reference
 from shoal.train.step import split_micro, train_step
 
 CASES = [case(plan="fsdp2,precision=bf16", steps=6), case(plan="dp2,precision=bf16", steps=6),
@@ -57,8 +59,10 @@ def test_mixed_precision_tracks_fp32(pools):
 
 
 ONE_PROCESS = [case(plan="precision=bf16", steps=6), case(plan="precision=fp16", steps=6),
-               case(plan="precision=bf16", steps=6, num_micro=2)]
-"""One data rank in mixed precision runs under torch.autocast (shoal.rules' engine "autocast"), not FSDP2."""
+               case(plan="precision=bf16", steps=6, num_micro=2),
+               case(plan="precision=bf16", steps=6, model=dataclasses.replace(SMALL, num_experts=4, top_k=2, ffn_dim=64))]
+"""One data rank in mixed precision runs under torch.autocast (shoal.rules' engine "autocast"), not FSDP2; the
+MoE model's experts take their tokens in bf16 there (shoal.moe.experts), its router stays fp32."""
 
 
 def test_one_process_mixed_precision_tracks_fp32(pools):

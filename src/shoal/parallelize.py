@@ -110,6 +110,8 @@ def _data_parallel(model: nn.Module, mesh: DeviceMesh, plan: Plan, choice: Engin
     meta = on_meta([model])
     if meta and choice.kind != "fsdp2":
         materialize(model, seed=seed, device=_device(mesh), weights=weights)
+    elif choice.kind == "autocast":  # FSDP2 moved a model built elsewhere to the device; autocast does not
+        model.to(_device(mesh))
     engine = apply_data_parallel(model, mesh=mesh, plan=plan, choice=choice, ignore=ignore)
     if meta and choice.kind == "fsdp2":
         materialize(engine.model, seed=seed, device=_device(mesh), weights=weights)

@@ -270,8 +270,9 @@ class Costs:
                 terms["fsdp_copies"] = fsdp2_copy_bytes(params, param_bytes=self.bytes, grad_bytes=self.bytes,
                                                         reduce_bytes=grad, gathers=gathers,
                                                         reduces=reduces) / self.mem_bw
-        if kind == "autocast":  # each micro-batch casts every weight for its products and each gradient back
-            terms["autocast_casts"] = micro * params * AUTOCAST_CAST_BYTES / self.mem_bw
+        if kind == "autocast":  # each micro-batch casts every weight for its products and each gradient back,
+            recast = 4 + 2 if p.ac != "none" else 0  # and a recomputed block its weights once more
+            terms["autocast_casts"] = micro * (params + experts) * (AUTOCAST_CAST_BYTES + recast) / self.mem_bw
         # Unsharded FSDP2 is priced as DDP is: one reduction, in the last micro-batch's backward (the traffic
         # above counts it once, as a pipeline's last backward or no_sync would run it).
         schedule = data_schedule("ddp" if kind == "fsdp2" and fsdp == 1 else kind, zero, micro=micro)

@@ -64,6 +64,9 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
     norms = 2 * sp_norm_elements(cfg, tp=tp, tp_engine=tp_engine) if sp else 2 * norm_elements(cfg)
     attention = 4 * cfg.num_heads * cfg.head_dim + cfg.num_heads
+    # Qwen3's RMSNorm over each query and key head (qk_norm) keeps, per head, its input, its normalised input and
+    # its reciprocal RMS; tp splits them with the heads.
+    attention += (2 * cfg.head_dim + 1) * (cfg.num_heads + cfg.kv_heads) if cfg.qk_norm else 0
     split = attention + (4 * width if cfg.activation == "swiglu" else 2 * width)
     permuted = 2 * ffns * D + router_elements(cfg) if moe else 0  # tokens permuted to their experts, their outputs
     scores = 0 if fused_attention else cfg.num_heads * seq_len
@@ -85,16 +88,18 @@ def autocast_extra_elements(cfg: ModelConfig, index: int, *, ac: str) -> float:
     keeps its input and its statistics in float32 (RMSNorm also its normalised input: 2D + 1 more; LayerNorm
     D + 2); and it casts a float32 tensor afresh for every product that reads it, so each product after a norm
     keeps its own 16-bit copy where 16-bit parameters would share one (q, k and v: 2D more; SwiGLU's up
-    projections: D more). The attention kernel's log-sum-exp is float32 too (H more). Only without recompute
-    (a recomputed block's tensors are rerun, not kept); an MoE layer's experts read permuted copies, counted
-    already. A fused RMSNorm kernel (CUDA) keeps less: an upper bound there. Recounted, byte for byte:
-    tests/test_planner_counts.py."""
+    projections: D more). The attention kernel's log-sum-exp is float32 too (H more), and so are the per-head
+    norms of qk_norm, whose fp32 weights promote their 16-bit inputs. Only without recompute (a recomputed
+    block's tensors are rerun, not kept); an MoE layer's experts take their tokens in the 16-bit dtype
+    (shoal.moe.experts). A fused RMSNorm kernel (CUDA) keeps less: an upper bound there. Recounted, byte for
+    byte: tests/test_planner_counts.py."""
     if ac != "none":
         return 0.0
     D = cfg.dim
     norms = 2 * (2 * D + 1 if cfg.norm == "rmsnorm" else D + 2)
     ffn = D if cfg.activation == "swiglu" and not cfg.is_moe_layer(index) else 0
-    return norms + 2 * D + ffn + cfg.num_heads
+    qk = (2 * cfg.head_dim + 1) * (cfg.num_heads + cfg.kv_heads) if cfg.qk_norm else 0
+    return norms + 2 * D + ffn + cfg.num_heads + qk
 
 
 def router_elements(cfg: ModelConfig) -> float:

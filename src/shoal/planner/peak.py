@@ -64,8 +64,13 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
             unsharded_accumulation: bool = False) -> tuple[dict[str, float], float]:
     """The busiest device's memory terms in bytes, and all its gradients' bytes."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
-    if kind == "autocast":  # fp32 parameters (the master weights) and gradients, the 16-bit casts of the weights
-        pb, gb, ob = 4.0 + pb, 4.0, 8.0  # kept from each product's forward to its backward (autocast's cache)
+    if kind == "autocast":  # fp32 parameters (the master weights) and gradients, and the 16-bit casts of the
+        # products' weights, kept from each product's forward to its backward; an embedding lookup casts nothing.
+        looked_up = 0.0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+        pe, gb, ob = 4.0 + pb, 4.0, 8.0  # an expert's weights: each cast (shoal.moe.experts)
+        pb = 4.0 + pb * (max(0.0, params - looked_up) / params if params else 1.0)
+    else:
+        pe = pb
     rb = 4.0 if plan.reduce == "fp32" else 2.0  # bytes of a gradient element as the data axis reduces it
     shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
     # shoal's ZeRO-1 engine holds full gradients only to accumulate them (no_sync): with one micro-batch and no
@@ -76,7 +81,7 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     # Under sharded data the experts are also split over the data ranks outside ep, gathered per
     # layer in forward (shoal/parallel/expert.py): ZeRO-3 over those replicas.
     replicas = plan.data_ranks // plan.ep if plan.fsdp > 1 else 1
-    expert = memory.model_state_bytes(experts, shards=replicas, stage=3 if replicas > 1 else 0, param_bytes=pb,
+    expert = memory.model_state_bytes(experts, shards=replicas, stage=3 if replicas > 1 else 0, param_bytes=pe,
                                       grad_bytes=gb, optim_bytes=ob)
     tokens = cost.tokens  # of one micro-batch on this rank
     # Accumulating over micro-batches without a data engine, each micro-batch after the first makes
