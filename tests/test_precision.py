@@ -58,9 +58,9 @@ def test_mixed_precision_tracks_fp32(pools):
     assert results[0][2]["scale"] == 2.0**16  # fp16: no overflow at this scale on this model
 
 
+MOE = dataclasses.replace(SMALL, num_experts=4, top_k=2, ffn_dim=64)
 ONE_PROCESS = [case(plan="precision=bf16", steps=6), case(plan="precision=fp16", steps=6),
-               case(plan="precision=bf16", steps=6, num_micro=2),
-               case(plan="precision=bf16", steps=6, model=dataclasses.replace(SMALL, num_experts=4, top_k=2, ffn_dim=64))]
+               case(plan="precision=bf16", steps=6, num_micro=2), case(plan="precision=bf16", steps=6, model=MOE)]
 """One data rank in mixed precision runs under torch.autocast (shoal.rules' engine "autocast"), not FSDP2; the
 MoE model's experts take their tokens in bf16 there (shoal.moe.experts), its router stays fp32."""
 
