@@ -171,10 +171,10 @@ def choose_engine(plan: Plan, *, num_layers: int) -> EngineChoice:
     blocks (the module docstring says why each)."""
     assert plan.dp is not None and plan.precision is not None and plan.zero is not None, "resolve the plan first"
     full_precision = plan.precision == "fp32" and plan.reduce == "fp32"
-    if plan.dp == 1 and plan.fsdp == 1 and plan.cp == 1 and full_precision:
+    one_data_rank = plan.dp == 1 and plan.fsdp == 1 and plan.cp == 1
+    if one_data_rank and full_precision:
         return EngineChoice(kind="none", zero=0, bucket=0, units=0)
-    alone = plan.dp == 1 and plan.fsdp == 1 and plan.cp == 1 and plan.tp == 1 and plan.pp == 1
-    if alone and not plan.offload:
+    if one_data_rank and plan.tp == 1 and plan.pp == 1 and not plan.offload:
         return EngineChoice(kind="autocast", zero=0, bucket=0, units=0)
     if plan.pp > 1 and plan.tp == 1 and not plan.offload and (plan.fsdp == 1 or plan.zero < 3):
         zero = 1 if plan.fsdp == 1 else plan.zero

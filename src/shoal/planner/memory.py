@@ -63,10 +63,7 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
     norms = 2 * sp_norm_elements(cfg, tp=tp, tp_engine=tp_engine) if sp else 2 * norm_elements(cfg)
-    attention = 4 * cfg.num_heads * cfg.head_dim + cfg.num_heads
-    # Qwen3's RMSNorm over each query and key head (qk_norm) keeps, per head, its input, its normalised input and
-    # its reciprocal RMS; tp splits them with the heads.
-    attention += (2 * cfg.head_dim + 1) * (cfg.num_heads + cfg.kv_heads) if cfg.qk_norm else 0
+    attention = 4 * cfg.num_heads * cfg.head_dim + cfg.num_heads + qk_norm_elements(cfg)
     split = attention + (4 * width if cfg.activation == "swiglu" else 2 * width)
     permuted = 2 * ffns * D + router_elements(cfg) if moe else 0  # tokens permuted to their experts, their outputs
     scores = 0 if fused_attention else cfg.num_heads * seq_len
@@ -98,8 +95,19 @@ def autocast_extra_elements(cfg: ModelConfig, index: int, *, ac: str) -> float:
     D = cfg.dim
     norms = 2 * (2 * D + 1 if cfg.norm == "rmsnorm" else D + 2)
     ffn = D if cfg.activation == "swiglu" and not cfg.is_moe_layer(index) else 0
-    qk = (2 * cfg.head_dim + 1) * (cfg.num_heads + cfg.kv_heads) if cfg.qk_norm else 0
-    return norms + 2 * D + ffn + cfg.num_heads + qk
+    return norms + 2 * D + ffn + cfg.num_heads + qk_norm_elements(cfg)
+
+
+def qk_norm_elements(cfg: ModelConfig) -> float:
+    """What Qwen3's RMSNorm over each query and key head (qk_norm) keeps per token: per head its input, its
+    normalised input and its reciprocal RMS (tensor parallelism splits them with the heads); 0 without it."""
+    return (2 * cfg.head_dim + 1) * (cfg.num_heads + cfg.kv_heads) if cfg.qk_norm else 0
+
+
+def cast_parameters(cfg: ModelConfig, params: float) -> float:
+    """Of a one-process model's `params` dense parameters, those torch.autocast casts to 16 bits for its products:
+    all but an untied embedding table, whose lookup casts nothing."""
+    return max(0.0, params - (0.0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim))
 
 
 def router_elements(cfg: ModelConfig) -> float:

@@ -64,13 +64,11 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
             unsharded_accumulation: bool = False) -> tuple[dict[str, float], float]:
     """The busiest device's memory terms in bytes, and all its gradients' bytes."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
+    pe = pb  # an expert's parameter bytes
     if kind == "autocast":  # fp32 parameters (the master weights) and gradients, and the 16-bit casts of the
-        # products' weights, kept from each product's forward to its backward; an embedding lookup casts nothing.
-        looked_up = 0.0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
-        pe, gb, ob = 4.0 + pb, 4.0, 8.0  # an expert's weights: each cast (shoal.moe.experts)
-        pb = 4.0 + pb * (max(0.0, params - looked_up) / params if params else 1.0)
-    else:
-        pe = pb
+        # products' weights (every expert's too: shoal.moe.experts), kept from each product's forward to its backward.
+        pe, gb, ob = 4.0 + pb, 4.0, 8.0
+        pb = 4.0 + pb * (memory.cast_parameters(cfg, params) / params if params else 1.0)
     rb = 4.0 if plan.reduce == "fp32" else 2.0  # bytes of a gradient element as the data axis reduces it
     shards = plan.fsdp if kind in ("zero", "fsdp2") else 1
     # shoal's ZeRO-1 engine holds full gradients only to accumulate them (no_sync): with one micro-batch and no
@@ -92,13 +90,13 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     worst: dict[str, float] = {}
     # Under autocast (one process in 16 bits) the norms and the residual stream stay fp32 and each product casts
     # its own copy of its input: more than a 16-bit run keeps (memory.autocast_extra_elements).
-    per_block = {moe: memory.activation_elements(cfg, compute.block_index(cfg, moe=moe),
-                                                 seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=plan.ac,
-                                                 fused_attention=cost.fused, policy=cost.policy,
-                                                 tp_engine=cost.tp_engine)
-                 + (memory.autocast_extra_elements(cfg, compute.block_index(cfg, moe=moe), ac=plan.ac)
-                    if kind == "autocast" else 0.0)
-                 for moe in (False, True)}
+    def kept(moe: bool) -> float:
+        index = compute.block_index(cfg, moe=moe)
+        extra = memory.autocast_extra_elements(cfg, index, ac=plan.ac) if kind == "autocast" else 0.0
+        return extra + memory.activation_elements(cfg, index, seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp),
+                                                  ac=plan.ac, fused_attention=cost.fused, policy=cost.policy,
+                                                  tp_engine=cost.tp_engine)
+    per_block = {moe: kept(moe) for moe in (False, True)}
     # The block being recomputed in backward holds its tensors again: all of them under full recompute, those
     # shoal's selective policy did not keep (its products' outputs come from the forward's); Megatron-LM's reruns
     # one attention core, counted as kept.
