@@ -226,6 +226,9 @@ def _metrics(run: Path) -> list[dict]:
 def test_sample_errors(capsys, tmp_path, good_run):
     assert_user_error(capsys, ["sample", "--run", str(tmp_path), "--prompt", "x"], str(tmp_path), "config.toml")
     assert_user_error(capsys, ["sample", "--run", str(good_run), "--temperature", "-1"], "--temperature -1")
+    for bad in ("nan", "inf"):
+        assert_user_error(capsys, ["sample", "--run", str(good_run), "--temperature", bad], f"--temperature {bad}",
+                          "a finite number >= 0")
 
 
 def _fail_on_rank_1(_: object) -> int:
@@ -359,3 +362,23 @@ def test_a_misspelled_flag_of_a_nested_command_names_the_near_ones(capsys, tmp_p
     assert_user_error(capsys, ["data", "prepare", str(tmp_path), "--tokenizer", "byte", "--out", str(tmp_path / "o"),
                                "--hold-out", "0.1"], "--hold-out 0.1", "valid: --holdout", "shoal data prepare --help")
     assert_user_error(capsys, ["sample", "--run", str(tmp_path), "--max-new-token", "5"], "valid: --max-new-tokens")
+
+
+def test_a_runs_config_with_another_model_or_set_trains_what_the_flags_name(tmp_path):
+    """A run folder's config.toml holds the shape it trained (model_config); reused with --config, --model names
+    another model (its preset, not the stored shape) and --set changes the stored shape: flags override the file."""
+    from shoal.models import PRESETS
+    from shoal.train.config import from_flat
+    from shoal.train.runs import with_model, write_run_config
+
+    write_run_config(tmp_path, with_model(from_flat({"model": "tiny"}), PRESETS["tiny"]))
+    config = str(tmp_path / "config.toml")
+
+    def model_of(*flags: str) -> object:
+        args = cli.build_parser().parse_args(["train", "--config", config, "--out", str(tmp_path / "r"), *flags])
+        return train_command.prepare_job(args).config.model_config
+
+    assert model_of() == PRESETS["tiny"]
+    assert model_of("--model", "small") == PRESETS["small"]
+    assert model_of("--model", "small", "--set", "dim=64") == PRESETS["small"].replace(dim=64)
+    assert model_of("--set", "dim=64") == PRESETS["tiny"].replace(dim=64)

@@ -53,6 +53,19 @@ def test_no_plan_fits_says_the_smallest_need_and_the_devices_it_takes():
     assert fit.devices_needed(work, cluster, limit=count // 2)[0] is None  # the fewest power of two that holds it
 
 
+@pytest.mark.parametrize("per_node", [3, 6])
+def test_nodes_of_devices_not_a_power_of_two_are_counted_in_whole_nodes(per_node):
+    """With 3 or 6 devices a node the counts tried are powers of two within a node, then whole nodes (a 4-device
+    world of 3-device nodes cannot be built), and the fewest that holds the model is named (it was an internal
+    error: "a group of 4 ranks ... the world has 3")."""
+    work = Workload(model=get_preset("llama3-70b"), global_batch=16, seq_len=128)
+    cluster = fit.cpu_cluster(per_node, local=per_node, memory_bytes=per_node * 12 * 10**9)
+    count, holds = fit.devices_needed(work, cluster)
+    assert count is not None and count % per_node == 0 and holds is not None and holds.fits
+    assert fit.devices_needed(work, cluster, limit=count - 1)[0] is None  # none fewer holds it
+    assert f"about {count} processes of 12 GB would hold it" in fit.no_fit(work, cluster)
+
+
 def test_no_count_of_devices_holds_a_model_whose_gathered_blocks_outgrow_one():
     """llama3-405b on 12 GB processes two to a machine: a block FSDP gathers whole (at the most tensor
     parallelism a machine of 2 allows) outgrows a process at any count, and the line says so."""

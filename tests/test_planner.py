@@ -372,6 +372,7 @@ def test_shoal_plan_prints_the_train_command_of_its_first_plan(capsys):
     (["--cluster", "8xA100", "--plan", "tp3"], "tp3"),
     (["--cluster", "8xA100", "--global-batch", "0"], "--global-batch 0"),
     (["--cluster", "local", "--model", "tiny"], "--calibrate"),
+    (["--cluster", "2xH100", "--model", "small", "--seq-len", "4096"], "exceeds the model's max_seq_len=512"),
 ])
 def test_shoal_plan_bad_input_is_one_line(argv, words, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SHOAL_PROFILE", str(tmp_path / "none.json"))

@@ -153,3 +153,17 @@ def test_parity_harness_unscales_fp16_gradients(pools):
     for result in pools(2).run(run_parallel, c):
         assert_close(result["grads"], reference["grads"], rtol=0, atol=8 * 2.0**-11 * largest, what="fp16 grads")
         assert_close(result["losses"], reference["losses"], rtol=1e-3, atol=0, what="fp16 losses")
+
+
+@pytest.mark.parametrize(("plan", "world", "words"), [
+    ("precision=bf16", 1, "bf16 compute, fp32 master weights"),
+    ("fsdp2,precision=bf16", 2, "bf16 compute, fp32 master weights, gradients reduced in fp32"),
+    ("tp2,precision=fp16", 2, "fp16 compute, fp32 master weights"),
+    ("fp32", 1, "fp32"),
+])
+def test_the_summary_names_a_reduction_only_where_gradients_are_reduced(plan, world, words):
+    """One data rank reduces no gradient (autocast's one process, tp alone): the run's summary does not say it."""
+    from shoal.train.loop import _precision_words
+
+    text = plan if plan != "fp32" else "precision=fp32"
+    assert _precision_words(Plan.parse(text).resolve(world, "cpu")) == words

@@ -114,6 +114,9 @@ def workload(model: str, sets: list[str], *, global_batch: int, seq_len: int) ->
     cfg = resolve_model(RunConfig(model=model, set=tuple(sets)))
     if not isinstance(cfg, ModelConfig):
         raise ValueError(f"the planner prices transformers; {model!r} is an image model")
+    if seq_len > cfg.max_seq_len:  # as shoal train refuses it
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; "
+                         f"valid: 1..{cfg.max_seq_len} (or --set max_seq_len={seq_len})")
     return Workload(model=cfg, global_batch=global_batch, seq_len=seq_len)
 
 

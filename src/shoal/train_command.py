@@ -74,6 +74,10 @@ def prepare_job(args: argparse.Namespace) -> Any:
     else:
         toml = load_toml(args.config) if args.config else {}
         cfg = from_flat(flags, from_flat(toml) if args.config else None)
+        if cfg.model_config is not None and "model" in flags:  # a run's config.toml holds its resolved shape:
+            cfg = dataclasses.replace(cfg, model_config=None)  # --model names another, from its preset
+        elif cfg.model_config is not None and "set" in flags:  # and --set changes that shape
+            cfg = dataclasses.replace(cfg, model_config=cfg.model_config.with_overrides(list(flags["set"])))
         if cfg.init is not None:  # said before any guess about its model
             from shoal.train.pretrained import check_exists
 

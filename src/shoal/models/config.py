@@ -242,8 +242,16 @@ def unknown_field(key: str, fields: list[str], where: str) -> str:
     import difflib
 
     close = difflib.get_close_matches(key, fields, n=3)
-    valid = f"{', '.join(close)}, or another field" if close else ", ".join(sorted(fields))
-    return f"unknown model field {key!r} in {where}; valid: {valid}"
+    if close:
+        return f"unknown model field {key!r} in {where}; valid: {', '.join(close)}, or another field"
+    common = [f for f in _COMMON_FIELDS if f in fields] or sorted(fields)[:10]  # the whole list is ~1,000 characters
+    return (f"unknown model field {key!r} in {where}; valid: {', '.join(common)}, or another of the {len(fields)} "
+            "fields of the model's config (shoal/models/)")
+
+
+_COMMON_FIELDS = ("num_layers", "dim", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "norm",
+                  "activation", "pos_emb", "num_experts", "top_k", "patch_size", "image_size", "num_classes")
+"""The fields an unknown one's refusal names first (a transformer's or an image Mixer's shape)."""
 
 
 def _split_pair(pair: str) -> tuple[str, str]:

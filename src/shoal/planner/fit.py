@@ -92,10 +92,11 @@ def smallest_need(work: Workload, cluster: Cluster) -> Estimate | None:
 
 
 def devices_needed(work: Workload, cluster: Cluster, *, limit: int = 65536) -> tuple[int | None, Estimate | None]:
-    """The fewest devices like `cluster`'s (a power of two) on which the model fits sharded over
-    data (and tensor parallel within a node, up to 8), with full recompute and one sequence per
-    data rank, with that plan's estimate; (None, the last plan tried at the most tensor
-    parallelism) beyond `limit`."""
+    """The fewest devices like `cluster`'s on which the model fits sharded over data (and tensor
+    parallel within a node, up to 8), with full recompute and one sequence per data rank, with that
+    plan's estimate; (None, the last plan tried at the most tensor parallelism) beyond `limit`. The
+    counts tried: powers of two within one node, then whole nodes (their count doubling), so that a
+    node of 3 or 6 devices is priced as it is."""
     n, last = 1, None
     while n <= limit:
         per_node = min(n, cluster.per_node)
@@ -109,7 +110,7 @@ def devices_needed(work: Workload, cluster: Cluster, *, limit: int = 65536) -> t
                 last = estimate(plan, dataclasses.replace(work, global_batch=batch), bigger)
                 if last.fits:
                     return n, last
-        n *= 2
+        n = cluster.per_node if n < cluster.per_node < 2 * n else 2 * n  # from a power of two to one whole node
     return None, last
 
 

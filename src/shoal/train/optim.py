@@ -80,8 +80,9 @@ class OptimConfig:
         if self.lr_scaling not in LR_SCALING:
             raise ValueError(f"--lr-scaling {self.lr_scaling!r} is not valid; valid: {', '.join(LR_SCALING)}")
         if self.lr_scaling != "none" and (self.base_batch is None or self.base_batch < 1):
-            raise ValueError(f"--lr-scaling {self.lr_scaling} needs --base-batch >= 1 (got {self.base_batch}); "
-                             "valid: the global batch the lr was set for")
+            given = "none was given" if self.base_batch is None else f"got {self.base_batch}"
+            raise ValueError(f"--lr-scaling {self.lr_scaling} needs --base-batch, the global batch the lr was set for "
+                             f"({given}); valid: --base-batch N with N >= 1")
         for name in ("lars_eta", "cowclip_ratio", "cowclip_zeta", "embed_lr"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -6,6 +6,7 @@ loads into a plain single-process model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,8 +26,8 @@ def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature
     that text piece by piece as the tokens are drawn (the prompt first), the pieces adding up to it."""
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 0")
-    if temperature < 0:
-        raise ValueError(f"--temperature {temperature} must be >= 0 (0: always the likeliest token)")
+    if not 0 <= temperature < math.inf:  # nan too
+        raise ValueError(f"--temperature {temperature} must be a finite number >= 0 (0: always the likeliest token)")
     if top_k < 0:
         raise ValueError(f"--top-k {top_k} must be >= 0 (0: no limit)")
     cfg = read_run_config(run_dir)
