@@ -207,6 +207,8 @@ class Trainer:
                             warmup=self.loop.log_every, start=self.start, total=self.loop.steps)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
+        if self.plan.precision == "fp16":
+            summary["skipped_steps"] = sum(1 for r in writer.records if r.get("skipped"))
         predicted = memory_prediction(self)  # beside mem_peak_mb: every run is a data point on the model's error
         if predicted is not None:
             summary.update(mem_predicted_mb=round(predicted["total"], 1),
@@ -254,8 +256,8 @@ class Trainer:
                 else {"tokens_per_s": self.loop.global_batch * self.loop.seq_len / step_time})
         records = [{"step": first_step + i, "loss": loss, "lr": lr, **rate, "step_time_s": step_time,
                     "data_time_s": fetch, "mem_peak_mb": float(mem.item()),
-                    "grad_norm": norm}
-                   for i, ((lr, _, fetch), (loss, norm)) in enumerate(zip(window, values))]
+                    "grad_norm": norm, **({} if result.stepped else {"skipped": True})}  # fp16: overflowed
+                   for i, ((lr, result, fetch), (loss, norm)) in enumerate(zip(window, values))]
         # the last step's trust ratios (LAMB, LARS), over every rank's tensors: collective, every rank reads
         records[-1].update(trust_summary(gather_trust(self.optimizer, self.runtime.named_parameters())))
         if window[0][1].moe:  # MoE load figures (this rank's), read in one synchronisation
@@ -404,6 +406,10 @@ def _log(writer: MetricsWriter, bar: Any, records: list[dict[str, Any]], eval_du
     else:
         bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:,.0f}", refresh=False)
     bar.update(len(records))
+    skipped = [r["step"] for r in records if r.get("skipped")]
+    if skipped:
+        bar.write(f"step{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))}: skipped, the fp16 gradients "
+                  "overflowed (the loss scale halves at each; a few in the first steps are usual)")
     if eval_due and "eval_accuracy" in last:
         bar.write(f"step {last['step']}: held-out accuracy {last['eval_accuracy']:.2%} (loss {last['eval_loss']:.4f})")
     elif eval_due:

@@ -202,6 +202,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         + (f", plan {summary['plan']} on {summary['world_size']} {summary['device']} process(es)"
            if "plan" in summary else ""),
         *([f"  precision {summary['precision']}"] if "precision" in summary else []),
+        *([f"  {summary['skipped_steps']} step(s) skipped: fp16 gradients overflowed"]
+          if summary.get("skipped_steps") else []),
         f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
         + (f" (held-out {summary['final_eval_loss']:.3f})" if summary["final_eval_loss"] is not None else ""),
         *([f"  held-out accuracy {summary['final_eval_accuracy']:.2%}"]

@@ -9,6 +9,8 @@ count of targets (Runtime.share) and the data-parallel engine averages over rank
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -57,7 +59,9 @@ def train_step(
         runtime.clip_grads_(grad_clip, grad_norm)
         optimizer.step()
     if scheduler is not None:
-        scheduler.step()
+        with warnings.catch_warnings():  # an fp16 overflow skipped the first optimizer step: said by the trainer
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+            scheduler.step()
     return StepResult(loss=runtime.global_mean(local_loss), grad_norm=grad_norm.detach(), stepped=finite,
                       moe=runtime.moe_stats)
 
