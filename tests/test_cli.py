@@ -382,3 +382,16 @@ def test_a_runs_config_with_another_model_or_set_trains_what_the_flags_name(tmp_
     assert model_of("--model", "small") == PRESETS["small"]
     assert model_of("--model", "small", "--set", "dim=64") == PRESETS["small"].replace(dim=64)
     assert model_of("--set", "dim=64") == PRESETS["tiny"].replace(dim=64)
+
+
+def test_resuming_at_another_precision_says_so(good_run, capsys):
+    """A resumed run may change its plan's precision (the user's choice), and is told that it does: one warning
+    naming both; the same precision says nothing."""
+    def resume(*flags: str) -> str:
+        args = cli.build_parser().parse_args(["train", "--resume", str(good_run), "--steps", "3", *flags])
+        train_command.prepare_job(args)  # validates and prices; trains nothing
+        return capsys.readouterr().err
+
+    said = resume("--plan", "precision=bf16")
+    assert said.count("shoal: warning:") == 1 and "trained in fp32 and goes on in bf16" in said
+    assert "warning" not in resume("--plan", "precision=fp32") and "warning" not in resume()

@@ -56,9 +56,12 @@ def test_plans_without_document_masks_are_refused_in_one_line():
         Plan.parse(text).resolve(world).validate(model, global_batch=8, seq_len=16)
 
 
-def test_doc_mask_needs_prepared_data(capsys):
+def test_doc_mask_needs_prepared_data(capsys, tmp_path):
     assert_user_error(capsys, ["train", "--doc-mask", "on", "--device", "cpu", "--nproc", "1", "--steps", "1"],
                       "--doc-mask on", "shoal data prepare")
+    missing = str(tmp_path / "none")  # a path that is not there is said to be missing, as without --doc-mask
+    assert_user_error(capsys, ["train", "--doc-mask", "on", "--data", missing, "--out", str(tmp_path / "r")],
+                      f"data path {missing!r} does not exist")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -210,7 +210,7 @@ def test_scheduler_scales_embedding_group():
     ({"optimizer": "adam"}, "--optimizer 'adam' is not valid; valid: adamw, lamb, lars, cowclip"),
     ({"lr": -1.0}, "--lr -1.0"), ({"lars_eta": 0.0}, "--lars-eta 0.0"), ({"embed_lr": -1.0}, "--embed-lr -1.0"),
     ({"lr_scaling": "cubic"}, "--lr-scaling 'cubic'"), ({"lr_scaling": "linear"}, "needs --base-batch"),
-    ({"momentum": 1.0}, "--momentum 1.0"),
+    ({"momentum": 1.0}, "--momentum 1.0"), ({"base_batch": 8}, "--base-batch 8 has no effect without --lr-scaling"),
 ])
 def test_bad_optimizer_config(kwargs, match):
     assert match in one_line_error(OptimConfig, **kwargs)

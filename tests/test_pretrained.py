@@ -196,6 +196,9 @@ def test_bad_input_refused_before_any_worker(hf_folder, tmp_path, capsys):
     config.write_text(f'init = "{bad["empty"]}"\ninit_ignore = ["lm_head.*"]\n')
     assert_user_error(capsys, [*base, "--config", str(config)], "holds no weights")
     assert_user_error(capsys, [*base, "--init", str(bad["ints"])], "model.norm.weight", "I32")
+    not_weights = tmp_path / "run.toml"  # a file that is no safetensors file: what would be valid
+    assert_user_error(capsys, [*base, "--init", str(not_weights)], "is not a safetensors file",
+                      "first 8 bytes are no header's length", "valid: a .safetensors file")
     assert_user_error(capsys, ["train", "--resume", str(tmp_path), "--init", str(folder)], "--init", "--resume")
     assert_user_error(capsys, [*base, "--init-ignore", "lm_head.*"], "--init-ignore lm_head.*", "no --init")
     assert not (tmp_path / "run").exists()

@@ -111,8 +111,7 @@ def load_tokens(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
         return _encode(default_corpus(), tokenizer)
     path = Path(cfg.path)
     if not path.exists():
-        raise ValueError(f"data path {cfg.path!r} does not exist; valid: a folder of .txt files, a .txt, .bin or "
-                         ".npy file, a folder `shoal data prepare` made, or a mixture of them (DIR_A:0.7,DIR_B:0.3)")
+        raise _no_such_data(cfg.path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
@@ -231,11 +230,18 @@ def _check_tokenizer(name: str, stored: dict[str, Any] | None, data: str) -> Non
                          f"({stored['name']!r}); leave --tokenizer out to use that one")
 
 
+def _no_such_data(path: str) -> ValueError:
+    return ValueError(f"data path {path!r} does not exist; valid: a folder of .txt files, a .txt, .bin or .npy file, "
+                      "a folder `shoal data prepare` made, or a mixture of them (DIR_A:0.7,DIR_B:0.3)")
+
+
 def doc_eos_id(cfg: DataConfig) -> int:
     """The token id that ends documents, for --doc-mask on: the prepared dataset's EOS (ValueError
     in one line for other data, whose documents are not marked)."""
     from shoal.data.dataset import is_prepared_spec, parse_mixture, read_manifest
 
+    if cfg.path is not None and ":" not in cfg.path and not Path(cfg.path).exists():  # one source, not there
+        raise _no_such_data(cfg.path)
     if not is_prepared_spec(cfg.path):
         raise ValueError(f"--doc-mask on needs data made by shoal data prepare (documents ended by EOS); "
                          f"--data {cfg.path or 'the built-in corpus'!r} is not; valid: a prepared --data, or "

@@ -83,6 +83,9 @@ class OptimConfig:
             given = "none was given" if self.base_batch is None else f"got {self.base_batch}"
             raise ValueError(f"--lr-scaling {self.lr_scaling} needs --base-batch, the global batch the lr was set for "
                              f"({given}); valid: --base-batch N with N >= 1")
+        if self.lr_scaling == "none" and self.base_batch is not None:
+            raise ValueError(f"--base-batch {self.base_batch} has no effect without --lr-scaling; valid: --lr-scaling "
+                             "linear or sqrt with it, or leave --base-batch out")
         for name in ("lars_eta", "cowclip_ratio", "cowclip_zeta", "embed_lr"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -255,13 +255,15 @@ def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         with open(file, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > _MAX_HEADER:
-                raise ValueError(f"a header of {length} bytes")
+                raise ValueError("its first 8 bytes are no header's length")
             header = json.loads(f.read(length))
             size = os.fstat(f.fileno()).st_size
         entries = {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"--init: {file} is not a safetensors file ({exc})") from None
+        raise ValueError(f"--init: {file} is not a safetensors file ({exc}); valid: a .safetensors file, a folder of "
+                         "them (sharded with model.safetensors.index.json, as Hugging Face writes them) or a "
+                         "shoal export") from None
     if 8 + length + end > size:
         raise ValueError(f"--init: {file} is cut short ({size} bytes; its header lists {8 + length + end})")
     return entries
