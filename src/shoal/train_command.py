@@ -100,8 +100,6 @@ def prepare_job(args: argparse.Namespace) -> Any:
         model = dataclasses.replace(model, doc_eos_id=doc_eos_id(cfg.data))
     cfg = with_model(cfg, model)
     device = resolve_device(cfg.device)
-    if args.resume is not None:
-        _say_a_precision_change(Path(args.resume), cfg.plan, device)
     prediction = None
     if args.resume is None and cfg.plan is not None and cfg.plan.strip() == "auto":
         if isinstance(model, MixerConfig):
@@ -220,22 +218,23 @@ def resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
             valid = ", ".join("--" + k.replace("_", "-") for k in RESUMABLE)
             raise UserError(f"--{key.replace('_', '-')} cannot change when resuming {args.resume!r} (it was "
                             f"{_as_typed(stored.get(key))}); flags a resumed run may change: {valid}")
-    return from_flat(flags, base)
+    cfg = from_flat(flags, base)
+    _say_a_precision_change(folder, base, cfg)
+    return cfg
 
 
-def _say_a_precision_change(folder: Path, plan: str | None, device: str) -> None:
+def _say_a_precision_change(folder: Path, stored: Any, resumed: Any) -> None:
     """A resumed run whose --plan (or device) changes its precision goes on from the same weights at another one: a
     warning, not a refusal (the flag is the user's choice), since the loss curve then moves beyond rounding."""
+    from shoal.launch import resolve_device
     from shoal.plan import DEVICE_DEFAULTS
     from shoal.train.config import parse_plan
-    from shoal.train.runs import read_run_config
 
-    stored = read_run_config(folder)
     try:
-        before, after = (parse_plan(text).precision or DEVICE_DEFAULTS[kind]["precision"]
-                         for text, kind in ((stored.plan, stored.device if stored.device != "auto" else device),
-                                            (plan, device)))
-    except (ValueError, KeyError):  # validate() says what is wrong with the plan
+        device = resolve_device(resumed.device)
+        before, after = (parse_plan(c.plan).precision or DEVICE_DEFAULTS[device if c.device == "auto" else c.device]
+                         ["precision"] for c in (stored, resumed))
+    except (ValueError, KeyError):  # prepare_job says what is wrong with the plan or the device
         return
     if before != after:
         warn(f"--resume {folder}: the run trained in {before} and goes on in {after} (its weights and optimizer state "

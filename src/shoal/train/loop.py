@@ -391,7 +391,7 @@ def _seed_step(seed: int, step: int, index: int) -> None:
 def _precision_words(plan: Plan) -> str:
     if plan.precision == "fp32":
         return "fp32"
-    if (plan.dp, plan.fsdp, plan.cp) == (1, 1, 1):  # one data rank: no gradient is reduced
+    if plan.data_ranks == 1 and plan.cp == 1:  # one data rank: no gradient is reduced
         return f"{plan.precision} compute, fp32 master weights"
     return f"{plan.precision} compute, fp32 master weights, gradients reduced in {plan.reduce}"
 

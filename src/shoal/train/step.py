@@ -58,8 +58,10 @@ def train_step(
     if finite:
         runtime.clip_grads_(grad_clip, grad_norm)
         optimizer.step()
-    if scheduler is not None:
-        with warnings.catch_warnings():  # an fp16 overflow skipped the first optimizer step: said by the trainer
+    if scheduler is not None and finite:
+        scheduler.step()
+    elif scheduler is not None:  # fp16 overflow: the trainer says so, and torch's warning that no optimizer
+        with warnings.catch_warnings():  # step came first would mislead
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
             scheduler.step()
     return StepResult(loss=runtime.global_mean(local_loss), grad_norm=grad_norm.detach(), stepped=finite,
