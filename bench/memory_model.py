@@ -11,7 +11,7 @@ allocated.
     python -m bench.memory_model                  # `small` and the 512M model (vocab 500,000, dim 512)
     python -m bench.memory_model --models small   # the small preset only (about 3 minutes)
     python -m bench.memory_model --models runtime # the step's memory beyond tensors (CPU_STEP_BYTES)
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 python -m bench.memory_model   # under jemalloc
+    SHOAL_ALLOCATOR=glibc python -m bench.memory_model   # the workers on glibc's malloc, not jemalloc
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import tempfile
 from typing import Any
 
 from bench.common import report
+from shoal import host_memory
 
 MODELS: dict[str, list[str]] = {
     "small": ["--model", "small"],
@@ -75,12 +76,13 @@ def main() -> None:
             row = {"model": name, "plan": plan, **dry_run(MODELS[name], plan, nproc)}
             print(row, flush=True)
             rows.append(row)
-    preloaded = os.environ.get("LD_PRELOAD", "")  # an allocator preloaded for every run (README: jemalloc)
+    preloaded = host_memory.worker_env("cpu").get("LD_PRELOAD") or os.environ.get("LD_PRELOAD")  # the workers'
     allocator = os.path.basename(preloaded) if preloaded else "glibc"
     report("memory_model", rows, notes=f"allocator: {allocator}; "
            "live: the busiest rank's peak of live tensor bytes in a steady step; "
            "resident: its resident peak above the interpreter's baseline; kept: the most freed memory a rank's "
-           "allocator held for reuse after the step (glibc's free chunks), resident memory no tensor owns; "
+           "allocator held for reuse after the step (glibc's free chunks, jemalloc's unallocated resident pages), "
+           "resident memory no tensor owns; "
            "errors are planner / measured - 1")
 
 

@@ -19,6 +19,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_job(job: Any) -> int:
     """Run a prepared Job on its workers (or this torchrun rank); returns the exit status."""
+    from shoal import host_memory
     from shoal.launch import Stopped, WorkerFailed, launch, under_torchrun
     from shoal.train.preempt import STOPPED
     from shoal.train.worker import run_worker
@@ -27,8 +28,9 @@ def run_job(job: Any) -> int:
         if under_torchrun():
             result = run_worker(job) or {}
         else:
-            results = launch(run_worker, job, nproc=world_size(job.config, job.device),
-                             max_restarts=job.config.max_restarts)
+            with host_memory.for_workers(job.device):
+                results = launch(run_worker, job, nproc=world_size(job.config, job.device),
+                                 max_restarts=job.config.max_restarts)
             result = results.get(0) or {}
     except WorkerFailed as exc:
         return fail(str(exc), RUN_FAILED, job.run_dir)
@@ -56,6 +58,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
     """Validate everything the user gave and return the Job the workers run (ValueError if wrong)."""
     import dataclasses
 
+    from shoal import host_memory
     from shoal.launch import resolve_device, under_torchrun
     from shoal.models import MixerConfig
     from shoal.train.config import from_flat, load_toml, model_of_init, resolve_model
@@ -100,6 +103,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
         model = dataclasses.replace(model, doc_eos_id=doc_eos_id(cfg.data))
     cfg = with_model(cfg, model)
     device = resolve_device(cfg.device)
+    host_memory.worker_env(device)  # SHOAL_ALLOCATOR checked here, before anything starts
     prediction = None
     if args.resume is None and cfg.plan is not None and cfg.plan.strip() == "auto":
         if isinstance(model, MixerConfig):

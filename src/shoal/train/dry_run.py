@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from shoal import host_memory
 from shoal.train import memory
 
 MB = 2**20
@@ -103,15 +104,16 @@ def memory_prediction(trainer: Any) -> dict[str, float] | None:
 
 def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | None, loss: float) -> str:
     where = "resident" if trainer.device.type == "cpu" else "allocated"
+    allocator = f"; host memory allocator: {host_memory.describe()}" if trainer.device.type == "cpu" else ""
     lines = [f"dry run: set-up and three steps of plan {trainer.plan} on {trainer.world} process(es) "
-             f"(loss {loss:.4f}); nothing saved",
+             f"(loss {loss:.4f}); nothing saved{allocator}",
              f"{'rank':>4}  {'params MB':>10}  {'grads MB':>9}  {'optim MB':>9}  {'baseline MB':>11}  "
              f"{'set-up peak MB':>14}  {'step peak MB':>12}  {'tensors MB':>10}  {'kept MB':>7}  ({where} memory, "
              "this process; tensors: the step's peak of live tensor bytes; kept: freed memory the allocator "
              "held for reuse after the step)"]
     for rank, (p, g, o, base, setup, step, live, kept) in enumerate(rows):
         lines.append(f"{rank:>4}  {p:>10.1f}  {g:>9.1f}  {o:>9.1f}  {base:>11.0f}  {setup:>14.0f}  {step:>12.0f}  "
-                     f"{live:>10.0f}  {kept:>7.0f}")
+                     f"{live:>10.0f}  {'' if math.isnan(kept) else f'{kept:.0f}':>7}")
     if predicted is None:
         lines.append("planner: no spec for this device, no prediction")
     else:

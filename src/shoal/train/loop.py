@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shoal import rules
+from shoal import host_memory, rules
 from shoal.models import MixerConfig
 from shoal.moe.collect import records as moe_records
 from shoal.plan import Plan
@@ -345,6 +345,7 @@ class Trainer:
         lines = [
             *head,
             self.runtime.describe(),
+            *([f"  host memory allocator: {host_memory.describe()}"] if self.device.type == "cpu" else []),
             *self._pooling_note(),
             *([self.init_note] if self.init_note else []),
             *(f"  default {note}" for note in self.plan_notes),

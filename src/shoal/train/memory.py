@@ -67,11 +67,38 @@ def allocator_held_mb() -> float | None:
     """Memory the allocator holds freed for reuse now (MiB), a part of the resident set (or of
     CUDA's reserved memory) that no tensor owns: on CUDA torch's cached blocks (reserved minus
     allocated); on CPU glibc's free chunks over all its arenas (mallinfo2's `fordblks`: freed
-    blocks kept in the heap instead of returned to the OS). None where glibc is not the malloc in use."""
+    blocks kept in the heap instead of returned to the OS); under jemalloc (shoal.host_memory) its resident
+    pages less those allocated and its metadata. None under another allocator."""
     if _cuda():
         return (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / 2**20
     mallinfo2 = _mallinfo2()
-    return None if mallinfo2 is None else mallinfo2().fordblks / 2**20
+    if mallinfo2 is not None:
+        return mallinfo2().fordblks / 2**20
+    stat = _jemalloc_stat()
+    if stat is None:
+        return None
+    return (stat("stats.resident") - stat("stats.allocated") - stat("stats.metadata")) / 2**20
+
+
+@functools.cache
+def _jemalloc_stat() -> Any:
+    """name -> jemalloc's statistic of that name, fresh (its `epoch` advanced), or None where jemalloc is not
+    the malloc in use: torch keeps no CPU allocator statistics, so we ask the allocator (`mallctl`)."""
+    try:
+        mallctl = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return None
+    mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+    def stat(name: str) -> int:
+        epoch = ctypes.c_uint64(1)
+        mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
+        value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+        if mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+            raise OSError(f"jemalloc has no statistic {name}")
+        return value.value
+
+    return stat
 
 
 class _Mallinfo2(ctypes.Structure):
