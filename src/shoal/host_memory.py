@@ -25,6 +25,8 @@ from pathlib import Path
 CHOICES = ("auto", "jemalloc", "glibc")
 NAMES = ("libjemalloc.so.2", "libjemalloc.so")
 NOT_FOUND = "looked for libjemalloc.so.2 in the environment's lib folder and the system's; `make setup` fetches it"
+
+
 def search_path() -> list[Path]:
     """Where a libjemalloc is looked for: this environment's lib folder first (where `make setup` puts
     one), then the system's."""
