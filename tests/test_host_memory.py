@@ -81,7 +81,7 @@ def test_jemalloc_s_kept_memory_is_read_from_jemalloc():
 
 @needs_jemalloc
 def test_a_cpu_run_s_workers_run_on_jemalloc(tmp_path, capfd, monkeypatch):
-    """The start-up line names it, and the dry run's kept column is filled, which only jemalloc's statistics
+    """The dry run's header names it, and its kept column is filled, which only jemalloc's statistics
     can do in a worker where glibc's malloc is not the one in use."""
     for name in ("LD_PRELOAD", "SHOAL_ALLOCATOR"):
         monkeypatch.delenv(name, raising=False)
