@@ -7,8 +7,11 @@ median step after the first window) and the resident peak of the busiest rank's 
 with their ratios to glibc's.
 
     glibc          glibc's malloc (SHOAL_ALLOCATOR=glibc)
-    jemalloc       jemalloc preloaded at its own defaults (shoal's choice where a libjemalloc is found)
-    jemalloc-bg    jemalloc with a background thread returning freed pages (torch's CPU launcher's option)
+    jemalloc       jemalloc preloaded, freed pages kept (shoal's choice where a libjemalloc is found:
+                   host_memory.KEEP_FREED and return_large_blocks)
+    jemalloc-decay jemalloc at its own defaults: freed pages returned to the kernel over 10 s
+    jemalloc-bg    jemalloc at its defaults with a background thread returning freed pages (torch's CPU
+                   launcher's option)
     glibc-64k      glibc with a fixed 64 KiB mmap threshold: every tensor its own mapping, unmapped when freed
 
     python -m bench.cpu_allocator [--model small] [--plans dp1 tp2 fsdp4] [--allocators glibc jemalloc]
@@ -31,6 +34,7 @@ from shoal import host_memory
 NPROC = {"dp1": 1, "dp2": 2, "fsdp2": 2, "tp2": 2, "fsdp4": 4}
 ALLOCATORS = {"glibc": {"SHOAL_ALLOCATOR": "glibc"}, "jemalloc": {"SHOAL_ALLOCATOR": "jemalloc"},
               "jemalloc-bg": {"SHOAL_ALLOCATOR": "jemalloc", "MALLOC_CONF": "background_thread:true"},
+              "jemalloc-decay": {"SHOAL_ALLOCATOR": "jemalloc", "MALLOC_CONF": "dirty_decay_ms:10000"},
               "glibc-64k": {"SHOAL_ALLOCATOR": "glibc", "MALLOC_MMAP_THRESHOLD_": str(64 * 2**10)}}
 
 

@@ -256,7 +256,7 @@ def test_a_cpu_process_adds_the_step_runtime_to_its_tensors():
     work = Workload(model=TINY, global_batch=16, seq_len=128)
     cpu = estimate(Plan.parse("fsdp2").resolve(2, "cpu"), work, cpu_cluster(2, local=2, memory_bytes=2**36))
     assert cpu.mem_per_device_bytes == pytest.approx(sum(cpu.memory.values()) * memory.FRAGMENTATION + CPU_STEP_BYTES)
-    assert 16 * 2**20 <= CPU_STEP_BYTES <= 32 * 2**20  # 25-32 MB measured a process (jemalloc)
+    assert 16 * 2**20 <= CPU_STEP_BYTES <= 32 * 2**20  # 22-31 MB measured a process (jemalloc keeping freed pages)
     gpu = _estimate("fsdp2", cluster="2xA100-80GB")
     assert gpu.mem_per_device_bytes == pytest.approx(sum(gpu.memory.values()) * memory.FRAGMENTATION)
 

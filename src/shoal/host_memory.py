@@ -4,11 +4,12 @@ On CPUs host memory is the device memory, and torch allocates a tensor with the 
 keeps freed tensors in its heap and fragments it: `small`'s resident peak ran 4-31% above the planner's
 prediction, 114-464 MB a rank held freed (bench/memory_model.py). Returning every tensor to the kernel instead
 (a fixed 64 KiB mmap threshold) ends that but costs 40% of the speed, each allocation faulting in fresh pages.
-jemalloc reuses freed memory by size class: `small`'s resident peaks came 13-20% lower and within -4% to +17% of
-the planner's, at 5-11% of the speed (bench/cpu_allocator.py). torch's own CPU launcher
-(torch.backends.xeon.run_cpu) preloads jemalloc or tcmalloc the same way, through LD_PRELOAD, so only processes
-started after the choice get it: the workers `shoal train` launches. Under torchrun the user preloads it
-(README).
+jemalloc reuses freed memory by size class; kept for reuse (KEEP_FREED) rather than returned to the kernel, it
+runs at glibc's speed (0.97-1.06) with resident peaks 13-20% lower on `small`, within -4% to +10% of the
+planner's for `small` and a 512M-parameter model under every plan measured (bench/cpu_allocator.py,
+bench/memory_model.py). torch's own CPU launcher (torch.backends.xeon.run_cpu) preloads jemalloc or tcmalloc
+the same way, through LD_PRELOAD, so only processes started after the choice get it: the workers `shoal train`
+launches. Under torchrun the user preloads it (README).
 
 SHOAL_ALLOCATOR=glibc keeps glibc's malloc; a LD_PRELOAD of the user's own is left alone; `make setup` puts
 Debian's libjemalloc2 in the environment's lib folder where apt can fetch it.
@@ -17,10 +18,12 @@ Debian's libjemalloc2 in the environment's lib folder where apt can fetch it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 CHOICES = ("auto", "jemalloc", "glibc")
 NAMES = ("libjemalloc.so.2", "libjemalloc.so")
@@ -53,11 +56,23 @@ def choice() -> str:
     return value
 
 
+KEEP_FREED = "dirty_decay_ms:-1"
+"""jemalloc's MALLOC_CONF for CPU workers: keep freed pages for reuse instead of returning them to the kernel (its
+default decay time, 10 s, returned most of a step's freed pages within the step; jemalloc's TUNING.md: the decay
+times trade memory for CPU). A training step frees and reallocates the same sizes every step, so pages returned
+were only faulted in again: kept, `small` ran 10-11% faster in one process and under tp2 (0.98 under fsdp4), the
+default job 1.21x, at the same resident peaks (bench/cpu_allocator.py, medians of 3, spreads 7-37%),
+and its resident peak no longer depends on how much was returned before it (dp2's had been 30 MB lower than
+the other plans', beyond the same tensors: bench/memory_model.py). Blocks of 8 MiB and more are still returned
+at once (return_large_blocks)."""
+
+
 def worker_env(device: str) -> dict[str, str]:
-    """What to add to the environment of CPU workers about to start: LD_PRELOAD of jemalloc (at its own defaults,
-    or the user's MALLOC_CONF; its background thread, which torch's launcher turns on, cost a one-process run
-    a tenth of its speed here, bench/cpu_allocator.py), or nothing (GPU workers, SHOAL_ALLOCATOR=glibc, the
-    user's own LD_PRELOAD, no jemalloc found). ValueError for SHOAL_ALLOCATOR=jemalloc where none is found."""
+    """What to add to the environment of CPU workers about to start: LD_PRELOAD of jemalloc, with KEEP_FREED
+    unless the user set MALLOC_CONF (jemalloc's background thread, which torch's launcher turns on, cost a
+    one-process run a tenth of its speed here, bench/cpu_allocator.py), or nothing (GPU workers,
+    SHOAL_ALLOCATOR=glibc, the user's own LD_PRELOAD, no jemalloc found). ValueError for SHOAL_ALLOCATOR=jemalloc
+    where none is found."""
     wanted = choice()
     if device != "cpu" or wanted == "glibc" or os.environ.get("LD_PRELOAD"):
         return {}
@@ -66,7 +81,7 @@ def worker_env(device: str) -> dict[str, str]:
         if wanted == "jemalloc":
             raise ValueError(f"SHOAL_ALLOCATOR=jemalloc: no libjemalloc found ({NOT_FOUND}); valid: auto, glibc")
         return {}
-    return {"LD_PRELOAD": path}
+    return {"LD_PRELOAD": path, **({} if "MALLOC_CONF" in os.environ else {"MALLOC_CONF": KEEP_FREED})}
 
 
 @contextlib.contextmanager
@@ -89,8 +104,43 @@ def describe() -> str:
     """This process's C allocator in words (a worker's start-up line)."""
     preload = os.environ.get("LD_PRELOAD", "")
     if "jemalloc" in preload:
-        return f"jemalloc ({preload})"
+        conf = os.environ.get("MALLOC_CONF")
+        return f"jemalloc ({preload}{f'; MALLOC_CONF={conf}' if conf else ''})"
     if preload:
         return f"as preloaded: {preload}"
     why = "SHOAL_ALLOCATOR=glibc" if os.environ.get("SHOAL_ALLOCATOR") == "glibc" else "no libjemalloc found"
     return f"glibc's malloc ({why}: freed tensors stay in its heap, see README)"
+
+
+def return_large_blocks() -> bool:
+    """In a process on jemalloc that keeps freed pages (decay time -1, KEEP_FREED): have jemalloc's arena for
+    blocks of its oversize threshold (8 MiB) and more return them to the kernel as soon as they are freed,
+    which jemalloc itself does only when the decay time is positive (arena.c, arena_create_huge_arena: "less
+    immediate reuse is expected for huge allocations"). Kept, a 512M-parameter model's set-up copies of its
+    tables stayed resident: its pp2 step peaked 960 MB higher, and dp2, which fits, was killed for memory.
+    MALLOC_CONF cannot say it (the arena takes the default decay time), so it is set here through mallctl, on
+    the arena a first such block lands in. True where it was set."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallctl, malloc, free = libc.mallctl, libc.malloc, libc.free
+    except (OSError, AttributeError):  # not jemalloc
+        return False
+    mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    malloc.restype, malloc.argtypes, free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+
+    def read(name: str, kind: Any) -> Any:
+        value, size = kind(0), ctypes.c_size_t(ctypes.sizeof(kind))
+        return value.value if mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) == 0 else None
+
+    if read("opt.dirty_decay_ms", ctypes.c_ssize_t) != -1 or not read("opt.oversize_threshold", ctypes.c_size_t):
+        return False
+    block = ctypes.c_void_p(malloc(read("opt.oversize_threshold", ctypes.c_size_t)))
+    arena, size = ctypes.c_uint(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_uint))
+    found = mallctl(b"arenas.lookup", ctypes.byref(arena), ctypes.byref(size), ctypes.byref(block),
+                    ctypes.sizeof(block)) == 0
+    free(block)
+    if not found:
+        return False
+    now = ctypes.c_ssize_t(0)
+    return all(mallctl(f"arena.{arena.value}.{kind}_decay_ms".encode(), None, None, ctypes.byref(now),
+                       ctypes.sizeof(now)) == 0 for kind in ("dirty", "muzzy"))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shoal import host_memory
 from shoal.train import memory
 from shoal.train.dry_run import dry_run
 from shoal.train.loop import Trainer
@@ -29,6 +30,8 @@ def run_worker(job: Job) -> dict[str, Any] | None:
     {"error": message} on every rank when the job fails for a reason the user can fix."""
     signals = StopSignals()  # before anything slow: a signal during start-up stops after the first step
     device = init_distributed(job.device)
+    if device.type == "cpu":
+        host_memory.return_large_blocks()  # where jemalloc keeps freed pages (shoal.host_memory)
     baseline_mb = memory.current_mb()  # the interpreter, torch and the process group: no model yet
     if dist.get_rank() != 0:  # the ranks' warnings repeat rank 0's: print them once, from rank 0
         warnings.simplefilter("ignore")
