@@ -112,6 +112,23 @@ def describe() -> str:
     return f"glibc's malloc ({why}: freed tensors stay in its heap, see README)"
 
 
+def mallctl() -> Any:
+    """jemalloc's mallctl(name, oldp, oldlenp, newp, newlen) in this process, or None where jemalloc is not the
+    malloc in use: torch keeps no CPU allocator statistics or settings, so shoal asks the allocator."""
+    try:
+        fn = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+def mallctl_read(fn: Any, name: str, kind: Any = ctypes.c_size_t) -> Any:
+    """jemalloc's `name` read through `fn` (mallctl()) as a `kind` (a ctypes type), or None where it has none."""
+    value, size = kind(0), ctypes.c_size_t(ctypes.sizeof(kind))
+    return value.value if fn(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) == 0 else None
+
+
 def return_large_blocks() -> bool:
     """In a process on jemalloc that keeps freed pages (decay time -1, KEEP_FREED): have jemalloc's arena for
     blocks of its oversize threshold (8 MiB) and more return them to the kernel as soon as they are freed,
@@ -120,27 +137,21 @@ def return_large_blocks() -> bool:
     tables stayed resident: its pp2 step peaked 960 MB higher, and dp2, which fits, was killed for memory.
     MALLOC_CONF cannot say it (the arena takes the default decay time), so it is set here through mallctl, on
     the arena a first such block lands in. True where it was set."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallctl, malloc, free = libc.mallctl, libc.malloc, libc.free
-    except (OSError, AttributeError):  # not jemalloc
+    fn = mallctl()
+    if fn is None or mallctl_read(fn, "opt.dirty_decay_ms", ctypes.c_ssize_t) != -1:
         return False
-    mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    malloc.restype, malloc.argtypes, free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
-
-    def read(name: str, kind: Any) -> Any:
-        value, size = kind(0), ctypes.c_size_t(ctypes.sizeof(kind))
-        return value.value if mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) == 0 else None
-
-    if read("opt.dirty_decay_ms", ctypes.c_ssize_t) != -1 or not read("opt.oversize_threshold", ctypes.c_size_t):
+    threshold = mallctl_read(fn, "opt.oversize_threshold")
+    if not threshold:  # no such arena
         return False
-    block = ctypes.c_void_p(malloc(read("opt.oversize_threshold", ctypes.c_size_t)))
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    block = ctypes.c_void_p(libc.malloc(threshold))
     arena, size = ctypes.c_uint(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_uint))
-    found = mallctl(b"arenas.lookup", ctypes.byref(arena), ctypes.byref(size), ctypes.byref(block),
-                    ctypes.sizeof(block)) == 0
-    free(block)
-    if not found:
+    found = fn(b"arenas.lookup", ctypes.byref(arena), ctypes.byref(size), ctypes.byref(block), ctypes.sizeof(block))
+    libc.free(block)
+    if found != 0:
         return False
     now = ctypes.c_ssize_t(0)
-    return all(mallctl(f"arena.{arena.value}.{kind}_decay_ms".encode(), None, None, ctypes.byref(now),
-                       ctypes.sizeof(now)) == 0 for kind in ("dirty", "muzzy"))
+    return all(fn(f"arena.{arena.value}.{kind}_decay_ms".encode(), None, None, ctypes.byref(now),
+                  ctypes.sizeof(now)) == 0 for kind in ("dirty", "muzzy"))

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from shoal import host_memory
+
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -83,20 +85,18 @@ def allocator_held_mb() -> float | None:
 @functools.cache
 def _jemalloc_stat() -> Any:
     """name -> jemalloc's statistic of that name, fresh (its `epoch` advanced), or None where jemalloc is not
-    the malloc in use: torch keeps no CPU allocator statistics, so we ask the allocator (`mallctl`)."""
-    try:
-        mallctl = ctypes.CDLL(None).mallctl
-    except (OSError, AttributeError):
+    the malloc in use."""
+    mallctl = host_memory.mallctl()
+    if mallctl is None:
         return None
-    mallctl.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
     def stat(name: str) -> int:
         epoch = ctypes.c_uint64(1)
         mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
-        value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
-        if mallctl(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        value = host_memory.mallctl_read(mallctl, name)
+        if value is None:
             raise OSError(f"jemalloc has no statistic {name}")
-        return value.value
+        return value
 
     return stat
 
