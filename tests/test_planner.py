@@ -207,9 +207,18 @@ def test_one_device_compute_by_hand():
     # of a square GEMM of the same work: every product here is smaller than 1024^3 (the largest, 2048 x 384 x 128,
     # is 465^3), so all run at the table's smallest, 119.4 / 256.5 of the large rate.
     slow = 256.5 / 119.4
-    weights = [(256, 128), (128, 128), (384, 128), (384, 128), (128, 384)]  # Q/K/V, output, SwiGLU's three
-    block = sum(2 * n * k for n, k in weights)
-    per_token = (4 * block + 2 * 128 * 256) * slow  # 4 blocks and the head (vocab 256)
+    # A product whose operands and output take longer to move through memory (1800 GB/s, 2 bytes an element) than
+    # its FLOPs at the large rate runs at the memory's pace (the roofline): K's and V's (n = 4 heads x 16 = 64),
+    # 3.07x the large-GEMM time, slower than the table's 2.15x; the others are held to the table.
+    ridge = rate * 2 / 1800e9  # FLOPs per element moved
+
+    def by_hand(n: int, k: int) -> float:  # one weight's three products (the same elements and FLOPs each)
+        return max(slow, ridge * (tokens * k + k * n + tokens * n) / (2 * tokens * n * k))
+
+    assert by_hand(64, 128) == pytest.approx(3.07, abs=0.01) and by_hand(128, 128) == slow
+    weights = [(128, 128), (64, 128), (64, 128), (128, 128), (384, 128), (384, 128), (128, 384)]  # Q, K, V, output,
+    block = sum(2 * n * k * by_hand(n, k) for n, k in weights)  # SwiGLU's three
+    per_token = 4 * block + 2 * 128 * 256 * by_hand(256, 128)  # 4 blocks and the head (vocab 256)
     assert e.time["compute_matmul"] == pytest.approx(3 * tokens * per_token / rate)
     # FlashAttention's backward recomputes the scores: 2.5 forwards' FLOPs (compute.FUSED_BACKWARD), 3.5 in all
     assert e.time["compute_attention"] == pytest.approx(3.5 * tokens * 4 * 32_768 / (179.5e12 * clock))
@@ -479,6 +488,43 @@ def test_plan_text_keeps_options_the_device_would_not_default_to():
     assert _estimate("fsdp8").plan_text == "fsdp8"
 
 
+def test_sequence_parallel_copies_of_dtensor_by_hand():
+    """DTensor's sequence-parallel collectives re-lay out (batch, sequence, dim) around NCCL's dim-0 gather and
+    scatter: each reduce-scatter's input and each all-gather's output (but one sequence a micro-batch, a view) is
+    read and written whole on the compute stream; Megatron-LM's (sequence, batch, dim) copies nothing. Without
+    recompute a block runs 2 all-gathers and 2 reduce-scatters forward and as many backward."""
+    cluster = parse_cluster("8xH100")
+    plan = Plan.parse("tp8").resolve(8, "cuda")
+    for sequences, copied in ((2, 8), (1, 4)):  # a block's copies a micro-batch: all 8, or the 4 reduce-scatters'
+        dtensor, megatron = (estimate(plan, Workload(model=TINY, global_batch=16, seq_len=128, tp_engine=engine),
+                                      cluster, micro_batch=sequences) for engine in ("dtensor", "megatron"))
+        act = sequences * 128 * TINY.dim * 2.0  # bytes of one micro-batch's gathered activation
+        copies = (16 // sequences) * TINY.num_layers * copied * 2 * act / 2970e9
+        assert dtensor.time["tp_comm"] - megatron.time["tp_comm"] == pytest.approx(copies)
+
+
+def test_skinny_products_run_at_the_pace_of_memory():
+    """The roofline: an 8B Llama's K projection under tp8 over 98,304 tokens (n = 8 heads x 128 / 8 = 128) moves
+    more bytes than its FLOPs take at the H100's large-GEMM rate (2 bytes an element at 2970 GB/s), so it is priced
+    at the memory's pace; the square products stay at their shape factor. Three projections (torchtitan's and
+    shoal's wq, wk, wv) cost more than Megatron-LM's one fused query_key_value of the same FLOPs."""
+    from shoal.planner.costs import _gemm_scale, _product_time
+    from shoal.planner.hardware import DEVICES
+
+    h100 = DEVICES["H100-80GB"]
+    ridge = 794.5e12 * 2 / 2970e9
+    m, n, k = 98304, 128, 4096
+    memory_bound = ridge * (m * k + k * n + m * n) / (2 * m * n * k)
+    assert memory_bound == pytest.approx(2.16, abs=0.01)  # 248 FLOPs an element moved against a ridge of 535
+    assert _product_time(h100, m, n, k, ridge=ridge) == pytest.approx(memory_bound)
+    shaped = 1 / h100.gemm_factor(m, n, k)  # the square-GEMM table alone: (m n k)^(1/3) = 3,721, nearly full rate
+    assert _product_time(h100, m, n, k, ridge=0.0) == pytest.approx(shaped) and shaped < 1.1
+    assert _product_time(h100, m, 4096, k, ridge=ridge) == pytest.approx(1 / h100.gemm_factor(m, 4096, k))
+    model = get_preset("llama3-8b")
+    separate, fused = (_gemm_scale(h100, model, m, 8, moe=False, fused_qkv=f, ridge=ridge) for f in (False, True))
+    assert separate > fused > 1
+
+
 def test_small_gemms_and_overlapped_collectives_on_an_h100_by_hand():
     """On an H100 the TINY model's products are small: tokens M = 16 * 128 = 2048 per micro-batch, and
     each weight's (M x k) @ (k x n) runs at the square-GEMM table's rate for size (M n k)^(1/3)
@@ -666,7 +712,8 @@ def test_selective_recompute_reruns_what_shoals_policy_does_not_keep():
     per_block_elem = (none.time["compute_elementwise"] / 3 - 4 * 16 * 128 * 256 * 4 / 8 / 2970e9)
     assert sel.time["recompute"] == pytest.approx(per_block_elem)  # the blocks' elementwise work, not the head's
     net = RingNetwork(parse_cluster("8xH100"))
-    gather = net.time("all_gather", 8, 16 * 128 * TINY.dim * 2.0, stride=1)
+    act = 16 * 128 * TINY.dim * 2.0  # one micro-batch's activation, gathered
+    gather = net.time("all_gather", 8, act, stride=1) + 2 * act / 2970e9  # and DTensor's copy after it
     assert sel.time["tp_comm"] - none.time["tp_comm"] == pytest.approx(TINY.num_layers * 2 * gather)
 
 

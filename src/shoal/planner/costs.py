@@ -63,7 +63,7 @@ class Costs:
 
     def __init__(self, plan: Plan, cfg: ModelConfig, cluster: Cluster, net: Network, *, tokens: float,
                  seq_len: int, fused: bool, policy: str = "shoal", tp_engine: str = "dtensor",
-                 tf32: bool = False) -> None:
+                 tf32: bool = False, fused_qkv: bool = False) -> None:
         self.fused, self.policy, self.tp_engine = fused, policy, tp_engine
         self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
         self.rate = cluster.device.flops(matmul_dtype(plan, cluster, tf32=tf32))
@@ -87,9 +87,12 @@ class Costs:
         self.dtensor_overhead = cluster.device.dtensor_overhead if on_cpu else 0.0
         self.stride = {"tp": 1, "cp": plan.tp, "fsdp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.fsdp,
                        "pp": plan.tp * plan.cp * plan.fsdp * (plan.dp or 1), "ep": plan.tp}
-        # Small products run below the large-GEMM rate (hardware.DeviceSpec.gemm_factor): time multipliers.
-        self.mm_scale = {moe: _gemm_scale(cluster.device, cfg, tokens, plan.tp, moe=moe) for moe in (False, True)}
-        self.head_scale = _training_gemm_time(cluster.device, tokens, cfg.vocab_size / plan.tp, cfg.dim)
+        # Small products run below the large-GEMM rate (hardware.DeviceSpec.gemm_factor), and on a GPU skinny ones
+        # at the pace of its memory (_product_time; a CPU's calibrated rate holds its caches' effects): multipliers.
+        ridge = 0.0 if on_cpu else self.rate * self.bytes / self.mem_bw
+        self.mm_scale = {moe: _gemm_scale(cluster.device, cfg, tokens, plan.tp, moe=moe, fused_qkv=fused_qkv,
+                                          ridge=ridge) for moe in (False, True)}
+        self.head_scale = _training_gemm_time(cluster.device, tokens, cfg.vocab_size / plan.tp, cfg.dim, ridge=ridge)
         self.work = {moe: compute.block_work(cfg, compute.block_index(cfg, moe=moe), seq_len=seq_len,
                                              causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
                      for moe in (False, True)}
@@ -139,14 +142,14 @@ class Costs:
             host += dispatches / DTENSOR_DISPATCHES_PER_OP * self.dtensor_overhead
         n = hi - lo
         act = T * self.cfg.dim * self.bytes
+        gather, scatter = self._sp_collectives(act)
         if tp > 1 and p.sp:
-            tp_fwd = 2 * (self.net.time("all_gather", tp, act, stride=1)
-                          + self.net.time("reduce_scatter", tp, act, stride=1))
+            tp_fwd = 2 * (gather + scatter)
         else:
             tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
         tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
         if tp > 1 and p.sp and p.ac == "selective" and not self.on_cpu:  # reductions kept, not all-gathers: 2 rerun
-            tp_comm += n * 2 * self.net.time("all_gather", tp, act, stride=1)
+            tp_comm += n * 2 * gather
         if tp > 1 and head:  # vocabulary-parallel embedding and loss: ~2 collectives each way, small
             tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
         cp_comm = n * self._ring(attn / max(n, 1))
@@ -162,6 +165,25 @@ class Costs:
                  "pp_p2p": 2 * p2p, "host_overhead": host}
         fwd = mm + attn + elem + n * tp_fwd + cp_comm / 3 + ep_comm / 2 + p2p + host / 3
         return fwd, sum(terms.values()) - fwd, terms
+
+    def _sp_collectives(self, act: float) -> tuple[float, float]:
+        """(all-gather, reduce-scatter) seconds of one sequence-parallel collective of an activation of `act` bytes
+        (gathered size), with the copies DTensor makes around it (`tp_engine` "dtensor"). Its residual stream is
+        (batch, sequence, dim), sharded on dim 1, and NCCL gathers and scatters on dim 0, so torch's functional
+        collectives (torch/distributed/_functional_collectives.py) re-lay each one out: all_gather_tensor's
+        result is chunked and concatenated along dim 1 (_maybe_view_chunk_cat: a view only when the micro-batch
+        holds one sequence), reduce_scatter_tensor's input chunked along dim 1 and concatenated along dim 0
+        (_chunk_or_narrow_cat), each a read and a write of the whole activation on the compute stream.
+        Megatron-LM's (sequence, batch, dim) layout gathers on dim 0 and copies nothing."""
+        tp = self.plan.tp
+        gather = self.net.time("all_gather", tp, act, stride=1)
+        scatter = self.net.time("reduce_scatter", tp, act, stride=1)
+        if self.tp_engine == "dtensor" and tp > 1 and self.plan.sp:
+            copy = 2 * act / self.mem_bw
+            sequences = self.tokens * self.plan.cp / self.seq_len
+            gather += copy if sequences > 1 else 0.0
+            scatter += copy
+        return gather, scatter
 
     def _ring(self, attn_fwd: float) -> float:
         """Exposed ring time of one block (forward + backward) given its attention's forward time.
@@ -343,24 +365,41 @@ def overlap_exposed(traffic: float, window: float, *, pieces: int) -> tuple[floa
     return traffic - hidden, hidden
 
 
-def _training_gemm_time(device: Any, tokens: float, n: float, k: float) -> float:
+def _training_gemm_time(device: Any, tokens: float, n: float, k: float, *, ridge: float = 0.0) -> float:
     """Time over time-at-the-large-GEMM-rate of one weight's three products in a training step, each as much
     work: forward (tokens x k) @ (k x n), the input gradient (tokens x n) @ (n x k) and the weight gradient
-    (k x tokens) @ (tokens x n), whose outputs differ in shape (hardware.DeviceSpec.gemm_factor)."""
-    factors = (device.gemm_factor(tokens, n, k), device.gemm_factor(tokens, k, n), device.gemm_factor(k, n, tokens))
-    return sum(1 / f for f in factors) / 3
+    (k x tokens) @ (tokens x n), whose outputs differ in shape (hardware.DeviceSpec.gemm_factor), each held to
+    its memory floor (_product_time) where `ridge` is given."""
+    products = ((tokens, n, k), (tokens, k, n), (k, n, tokens))
+    return sum(_product_time(device, m, nn, kk, ridge=ridge) for m, nn, kk in products) / 3
 
 
-def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: bool) -> float:
-    """Time over time-at-the-large-GEMM-rate of one block's weight products, FLOP-weighted: Q/K/V and
-    output projections and the dense FFN as (tokens x k) @ (k x n) on one tp rank, forward and backward
-    (_training_gemm_time). Routed experts and the router are left at 1."""
+def _product_time(device: Any, m: float, n: float, k: float, *, ridge: float) -> float:
+    """Time over time-at-the-large-GEMM-rate of an (m x k) @ (k x n) product: its shape factor's, or, when
+    reading its operands and writing its output once from device memory ((m k + k n + m n) elements) takes
+    longer than its 2 m n k FLOPs at the large-GEMM rate, the memory's (the roofline bound, Williams, Waterman
+    and Patterson 2009, "Roofline", CACM 52(4)). `ridge` is the device's ridge point in FLOPs per element moved
+    (large-GEMM FLOP/s x bytes per element / memory bytes/s; 0: no floor). Large skinny products meet it: under
+    tp8 an 8B Llama's K and V projections have n = 128 over m ~ 10^5 tokens, ~250 FLOPs an element moved against
+    an H100's ridge of ~535 (its large bf16 GEMM rate over its memory bandwidth, 2 bytes an element)."""
+    shaped = 1 / device.gemm_factor(m, n, k)
+    return max(shaped, ridge * (m * k + k * n + m * n) / (2 * m * n * k))
+
+
+def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: bool, fused_qkv: bool = False,
+                ridge: float = 0.0) -> float:
+    """Time over time-at-the-large-GEMM-rate of one block's weight products, FLOP-weighted: Q, K and V (one
+    fused product with `fused_qkv`, as Megatron-LM's query_key_value; three otherwise, as shoal's, torchtitan's
+    and transformers' wq, wk, wv) and output projections and the dense FFN as (tokens x k) @ (k x n) on one tp
+    rank, forward and backward (_training_gemm_time). Routed experts and the router are left at 1."""
     D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
-    gemms = [((cfg.num_heads + 2 * cfg.kv_heads) * hd / tp, D), (D, cfg.num_heads * hd / tp)]  # (n, k)
+    q, kv = cfg.num_heads * hd / tp, cfg.kv_heads * hd / tp
+    gemms: list[tuple[float, float]] = [(q + 2 * kv, D)] if fused_qkv else [(q, D), (kv, D), (kv, D)]  # (n, k)
+    gemms += [(D, q)]
     if not moe:
         gemms += [(F / tp, D)] * (2 if cfg.activation == "swiglu" else 1) + [(D, F / tp)]
     listed = sum(2.0 * n * k for n, k in gemms) * tp  # per token, all ranks (block_work's convention)
-    slow = sum(2.0 * n * k * _training_gemm_time(device, tokens, n, k) for n, k in gemms) * tp
+    slow = sum(2.0 * n * k * _training_gemm_time(device, tokens, n, k, ridge=ridge) for n, k in gemms) * tp
     whole = compute.block_work(cfg, compute.block_index(cfg, moe=moe), seq_len=1, causal_skip=True,
                                fused_attention=True).matmul
     return (whole - listed + slow) / whole

@@ -123,6 +123,11 @@ class Workload:
     layers, which keep the sequence shard and gather it again in backward. Only the memory differs: both are
     priced the same collectives (Megatron-LM overlaps its extra all-gather with the weight gradients)."""
 
+    fused_qkv: bool = False
+    """Q, K and V projected by one weight, one product of n = (heads + 2 kv heads) x head dim a tp rank
+    (Megatron-LM's and Megatron-DeepSpeed's query_key_value, metaseq's qkv_proj); False for three (wq, wk, wv:
+    shoal's models, torchtitan's, transformers'), whose K and V products are skinny under grouped-query heads."""
+
     def __post_init__(self) -> None:
         if self.data_engine not in DATA_ENGINES:
             raise ValueError(f"data_engine {self.data_engine!r} is not valid; valid: {', '.join(DATA_ENGINES)}")
@@ -199,7 +204,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     if work.data_engine == "megatron-local" and plan.fsdp > 1:
         raise ValueError(f"Megatron-LM's local DDP replicates every state, got fsdp={plan.fsdp}")
     cost = Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention,
-                  policy=work.selective_policy, tp_engine=work.tp_engine, tf32=work.tf32)
+                  policy=work.selective_policy, tp_engine=work.tp_engine, tf32=work.tf32,
+                  fused_qkv=work.fused_qkv)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
     stages = [(0, first, plan.pp == 1), (cfg.num_layers - last, cfg.num_layers, True)]
     per_stage = [cost.stage(lo, hi, head=head) for lo, hi, head in stages]
