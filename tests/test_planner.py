@@ -643,6 +643,19 @@ def test_fsdp2_copies_by_hand():
     assert "fsdp_copies" not in _estimate("dp8", cluster="8xH100", batch=64).traffic  # DDP copies nothing
 
 
+def test_compiled_elementwise_by_hand():
+    """A compiled block's elements moved per token, TINY (D 128, q 8 x 16 = 128, k and v 4 x 16 = 64, F 384):
+    norms 2 x (read, write) D; residual adds 2 x (read 2, write 1) D; RoPE and the projections' outputs read
+    and written 2 x (q + 2 kv); attention reads them (q + 2 kv) and writes D; SwiGLU reads 2 F, writes F; the
+    grouped heads' K and V repeated to every query head (a copy SDPA cannot fuse): written and read again at
+    q's width, 4 (q - kv). Multi-head attention (kv = q) repeats nothing."""
+    kw = dict(seq_len=128, causal_skip=True, fused_attention=True, compiled=True)
+    base = 2 * 2 * 128 + 2 * 3 * 128 + 3 * (128 + 2 * 64) + 128 + 3 * 384
+    assert compute.block_work(TINY, 0, **kw).elementwise == base + 4 * (128 - 64)
+    mha = TINY.replace(num_kv_heads=8)
+    assert compute.block_work(mha, 0, **kw).elementwise == 2 * 2 * 128 + 2 * 3 * 128 + 3 * 384 + 128 + 3 * 384
+
+
 def test_torchtitan_selective_policy_by_hand():
     """torchtitan's per-op policy keeps every second weight product's output, counted in call order per block
     (wq wk wv wo w1 w3 w2): wk, wo and w3 are rerun; wq, wv, w1, w2, the attention kernel's output and log-sum-exp

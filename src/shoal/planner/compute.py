@@ -100,6 +100,10 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
         # Two norms (read x, write y) and two residual adds (read 2, write 1); RoPE reads and writes
         # q and k; attention reads q, k, v and writes its output.
         elementwise: float = 2 * 2 * D + 2 * 3 * D + 2 * q_kv + q_kv + D
+        # Grouped K/V heads are repeated to every query head before SDPA (shoal's repeat_interleave,
+        # torchtitan's repeat_kv: an expanded view reshaped), a copy no compiled region fuses into the
+        # attention kernel: K and V are written, then read by attention, at the query heads' width.
+        elementwise += 4 * (cfg.num_heads - cfg.kv_heads) * cfg.head_dim
         # The gated activation reads gate and up and writes their product (GELU: read 1, write 1).
         elementwise += 3 * width if cfg.activation == "swiglu" else 2 * width
     else:
