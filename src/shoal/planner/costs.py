@@ -142,13 +142,14 @@ class Costs:
             host += dispatches / DTENSOR_DISPATCHES_PER_OP * self.dtensor_overhead
         n = hi - lo
         act = T * self.cfg.dim * self.bytes
-        gather, scatter = self._sp_collectives(act)
-        if tp > 1 and p.sp:
+        sp = tp > 1 and p.sp
+        gather, scatter = self._sp_collectives(act) if sp else (0.0, 0.0)  # priced only where they run
+        if sp:
             tp_fwd = 2 * (gather + scatter)
         else:
             tp_fwd = 2 * self.net.time("all_reduce", tp, act, stride=1)
         tp_comm = n * tp_fwd * (3 if p.ac == "full" else 2)  # the recompute repeats the forward's
-        if tp > 1 and p.sp and p.ac == "selective" and not self.on_cpu:  # reductions kept, not all-gathers: 2 rerun
+        if sp and p.ac == "selective" and not self.on_cpu:  # reductions kept, not all-gathers: 2 rerun
             tp_comm += n * 2 * gather
         if tp > 1 and head:  # vocabulary-parallel embedding and loss: ~2 collectives each way, small
             tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
@@ -156,7 +157,7 @@ class Costs:
         routed = compute.experts_per_token(self.cfg) - self.cfg.num_shared_experts
         ep_comm = (moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"])
                    if p.ep > 1 else 0.0)
-        p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if p.sp and tp > 1 else 1),
+        p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if sp else 1),
                                     stride=self.stride["pp"]) if p.pp > 1 else 0.0
         attention_bwd = self.attention_bwd * self.attention_bwd_time * attn
         terms = {"compute_matmul": 3 * mm, "compute_attention": attn + attention_bwd,
@@ -168,17 +169,17 @@ class Costs:
 
     def _sp_collectives(self, act: float) -> tuple[float, float]:
         """(all-gather, reduce-scatter) seconds of one sequence-parallel collective of an activation of `act` bytes
-        (gathered size), with the copies DTensor makes around it (`tp_engine` "dtensor"). Its residual stream is
-        (batch, sequence, dim), sharded on dim 1, and NCCL gathers and scatters on dim 0, so torch's functional
-        collectives (torch/distributed/_functional_collectives.py) re-lay each one out: all_gather_tensor's
-        result is chunked and concatenated along dim 1 (_maybe_view_chunk_cat: a view only when the micro-batch
-        holds one sequence), reduce_scatter_tensor's input chunked along dim 1 and concatenated along dim 0
-        (_chunk_or_narrow_cat), each a read and a write of the whole activation on the compute stream.
-        Megatron-LM's (sequence, batch, dim) layout gathers on dim 0 and copies nothing."""
+        (gathered size) under tp > 1 with sequence parallelism, with the copies DTensor makes around it (`tp_engine`
+        "dtensor"). Its residual stream is (batch, sequence, dim), sharded on dim 1, and NCCL gathers and scatters on
+        dim 0, so torch's functional collectives (torch/distributed/_functional_collectives.py) re-lay each one out:
+        all_gather_tensor's result is chunked and concatenated along dim 1 (_maybe_view_chunk_cat: a view only when the
+        micro-batch holds one sequence), reduce_scatter_tensor's input chunked along dim 1 and concatenated along dim 0
+        (_chunk_or_narrow_cat), each a read and a write of the whole activation on the compute stream. Megatron-LM's
+        (sequence, batch, dim) layout gathers on dim 0 and copies nothing."""
         tp = self.plan.tp
         gather = self.net.time("all_gather", tp, act, stride=1)
         scatter = self.net.time("reduce_scatter", tp, act, stride=1)
-        if self.tp_engine == "dtensor" and tp > 1 and self.plan.sp:
+        if self.tp_engine == "dtensor":
             copy = 2 * act / self.mem_bw
             sequences = self.tokens * self.plan.cp / self.seq_len
             gather += copy if sequences > 1 else 0.0
