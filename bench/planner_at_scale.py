@@ -143,7 +143,7 @@ def _findings(table_rows: list[Row], before: dict[str, float] | None = None) -> 
     """The page's prose, every figure in it computed from the rows (and from the earlier page's ratios, `before`)."""
     checked = sorted((r for r in table_rows if r.run.checked), key=lambda r: abs(r.error))
     errors = [abs(r.error) for r in checked]
-    met = max(errors) <= GOAL_WITHIN and statistics.mean(errors) <= GOAL_MEAN
+    mean_met, outside = statistics.mean(errors) <= GOAL_MEAN, [r for r in checked if abs(r.error) > GOAL_WITHIN]
     optimistic = sum(r.error > 0 for r in checked)
     devices = {parse_cluster(r.run.cluster).device.name: parse_cluster(r.run.cluster).device for r in table_rows}
     efficiency = ", ".join(f"{d.matmul_efficiency * d.sustained_clock:.2f} on {name}"
@@ -153,7 +153,12 @@ def _findings(table_rows: list[Row], before: dict[str, float] | None = None) -> 
     selective = [r for r in unfit if "ac=selective" in r.run.plan]
     bullets = [
         (f"The goal (every run whose inputs were all checked within {100 * GOAL_WITHIN:.0f}%, mean absolute error "
-        f"<= {100 * GOAL_MEAN:.0f}%) is {'met' if met else 'not met'}. The model is optimistic on "
+        f"<= {100 * GOAL_MEAN:.0f}%) is {'met' if mean_met and not outside else 'not met'}: the mean absolute error "
+        f"is {100 * statistics.mean(errors):.1f}% ({'within' if mean_met else 'above'} its bound), and "
+        + (f"{len(outside)} of the {len(checked)} runs lie outside {100 * GOAL_WITHIN:.0f}%, all torchtitan's"
+           if outside and all(r.run.name.startswith("torchtitan") for r in outside)
+           else f"{len(outside)} of the {len(checked)} runs lie outside {100 * GOAL_WITHIN:.0f}%")
+        + ". The model is optimistic on "
         f"{'every one' if optimistic == len(checked) else optimistic} of those {len(checked)} runs. It prices weight "
         f"GEMMs at the rate a well-shaped GEMM reaches, held to the clock the device sustains ({efficiency} of the "
         "data-sheet peak), times each product's shape factor (the H100's and A100's measured square GEMMs; elsewhere "
@@ -284,38 +289,39 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
     quantized = rows(runs, a100_square=False)
     no_copies = rows(runs, sp_copies=False)
     one_qkv = rows(tuple(dataclasses.replace(r, fused_qkv=True) for r in runs))
+    no_dropout = rows(tuple(dataclasses.replace(r, model=r.model.replace(dropout=0.0)) for r in runs))
+    lower = [r for r in checked if 1 + r.error < before[r.run.name] and 1 + r.error < 1]
     return (
-        f"Against the page before this change (the 'before' column) {len(moved)} rows moved, every one priced with "
-        "DTensor's sequence parallelism (torchtitan's rows, and the Llama 3 rows, whose trainer is not public and "
-        "takes the default) or compiled with grouped K/V heads, "
+        f"Against the page before this change (the 'before' column) {len(moved)} rows moved, every one a run whose "
+        "trainer drops out (Megatron-LM 2021 and 2022, MT-NLG, BLOOM and OPT, at 0.1), "
         + ", ".join(f"{r.run.name} from {before[r.run.name]:.3f} to {1 + r.error:.3f}" for r in checked)
-        + f" among the checked runs. Three things are priced now, each read from the code that ran. DTensor's residual "
-        "stream is (batch, sequence, dim), sharded on the sequence, while NCCL gathers and scatters on dim 0: torch's "
-        "functional collectives copy every reduce-scatter's input and every all-gather's output (but one sequence a "
-        "micro-batch) whole, on the compute stream (costs.Costs._sp_collectives); on the 8B FSDP8 x TP8 row that is "
-        "10 copies of a 0.8 GB activation a block. And torchtitan's Llama projects Q, K and V with three weights "
-        "(wq, wk, wv in torchtitan/models/llama/model.py at ba2469780, December 2024, and llama3/model.py at "
-        "820504e), not one fused product as Megatron-LM's and "
-        "Megatron-DeepSpeed's query_key_value and metaseq's qkv_proj; under tp8 its K and V products have n = 128 "
-        "over 98,304 tokens, below the H100's ridge point, so each product is held to the time its bytes take "
-        "through memory (the roofline, costs._product_time) as well as to its shape factor. And grouped K and V "
-        "heads are repeated to every query head before SDPA (torchtitan's repeat_kv, an expanded view reshaped; "
-        "shoal's repeat_interleave), a copy that no compiled region fuses into the attention kernel: K and V are "
-        "written and read again at the query heads' width (compute.block_work), which the eager count held already. "
-        "Left out in turn "
-        f"(checked error): the copies, {_checked_mae(no_copies):.1f}%; torchtitan's Q, K and V as one product, "
-        f"{_checked_mae(one_qkv):.1f}%. MT-NLG's three rows are marked (*), as the page's rule asks of a run "
-        "that rests on a number its source does not state: their micro-batch size is stated nowhere found here (the "
-        "paper, Megatron-DeepSpeed's examples), and it sets their pipeline's bubble. Counted among the checked runs, "
-        f"the mean absolute error would be {_mae_with_mtnlg(table_rows):.1f}%"
-        + ". The earlier sourced choices, each left out in turn (checked error): every collective across nodes on "
+        + " among the checked runs. Their dropouts are priced now, read from the code that ran: Megatron-LM's "
+        "ParallelAttention drops the attention probabilities with torch.nn.Dropout after its fused softmax "
+        "(megatron/model/transformer.py at de7dc40f88, the sc21 scripts' commit), a kernel that reads and writes "
+        "every score and writes a one-byte mask, and whose backward reads the gradient and the mask and writes the "
+        "gradient, 2.5 passes each way over the scores that unfused attention's four passes already cross; its "
+        "bias_dropout_add, jit-fused into the residual add, writes the hidden state's mask twice a block, and "
+        "backward scales the gradient by it (compute.dropout_elements; Korthikanti et al. 2022 count the same masks "
+        "in their activation memory, section 4.1). The rate is Megatron-LM's default, 0.1 on both, which neither "
+        "sc21 script changes (megatron/arguments.py); BLOOM's README says it inherits them, and metaseq's OPT "
+        "launcher sets the same. Megatron-LM's selective recompute now reruns the scores' elementwise work with "
+        "QK^T and AV, as its policy does. No constant is new: the dropouts' bytes go at the memory bandwidth "
+        "already used. It moves the small Megatron-LM rows most, whose scores (heads x sequence a token) outweigh "
+        "their hidden state, and it moves "
+        + (", ".join(f"{r.run.name}" for r in lower) + " below 1 or further below it" if lower else "no row below 1")
+        + f". Left out, the checked error would be {_checked_mae(no_dropout):.1f}%. The earlier sourced choices, "
+        "each left out in turn (checked error): DTensor's copies around its sequence-parallel collectives (costs."
+        f"Costs._sp_collectives), {_checked_mae(no_copies):.1f}%; torchtitan's Q, K and V as one product instead of "
+        f"three, {_checked_mae(one_qkv):.1f}%; every collective across nodes on "
         f"one NIC a rank instead of the node's NICs together, {_checked_mae(one_nic):.1f}%; BLOOM's Omni-Path nodes "
         f"as DGX A100s with 8 HDR NICs, {_checked_mae(infiniband):.1f}%; Megatron-DeepSpeed's data axis run as shoal's "
         f"FSDP2 instead of DeepSpeed's pipeline engine, {_checked_mae(shoal_engine):.1f}%; the A100's GEMMs by tile "
         f"and wave quantization instead of its measured square-GEMM table, {_checked_mae(quantized):.1f}%; FSDP2's "
         f"copies around its collectives (costs.fsdp2_copy_bytes) unpriced, {_without_copies(table_rows):.1f}%; "
-        f"Megatron-LM's local DDP priced as overlapping backward, {_checked_mae(overlapped):.1f}%. No "
-        "constant was chosen by how it moved these rows.")
+        f"Megatron-LM's local DDP priced as overlapping backward, {_checked_mae(overlapped):.1f}%. MT-NLG's three "
+        "rows stay marked (*): their micro-batch size, which sets their pipeline's bubble, is stated nowhere found "
+        f"here; counted among the checked runs, the mean absolute error would be {_mae_with_mtnlg(table_rows):.1f}%. "
+        "No constant was chosen by how it moved these rows.")
 
 
 def _mtnlg_gap(table_rows: list[Row], which: str) -> str:

@@ -656,6 +656,47 @@ def test_compiled_elementwise_by_hand():
     assert compute.block_work(mha, 0, **kw).elementwise == 2 * 2 * 128 + 2 * 3 * 128 + 3 * 384 + 128 + 3 * 384
 
 
+def test_dropout_elements_by_hand():
+    """TINY (D 128, 8 heads) at seq 64 with dropout 0.1, per token and block. Hidden state, twice a block: eager,
+    nn.Dropout reads and writes D and writes a one-byte mask (0.5 of a 16-bit element), 2.5 D; fused into the
+    residual add (compiled), the mask alone, 0.5 D; backward reads the gradient and the mask and writes the
+    gradient either way, 2.5 D. Unfused attention's torch.nn.Dropout on the probabilities: 2.5 passes over the 8 x 64
+    scores forward and again backward. A fused kernel draws its dropout inside: nothing more. No dropout, no work."""
+    cfg = TINY.replace(dropout=0.1)
+    scores = 2.5 * 8 * 64
+    assert compute.dropout_elements(cfg, 64, fused_attention=True, compiled=False) == (2 * 2.5 * 128, 2 * 2.5 * 128, 0)
+    assert compute.dropout_elements(cfg, 64, fused_attention=True, compiled=True) == (2 * 0.5 * 128, 2 * 2.5 * 128, 0)
+    assert compute.dropout_elements(cfg, 64, fused_attention=False, compiled=True) == (
+        2 * 0.5 * 128 + scores, 2 * 2.5 * 128 + scores, scores)
+    assert compute.dropout_elements(TINY, 64, fused_attention=False, compiled=True) == (0, 0, 0)
+    kw = dict(seq_len=64, causal_skip=False, fused_attention=False, compiled=True)
+    work, plain = compute.block_work(cfg, 0, **kw), compute.block_work(TINY, 0, **kw)
+    assert work.elementwise == plain.elementwise  # the dropouts are counted apart: their backward is their forward's
+    assert (work.scores, plain.scores) == (4 * 8 * 64 + scores, 4 * 8 * 64)
+    # Megatron-LM's selective recompute reruns the scores' elementwise work with QK^T and AV
+    assert compute.recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=False,
+                              policy="megatron", scores=1.5) == 4.5
+
+
+def test_dropout_in_the_estimate():
+    """The step's elementwise time grows by the dropouts' forward and backward bytes (not backward twice the
+    forward, as the block's other elementwise work), at the device's memory bandwidth; full recompute reruns the
+    forward's. TINY at 16 x 128 tokens, fp16 on one A100 (unfused attention, as Megatron-LM ran it)."""
+    cluster = parse_cluster("1xA100-80GB")
+    plan = Plan.parse("ac=full,precision=fp16").resolve(1, "cuda")
+
+    def step(cfg: ModelConfig) -> dict[str, float]:
+        return estimate(plan, Workload(model=cfg, global_batch=16, seq_len=128, fused_attention=False), cluster).time
+
+    with_dropout, without = step(TINY.replace(dropout=0.1)), step(TINY)
+    forward, backward, _ = compute.dropout_elements(TINY.replace(dropout=0.1), 128, fused_attention=False,
+                                                    compiled=True)
+    element = 16 * 128 * 2 / cluster.device.memory_bw * TINY.num_layers
+    assert with_dropout["compute_elementwise"] - without["compute_elementwise"] == pytest.approx(
+        (forward + backward) * element, rel=1e-9)
+    assert with_dropout["recompute"] - without["recompute"] == pytest.approx(forward * element, rel=1e-9)
+
+
 def test_torchtitan_selective_policy_by_hand():
     """torchtitan's per-op policy keeps every second weight product's output, counted in call order per block
     (wq wk wv wo w1 w3 w2): wk, wo and w3 are rerun; wq, wv, w1, w2, the attention kernel's output and log-sum-exp

@@ -30,7 +30,16 @@ class BlockWork:
     attention: float
     """FLOPs in QK^T and AV over the token's context."""
     elementwise: float
-    """Elements read or written by memory-bound ops (priced in bytes by the dtype)."""
+    """Elements read or written by memory-bound ops in forward (priced in bytes by the dtype); backward moves
+    twice as many."""
+    dropout: float = 0.0
+    """Elements the block's dropouts move in forward (`dropout_elements`), beside `elementwise`."""
+    dropout_backward: float = 0.0
+    """Elements the dropouts' gradients move in backward: each reads the gradient and the mask and writes the
+    gradient."""
+    scores: float = 0.0
+    """Of `elementwise` and `dropout`, the forward elements of unfused attention's scores: what Megatron-LM's
+    selective recompute reruns beside QK^T and AV."""
 
 
 def mlp_matmul_flops(cfg: ModelConfig, width: float | None = None) -> float:
@@ -108,12 +117,43 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
         elementwise += 3 * width if cfg.activation == "swiglu" else 2 * width
     else:
         elementwise = _eager_elements(cfg, width)
+    scores = 0.0
     if not fused_attention:
         # Unfused attention writes the scores, softmax reads and writes them, AV reads them:
         # four passes over the token's row of scores per head (causal mask applied in place).
-        elementwise += 4 * cfg.num_heads * seq_len
+        scores = 4.0 * cfg.num_heads * seq_len
+        elementwise += scores
+    dropout, dropout_backward, scores_dropout = dropout_elements(cfg, seq_len, fused_attention=fused_attention,
+                                                                 compiled=compiled)
     return BlockWork(matmul=matmul, attention=attention_core_flops(cfg, seq_len, causal_skip=causal_skip),
-                     elementwise=float(elementwise))
+                     elementwise=float(elementwise), dropout=dropout, dropout_backward=dropout_backward,
+                     scores=scores + scores_dropout)
+
+
+DROPOUT_MASK = 0.5
+"""A dropout mask's element over a 16-bit activation's: torch keeps the mask as bool, one byte an element (the
+dropout kernel writes it beside its output in forward; backward reads it)."""
+
+
+def dropout_elements(cfg: ModelConfig, seq_len: int, *, fused_attention: bool, compiled: bool
+                     ) -> tuple[float, float, float]:
+    """(forward, backward, of the forward the scores') elements per token of a block's dropouts at `cfg.dropout`.
+
+    Two on the hidden state, after the attention's output projection and after the FFN (shoal.models.transformer,
+    Megatron-LM's bias_dropout_add): run on its own, each reads and writes the activation and writes its mask;
+    fused into the residual add (compiled, or Megatron-LM's jit-fused bias_dropout_add), only the mask is written,
+    and backward scales the gradient by it either way (read the gradient and the mask, write the gradient).
+    Unfused attention drops its probabilities with torch.nn.Dropout (Megatron-LM's ParallelAttention, metaseq's):
+    a read and a write of the scores and the mask, and backward's mirror. A fused attention kernel draws its
+    dropout inside (FlashAttention regenerates the mask in backward from its RNG state), moving nothing more.
+    The embedding's dropout, once a model, is left out."""
+    if cfg.dropout <= 0.0:
+        return 0.0, 0.0, 0.0
+    D = cfg.dim
+    mirror = 2 + DROPOUT_MASK  # read and write the tensor, and the mask
+    hidden_forward = 2 * (DROPOUT_MASK if compiled else mirror) * D
+    scores = 0.0 if fused_attention else mirror * cfg.num_heads * seq_len
+    return hidden_forward + scores, 2 * mirror * D + scores, scores
 
 
 def _eager_elements(cfg: ModelConfig, width: float) -> float:
@@ -188,18 +228,19 @@ def titan_recomputed_matmul(cfg: ModelConfig, *, moe: bool) -> float:
 
 
 def recomputed(ac: str, *, matmul: float, attention: float, elementwise: float, fused_attention: bool,
-               selective_matmul: float = 0.0, policy: str = "shoal") -> float:
+               selective_matmul: float = 0.0, policy: str = "shoal", scores: float = 0.0) -> float:
     """The forward work backward reruns, of a block's matmul, attention-core and elementwise work (in any one
     unit: FLOPs or seconds). Full recompute reruns all of it. Selective recompute runs shoal's policy
     (shoal.parallel.recompute: the outputs of matmuls and of the fused attention kernel are kept, every other
     op is recomputed): the elementwise ops, and unfused attention's score products with them (batched
     products the policy does not keep); plus `selective_matmul`, the part of `matmul` a policy that keeps
     fewer products reruns (torchtitan's: `titan_recomputed_matmul`). Megatron-LM's `policy` reruns the attention
-    core alone (none of it with a fused kernel, which recomputes its scores in its own backward)."""
+    core alone, its products and `scores`, the elementwise work on its scores (none of it with a fused kernel,
+    which recomputes its scores in its own backward)."""
     if ac == "full":
         return matmul + attention + elementwise
     if ac == "selective" and policy == "megatron":
-        return 0.0 if fused_attention else attention
+        return 0.0 if fused_attention else attention + scores
     if ac == "selective":
         return elementwise + selective_matmul + (0.0 if fused_attention else attention)
     return 0.0

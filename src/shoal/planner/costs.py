@@ -123,14 +123,18 @@ class Costs:
         mm = mm_moe + mm_dense
         selective_mm = self.selective_share[True] * mm_moe + self.selective_share[False] * mm_dense
         attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate
-        elem = sum(w.elementwise * n for w, n in blocks) * T * self.bytes / tp / self.mem_bw
+        element = T * self.bytes / tp / self.mem_bw  # seconds of one element a token
+        elem = sum((w.elementwise + w.dropout) * n for w, n in blocks) * element
+        elem_bwd = sum((2 * w.elementwise + w.dropout_backward) * n for w, n in blocks) * element
         block_elem = elem
         if head:
             mm += self.head_scale * compute.head_flops(self.cfg) * T / tp / self.rate
-            elem += 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
+            logits = 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
+            elem, elem_bwd = elem + logits, elem_bwd + 2 * logits
         recompute = compute.recomputed(p.ac, matmul=mm, attention=attn, fused_attention=self.fused,
                                        elementwise=elem if p.ac == "full" else block_elem,  # the head: full only
-                                       selective_matmul=selective_mm, policy=self.policy)
+                                       selective_matmul=selective_mm, policy=self.policy,
+                                       scores=sum(w.scores * n for w, n in blocks) * element)
         if self.on_cpu and p.ac == "selective":  # the calibrated CPU model keeps the accounting it was checked with
             recompute = attn
         ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
@@ -161,7 +165,7 @@ class Costs:
                                     stride=self.stride["pp"]) if p.pp > 1 else 0.0
         attention_bwd = self.attention_bwd * self.attention_bwd_time * attn
         terms = {"compute_matmul": 3 * mm, "compute_attention": attn + attention_bwd,
-                 "compute_elementwise": 3 * elem,
+                 "compute_elementwise": elem + elem_bwd,
                  "recompute": recompute, "tp_comm": tp_comm, "cp_comm_exposed": cp_comm, "ep_comm": ep_comm,
                  "pp_p2p": 2 * p2p, "host_overhead": host}
         fwd = mm + attn + elem + n * tp_fwd + cp_comm / 3 + ep_comm / 2 + p2p + host / 3

@@ -62,8 +62,13 @@ class PublishedRun:
 
 
 # GPT-3-style blocks as Megatron-LM builds them: LayerNorm, GeLU MLP of 4h, learned absolute
-# positions, biases, input and output embeddings tied.
-_GPT: dict[str, Any] = dict(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
+# positions, biases, input and output embeddings tied; attention and hidden dropout 0.1, Megatron-LM's
+# defaults (--attention-dropout, --hidden-dropout in megatron/arguments.py at de7dc40f88), which none of
+# the scripts read here changes (examples/sc21; Korthikanti et al. 2022 count the dropout masks in their
+# activation memory, section 4.1), and metaseq's OPT launcher sets (--dropout 0.1 --attention-dropout 0.1 in
+# metaseq/launcher/opt_baselines.py).
+_GPT: dict[str, Any] = dict(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True,
+                            dropout=0.1)
 
 
 _UNTIED = ("The model ties input and output embeddings; with pp > 1 Megatron-style pipelines hold a copy "
@@ -92,7 +97,8 @@ _MEGATRON21_NOTE = (
     "stage / that number), otherwise 1F1B; --DDP-impl torch (torch's DDP, its all-reduce overlapping backward) "
     "up to 18B and local (one all-reduce after the last backward: data_engine megatron-local) from 39B; "
     "--checkpoint-activations (ac=full) and --fp16 (CONFIG.sh, with a static loss scale of 8192). No sequence "
-    "parallelism existed then (sp=off)."
+    "parallelism existed then (sp=off). Dropout 0.1 on the attention probabilities and the hidden states: "
+    "Megatron-LM's defaults (megatron/arguments.py at that commit), which neither script changes."
 )
 
 
@@ -178,7 +184,8 @@ _MTNLG_NOTE = (
     "parallel axis, and the 16-bit type (bf16 recorded). The data axis is priced as DeepSpeed's pipeline "
     "engine runs it: one all-reduce a step after the last backward, beside no compute. mb = 1920/dp (one "
     "sequence per micro-batch) is NOT from the source, only there so the plan is complete: the micro-batch size "
-    "sets the pipeline's bubble, so these rows rest on a number the source does not state (*). Vocab: GPT-2 BPE "
+    "sets the pipeline's bubble, so these rows rest on a number the source does not state (*). Dropout is not "
+    "stated; Megatron-DeepSpeed's default, 0.1 on attention and hidden states, is recorded. Vocab: GPT-2 BPE "
     "(50,257); recorded as 51,200, the size Megatron pads it to at tp=8 (multiple of 128*tp). " + _UNTIED
 )
 
@@ -207,7 +214,7 @@ _BLOOM = PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepsp
     name="BLOOM-176B (BigScience tr11) on 384 A100",
     model=ModelConfig(num_layers=70, dim=14336, num_heads=112, ffn_dim=4 * 14336, vocab_size=250880,
                       max_seq_len=2048, norm="layernorm", activation="gelu", pos_emb="rope", bias=True,
-                      tie_embeddings=False),
+                      tie_embeddings=False, dropout=0.1),
     cluster="48x8xA100-80GB-OPA",
     plan="fsdp8,zero=1,tp4,pp12,mb=128,sched=1f1b,ac=full,precision=bf16,sp=off",
     global_batch=2048, seq_len=2048, micro_batch_size=2,
@@ -228,7 +235,9 @@ _BLOOM = PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepsp
           "a step, after the last backward, not shoal's FSDP2 gathering every micro-batch); DeepSpeed's pipeline "
           "engine runs a 1F1B-style schedule. Shape: "
           "ALiBi positions (no position parameters; recorded as pos_emb=rope, the parameter-free choice "
-          "shoal has) plus an extra embedding LayerNorm; vocab padded to 250,880. " + _UNTIED),
+          "shoal has) plus an extra embedding LayerNorm; vocab padded to 250,880. Dropout 0.1 on attention and "
+          "hidden states: 'The default Megatron-LM dropout settings are inherited' (README, --attention-dropout "
+          "0.1, --hidden-dropout 0.1). " + _UNTIED),
 )
 
 # --- OPT-175B (Zhang et al. 2022) --------------------------------------------------------------
