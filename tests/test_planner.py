@@ -657,25 +657,36 @@ def test_compiled_elementwise_by_hand():
 
 
 def test_dropout_elements_by_hand():
-    """TINY (D 128, 8 heads) at seq 64 with dropout 0.1, per token and block. Hidden state, twice a block: eager,
-    nn.Dropout reads and writes D and writes a one-byte mask (0.5 of a 16-bit element), 2.5 D; fused into the
-    residual add (compiled), the mask alone, 0.5 D; backward reads the gradient and the mask and writes the
-    gradient either way, 2.5 D. Unfused attention's torch.nn.Dropout on the probabilities: 2.5 passes over the 8 x 64
-    scores forward and again backward. A fused kernel draws its dropout inside: nothing more. No dropout, no work."""
+    """TINY (D 128, 8 heads) at seq 64 with dropout 0.1, per token and block, in 16-bit elements (a one-byte mask
+    is half of one). Hidden state, twice a block: eager, nn.Dropout reads and writes D and writes its mask, 2.5 D;
+    fused into the residual add (compiled), the mask alone, 0.5 D; backward reads the gradient and the mask and
+    writes the gradient either way, 2.5 D. Unfused attention's torch.nn.Dropout on the probabilities: 2.5 passes
+    over the 8 x 64 scores forward and again backward. A fused kernel draws its dropout inside: nothing more. No
+    dropout, no work. In fp32 elements the mask is a quarter of one."""
     cfg = TINY.replace(dropout=0.1)
-    scores = 2.5 * 8 * 64
-    assert compute.dropout_elements(cfg, 64, fused_attention=True, compiled=False) == (2 * 2.5 * 128, 2 * 2.5 * 128, 0)
-    assert compute.dropout_elements(cfg, 64, fused_attention=True, compiled=True) == (2 * 0.5 * 128, 2 * 2.5 * 128, 0)
-    assert compute.dropout_elements(cfg, 64, fused_attention=False, compiled=True) == (
-        2 * 0.5 * 128 + scores, 2 * 2.5 * 128 + scores, scores)
-    assert compute.dropout_elements(TINY, 64, fused_attention=False, compiled=True) == (0, 0, 0)
+    Work = compute.DropoutWork
+    assert compute.dropout_elements(cfg, 64, fused_attention=True, compiled=False) == Work(640, 640, 0)
+    assert compute.dropout_elements(cfg, 64, fused_attention=True, compiled=True) == Work(128, 640, 0)
+    assert compute.dropout_elements(cfg, 64, fused_attention=False, compiled=True) == Work(128, 640, 2.5 * 8 * 64)
+    assert compute.dropout_elements(cfg, 64, fused_attention=False, compiled=False,
+                                    element_bytes=4.0) == Work(2 * 2.25 * 128, 2 * 2.25 * 128, 2.25 * 8 * 64)
+    assert compute.dropout_elements(TINY, 64, fused_attention=False, compiled=True) == Work(0, 0, 0)
     kw = dict(seq_len=64, causal_skip=False, fused_attention=False, compiled=True)
     work, plain = compute.block_work(cfg, 0, **kw), compute.block_work(TINY, 0, **kw)
     assert work.elementwise == plain.elementwise  # the dropouts are counted apart: their backward is their forward's
-    assert (work.scores, plain.scores) == (4 * 8 * 64 + scores, 4 * 8 * 64)
+    assert (work.dropout, work.dropout_backward) == (128 + 2.5 * 8 * 64, 640 + 2.5 * 8 * 64)
+    assert (work.scores, plain.scores) == (4 * 8 * 64 + 2.5 * 8 * 64, 4 * 8 * 64)
+    # the hidden state's: two norms (read, write) and two residual adds (read 2, write 1), and the dropouts' masks
+    assert (work.hidden, work.hidden_backward) == (10 * 128 + 128, 20 * 128 + 640)
     # Megatron-LM's selective recompute reruns the scores' elementwise work with QK^T and AV
     assert compute.recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=False,
                               policy="megatron", scores=1.5) == 4.5
+
+
+def _unfused_step(cfg: ModelConfig, plan: str, cluster: str, **work: object) -> dict[str, float]:
+    resolved = Plan.parse(plan).resolve(parse_cluster(cluster).world_size, "cuda")
+    return estimate(resolved, Workload(model=cfg, global_batch=16, seq_len=128, fused_attention=False, **work),
+                    parse_cluster(cluster)).time
 
 
 def test_dropout_in_the_estimate():
@@ -683,18 +694,31 @@ def test_dropout_in_the_estimate():
     forward, as the block's other elementwise work), at the device's memory bandwidth; full recompute reruns the
     forward's. TINY at 16 x 128 tokens, fp16 on one A100 (unfused attention, as Megatron-LM ran it)."""
     cluster = parse_cluster("1xA100-80GB")
-    plan = Plan.parse("ac=full,precision=fp16").resolve(1, "cuda")
-
-    def step(cfg: ModelConfig) -> dict[str, float]:
-        return estimate(plan, Workload(model=cfg, global_batch=16, seq_len=128, fused_attention=False), cluster).time
-
-    with_dropout, without = step(TINY.replace(dropout=0.1)), step(TINY)
-    forward, backward, _ = compute.dropout_elements(TINY.replace(dropout=0.1), 128, fused_attention=False,
-                                                    compiled=True)
+    with_dropout = _unfused_step(TINY.replace(dropout=0.1), "ac=full,precision=fp16", "1xA100-80GB")
+    without = _unfused_step(TINY, "ac=full,precision=fp16", "1xA100-80GB")
+    drop = compute.dropout_elements(TINY.replace(dropout=0.1), 128, fused_attention=False, compiled=True)
     element = 16 * 128 * 2 / cluster.device.memory_bw * TINY.num_layers
+    forward, backward = drop.hidden + drop.scores, drop.hidden_backward + drop.scores
     assert with_dropout["compute_elementwise"] - without["compute_elementwise"] == pytest.approx(
         (forward + backward) * element, rel=1e-9)
     assert with_dropout["recompute"] - without["recompute"] == pytest.approx(forward * element, rel=1e-9)
+    # Megatron-LM's selective recompute reruns the scores' elementwise work, their dropout's too, not the rest
+    kw = dict(selective_policy="megatron")
+    selective = _unfused_step(TINY.replace(dropout=0.1), "ac=selective,precision=fp16", "1xA100-80GB", **kw)
+    plain = _unfused_step(TINY, "ac=selective,precision=fp16", "1xA100-80GB", **kw)
+    assert selective["recompute"] - plain["recompute"] == pytest.approx(drop.scores * element, rel=1e-9)
+
+
+def test_tensor_parallelism_without_sp_runs_the_hidden_state_whole():
+    """Without sequence parallelism every tensor-parallel rank runs the norms, the residual adds and their
+    dropouts on the whole hidden state (Korthikanti et al. 2022, section 4.2.2); with it, each its sequence's
+    share. So at tp2 sp=off the elementwise time exceeds sp=on's by the hidden state's other half."""
+    cfg = TINY.replace(dropout=0.1)
+    on, off = (_unfused_step(cfg, f"tp2,ac=full,precision=fp16{sp}", "2xA100-80GB") for sp in ("", ",sp=off"))
+    work = compute.block_work(cfg, 0, seq_len=128, causal_skip=False, fused_attention=False, compiled=True)
+    element = 16 * 128 * 2 / parse_cluster("2xA100-80GB").device.memory_bw * TINY.num_layers / 2
+    assert off["compute_elementwise"] - on["compute_elementwise"] == pytest.approx(
+        (work.hidden + work.hidden_backward) * element, rel=1e-9)
 
 
 def test_torchtitan_selective_policy_by_hand():

@@ -40,6 +40,13 @@ class BlockWork:
     scores: float = 0.0
     """Of `elementwise` and `dropout`, the forward elements of unfused attention's scores: what Megatron-LM's
     selective recompute reruns beside QK^T and AV."""
+    hidden: float = 0.0
+    """Of `elementwise` and `dropout`, the forward elements on the hidden state (the norms, the residual adds and
+    their dropouts), which tensor parallelism without sequence parallelism runs whole on every rank (Korthikanti
+    et al. 2022, section 4.2.2: the layer norms and dropouts are replicated; memory.activation_elements counts
+    their tensors so)."""
+    hidden_backward: float = 0.0
+    """Of the backward's elements, those on the hidden state."""
 
 
 def mlp_matmul_flops(cfg: ModelConfig, width: float | None = None) -> float:
@@ -91,13 +98,14 @@ def experts_per_token(cfg: ModelConfig) -> float:
 
 
 def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool, fused_attention: bool,
-               compiled: bool = True) -> BlockWork:
+               compiled: bool = True, element_bytes: float = 2.0) -> BlockWork:
     """Forward work per token of block `index` (MoE or dense FFN) at sequence length `seq_len`.
 
     `compiled`: elementwise ops fused into one kernel per region (torch.compile, or hand-fused
     kernels as Megatron-LM has), so each tensor is read and written once; eager PyTorch runs shoal's
     block op by op (RMSNorm's pow/mean/rsqrt/mul/mul, RoPE's eight products and sums in fp32, the
-    GQA repeat, the head transposes), which moves the elements counted in `_eager_elements`."""
+    GQA repeat, the head transposes), which moves the elements counted in `_eager_elements`. `element_bytes`: an
+    activation's bytes, against which a dropout mask's byte counts."""
     D, width = cfg.dim, ffn_width(cfg, index)
     moe = cfg.is_moe_layer(index)
     matmul = attention_matmul_flops(cfg) + mlp_matmul_flops(cfg, width)
@@ -123,21 +131,37 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
         # four passes over the token's row of scores per head (causal mask applied in place).
         scores = 4.0 * cfg.num_heads * seq_len
         elementwise += scores
-    dropout, dropout_backward, scores_dropout = dropout_elements(cfg, seq_len, fused_attention=fused_attention,
-                                                                 compiled=compiled)
+    # The norms (eager: pow, mean, x * rsqrt, * weight) and the residual adds work on the hidden state.
+    hidden = (2 * 2 * D if compiled else 2 * 7 * D) + 2 * 3 * D
+    drop = dropout_elements(cfg, seq_len, fused_attention=fused_attention, compiled=compiled,
+                            element_bytes=element_bytes)
     return BlockWork(matmul=matmul, attention=attention_core_flops(cfg, seq_len, causal_skip=causal_skip),
-                     elementwise=float(elementwise), dropout=dropout, dropout_backward=dropout_backward,
-                     scores=scores + scores_dropout)
+                     elementwise=float(elementwise), dropout=drop.hidden + drop.scores,
+                     dropout_backward=drop.hidden_backward + drop.scores, scores=scores + drop.scores,
+                     hidden=hidden + drop.hidden, hidden_backward=2 * hidden + drop.hidden_backward)
 
 
-DROPOUT_MASK = 0.5
-"""A dropout mask's element over a 16-bit activation's: torch keeps the mask as bool, one byte an element (the
-dropout kernel writes it beside its output in forward; backward reads it)."""
+MASK_BYTES = 1.0
+"""A dropout mask's bytes an element: torch keeps it as bool (the dropout kernel writes it beside its output in
+forward; backward reads it)."""
 
 
-def dropout_elements(cfg: ModelConfig, seq_len: int, *, fused_attention: bool, compiled: bool
-                     ) -> tuple[float, float, float]:
-    """(forward, backward, of the forward the scores') elements per token of a block's dropouts at `cfg.dropout`.
+@dataclass(frozen=True)
+class DropoutWork:
+    """Elements per token a block's dropouts move (`dropout_elements`)."""
+
+    hidden: float
+    """The two on the hidden state, in forward."""
+    hidden_backward: float
+    """Their gradients, in backward."""
+    scores: float
+    """The one on unfused attention's probabilities, in forward and as many in backward."""
+
+
+def dropout_elements(cfg: ModelConfig, seq_len: int, *, fused_attention: bool, compiled: bool,
+                     element_bytes: float = 2.0) -> DropoutWork:
+    """Elements per token of a block's dropouts at `cfg.dropout`, of `element_bytes` each (a mask's MASK_BYTES
+    counts as that fraction of an element).
 
     Two on the hidden state, after the attention's output projection and after the FFN (shoal.models.transformer,
     Megatron-LM's bias_dropout_add): run on its own, each reads and writes the activation and writes its mask;
@@ -148,12 +172,11 @@ def dropout_elements(cfg: ModelConfig, seq_len: int, *, fused_attention: bool, c
     dropout inside (FlashAttention regenerates the mask in backward from its RNG state), moving nothing more.
     The embedding's dropout, once a model, is left out."""
     if cfg.dropout <= 0.0:
-        return 0.0, 0.0, 0.0
-    D = cfg.dim
-    mirror = 2 + DROPOUT_MASK  # read and write the tensor, and the mask
-    hidden_forward = 2 * (DROPOUT_MASK if compiled else mirror) * D
-    scores = 0.0 if fused_attention else mirror * cfg.num_heads * seq_len
-    return hidden_forward + scores, 2 * mirror * D + scores, scores
+        return DropoutWork(hidden=0.0, hidden_backward=0.0, scores=0.0)
+    D, mask = cfg.dim, MASK_BYTES / element_bytes
+    mirror = 2 + mask  # read and write the tensor, and the mask
+    return DropoutWork(hidden=2 * (mask if compiled else mirror) * D, hidden_backward=2 * mirror * D,
+                       scores=0.0 if fused_attention else mirror * cfg.num_heads * seq_len)
 
 
 def _eager_elements(cfg: ModelConfig, width: float) -> float:

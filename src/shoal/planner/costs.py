@@ -94,7 +94,8 @@ class Costs:
                                           ridge=ridge) for moe in (False, True)}
         self.head_scale = _training_gemm_time(cluster.device, tokens, cfg.vocab_size / plan.tp, cfg.dim, ridge=ridge)
         self.work = {moe: compute.block_work(cfg, compute.block_index(cfg, moe=moe), seq_len=seq_len,
-                                             causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile))
+                                             causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile),
+                                             element_bytes=self.bytes)
                      for moe in (False, True)}
         # The share of a block's weight-product work selective recompute reruns (none under shoal's policy).
         self.selective_share = {moe: (compute.titan_recomputed_matmul(cfg, moe=moe) / self.work[moe].matmul
@@ -124,8 +125,10 @@ class Costs:
         selective_mm = self.selective_share[True] * mm_moe + self.selective_share[False] * mm_dense
         attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate
         element = T * self.bytes / tp / self.mem_bw  # seconds of one element a token
-        elem = sum((w.elementwise + w.dropout) * n for w, n in blocks) * element
-        elem_bwd = sum((2 * w.elementwise + w.dropout_backward) * n for w, n in blocks) * element
+        whole = tp - 1 if tp > 1 and not p.sp else 0  # the hidden state's work, replicated on every rank
+        elem = sum((w.elementwise + w.dropout + whole * w.hidden) * n for w, n in blocks) * element
+        elem_bwd = sum((2 * w.elementwise + w.dropout_backward + whole * w.hidden_backward) * n
+                       for w, n in blocks) * element
         block_elem = elem
         if head:
             mm += self.head_scale * compute.head_flops(self.cfg) * T / tp / self.rate

@@ -4,8 +4,8 @@ The engine that runs the plan's data axes is the runtime's own choice (shoal.rul
 so what is priced is what will run. Times are per step on the busiest rank:
 
 - compute: each block's matrix FLOPs over the device's achievable matmul rate, its elementwise
-  bytes over the memory bandwidth (shoal.planner.compute), times 3 for forward and backward plus
-  the recompute;
+  bytes over the memory bandwidth (shoal.planner.compute), backward twice forward (the dropouts'
+  gradients once), plus the recompute;
 - tensor parallel: per block 2 all-reduces forward and 2 backward, or with sequence parallelism
   an all-gather and a reduce-scatter in their place (Korthikanti et al. 2022, section 4.2.2);
 - context parallel: the ring passes K and V cp-1 times forward (K, V and their gradients
