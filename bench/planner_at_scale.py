@@ -39,7 +39,8 @@ def predict(run: PublishedRun, *, rails: bool = True, a100_square: bool = True, 
     work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
                     fused_attention=run.fused_attention, selective_policy=run.selective_policy,
                     data_engine=run.data_engine, tp_engine=tp_engine,
-                    unsharded_accumulation=run.unsharded_accumulation, fused_qkv=run.fused_qkv)
+                    unsharded_accumulation=run.unsharded_accumulation, fused_qkv=run.fused_qkv,
+                    pipe_scatter=run.pipe_scatter)
     # Priced as it ran, also where shoal's runtime would refuse the layout (tests/test_planner.py names it).
     plan = rules.fill(Plan.parse(run.plan), rules.Facts(world_size=cluster.world_size, device="cuda",
                                                         model=run.model, global_batch=run.global_batch,
@@ -290,13 +291,14 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
     no_copies = rows(runs, sp_copies=False)
     one_qkv = rows(tuple(dataclasses.replace(r, fused_qkv=True) for r in runs))
     no_dropout = rows(tuple(dataclasses.replace(r, model=r.model.replace(dropout=0.0)) for r in runs))
-    lower = [r for r in checked if 1 + r.error < before[r.run.name] and 1 + r.error < 1]
+    whole_sends = rows(tuple(dataclasses.replace(r, pipe_scatter=False) for r in runs))
+    below = [1 + r.error for r in table_rows if r.run.name.startswith("Megatron-LM 2021") and r.error < 0]
     return (
         f"Against the page before this change (the 'before' column) {len(moved)} rows moved, every one a run whose "
         "trainer drops out (Megatron-LM 2021 and 2022, MT-NLG, BLOOM and OPT, at 0.1) or runs tensor parallelism "
-        "without sequence parallelism, "
+        "without sequence parallelism (and with pipelines, scatters their sends), "
         + ", ".join(f"{r.run.name} from {before[r.run.name]:.3f} to {1 + r.error:.3f}" for r in checked)
-        + " among the checked runs. Three things are priced now, each read from the code that ran. The dropouts: "
+        + " among the checked runs. Four things are priced now, each read from the code that ran. The dropouts: "
         "Megatron-LM's ParallelAttention drops the attention probabilities with torch.nn.Dropout after its fused "
         "softmax (megatron/model/transformer.py at de7dc40f88, the sc21 scripts' commit), a kernel that reads and "
         "writes every score and writes a one-byte mask, and whose backward reads the gradient and the mask and "
@@ -310,12 +312,20 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
         "replicated; Megatron-LM's LayerNorm and bias_dropout_add take the all-reduced [s, b, h]), which the model "
         "had divided by tp as it divides the heads' and the FFN's work (the activation memory counted them whole "
         "already); a review of the dropouts' change found it. And Megatron-LM's selective recompute reruns the "
-        "scores' elementwise work with QK^T and AV, as its policy does (the 2022 rows). No constant is new: the "
-        "bytes go at the memory bandwidth already used. The dropouts move the small Megatron-LM rows most, whose "
+        "scores' elementwise work with QK^T and AV, as its policy does (the 2022 rows). And under tensor parallelism "
+        "without sequence parallelism, Megatron-LM's pipeline sends each tensor-parallel rank's 1/tp share of an "
+        "activation between stages and all-gathers it over NVLink on arrival (Narayanan et al. 2021, section 4.1, "
+        "the scatter/gather optimization, on unless --no-scatter-gather-tensors-in-pipeline: megatron/"
+        "p2p_communication.py at de7dc40f88), as DeepSpeed's pipeline engine does for Megatron-DeepSpeed's runs "
+        "(pipe_partitioned and grad_partitioned, true by default since its first version: deepspeed/runtime/pipe/"
+        "engine.py); the model had sent the whole activation from every rank (estimate.Workload.pipe_scatter). "
+        "No constant is new: the bytes go at the memory bandwidth and the links already used. The dropouts move "
+        "the small Megatron-LM rows most, whose "
         "scores (heads x sequence a token) outweigh their hidden state; the replication moves every tensor-parallel "
-        "row without sequence parallelism, and takes "
-        + (", ".join(f"{r.run.name}" for r in lower) + " below 1 or further below it" if lower else "no row below 1")
-        + f". Left out, the dropouts, the checked error would be {_checked_mae(no_dropout):.1f}%"
+        "row without sequence parallelism down, and the scattered sends the pipelined ones back up: "
+        f"{len(below)} of Megatron-LM 2021's ten rows now lie below 1 ({min(below):.3f} to {max(below):.3f})"
+        + ". Left out in turn (checked error): the dropouts, "
+        f"{_checked_mae(no_dropout):.1f}%; the scattered sends, {_checked_mae(whole_sends):.1f}%"
         + ". The earlier sourced choices, "
         "each left out in turn (checked error): DTensor's copies around its sequence-parallel collectives (costs."
         f"Costs._sp_collectives), {_checked_mae(no_copies):.1f}%; torchtitan's Q, K and V as one product instead of "

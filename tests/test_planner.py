@@ -721,6 +721,28 @@ def test_tensor_parallelism_without_sp_runs_the_hidden_state_whole():
         (work.hidden + work.hidden_backward) * element, rel=1e-9)
 
 
+def test_scattered_pipeline_sends_a_share_and_gathers_it():
+    """Megatron-LM's scatter/gather optimization (and DeepSpeed's partitioned pipeline): under tp without sp each
+    rank sends the next stage 1/tp of the activation, gathered over the tensor-parallel group on arrival. Priced
+    per micro-batch and direction as a send of act/tp between nodes plus an all-gather of act inside one."""
+    cluster = parse_cluster("16xA100-80GB")
+    plan = Plan.parse("tp8,pp2,mb=4,sp=off,precision=fp16").resolve(16, "cuda")
+
+    def step(scatter: bool) -> dict[str, float]:
+        work = Workload(model=TINY, global_batch=4, seq_len=128, pipe_scatter=scatter)
+        return estimate(plan, work, cluster, micro_batch=1).time
+
+    net, act = RingNetwork(cluster), 128 * TINY.dim * 2.0  # one sequence a micro-batch, fp16
+    whole = net.time("send_recv", 2, act, stride=8)
+    scattered = net.time("send_recv", 2, act / 8, stride=8) + net.time("all_gather", 8, act, stride=1)
+    assert step(False)["pp_p2p"] == pytest.approx(4 * 2 * whole, rel=1e-9)
+    assert step(True)["pp_p2p"] == pytest.approx(4 * 2 * scattered, rel=1e-9)
+    big = 4 * 2048 * 8192 * 2.0  # a 39B-sized micro-batch: eight NICs carry an eighth each, NVLink gathers it
+    assert (net.time("send_recv", 2, big / 8, stride=8) + net.time("all_gather", 8, big, stride=1)
+            < 0.3 * net.time("send_recv", 2, big, stride=8))
+    assert scattered > whole  # a small one: the gather's seven steps cost more than the bytes saved
+
+
 def test_torchtitan_selective_policy_by_hand():
     """torchtitan's per-op policy keeps every second weight product's output, counted in call order per block
     (wq wk wv wo w1 w3 w2): wk, wo and w3 are rerun; wq, wv, w1, w2, the attention kernel's output and log-sum-exp

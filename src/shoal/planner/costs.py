@@ -63,8 +63,8 @@ class Costs:
 
     def __init__(self, plan: Plan, cfg: ModelConfig, cluster: Cluster, net: Network, *, tokens: float,
                  seq_len: int, fused: bool, policy: str = "shoal", tp_engine: str = "dtensor",
-                 tf32: bool = False, fused_qkv: bool = False) -> None:
-        self.fused, self.policy, self.tp_engine = fused, policy, tp_engine
+                 tf32: bool = False, fused_qkv: bool = False, pipe_scatter: bool = False) -> None:
+        self.fused, self.policy, self.tp_engine, self.pipe_scatter = fused, policy, tp_engine, pipe_scatter
         self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
         self.rate = cluster.device.flops(matmul_dtype(plan, cluster, tf32=tf32))
         # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate; a fused kernel at its published
@@ -164,8 +164,11 @@ class Costs:
         routed = compute.experts_per_token(self.cfg) - self.cfg.num_shared_experts
         ep_comm = (moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"])
                    if p.ep > 1 else 0.0)
-        p2p = p.vpp * self.net.time("send_recv", 2, act / (tp if sp else 1),
-                                    stride=self.stride["pp"]) if p.pp > 1 else 0.0
+        p2p = 0.0
+        if p.pp > 1:  # a sequence-parallel activation is a 1/tp shard; a scattered one is gathered on arrival
+            scatter = self.pipe_scatter and tp > 1 and not sp
+            p2p = p.vpp * (self.net.time("send_recv", 2, act / (tp if sp or scatter else 1), stride=self.stride["pp"])
+                           + (self.net.time("all_gather", tp, act, stride=1) if scatter else 0.0))
         attention_bwd = self.attention_bwd * self.attention_bwd_time * attn
         terms = {"compute_matmul": 3 * mm, "compute_attention": attn + attention_bwd,
                  "compute_elementwise": elem + elem_bwd,

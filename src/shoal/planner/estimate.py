@@ -127,6 +127,13 @@ class Workload:
     """Q, K and V projected by one weight, one product of n = (heads + 2 kv heads) x head dim a tp rank
     (Megatron-LM's and Megatron-DeepSpeed's query_key_value, metaseq's qkv_proj); False for three (wq, wk, wv:
     shoal's models, torchtitan's, transformers'), whose K and V products are skinny under grouped-query heads."""
+    pipe_scatter: bool = False
+    """Under tensor parallelism without sequence parallelism, each tensor-parallel rank sends the next pipeline
+    stage its 1/tp share of the activation (and of its gradient back), all-gathered over the tensor-parallel group
+    on arrival: Megatron-LM's scatter/gather optimization (Narayanan et al. 2021, section 4.1; on unless
+    --no-scatter-gather-tensors-in-pipeline, megatron/p2p_communication.py) and DeepSpeed's pipeline engine's
+    pipe_partitioned and grad_partitioned (true by default, deepspeed/runtime/pipe/engine.py, since its first
+    version in 2020). False: every rank sends the whole activation (torch.distributed.pipelining's stages)."""
 
     def __post_init__(self) -> None:
         if self.data_engine not in DATA_ENGINES:
@@ -205,7 +212,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
         raise ValueError(f"Megatron-LM's local DDP replicates every state, got fsdp={plan.fsdp}")
     cost = Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention,
                   policy=work.selective_policy, tp_engine=work.tp_engine, tf32=work.tf32,
-                  fused_qkv=work.fused_qkv)
+                  fused_qkv=work.fused_qkv, pipe_scatter=work.pipe_scatter)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
     stages = [(0, first, plan.pp == 1), (cfg.num_layers - last, cfg.num_layers, True)]
     per_stage = [cost.stage(lo, hi, head=head) for lo, hi, head in stages]

@@ -53,6 +53,10 @@ class PublishedRun:
     """True for trainers whose attention projects Q, K and V with one weight (shoal.planner.estimate.Workload.
     fused_qkv): Megatron-LM's and Megatron-DeepSpeed's ParallelAttention (query_key_value), metaseq's
     ModelParallelMultiheadAttention (combine_qkv_proj); torchtitan's Llama has wq, wk and wv."""
+    pipe_scatter: bool = False
+    """True for pipelines that send each tensor-parallel rank's share of an activation and gather it on arrival
+    (shoal.planner.estimate.Workload.pipe_scatter): Megatron-LM's, and DeepSpeed's pipeline engine
+    (Megatron-DeepSpeed's runs)."""
     tp_engine: str = "dtensor"
     """Who ran tensor parallelism (shoal.planner.memory.TP_ENGINES): "megatron" for Megatron-LM's own layers, whose
     sequence parallelism keeps less than DTensor's (it matters only under sp)."""
@@ -111,7 +115,7 @@ def _megatron21(params: str, heads: int, hidden: int, layers: int, tp: int, pp: 
         axes += [f"pp{pp}", f"mb={batch // (dp * mbs)}"]
         axes += [f"sched=interleaved,vpp={layers // pp // layers_per_chunk}"] if layers_per_chunk else ["sched=1f1b"]
     opts = ["ac=full", "precision=fp16"] + (["sp=off"] if tp > 1 else [])
-    return PublishedRun(fused_attention=False, fused_qkv=True,
+    return PublishedRun(fused_attention=False, fused_qkv=True, pipe_scatter=True,
         data_engine="megatron-local" if ddp == "local" else "shoal",
         name=f"Megatron-LM 2021, GPT {params} on {gpus} A100",
         model=_gpt(layers, hidden, heads, 51200, 2048, pp=pp),
@@ -156,6 +160,7 @@ def _korthi(size: str, heads: int, hidden: int, layers: int, pp: int, gpus: int,
             mfu: float, hfu: float, tokens: float) -> PublishedRun:
     mb = [f"pp{pp}", f"mb={batch // mbs}"] if pp > 1 else []
     return PublishedRun(fused_attention=False, fused_qkv=True, tp_engine="megatron", selective_policy="megatron",
+        pipe_scatter=True,
         name=f"Megatron-LM 2022 (seq-parallel + selective recompute), GPT {size} on {gpus} A100", checked=False,
         model=_gpt(layers, hidden, heads, 51200, 2048, pp=pp),
         cluster=f"{gpus}xA100-80GB",
@@ -192,6 +197,7 @@ _MTNLG_NOTE = (
 
 def _mtnlg(nodes: int, t: float, tflops: float, tokens: float) -> PublishedRun:
     return PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepspeed-pipe", checked=False,
+        pipe_scatter=True,
         name=f"MT-NLG 530B on {nodes * 8} A100",
         model=_gpt(105, 20480, 128, 51200, 2048, pp=35),
         cluster=f"{nodes * 8}xA100-80GB",
@@ -210,7 +216,7 @@ _MTNLG = (
 )
 
 # --- BLOOM-176B (BigScience tr11) --------------------------------------------------------------
-_BLOOM = PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepspeed-pipe",
+_BLOOM = PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepspeed-pipe", pipe_scatter=True,
     name="BLOOM-176B (BigScience tr11) on 384 A100",
     model=ModelConfig(num_layers=70, dim=14336, num_heads=112, ffn_dim=4 * 14336, vocab_size=250880,
                       max_seq_len=2048, norm="layernorm", activation="gelu", pos_emb="rope", bias=True,
