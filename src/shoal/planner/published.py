@@ -100,7 +100,10 @@ _MEGATRON21_NOTE = (
     "pipeline; the interleaved schedule where it passes --num-layers-per-virtual-pipeline-stage (vpp = layers a "
     "stage / that number), otherwise 1F1B; --DDP-impl torch (torch's DDP, its all-reduce overlapping backward) "
     "up to 18B and local (one all-reduce after the last backward: data_engine megatron-local) from 39B; "
-    "--checkpoint-activations (ac=full) and --fp16 (CONFIG.sh, with a static loss scale of 8192). No sequence "
+    "--checkpoint-activations (ac=full) and --fp16 (CONFIG.sh, with a static loss scale of 8192); the gradients "
+    "all-reduced in fp16 (reduce=fp16): torch's DDP reduces the fp16 model's own, and the local DDP without "
+    "--accumulate-allreduce-grads-in-fp32 or --use-contiguous-buffers-in-ddp (neither script sets them) flattens "
+    "each param.grad in the parameters' dtype and all-reduces that (megatron/model/distributed.py). No sequence "
     "parallelism existed then (sp=off). Dropout 0.1 on the attention probabilities and the hidden states: "
     "Megatron-LM's defaults (megatron/arguments.py at that commit), which neither script changes."
 )
@@ -114,7 +117,7 @@ def _megatron21(params: str, heads: int, hidden: int, layers: int, tp: int, pp: 
     if pp > 1:
         axes += [f"pp{pp}", f"mb={batch // (dp * mbs)}"]
         axes += [f"sched=interleaved,vpp={layers // pp // layers_per_chunk}"] if layers_per_chunk else ["sched=1f1b"]
-    opts = ["ac=full", "precision=fp16"] + (["sp=off"] if tp > 1 else [])
+    opts = ["ac=full", "precision=fp16", "reduce=fp16"] + (["sp=off"] if tp > 1 else [])
     return PublishedRun(fused_attention=False, fused_qkv=True, pipe_scatter=True,
         data_engine="megatron-local" if ddp == "local" else "shoal",
         name=f"Megatron-LM 2021, GPT {params} on {gpus} A100",
