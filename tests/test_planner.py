@@ -741,6 +741,12 @@ def test_scattered_pipeline_sends_a_share_and_gathers_it():
     assert (net.time("send_recv", 2, big / 8, stride=8) + net.time("all_gather", 8, big, stride=1)
             < 0.3 * net.time("send_recv", 2, big, stride=8))
     assert scattered > whole  # a small one: the gather's seven steps cost more than the bytes saved
+    # nothing to scatter where sequence parallelism sends a shard already, or without tensor parallelism
+    for text, world in (("tp8,pp2,mb=4,precision=fp16", 16), ("pp2,mb=4,precision=fp16", 2)):
+        other, where = Plan.parse(text).resolve(world, "cuda"), parse_cluster(f"{world}xA100-80GB")
+        sends = [estimate(other, Workload(model=TINY, global_batch=4, seq_len=128, pipe_scatter=scatter), where,
+                          micro_batch=1).time["pp_p2p"] for scatter in (False, True)]
+        assert sends[0] == sends[1] > 0
 
 
 def test_torchtitan_selective_policy_by_hand():

@@ -166,9 +166,10 @@ class Costs:
                    if p.ep > 1 else 0.0)
         p2p = 0.0
         if p.pp > 1:  # a sequence-parallel activation is a 1/tp shard; a scattered one is gathered on arrival
-            scatter = self.pipe_scatter and tp > 1 and not sp
-            p2p = p.vpp * (self.net.time("send_recv", 2, act / (tp if sp or scatter else 1), stride=self.stride["pp"])
-                           + (self.net.time("all_gather", tp, act, stride=1) if scatter else 0.0))
+            scattered = self.pipe_scatter and tp > 1 and not sp
+            p2p = p.vpp * (self.net.time("send_recv", 2, act / (tp if sp or scattered else 1),
+                                         stride=self.stride["pp"])
+                           + (self.net.time("all_gather", tp, act, stride=1) if scattered else 0.0))
         attention_bwd = self.attention_bwd * self.attention_bwd_time * attn
         terms = {"compute_matmul": 3 * mm, "compute_attention": attn + attention_bwd,
                  "compute_elementwise": elem + elem_bwd,

@@ -131,9 +131,10 @@ class Workload:
     """Under tensor parallelism without sequence parallelism, each tensor-parallel rank sends the next pipeline
     stage its 1/tp share of the activation (and of its gradient back), all-gathered over the tensor-parallel group
     on arrival: Megatron-LM's scatter/gather optimization (Narayanan et al. 2021, section 4.1; on unless
-    --no-scatter-gather-tensors-in-pipeline, megatron/p2p_communication.py) and DeepSpeed's pipeline engine's
-    pipe_partitioned and grad_partitioned (true by default, deepspeed/runtime/pipe/engine.py, since its first
-    version in 2020). False: every rank sends the whole activation (torch.distributed.pipelining's stages)."""
+    --no-scatter-gather-tensors-in-pipeline, megatron/p2p_communication.py) and DeepSpeed's pipeline engine
+    (deepspeed/runtime/pipe/engine.py: activations partitioned under tensor parallelism since its first version,
+    2020-09, gradients since 2021-09, e2fdd254e; both by default). False: every rank sends the whole activation
+    (torch.distributed.pipelining's stages)."""
 
     def __post_init__(self) -> None:
         if self.data_engine not in DATA_ENGINES:
