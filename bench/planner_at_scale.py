@@ -283,8 +283,8 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
     one_nic = rows(runs, rails=False)
     infiniband = rows(tuple(dataclasses.replace(r, cluster=r.cluster.replace("A100-80GB-OPA", "A100-80GB"))
                             for r in runs))
-    shoal_engine = rows(tuple(dataclasses.replace(r, data_engine="shoal") if r.data_engine == "deepspeed-pipe" else r
-                              for r in runs))
+    shoal_engine = rows(tuple(dataclasses.replace(r, data_engine="shoal") if r.data_engine.startswith("deepspeed")
+                              else r for r in runs))
     overlapped = rows(tuple(dataclasses.replace(r, data_engine="shoal") if r.data_engine == "megatron-local" else r
                             for r in runs))
     quantized = rows(runs, a100_square=False)
@@ -292,14 +292,17 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
     one_qkv = rows(tuple(dataclasses.replace(r, fused_qkv=True) for r in runs))
     no_dropout = rows(tuple(dataclasses.replace(r, model=r.model.replace(dropout=0.0)) for r in runs))
     whole_sends = rows(tuple(dataclasses.replace(r, pipe_scatter=False) for r in runs))
+    plain_pipe = rows(tuple(dataclasses.replace(r, data_engine="deepspeed-pipe") if r.data_engine == "deepspeed-bf16"
+                            else r for r in runs))
     fp32_reduce = rows(tuple(dataclasses.replace(r, plan=r.plan.replace(",reduce=fp16", "")) for r in runs))
     below = [1 + r.error for r in table_rows if r.run.name.startswith("Megatron-LM 2021") and r.error < 0]
     return (
         f"Against the page before this change (the 'before' column) {len(moved)} rows moved, every one a run whose "
         "trainer drops out (Megatron-LM 2021 and 2022, MT-NLG, BLOOM and OPT, at 0.1) or runs tensor parallelism "
-        "without sequence parallelism (and with pipelines, scatters their sends), or reduces in fp16, "
+        "without sequence parallelism (and with pipelines, scatters their sends), or reduces in fp16, or runs "
+        "DeepSpeed's BF16_Optimizer, "
         + ", ".join(f"{r.run.name} from {before[r.run.name]:.3f} to {1 + r.error:.3f}" for r in checked)
-        + " among the checked runs. Five things are priced now, each read from the code that ran. The dropouts: "
+        + " among the checked runs. Six things are priced now, each read from the code that ran. The dropouts: "
         "Megatron-LM's ParallelAttention drops the attention probabilities with torch.nn.Dropout after its fused "
         "softmax (megatron/model/transformer.py at de7dc40f88, the sc21 scripts' commit), a kernel that reads and "
         "writes every score and writes a one-byte mask, and whose backward reads the gradient and the mask and "
@@ -324,7 +327,13 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
         "And Megatron-LM 2021's runs all-reduce their gradients in fp16, not fp32 (reduce=fp16 in their plans): "
         "torch's DDP reduces the fp16 model's own gradients, and the local DDP of the sc21 scripts (no "
         "--accumulate-allreduce-grads-in-fp32, no --use-contiguous-buffers-in-ddp) flattens each param.grad in "
-        "the parameters' dtype and all-reduces that (megatron/model/distributed.py at de7dc40f88). "
+        "the parameters' dtype and all-reduces that (megatron/model/distributed.py at de7dc40f88). And BLOOM ran "
+        "DeepSpeed's BF16_Optimizer at ZERO_STAGE=0 (its tr11 README: it 'accumulates grads in fp32' and 'doesn't "
+        "shard the static fp32 buffer'): at 56c522386 (2022-04, 'bf16+pipeline parallelism', the merged "
+        "bf16-updates branch BLOOM names) every micro-batch's backward adds each bf16 gradient into that fp32 "
+        "buffer on the compute stream (update_hp_grads, 18 bytes a parameter, 128 times a step), and the step's "
+        "end all-reduces the whole buffer over the data ranks (_bf16_reduce_grads) where ZeRO-1 would "
+        "reduce-scatter it (estimate data_engine deepspeed-bf16; costs.Costs.data_sync). "
         "No constant is new: the bytes go at the memory bandwidth and the links already used. The dropouts move "
         "the small Megatron-LM rows most, whose "
         "scores (heads x sequence a token) outweigh their hidden state; the replication moves every tensor-parallel "
@@ -333,7 +342,7 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
         f"{len(below)} of Megatron-LM 2021's ten rows now lie below 1 ({min(below):.3f} to {max(below):.3f})"
         + ". Left out in turn (checked error): the dropouts, "
         f"{_checked_mae(no_dropout):.1f}%; the scattered sends, {_checked_mae(whole_sends):.1f}%; the fp16 "
-        f"reductions, {_checked_mae(fp32_reduce):.1f}%"
+        f"reductions, {_checked_mae(fp32_reduce):.1f}%; BLOOM's BF16_Optimizer, {_checked_mae(plain_pipe):.1f}%"
         + ". The earlier sourced choices, "
         "each left out in turn (checked error): DTensor's copies around its sequence-parallel collectives (costs."
         f"Costs._sp_collectives), {_checked_mae(no_copies):.1f}%; torchtitan's Q, K and V as one product instead of "

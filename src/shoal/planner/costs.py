@@ -258,10 +258,19 @@ class Costs:
                                                           stride=stride)}
 
     def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
-                  fwd: float, bwd: float) -> tuple[float, dict[str, float]]:
+                  fwd: float, bwd: float, bf16_optimizer: bool = False) -> tuple[float, dict[str, float]]:
         """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic, given one
         micro-batch's forward and backward seconds on this rank: each collective hides only behind the
-        pass it is issued in (`data_schedule`), all but its last unit's piece (`overlap_exposed`)."""
+        pass it is issued in (`data_schedule`), all but its last unit's piece (`overlap_exposed`).
+
+        `bf16_optimizer`: DeepSpeed's BF16_Optimizer under its pipeline engine (deepspeed/runtime/bf16_optimizer.py
+        and pipe/engine.py at 56c522386, "bf16+pipeline parallelism", 2022-04, the branch BLOOM trained on; BLOOM's
+        tr11 README: "The new BF16_Optimizer accumulates grads in fp32. It doesn't shard the static fp32 buffer"):
+        every micro-batch's backward adds each bf16 gradient into an fp32 buffer on the compute stream
+        (update_hp_grads: the cast reads 2 bytes and writes 4, the add reads 4 and 4 and writes 4), and at the
+        step's end _bf16_reduce_grads all-reduces that whole buffer over the data ranks (buffered_allreduce_fallback)
+        where a ZeRO-1 engine would reduce-scatter it; each rank then updates its shard and all-gathers the bf16
+        weights (its own ZeRO-1)."""
         p = self.plan
         grad = 4.0 if p.reduce == "fp32" else 2.0
         # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
@@ -290,8 +299,8 @@ class Costs:
             # FSDP2 at zero=1/2 once per micro-batch, shoal's ZeRO-1/2 engine once per step.
             reduces = 1 if zero == 1 else micro
             gathers = {3: 2 * micro}.get(zero, micro if kind == "fsdp2" else 1)
-            terms["fsdp_reduce_scatter"] = reduces * net("reduce_scatter", fsdp, params * grad,
-                                                         stride=self.stride["fsdp"])
+            terms["fsdp_reduce_scatter"] = reduces * net("all_reduce" if bf16_optimizer else "reduce_scatter", fsdp,
+                                                         params * grad, stride=self.stride["fsdp"])
             terms["fsdp_all_gather"] = gathers * net("all_gather", fsdp, params * self.bytes,
                                                      stride=self.stride["fsdp"])
             if dp > 1:  # every shard's gradient, the tables' too (averaged over dp as FSDP2 averages its own)
@@ -304,6 +313,8 @@ class Costs:
                 terms["fsdp_copies"] = fsdp2_copy_bytes(params, param_bytes=self.bytes, grad_bytes=self.bytes,
                                                         reduce_bytes=grad, gathers=gathers,
                                                         reduces=reduces) / self.mem_bw
+        if bf16_optimizer:
+            terms["fp32_accumulation"] = micro * (params + experts) * FP32_ACCUMULATION_BYTES / self.mem_bw
         if kind == "autocast":  # each micro-batch casts every weight for its products and each gradient back,
             recast = 4 + 2 if p.ac != "none" else 0  # and a recomputed block its weights once more
             terms["autocast_casts"] = micro * (params + experts) * (AUTOCAST_CAST_BYTES + recast) / self.mem_bw
@@ -313,7 +324,7 @@ class Costs:
         passes = {"forward": 0.0, "backward": 0.0}
         # Waited for at once: the tables' activations, and FSDP2's copies and autocast's casts on the compute stream.
         blocking = sum(seconds for term, seconds in terms.items()
-                       if term.startswith("vocab_") or term in ("fsdp_copies", "autocast_casts"))
+                       if term.startswith("vocab_") or term in ("fsdp_copies", "autocast_casts", "fp32_accumulation"))
         for term, seconds in terms.items():
             for phase, share in schedule.get(term, {}).items():
                 passes[phase] += share * seconds
@@ -325,6 +336,9 @@ class Costs:
         return blocking + exposed + OVERLAP_SLOWDOWN * hidden, terms
 
 
+FP32_ACCUMULATION_BYTES = (2 + 4) + (4 + 4 + 4)
+"""Bytes per parameter DeepSpeed's BF16_Optimizer moves per micro-batch adding a bf16 gradient into its fp32 buffer
+(hp_grad.add_(lp.grad.to(float32)): Costs.data_sync, `bf16_optimizer`)."""
 AUTOCAST_CAST_BYTES = (4 + 2) + (2 + 4)
 """Bytes per parameter that torch.autocast moves per forward and backward (shoal.parallel.precision.Autocast):
 each fp32 weight read and written as a 16-bit copy for its products (cached for the rest of that forward), and

@@ -63,8 +63,8 @@ CPU_PROCESS_BYTES = 300 * 2**20
 
 
 
-DATA_ENGINES = ("shoal", "deepspeed-pipe", "megatron-local")
-STEP_END_ENGINES = ("deepspeed-pipe", "megatron-local")
+DATA_ENGINES = ("shoal", "deepspeed-pipe", "deepspeed-bf16", "megatron-local")
+STEP_END_ENGINES = ("deepspeed-pipe", "deepspeed-bf16", "megatron-local")
 """Data engines that reduce the gradients once a step, after the last micro-batch's backward, beside no compute."""
 
 
@@ -108,6 +108,9 @@ class Workload:
     """Who runs the data axes (DATA_ENGINES): shoal's own engine for the plan (shoal.rules.choose_engine), or
     "deepspeed-pipe" for a run of DeepSpeed's pipeline engine, which reduces gradients (and at ZeRO-1 gathers
     the updated weights) once a step, after the last micro-batch's backward, beside no compute (deepspeed_engine),
+    or "deepspeed-bf16" for that engine with its BF16_Optimizer (bf16 at ZeRO stage 0: Megatron-DeepSpeed's bf16
+    runs, BLOOM's), which also accumulates every micro-batch's gradients into fp32 and all-reduces them whole
+    (costs.Costs.data_sync, `bf16_optimizer`),
     or "megatron-local" for Megatron-LM's own DistributedDataParallel of 2021 (`--DDP-impl local`, its default),
     whose train_step all-reduces the gradients once, after forward_backward_func returns (megatron/training.py
     and megatron/model/distributed.py, allreduce_gradients, at github.com/NVIDIA/Megatron-LM aed2f75e20): no
@@ -207,7 +210,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     net = network or RingNetwork(cluster)
     engine = choose_engine(plan, num_layers=cfg.num_layers)
     step_end = work.data_engine in STEP_END_ENGINES
-    if work.data_engine == "deepspeed-pipe":
+    if work.data_engine in ("deepspeed-pipe", "deepspeed-bf16"):
         engine = deepspeed_engine(plan, engine)
     if work.data_engine == "megatron-local" and plan.fsdp > 1:
         raise ValueError(f"Megatron-LM's local DDP replicates every state, got fsdp={plan.fsdp}")
@@ -229,7 +232,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
                               cost.params_per_rank(last, head=True), key=sum)
     grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
                                            units=_units(engine.kind, engine.units, params),
-                                           fwd=0.0 if step_end else fwd, bwd=0.0 if step_end else bwd)
+                                           fwd=0.0 if step_end else fwd, bwd=0.0 if step_end else bwd,
+                                           bf16_optimizer=work.data_engine == "deepspeed-bf16")
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts

@@ -219,7 +219,7 @@ _MTNLG = (
 )
 
 # --- BLOOM-176B (BigScience tr11) --------------------------------------------------------------
-_BLOOM = PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepspeed-pipe", pipe_scatter=True,
+_BLOOM = PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepspeed-bf16", pipe_scatter=True,
     name="BLOOM-176B (BigScience tr11) on 384 A100",
     model=ModelConfig(num_layers=70, dim=14336, num_heads=112, ffn_dim=4 * 14336, vocab_size=250880,
                       max_seq_len=2048, norm="layernorm", activation="gelu", pos_emb="rope", bias=True,
@@ -240,8 +240,10 @@ _BLOOM = PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepsp
           "checkpointing, 4*2 coefficient; the exact Megatron eq. 3 with V=250,880 gives 149.76 for "
           "104.70 s). Plan from the slurm script: TP=4, PP=12, DP=8, MBS=2 (so 128 micro-batches per "
           "pipeline per step), --checkpoint-activations, --bf16, BF16_Optimizer = ZeRO stage 1 "
-          "(recorded as fsdp8,zero=1, run as DeepSpeed's pipeline engine runs it: one reduction and one gather "
-          "a step, after the last backward, not shoal's FSDP2 gathering every micro-batch); DeepSpeed's pipeline "
+          "(recorded as fsdp8,zero=1, run as DeepSpeed's pipeline engine runs it with its BF16_Optimizer at "
+          "ZERO_STAGE=0, README 'Deepspeed config': every micro-batch's gradients added into an fp32 buffer, one "
+          "all-reduce of it and one gather a step, after the last backward, not shoal's FSDP2 gathering every "
+          "micro-batch; data_engine deepspeed-bf16); DeepSpeed's pipeline "
           "engine runs a 1F1B-style schedule. Shape: "
           "ALiBi positions (no position parameters; recorded as pos_emb=rope, the parameter-free choice "
           "shoal has) plus an extra embedding LayerNorm; vocab padded to 250,880. Dropout 0.1 on attention and "
