@@ -893,22 +893,24 @@ def test_a_deepspeed_pipeline_run_reduces_and_gathers_once_a_step_beside_no_comp
 def test_deepspeed_bf16_optimizer_accumulates_in_fp32_and_all_reduces():
     """DeepSpeed's BF16_Optimizer under its pipeline engine (BLOOM's): every micro-batch adds each bf16 gradient
     into an fp32 buffer (cast: read 2, write 4; add: read 4 + 4, write 4 bytes a parameter), on the compute stream;
-    at the step's end the buffer is all-reduced whole over the data ranks where ZeRO-1 reduce-scatters it; the
+    at the step's end the buffer is all-reduced whole over the data ranks where ZeRO-1 reduce-scatters it (in the
+    plan's reduce dtype), copied around it (flatten, cast, scale, copy back, unflatten: 32 bytes a parameter); the
     bf16 weights are gathered as before. All of it exposed."""
-    from shoal.planner.costs import FP32_ACCUMULATION_BYTES, Costs
+    from shoal.planner.costs import BF16_REDUCE_COPY_BYTES, FP32_ACCUMULATION_BYTES, Costs
 
     c = parse_cluster("16xA100-80GB")
     plan = Plan.parse("fsdp4,zero=1,tp2,pp2,mb=8,precision=bf16").resolve(16, "cuda")
     pipe, bf16 = (estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine=engine), c)
                   for engine in ("deepspeed-pipe", "deepspeed-bf16"))
-    assert FP32_ACCUMULATION_BYTES == 18
+    assert (FP32_ACCUMULATION_BYTES, BF16_REDUCE_COPY_BYTES) == (18, 32)
     grads = pipe.traffic["fsdp_reduce_scatter"]  # fp32 gradients, one reduce-scatter a step
     assert bf16.traffic["fsdp_reduce_scatter"] > 1.9 * grads  # all-reduced: both halves of the ring
     assert bf16.traffic["fsdp_all_gather"] == pytest.approx(pipe.traffic["fsdp_all_gather"])
     # the busier stage's parameters (TINY split in two: blocks 0-1 with the embedding, 2-3 with the norm and head)
     cost = Costs(plan, TINY, c, RingNetwork(c), tokens=128, seq_len=128, fused=True)
     params = max(cost.params_per_rank(2, head=False, embedding=True), cost.params_per_rank(2, head=True), key=sum)
-    assert bf16.traffic["fp32_accumulation"] == pytest.approx(8 * sum(params) * 18 / c.device.memory_bw, rel=1e-9)
+    assert bf16.traffic["fp32_accumulation"] == pytest.approx((8 * 18 + 32) * sum(params) / c.device.memory_bw,
+                                                              rel=1e-9)  # and the step's copies around the reduce
     assert "fp32_accumulation" not in pipe.traffic
     assert bf16.time["dp_sync_exposed"] == pytest.approx(sum(bf16.traffic.values()))  # nothing hides
 

@@ -269,8 +269,10 @@ class Costs:
         every micro-batch's backward adds each bf16 gradient into an fp32 buffer on the compute stream
         (update_hp_grads: the cast reads 2 bytes and writes 4, the add reads 4 and 4 and writes 4), and at the
         step's end _bf16_reduce_grads all-reduces that whole buffer over the data ranks (buffered_allreduce_fallback)
-        where a ZeRO-1 engine would reduce-scatter it; each rank then updates its shard and all-gathers the bf16
-        weights (its own ZeRO-1)."""
+        where a ZeRO-1 engine would reduce-scatter it, in the plan's `reduce` dtype (engine.py allreduce_bucket casts
+        to communication_data_type, bf16 by default at ZeRO stage 0 with bf16), copying around it
+        (BF16_REDUCE_COPY_BYTES); each rank then updates its shard and all-gathers the bf16 weights (its own
+        ZeRO-1)."""
         p = self.plan
         grad = 4.0 if p.reduce == "fp32" else 2.0
         # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
@@ -314,7 +316,8 @@ class Costs:
                                                         reduce_bytes=grad, gathers=gathers,
                                                         reduces=reduces) / self.mem_bw
         if bf16_optimizer:
-            terms["fp32_accumulation"] = micro * (params + experts) * FP32_ACCUMULATION_BYTES / self.mem_bw
+            terms["fp32_accumulation"] = ((micro * FP32_ACCUMULATION_BYTES + BF16_REDUCE_COPY_BYTES)
+                                          * (params + experts) / self.mem_bw)
         if kind == "autocast":  # each micro-batch casts every weight for its products and each gradient back,
             recast = 4 + 2 if p.ac != "none" else 0  # and a recomputed block its weights once more
             terms["autocast_casts"] = micro * (params + experts) * (AUTOCAST_CAST_BYTES + recast) / self.mem_bw
@@ -339,6 +342,9 @@ class Costs:
 FP32_ACCUMULATION_BYTES = (2 + 4) + (4 + 4 + 4)
 """Bytes per parameter DeepSpeed's BF16_Optimizer moves per micro-batch adding a bf16 gradient into its fp32 buffer
 (hp_grad.add_(lp.grad.to(float32)): Costs.data_sync, `bf16_optimizer`)."""
+BF16_REDUCE_COPY_BYTES = (4 + 4) + (4 + 2) + (2 + 2) + (2 + 4) + (4 + 4)
+"""Bytes per parameter DeepSpeed's allreduce_bucket moves around the all-reduce of the fp32 buffer in bf16, once a step
+(deepspeed/runtime/engine.py at 56c522386): flatten, cast to bf16, scale, copy back, unflatten into the buffer."""
 AUTOCAST_CAST_BYTES = (4 + 2) + (2 + 4)
 """Bytes per parameter that torch.autocast moves per forward and backward (shoal.parallel.precision.Autocast):
 each fp32 weight read and written as a 16-bit copy for its products (cached for the rest of that forward), and

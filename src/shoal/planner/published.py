@@ -225,7 +225,7 @@ _BLOOM = PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepsp
                       max_seq_len=2048, norm="layernorm", activation="gelu", pos_emb="rope", bias=True,
                       tie_embeddings=False, dropout=0.1),
     cluster="48x8xA100-80GB-OPA",
-    plan="fsdp8,zero=1,tp4,pp12,mb=128,sched=1f1b,ac=full,precision=bf16,sp=off",
+    plan="fsdp8,zero=1,tp4,pp12,mb=128,sched=1f1b,ac=full,precision=bf16,reduce=bf16,sp=off",
     global_batch=2048, seq_len=2048, micro_batch_size=2,
     reported=149.77, unit="tflops_per_gpu_hw", tokens_per_s_per_device=104.3,
     source=("https://github.com/bigscience-workshop/bigscience train/tr11-176B-ml/README.md ('Important checkpoints': "
@@ -242,8 +242,9 @@ _BLOOM = PublishedRun(fused_attention=False, fused_qkv=True, data_engine="deepsp
           "pipeline per step), --checkpoint-activations, --bf16, BF16_Optimizer = ZeRO stage 1 "
           "(recorded as fsdp8,zero=1, run as DeepSpeed's pipeline engine runs it with its BF16_Optimizer at "
           "ZERO_STAGE=0, README 'Deepspeed config': every micro-batch's gradients added into an fp32 buffer, one "
-          "all-reduce of it and one gather a step, after the last backward, not shoal's FSDP2 gathering every "
-          "micro-batch; data_engine deepspeed-bf16); DeepSpeed's pipeline "
+          "all-reduce of it, cast to bf16 (reduce=bf16: DeepSpeed's communication_data_type at stage 0 with bf16), "
+          "and one gather a step, after the last backward, not shoal's FSDP2 gathering every micro-batch; "
+          "data_engine deepspeed-bf16); DeepSpeed's pipeline "
           "engine runs a 1F1B-style schedule. Shape: "
           "ALiBi positions (no position parameters; recorded as pos_emb=rope, the parameter-free choice "
           "shoal has) plus an extra embedding LayerNorm; vocab padded to 250,880. Dropout 0.1 on attention and "
