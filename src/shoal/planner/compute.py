@@ -113,10 +113,11 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
         matmul += 2.0 * D * cfg.num_experts  # the router
         matmul += 2.0 * D if cfg.shared_gate and cfg.num_shared_experts else 0.0  # the shared experts' gate
     q_kv = cfg.num_heads * cfg.head_dim + 2 * cfg.kv_heads * cfg.head_dim
+    hidden = _hidden_elements(cfg, compiled=compiled)
     if compiled:
-        # Two norms (read x, write y) and two residual adds (read 2, write 1); RoPE reads and writes
-        # q and k; attention reads q, k, v and writes its output.
-        elementwise: float = 2 * 2 * D + 2 * 3 * D + 2 * q_kv + q_kv + D
+        # The hidden state's norms and residual adds; RoPE reads and writes q and k; attention reads q, k, v and
+        # writes its output.
+        elementwise: float = hidden + 2 * q_kv + q_kv + D
         # Grouped K/V heads are repeated to every query head before SDPA (shoal's repeat_interleave,
         # torchtitan's repeat_kv: an expanded view reshaped), a copy no compiled region fuses into the
         # attention kernel: K and V are written, then read by attention, at the query heads' width.
@@ -124,15 +125,13 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
         # The gated activation reads gate and up and writes their product (GELU: read 1, write 1).
         elementwise += 3 * width if cfg.activation == "swiglu" else 2 * width
     else:
-        elementwise = _eager_elements(cfg, width)
+        elementwise = hidden + _eager_elements(cfg, width)
     scores = 0.0
     if not fused_attention:
         # Unfused attention writes the scores, softmax reads and writes them, AV reads them:
         # four passes over the token's row of scores per head (causal mask applied in place).
         scores = 4.0 * cfg.num_heads * seq_len
         elementwise += scores
-    # The norms (eager: pow, mean, x * rsqrt, * weight) and the residual adds work on the hidden state.
-    hidden = (2 * 2 * D if compiled else 2 * 7 * D) + 2 * 3 * D
     drop = dropout_elements(cfg, seq_len, fused_attention=fused_attention, compiled=compiled,
                             element_bytes=element_bytes)
     return BlockWork(matmul=matmul, attention=attention_core_flops(cfg, seq_len, causal_skip=causal_skip),
@@ -179,18 +178,23 @@ def dropout_elements(cfg: ModelConfig, seq_len: int, *, fused_attention: bool, c
                        scores=0.0 if fused_attention else mirror * cfg.num_heads * seq_len)
 
 
+def _hidden_elements(cfg: ModelConfig, *, compiled: bool) -> float:
+    """Elements per token a block's two norms and two residual adds move on the hidden state: a compiled norm reads
+    x and writes y, an eager one runs pow (r, w), mean (r), x * rsqrt (r, w) and * weight (r, w); each add reads 2
+    and writes 1."""
+    norm = 2 if compiled else 7
+    return 2 * norm * cfg.dim + 2 * 3 * cfg.dim
+
+
 def _eager_elements(cfg: ModelConfig, width: float) -> float:
     """Elements read and written per token by shoal's block run op by op (shoal.models.transformer),
-    its FFNs `width` wide in all (ffn_width)."""
-    D = cfg.dim
+    its FFNs `width` wide in all (ffn_width), off the hidden state (`_hidden_elements`)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    norms = 2 * 7 * D  # pow (r, w), mean (r), x * rsqrt (r, w), * weight (r, w), per norm
     rope = 12 * (q + kv) if cfg.pos_emb == "rope" else 0  # to fp32, 4 products, 2 sums, stack, cast
     grouped = 2 * 2 * q if kv < q else 0  # repeat_interleave of k and v to every head
     heads = 2 * q  # the attention output's transpose copied back to (B, T, D)
-    residual = 2 * 3 * D
     act = 5 * width if cfg.activation == "swiglu" else 4 * width  # silu (r, w) then the product (r 2, w 1)
-    return norms + rope + grouped + heads + residual + act + 3 * (q + 2 * kv)  # + attention's reads
+    return rope + grouped + heads + act + 3 * (q + 2 * kv)  # + attention's reads
 
 
 def head_flops(cfg: ModelConfig) -> float:
