@@ -81,6 +81,33 @@ def test_activation_elements_by_hand():
     assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="selective", **kw) == 1408 + 136
 
 
+def test_dropout_kept_elements_by_hand():
+    """At dropout > 0 on a GPU each hidden-state dropout keeps a one-byte mask (half an element of 2 bytes, a
+    quarter of 4): 2 x D/2 = 128 more a block in bf16, split by tp only under sequence parallelism; FlashAttention
+    keeps its RNG state only; unfused attention keeps the mask and the dropped probabilities beside the
+    probabilities, (1 + 1/2) H T (Korthikanti et al. 2022: 5 bytes a score). Shoal's selective policy recomputes
+    the masks; Megatron-LM's keeps the hidden state's. The embedding's mask, D/2, once a model."""
+    drop = TINY.replace(dropout=0.1)
+    kw = dict(seq_len=128, fused_attention=True)
+    base = memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **kw)
+    assert memory.activation_elements(drop, 0, tp=1, sp=False, ac="none", **kw) == base + 128
+    assert memory.activation_elements(drop, 0, tp=1, sp=False, ac="none", element_bytes=4, **kw) == base + 64
+    for sp, masks in ((True, 64), (False, 128)):
+        tp2 = memory.activation_elements(TINY, 0, tp=2, sp=sp, ac="none", **kw)
+        assert memory.activation_elements(drop, 0, tp=2, sp=sp, ac="none", **kw) == tp2 + masks
+    unfused = dict(seq_len=128, fused_attention=False)
+    assert (memory.activation_elements(drop, 0, tp=1, sp=False, ac="none", **unfused)
+            == memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **unfused) + 128 + 1.5 * 8 * 128)
+    for ac in ("selective", "full"):
+        assert memory.activation_elements(drop, 0, tp=1, sp=False, ac=ac, **kw) == memory.activation_elements(
+            TINY, 0, tp=1, sp=False, ac=ac, **kw)
+    megatron = dict(ac="selective", policy="megatron", **unfused)
+    assert memory.activation_elements(drop, 0, tp=1, sp=False, **megatron) == memory.activation_elements(
+        TINY, 0, tp=1, sp=False, **megatron) + 128
+    assert memory.embedding_dropout_elements(drop, tp=1, sp=False, on_cpu=False, element_bytes=2) == 64
+    assert memory.embedding_dropout_elements(TINY, tp=1, sp=False, on_cpu=False, element_bytes=2) == 0
+
+
 @pytest.mark.parametrize(("kind", "expected"), [
     ("all_reduce", 2 * (3 * 1e-5 + 0.75)),  # 2(n-1) steps, 2(n-1)/n of the buffer
     ("all_gather", 3 * 1e-5 + 0.75), ("reduce_scatter", 3 * 1e-5 + 0.75), ("all_to_all", 3 * 1e-5 + 0.75),
@@ -787,6 +814,24 @@ def test_torchtitan_selective_policy_in_the_estimate():
     # it keeps every second weight product's output where shoal's policy keeps each: 31,776 elements a token and
     # block against 51,232 (memory.titan_selective_elements, memory.shoal_selective_elements)
     assert titan.memory["activations"] < 0.7 * shoal_way.memory["activations"]
+
+
+def test_full_recompute_holds_the_rerun_blocks_scores_again():
+    """Under full recompute the block being rerun in backward holds all of its tensors again, unfused attention's
+    probabilities too: H x T a token (and the dropouts' masks, a byte an element, at dropout > 0), for one block
+    of the micro-batch's tokens; the kept block inputs do not change."""
+    model, cluster = get_preset("gpt3-1.3b").replace(dropout=0.0), parse_cluster("8xA100")
+    plan = Plan.parse("dp8,ac=full,precision=bf16").resolve(8, "cuda")
+    held = {fused: estimate(plan, Workload(model=model, global_batch=8, seq_len=1024, fused_attention=fused),
+                            cluster, micro_batch=1).memory["activations"] for fused in (True, False)}
+    tokens = 1024  # one sequence a micro-batch on each rank
+    assert held[False] - held[True] == pytest.approx(model.num_heads * 1024 * tokens * 2)
+    dropped = estimate(plan, Workload(model=model.replace(dropout=0.1), global_batch=8, seq_len=1024,
+                                      fused_attention=False), cluster, micro_batch=1).memory["activations"]
+    # the rerun block's masks (two on the hidden state, one on the scores) and the dropped probabilities; the
+    # embedding's mask
+    rerun = (model.dim + 1.5 * model.num_heads * 1024) * tokens * 2
+    assert dropped - held[False] == pytest.approx(rerun + model.dim / 2 * tokens * 2)
 
 
 def test_megatron_selective_policy_reruns_and_drops_the_attention_core_alone():

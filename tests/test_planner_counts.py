@@ -318,6 +318,48 @@ def test_tensor_parallel_activation_count(pools, plan, world):
                                                    sp=bool(resolved.sp), ac="none", fused_attention=True)
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-gpt"])
+def test_dropout_activation_count(model):
+    """At dropout > 0 a CPU keeps each hidden-state dropout's noise in the activation's dtype (aten's fused
+    dropout is CUDA's only), and SDPA, which has no CPU kernel that drops out, runs its math path: the scaled q
+    and k, the probabilities, the noise and the dropped probabilities in place of a log-sum-exp a head
+    (memory.dropout_kept_elements); the embedding's dropout keeps its noise once, outside the blocks. Recounted
+    as elements autograd saves, 4 blocks less 2 per block and token, and the 2-block model less its blocks (the
+    final norm's 3D + 1 and the embedding's D). Exact: whole elements of whole float32 tensors."""
+    import torch
+
+    from shoal.models import Transformer
+    from shoal.planner import memory
+    from shoal.testing import saved_activation_elements
+
+    cfg = PRESETS[model].replace(max_seq_len=16, dropout=0.1)
+    inputs = torch.randint(0, cfg.vocab_size, (2, 16))
+    saved = [saved_activation_elements(Transformer(cfg.replace(num_layers=n)).train(), inputs) / inputs.numel()
+             for n in (2, 4)]
+    per_block = (saved[1] - saved[0]) / 2
+    kw = dict(seq_len=16, tp=1, sp=False, ac="none", fused_attention=True)
+    priced = memory.activation_elements(cfg, 0, on_cpu=True, element_bytes=4, **kw)
+    assert per_block == priced
+    assert priced - memory.activation_elements(cfg.replace(dropout=0.0), 0, **kw) == 2 * 128 + 3 * 8 * 16 - 8
+    outside = memory.norm_elements(cfg) + memory.embedding_dropout_elements(cfg, tp=1, sp=False, on_cpu=True,
+                                                                            element_bytes=4)
+    assert saved[0] - 2 * per_block == outside
+
+
+@pytest.mark.parametrize("plan", ["tp2", "tp2,sp=off"])
+def test_tensor_parallel_dropout_activation_count(pools, plan):
+    """The same under tp2: the hidden-state dropouts' noise split by tp under sequence parallelism, whole on every
+    rank without it; the math path's scores split with the heads."""
+    from shoal.planner import memory
+
+    model = TINY.replace(dropout=0.1)
+    sizes = [pools(2).run(_saved_per_token, plan, layers, model) for layers in (2, 4)]
+    assert len({*sizes[0]}) == 1 and len({*sizes[1]}) == 1, sizes
+    per_block = (sizes[1][0] - sizes[0][0]) / 2
+    assert per_block == memory.activation_elements(model, 0, seq_len=16, tp=2, sp=plan == "tp2", ac="none",
+                                                   fused_attention=True, on_cpu=True, element_bytes=4)
+
+
 def test_tensor_parallel_moe_activation_count(pools):
     """The same under tp2 for an MoE block, dropless (the count takes every token to its top-k experts):
     each tp rank permutes every token to its experts, D wide, so the permuted tokens and the experts'
@@ -345,22 +387,24 @@ def _saved_per_token(plan: str, num_layers: int, model=TINY) -> float:
 
 
 @pytest.mark.parametrize("plan", ["dp1", "tp2", "tp2,sp=off"])
-@pytest.mark.parametrize("model", ["tiny", "tiny-gpt"])
-def test_selective_recompute_activation_count(pools, plan, model):
+@pytest.mark.parametrize(("model", "dropout"), [("tiny", 0.0), ("tiny-gpt", 0.0), ("tiny", 0.1)])
+def test_selective_recompute_activation_count(pools, plan, model, dropout):
     """memory.activation_elements under ac=selective (shoal's policy: the weight products', the attention
     kernel's and the reductions' outputs kept), recounted: the storages a forward creates that are still alive
     after it (recompute.kept_activation_bytes: the block inputs the checkpoints keep and what the policy saves; a
-    DTensor by this rank's local tensor), 4 blocks less 2, per block and token. Exact: whole elements of whole
-    float32 tensors."""
+    DTensor by this rank's local tensor), 4 blocks less 2, per block and token; the dropouts' noise is
+    recomputed, not kept, and a CPU's SDPA, which drops out in its math path, keeps no fused kernel's output.
+    Exact: whole elements of whole float32 tensors."""
     from shoal.planner import memory
 
-    cfg = PRESETS[model].replace(max_seq_len=16)
+    cfg = PRESETS[model].replace(max_seq_len=16, dropout=dropout)
     world = 1 if plan == "dp1" else 2
     sizes = [pools(world).run(_kept_per_token, f"{plan},ac=selective", layers, cfg) for layers in (2, 4)]
     assert len({*sizes[0]}) == 1 and len({*sizes[1]}) == 1, sizes  # every rank keeps the same
     resolved = Plan.parse(f"{plan},ac=selective").resolve(world)
     assert (sizes[1][0] - sizes[0][0]) / 2 == memory.activation_elements(
-        cfg, 0, seq_len=16, tp=resolved.tp, sp=bool(resolved.sp), ac="selective", fused_attention=True)
+        cfg, 0, seq_len=16, tp=resolved.tp, sp=bool(resolved.sp), ac="selective", fused_attention=True, on_cpu=True,
+        element_bytes=4)
 
 
 def _kept_per_token(plan: str, num_layers: int, model) -> float:

@@ -33,7 +33,8 @@ def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
 
 
 def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, sp: bool, ac: str,
-                        fused_attention: bool, policy: str = "shoal", tp_engine: str = "dtensor") -> float:
+                        fused_attention: bool, policy: str = "shoal", tp_engine: str = "dtensor",
+                        on_cpu: bool = False, element_bytes: float = 2.0) -> float:
     """Elements block `index` keeps for backward per token on one tensor-parallel rank.
 
     Counted the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -58,7 +59,9 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     `transient`). Selective recompute of a dense block keeps what shoal's policy saves
     (`shoal_selective_elements`), or under torchtitan's per-op `policy` `titan_selective_elements`; Megatron-LM's
     (Korthikanti et al. 2022) all but unfused attention's probabilities; of an MoE block shoal's policy is priced
-    as Megatron-LM's (the expert kernels' own saving is not counted: an upper bound)."""
+    as Megatron-LM's (the expert kernels' own saving is not counted: an upper bound).
+    At `cfg.dropout` > 0 the dropouts keep more (`dropout_kept_elements`, on a CPU or a GPU: `on_cpu`, of
+    activations `element_bytes` each); shoal's selective policy recomputes them."""
     D, width = cfg.dim, compute.ffn_width(cfg, index)  # shared experts at their own width
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
@@ -67,15 +70,55 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     split = attention + (4 * width if cfg.activation == "swiglu" else 2 * width)
     permuted = 2 * ffns * D + router_elements(cfg) if moe else 0  # tokens permuted to their experts, their outputs
     scores = 0 if fused_attention else cfg.num_heads * seq_len
+    masks, dropped = dropout_kept_elements(cfg, seq_len=seq_len, tp=tp, sp=sp, fused_attention=fused_attention,
+                                           on_cpu=on_cpu, element_bytes=element_bytes)
     if ac == "full":
         return D / (tp if sp else 1)
     if ac == "selective" and policy == "torchtitan-op" and not moe:
         return titan_selective_elements(cfg, tp=tp, sp=sp)
-    if ac == "selective" and policy == "shoal" and not moe:
-        return shoal_selective_elements(cfg, index, tp=tp, sp=sp, fused_attention=fused_attention)
+    if ac == "selective" and policy == "shoal" and not moe:  # a CPU drops out in SDPA's math path: unfused
+        fused = fused_attention and not (on_cpu and cfg.dropout > 0.0)
+        return shoal_selective_elements(cfg, index, tp=tp, sp=sp, fused_attention=fused)
     if ac == "selective":
-        scores = 0
-    return norms + permuted + (split + scores) / tp
+        scores = dropped = 0
+    return norms + masks + permuted + (split + scores + dropped) / tp
+
+
+def dropout_kept_elements(cfg: ModelConfig, *, seq_len: int, tp: int, sp: bool, fused_attention: bool,
+                          on_cpu: bool, element_bytes: float) -> tuple[float, float]:
+    """What a block's dropouts keep per token beyond `activation_elements`' count without them, in elements of
+    `element_bytes`: (on the hidden state, on one tensor-parallel rank; in attention, before tp splits its heads).
+
+    Each of the two dropouts on the hidden state (shoal.models.transformer; Megatron-LM's bias_dropout_add) keeps
+    its mask: on a GPU torch's fused dropout kernel writes a bool (compute.MASK_BYTES); a CPU has no fused kernel
+    (aten's dropout takes native_dropout on CUDA only, is_fused_kernel_acceptable), so torch multiplies by a
+    noise tensor of the activation's dtype and keeps that. Without sequence parallelism every tensor-parallel
+    rank runs them on the whole hidden state. Unfused attention's dropout keeps its mask and the dropped
+    probabilities beside the probabilities (Korthikanti et al. 2022, section 4.1: 5 bytes a score in 16 bits).
+    A fused GPU kernel keeps its RNG state only. A CPU's SDPA has no fused kernel that drops out, and its math
+    path keeps the scaled q and k, the probabilities, the noise and the dropped probabilities where the fused
+    kernel kept q, k and a log-sum-exp a head. Recounted: tests/test_planner_counts.py."""
+    if cfg.dropout <= 0.0:
+        return 0.0, 0.0
+    mask = _mask_elements(on_cpu, element_bytes)
+    hidden = 2 * mask * cfg.dim / (tp if sp else 1)
+    heads, scores = cfg.num_heads, cfg.num_heads * seq_len
+    if not fused_attention:
+        return hidden, (1 + mask) * scores
+    return hidden, (3 * scores - heads if on_cpu else 0.0)
+
+
+def embedding_dropout_elements(cfg: ModelConfig, *, tp: int, sp: bool, on_cpu: bool, element_bytes: float) -> float:
+    """What the dropout after the embedding keeps per token, once a model, on the first pipeline stage: a mask
+    (see `dropout_kept_elements`), split by tp under sequence parallelism."""
+    if cfg.dropout <= 0.0:
+        return 0.0
+    return _mask_elements(on_cpu, element_bytes) * cfg.dim / (tp if sp else 1)
+
+
+def _mask_elements(on_cpu: bool, element_bytes: float) -> float:
+    """A dropout mask's elements an element of the activation it drops (`dropout_kept_elements`)."""
+    return 1.0 if on_cpu else compute.MASK_BYTES / element_bytes
 
 
 def autocast_extra_elements(cfg: ModelConfig, index: int, *, ac: str) -> float:

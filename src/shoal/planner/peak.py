@@ -96,20 +96,26 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
         extra = memory.autocast_extra_elements(cfg, index, ac=plan.ac) if kind == "autocast" else 0.0
         return extra + memory.activation_elements(cfg, index, seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp),
                                                   ac=plan.ac, fused_attention=cost.fused, policy=cost.policy,
-                                                  tp_engine=cost.tp_engine)
+                                                  tp_engine=cost.tp_engine, on_cpu=cost.on_cpu,
+                                                  element_bytes=cost.bytes)
     per_block = {moe: kept(moe) for moe in (False, True)}
-    # The block being recomputed in backward holds its tensors again: all of them under full recompute, those
-    # shoal's selective policy did not keep (its products' outputs come from the forward's); Megatron-LM's reruns
-    # one attention core, counted as kept.
+    # The block being recomputed in backward holds its tensors again: all of them under full recompute (unfused
+    # attention's scores, at the run's sequence length, and the dropouts' masks too), those shoal's selective policy
+    # did not keep (its products' outputs come from the forward's); Megatron-LM's reruns one attention core,
+    # counted as kept.
     def count(ac: str) -> float:
-        return memory.activation_elements(cfg, 0, seq_len=1, tp=plan.tp, sp=bool(plan.sp), ac=ac,
-                                          fused_attention=cost.fused, policy=cost.policy, tp_engine=cost.tp_engine)
+        return memory.activation_elements(cfg, 0, seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=ac,
+                                          fused_attention=cost.fused, policy=cost.policy, tp_engine=cost.tp_engine,
+                                          on_cpu=cost.on_cpu, element_bytes=cost.bytes)
     recomputed = 0.0
     if plan.ac == "full" or (plan.ac == "selective" and cost.policy != "megatron"):
         recomputed = count("none") - (count("selective") if plan.ac == "selective" and cost.policy == "shoal" else 0.0)
+    # The embedding's dropout is outside every block's recompute: its mask is kept whatever `ac` is.
+    embedded = memory.embedding_dropout_elements(cfg, tp=plan.tp, sp=bool(plan.sp), on_cpu=cost.on_cpu,
+                                                 element_bytes=cost.bytes)
     for lo, hi, head in stages:
         moe = cost.moe_count(lo, hi)
-        act = per_block[True] * moe + per_block[False] * (hi - lo - moe)
+        act = per_block[True] * moe + per_block[False] * (hi - lo - moe) + (embedded if lo == 0 else 0.0)
         held = act * tokens * cost.bytes * memory.in_flight(plan.sched, pp=plan.pp, micro=micro, vpp=plan.vpp)  # type: ignore[arg-type]  # resolved
         held += recomputed * tokens * cost.bytes
         logits = memory.logits_bytes(cfg, tokens, tp=plan.tp, logit_bytes=int(cost.bytes)) if head else 0.0
