@@ -940,7 +940,7 @@ def test_deepspeed_bf16_optimizer_accumulates_in_fp32_and_all_reduces():
     into an fp32 buffer (cast: read 2, write 4; add: read 4 + 4, write 4 bytes a parameter), on the compute stream;
     at the step's end the buffer is all-reduced whole over the data ranks where ZeRO-1 reduce-scatters it (in the
     plan's reduce dtype), copied around it (flatten, cast, scale, copy back, unflatten: 32 bytes a parameter); the
-    bf16 weights are gathered as before. All of it exposed."""
+    bf16 weights are gathered as before. All of it exposed. The buffer is memory too: 4 bytes a parameter."""
     from shoal.planner.costs import BF16_REDUCE_COPY_BYTES, FP32_ACCUMULATION_BYTES, Costs
 
     c = parse_cluster("16xA100-80GB")
@@ -958,6 +958,11 @@ def test_deepspeed_bf16_optimizer_accumulates_in_fp32_and_all_reduces():
                                                               rel=1e-9)  # and the step's copies around the reduce
     assert "fp32_accumulation" not in pipe.traffic
     assert bf16.time["dp_sync_exposed"] == pytest.approx(sum(bf16.traffic.values()))  # nothing hides
+    # its fp32 buffer holds the rank's whole gradients, unsharded, beside the bf16 ones, the whole step
+    assert bf16.memory["fp32_gradients"] == pytest.approx(4 * sum(params))
+    assert pipe.memory["fp32_gradients"] == 0
+    assert {k: v for k, v in bf16.memory.items() if k != "fp32_gradients"} == pytest.approx(
+        {k: v for k, v in pipe.memory.items() if k != "fp32_gradients"})
 
 
 def test_megatron_local_ddp_all_reduces_once_after_the_last_backward():

@@ -245,7 +245,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["step_sync"] = cost.step_sync(engine.kind)
     step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
     mem, gradient_bytes = peak.peak_terms(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts,
-                                          micro, stages, unsharded_accumulation=work.unsharded_accumulation)
+                                          micro, stages, unsharded_accumulation=work.unsharded_accumulation,
+                                          fp32_gradient_buffer=work.data_engine == "deepspeed-bf16")
     on_cpu = cluster.device_type == "cpu"
     need = sum(mem.values()) * memory.FRAGMENTATION + (peak.CPU_STEP_BYTES if on_cpu else 0.0)
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)

@@ -62,8 +62,12 @@ def zero_bucket_bytes(numel: float, *, shards: int, reduce_bytes: float, on_cpu:
 
 def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: int, bucket: int, params: float,
             experts: float, micro: int, stages: list[tuple[int, int, bool]], *,
-            unsharded_accumulation: bool = False) -> tuple[dict[str, float], float]:
-    """The busiest device's memory terms in bytes, and all its gradients' bytes."""
+            unsharded_accumulation: bool = False, fp32_gradient_buffer: bool = False) -> tuple[dict[str, float], float]:
+    """The busiest device's memory terms in bytes, and all its gradients' bytes. `fp32_gradient_buffer`: DeepSpeed's
+    BF16_Optimizer (estimate.Workload.data_engine "deepspeed-bf16") adds every micro-batch's 16-bit gradients into
+    an fp32 buffer of the rank's whole gradients, unsharded (deepspeed/runtime/bf16_optimizer.py at 56c522386:
+    fp32_groups_gradients_flat, zeros_like the flat bf16 group), and its pipeline engine keeps the 16-bit ones
+    too (update_hp_grads(clear_lp_grads=False)): 4 bytes a parameter beside the gradients, the whole step."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     pe = pb  # an expert's parameter bytes
     if kind == "autocast":  # fp32 parameters (the master weights) and gradients, and the 16-bit casts of the
@@ -177,6 +181,7 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
             during = max(0.0, during - copies * 4.0 * tokens * cfg.vocab_size / plan.tp)
     backward = sum(worst.values()) + transient + during
     return {"parameters": dense[0] + expert[0], "gradients": during + max(0.0, gradients - backward),
+            "fp32_gradients": 4.0 * (params + experts) if fp32_gradient_buffer else 0.0,
             "optimizer": dense[2] + expert[2], **worst, "transient": transient,
             "optimizer_step": max(0.0, gradients + step - max(backward, gradients))}, gradients
 
