@@ -11,6 +11,7 @@ allocated.
     python -m bench.memory_model                  # `small` and the 512M model (vocab 500,000, dim 512)
     python -m bench.memory_model --models small   # the small preset only (about 3 minutes)
     python -m bench.memory_model --models runtime # the step's memory beyond tensors (CPU_STEP_BYTES)
+    python -m bench.memory_model --models small-dropout  # small at dropout 0.1
     SHOAL_ALLOCATOR=glibc python -m bench.memory_model   # the workers on glibc's malloc, not jemalloc
 """
 
@@ -32,11 +33,13 @@ MODELS: dict[str, list[str]] = {
     "512M": ["--set", "vocab_size=500000", "--set", "dim=512", "--global-batch", "4"],
     "runtime": ["--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "4",
                 "--seq-len", "64"],
+    "small-dropout": ["--model", "small", "--set", "dropout=0.1"],
 }
 """The models of the table: the small preset at its defaults, and `tiny` with a 500,000-token vocabulary
 and dim 512 (512M parameters, ~2 GB in fp32, dominated by its two tables) at global batch 4. "runtime", not in
 the default set, is a model whose tensors are negligible (1-5 MB): what its resident peak holds beyond them is
-the step's runtime memory, shoal.planner.peak.CPU_STEP_BYTES."""
+the step's runtime memory, shoal.planner.peak.CPU_STEP_BYTES. "small-dropout", not in the default set either, is
+`small` at dropout 0.1 (the dropouts' masks, shoal.planner.memory.dropout_kept_elements)."""
 
 PLANS = [("dp1", 1), ("dp2", 2), ("fsdp2", 2), ("fsdp4", 4), ("tp2", 2), ("pp2", 2), ("tp4", 4)]
 
