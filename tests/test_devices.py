@@ -69,3 +69,41 @@ def test_default_plan_resumes_exports_and_samples(tmp_path, device, capsys):
     capsys.readouterr()
     assert cli.main(["sample", "--run", str(tmp_path / "part"), "--prompt", "The ", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("The ")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_keeps_what_the_memory_model_counts(device):
+    """What a block's dropouts keep in a bf16 forward, per token: the bytes autograd saves (floating and bool
+    tensors, parameters left out) at dropout 0.1 less those at 0, 4 blocks less 2, against
+    memory.dropout_kept_elements for the device. On a GPU torch's fused dropout keeps a bool mask a hidden-state
+    element and FlashAttention its RNG state (integers, not counted); on a CPU the noise it multiplies by, in bf16,
+    and SDPA's math path the probabilities, the noise and the dropped probabilities in place of a log-sum-exp a
+    head. Exact: whole bytes of whole tensors."""
+    from shoal.models import PRESETS, Transformer
+    from shoal.planner import memory
+
+    inputs = torch.randint(0, 256, (4, 64), device=device)
+
+    def saved_bytes(dropout: float, layers: int) -> int:
+        torch.manual_seed(0)
+        model = Transformer(PRESETS["tiny"].replace(num_layers=layers, max_seq_len=64, dropout=dropout))
+        model = model.to(device=device, dtype=torch.bfloat16).train()
+        skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        sizes: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if (t.is_floating_point() or t.dtype == torch.bool) and t.untyped_storage().data_ptr() not in skip:
+                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(inputs)
+        return sum(sizes.values())
+
+    def per_block(dropout: float) -> float:
+        return (saved_bytes(dropout, 4) - saved_bytes(dropout, 2)) / 2 / inputs.numel()
+
+    cfg = PRESETS["tiny"].replace(dropout=0.1)
+    masks, dropped = memory.dropout_kept_elements(cfg, seq_len=64, tp=1, sp=False, fused_attention=True,
+                                                  on_cpu=device == "cpu", element_bytes=2)
+    assert per_block(0.1) - per_block(0.0) == 2 * (masks + dropped)

@@ -96,16 +96,20 @@ def dropout_kept_elements(cfg: ModelConfig, *, seq_len: int, tp: int, sp: bool, 
     rank runs them on the whole hidden state. Unfused attention's dropout keeps its mask and the dropped
     probabilities beside the probabilities (Korthikanti et al. 2022, section 4.1: 5 bytes a score in 16 bits).
     A fused GPU kernel keeps its RNG state only. A CPU's SDPA has no fused kernel that drops out, and its math
-    path keeps the scaled q and k, the probabilities, the noise and the dropped probabilities where the fused
-    kernel kept q, k and a log-sum-exp a head. Recounted: tests/test_planner_counts.py."""
+    path, in float32 whatever the inputs' dtype (16-bit inputs are cast up), keeps the scaled q and k, the
+    repeated v, the probabilities, the noise and the dropped probabilities where the fused kernel kept q, k and v
+    and a float32 log-sum-exp a head. Recounted: tests/test_planner_counts.py (float32, one process and tp2) and
+    tests/test_devices.py (bf16, on the CPU and on a GPU)."""
     if cfg.dropout <= 0.0:
         return 0.0, 0.0
     mask = _mask_elements(on_cpu, element_bytes)
     hidden = 2 * mask * cfg.dim / (tp if sp else 1)
-    heads, scores = cfg.num_heads, cfg.num_heads * seq_len
+    heads, scores, qkv = cfg.num_heads, cfg.num_heads * seq_len, 3 * cfg.num_heads * cfg.head_dim
     if not fused_attention:
         return hidden, (1 + mask) * scores
-    return hidden, (3 * scores - heads if on_cpu else 0.0)
+    if not on_cpu:
+        return hidden, 0.0
+    return hidden, 4.0 / element_bytes * (qkv + 3 * scores - heads) - qkv  # float32 bytes, less the fused kernel's
 
 
 def embedding_dropout_elements(cfg: ModelConfig, *, tp: int, sp: bool, on_cpu: bool, element_bytes: float) -> float:
