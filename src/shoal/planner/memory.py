@@ -34,7 +34,7 @@ def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
 
 def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, sp: bool, ac: str,
                         fused_attention: bool, policy: str = "shoal", tp_engine: str = "dtensor",
-                        on_cpu: bool = False, element_bytes: float = 2.0) -> float:
+                        on_cpu: bool = False, element_bytes: float = 2.0, compiled: bool = False) -> float:
     """Elements block `index` keeps for backward per token on one tensor-parallel rank.
 
     Counted the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -61,7 +61,8 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     (Korthikanti et al. 2022) all but unfused attention's probabilities; of an MoE block shoal's policy is priced
     as Megatron-LM's (the expert kernels' own saving is not counted: an upper bound).
     At `cfg.dropout` > 0 the dropouts keep more (`dropout_kept_elements`, on a CPU or a GPU: `on_cpu`, of
-    activations `element_bytes` each); shoal's selective policy recomputes them."""
+    activations `element_bytes` each); shoal's selective policy recomputes them.
+    A `compiled` block (torch.compile) keeps less without recompute: `compiled_recomputed_elements`."""
     D, width = cfg.dim, compute.ffn_width(cfg, index)  # shared experts at their own width
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
@@ -81,7 +82,28 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
         return shoal_selective_elements(cfg, index, tp=tp, sp=sp, fused_attention=fused)
     if ac == "selective":
         scores = dropped = 0
-    return norms + masks + permuted + (split + scores + dropped) / tp
+    rerun = compiled_recomputed_elements(cfg, index, tp=tp, sp=sp) if compiled and ac == "none" else 0.0
+    return norms + masks + permuted + (split + scores + dropped) / tp - rerun
+
+
+def compiled_recomputed_elements(cfg: ModelConfig, index: int, *, tp: int, sp: bool) -> float:
+    """What a compiled block (shoal.parallel.compile: torch.compile, one graph a block) keeps per token less than
+    the same block run op by op, on one tensor-parallel rank: AOTAutograd's min-cut partitioner saves what
+    backward needs at the least cost and recomputes cheap pointwise ops from it, here each RMSNorm's normalised
+    input before its weight (from the input and the reciprocal RMS it keeps: D a block norm, split by tp under
+    sequence parallelism, and a head's width for each of qk_norm's per-head norms) and SwiGLU's silu(gate) (from
+    gate: the FFN's width, split by tp). LayerNorm and GELU keep what they keep eager. Measured on shoal's blocks
+    (tests/test_planner_counts.py: the tiny presets and an 85M shape, float32 and autocast); on one H200 the
+    85M shape's step under `precision=fp16` (compiled, autocast) peaked at 6.24 GB of live tensors, which this
+    count prices at 6.46 (the eager count: 9.71; docs/gpu_check/H200_2026-11-27). Dense blocks without dropout
+    only: an MoE block and the dropouts keep their eager count (an upper bound)."""
+    if cfg.is_moe_layer(index) or cfg.dropout > 0.0:
+        return 0.0
+    rms = cfg.norm == "rmsnorm"
+    norms = 2 * cfg.dim / (tp if sp else 1) if rms else 0.0
+    heads = cfg.head_dim * (cfg.num_heads + cfg.kv_heads) / tp if rms and cfg.qk_norm else 0.0
+    gate = compute.ffn_width(cfg, index) / tp if cfg.activation == "swiglu" else 0.0
+    return norms + heads + gate
 
 
 def dropout_kept_elements(cfg: ModelConfig, *, seq_len: int, tp: int, sp: bool, fused_attention: bool,
@@ -125,7 +147,7 @@ def _mask_elements(on_cpu: bool, element_bytes: float) -> float:
     return 1.0 if on_cpu else compute.MASK_BYTES / element_bytes
 
 
-def autocast_extra_elements(cfg: ModelConfig, index: int, *, ac: str) -> float:
+def autocast_extra_elements(cfg: ModelConfig, index: int, *, ac: str, compiled: bool = False) -> float:
     """What block `index` keeps per token beyond `activation_elements` under torch.autocast (one process in bf16
     or fp16, the engine "autocast"), in 16-bit elements (a float32 tensor counts twice), as the planner prices
     a 16-bit run's activations at 2 bytes. Autocast leaves the residual stream and the norms in float32: a norm
@@ -136,10 +158,16 @@ def autocast_extra_elements(cfg: ModelConfig, index: int, *, ac: str) -> float:
     norms of qk_norm, whose fp32 weights promote their 16-bit inputs. Only without recompute (a recomputed
     block's tensors are rerun, not kept); an MoE layer's experts take their tokens in the 16-bit dtype
     (shoal.moe.experts). A fused RMSNorm kernel (CUDA) keeps less: an upper bound there. Recounted, byte for
-    byte: tests/test_planner_counts.py."""
+    byte: tests/test_planner_counts.py.
+    Compiled (`compiled_recomputed_elements`), a dense block keeps every tensor in 16 bits but one float32 copy of
+    the hidden state, the float32 log-sum-exp and the norms' float32 statistics (one an RMSNorm, two a LayerNorm,
+    one a head for qk_norm): D + H + those, measured as above."""
     if ac != "none":
         return 0.0
     D = cfg.dim
+    if compiled and not cfg.is_moe_layer(index) and cfg.dropout == 0.0:
+        stats = 2 * (1 if cfg.norm == "rmsnorm" else 2) + (cfg.num_heads + cfg.kv_heads if cfg.qk_norm else 0)
+        return D + cfg.num_heads + stats
     norms = 2 * (2 * D + 1 if cfg.norm == "rmsnorm" else D + 2)
     ffn = D if cfg.activation == "swiglu" and not cfg.is_moe_layer(index) else 0
     return norms + 2 * D + ffn + cfg.num_heads + qk_norm_elements(cfg)

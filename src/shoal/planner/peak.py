@@ -97,16 +97,19 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     # its own copy of its input: more than a 16-bit run keeps (memory.autocast_extra_elements).
     def kept(moe: bool) -> float:
         index = compute.block_index(cfg, moe=moe)
-        extra = memory.autocast_extra_elements(cfg, index, ac=plan.ac) if kind == "autocast" else 0.0
+        extra = (memory.autocast_extra_elements(cfg, index, ac=plan.ac, compiled=bool(plan.compile))
+                 if kind == "autocast" else 0.0)
         return extra + memory.activation_elements(cfg, index, seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp),
                                                   ac=plan.ac, fused_attention=cost.fused, policy=cost.policy,
                                                   tp_engine=cost.tp_engine, on_cpu=cost.on_cpu,
-                                                  element_bytes=cost.bytes)
+                                                  element_bytes=cost.bytes, compiled=bool(plan.compile))
     per_block = {moe: kept(moe) for moe in (False, True)}
     # The block being recomputed in backward holds its tensors again: all of them under full recompute (unfused
     # attention's scores, at the run's sequence length, and the dropouts' masks too), those shoal's selective policy
     # did not keep (its products' outputs come from the forward's); Megatron-LM's reruns one attention core,
-    # counted as kept.
+    # counted as kept. Compiled, the rerun block's backward graph holds its recomputed tensors as eager autograd
+    # would save them (the eager count: ac=full on one H200, 2.22 GB measured against 2.17 priced so, 2.05 with
+    # the compiled count; docs/gpu_check/H200_2026-11-27).
     def count(ac: str) -> float:
         return memory.activation_elements(cfg, 0, seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=ac,
                                           fused_attention=cost.fused, policy=cost.policy, tp_engine=cost.tp_engine,
