@@ -145,6 +145,20 @@ def test_dry_run_with_dropout(tmp_path, capfd, ac):
     assert abs(_terms_error(capfd.readouterr().out)) <= 10
 
 
+def test_dry_run_of_a_compiled_step_on_cpu_prices_what_memtracker_runs(tmp_path, capfd):
+    """torch's MemTracker, which counts a CPU step's live tensors, is a dispatch mode, under which compiled blocks
+    run op by op: the dry run compares that count with the eager terms and says so (the compiled terms, which
+    the memory check uses, read 11% under it at 4 layers of dim 256; tests/test_planner_counts.py recounts them on
+    compiled code)."""
+    argv = ["train", "--dry-run", "--nproc", "1", "--plan", "dp1,compile=on", "--device", "cpu", "--set",
+            "num_layers=2", "--set", "dim=128", "--global-batch", "2", "--seq-len", "64",
+            "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 0
+    out = capfd.readouterr().out
+    assert "runs compiled blocks op by op: priced so" in out
+    assert abs(_terms_error(out)) <= 10
+
+
 def _terms_error(text: str) -> int:
     """The dry run's printed error of the planner's terms against the step's live tensors, in percent."""
     found = re.search(r"step peak of live tensors, busiest rank: \d+ MB; the planner's terms, \d+ MB, "
