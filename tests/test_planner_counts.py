@@ -473,6 +473,37 @@ def test_compiled_activation_count(model, autocast):
     assert kept < eager + (memory.autocast_extra_elements(cfg, 0, ac="none") if autocast else 0)
 
 
+def test_tensor_parallel_compiled_activation_count(pools):
+    """The same under tp2 with sequence parallelism (compiled blocks of DTensors): the norms' normalised input
+    split by tp with the norm's own tensors, SwiGLU's silu(gate) with the FFN's columns. 4 blocks less 2, per
+    block and token on a rank; exact."""
+    from shoal.planner import memory
+
+    sizes = [pools(2).run(_compiled_saved_per_token, "tp2,compile=on", layers, TINY) for layers in (2, 4)]
+    assert len({*sizes[0]}) == 1 and len({*sizes[1]}) == 1, sizes
+    per_block = (sizes[1][0] - sizes[0][0]) / 2
+    assert per_block == memory.activation_elements(TINY, 0, seq_len=16, tp=2, sp=True, ac="none",
+                                                   fused_attention=True, compiled=True)
+
+
+def _compiled_saved_per_token(plan: str, num_layers: int, model) -> float:
+    import torch._dynamo
+    from torch.distributed.tensor import DTensor
+
+    from shoal.testing import saved_activation_elements
+
+    runtime, _, batches = parallel_setup(case(plan=plan, model=model.replace(num_layers=num_layers), global_batch=2,
+                                              seq_len=model.max_seq_len, steps=1))
+    inputs, _ = batches[0]
+    (part,) = runtime.parts
+    out = part(inputs)  # compiled, forward and backward, before the count
+    (out.full_tensor() if isinstance(out, DTensor) else out).float().sum().backward()
+    try:
+        return saved_activation_elements(part, inputs) / inputs.numel()
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny-gpt", "tiny,qk_norm"])
 def test_autocast_activation_count(model):
     """One process in bf16 runs under torch.autocast (rules: the engine "autocast"), which keeps the residual

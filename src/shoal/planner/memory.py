@@ -93,7 +93,8 @@ def compiled_recomputed_elements(cfg: ModelConfig, index: int, *, tp: int, sp: b
     input before its weight (from the input and the reciprocal RMS it keeps: D a block norm, split by tp under
     sequence parallelism, and a head's width for each of qk_norm's per-head norms) and SwiGLU's silu(gate) (from
     gate: the FFN's width, split by tp). LayerNorm and GELU keep what they keep eager. Measured on shoal's blocks
-    (tests/test_planner_counts.py: the tiny presets and an 85M shape, float32 and autocast); on one H200 the
+    (tests/test_planner_counts.py: the tiny presets, float32, autocast and tp2; an 85M shape, dim 768, once, by
+    hand: 12,302 elements a token against 15,886 eager, float32); on one H200 the
     85M shape's step under `precision=fp16` (compiled, autocast) peaked at 6.24 GB of live tensors, which this
     count prices at 6.46 (the eager count: 9.71; docs/gpu_check/H200_2026-11-27). Dense blocks without dropout
     only: an MoE block and the dropouts keep their eager count (an upper bound)."""
