@@ -81,24 +81,14 @@ def test_dropout_keeps_what_the_memory_model_counts(device):
     head. Exact: whole bytes of whole tensors."""
     from shoal.models import PRESETS, Transformer
     from shoal.planner import memory
+    from shoal.testing import saved_activation_bytes
 
     inputs = torch.randint(0, 256, (4, 64), device=device)
 
     def saved_bytes(dropout: float, layers: int) -> int:
         torch.manual_seed(0)
         model = Transformer(PRESETS["tiny"].replace(num_layers=layers, max_seq_len=64, dropout=dropout))
-        model = model.to(device=device, dtype=torch.bfloat16).train()
-        skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-        sizes: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if (t.is_floating_point() or t.dtype == torch.bool) and t.untyped_storage().data_ptr() not in skip:
-                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(inputs)
-        return sum(sizes.values())
+        return saved_activation_bytes(model.to(device=device, dtype=torch.bfloat16).train(), inputs, masks=True)
 
     def per_block(dropout: float) -> float:
         return (saved_bytes(dropout, 4) - saved_bytes(dropout, 2)) / 2 / inputs.numel()

@@ -435,6 +435,7 @@ def test_compiled_activation_count(model, autocast):
     from shoal.parallel.compile import apply_compile
     from shoal.parallel.precision import Autocast
     from shoal.planner import memory
+    from shoal.testing import saved_activation_bytes
 
     name, *flags = model.split(",")
     cfg = PRESETS[name].replace(max_seq_len=64, **{flag: True for flag in flags})
@@ -446,17 +447,7 @@ def test_compiled_activation_count(model, autocast):
         if autocast:
             net = Autocast(net, dtype=torch.bfloat16, device_type="cpu")
         net(inputs).float().sum().backward()  # compiled, forward and backward
-        skip = {t.untyped_storage().data_ptr() for t in [*net.parameters(), *net.buffers()]}
-        sizes: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
-                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            net(inputs)
-        return sum(sizes.values()) / inputs.numel()
+        return saved_activation_bytes(net, inputs) / inputs.numel()
 
     try:
         per_block = saved_bytes(2) - saved_bytes(1)
@@ -518,7 +509,7 @@ def test_autocast_activation_count(model):
     from shoal.models import Transformer
     from shoal.parallel.precision import Autocast
     from shoal.planner import memory
-    from shoal.testing import saved_activation_elements
+    from shoal.testing import saved_activation_bytes, saved_activation_elements
 
     name, *flags = model.split(",")
     cfg = PRESETS[name].replace(max_seq_len=16, **{flag: True for flag in flags})
@@ -526,17 +517,7 @@ def test_autocast_activation_count(model):
 
     def per_token(layers: int) -> float:
         net = Autocast(Transformer(cfg.replace(num_layers=layers)), dtype=torch.bfloat16, device_type="cpu")
-        skip = {t.untyped_storage().data_ptr() for t in [*net.parameters(), *net.buffers()]}
-        sizes: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
-                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            net(inputs)
-        return sum(sizes.values()) / inputs.numel()
+        return saved_activation_bytes(net, inputs) / inputs.numel()
 
     block = Transformer(cfg.replace(num_layers=1)).layers["0"]
     casts = 2 * sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))

@@ -99,6 +99,24 @@ def assert_rounding_close(actual: Any, ref32: Any, ref64: Any, *, what: str = "v
                              f"single-process float32 error {single:.3g} + {FLOOR_ULPS:g} ulps = {floor:.3g})")
 
 
+def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, *, masks: bool = False) -> int:
+    """Bytes autograd saves for backward in one forward of `model`, each storage counted once, as
+    `saved_activation_elements` counts them but by their own dtype's size (a float32 statistic beside
+    16-bit activations); `masks`: bool tensors (dropout's masks on a GPU) counted too."""
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept = t.is_floating_point() or (masks and t.dtype == torch.bool)
+        if kept and t.untyped_storage().data_ptr() not in skip:
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(inputs)
+    return sum(sizes.values())
+
+
 def saved_activation_elements(model: nn.Module, inputs: torch.Tensor) -> int:
     """Elements autograd saves for backward in one forward of `model`, each storage counted once
     (parameters, buffers and integer tensors such as token ids left out; a DTensor counted by this
