@@ -419,7 +419,11 @@ def _kept_per_token(plan: str, num_layers: int, model) -> float:
     return kept / 4 / inputs.numel()  # float32 elements
 
 
-@pytest.mark.parametrize(("model", "autocast"), [("tiny", False), ("tiny-gpt", True), ("tiny,qk_norm", True)])
+@pytest.mark.parametrize(("model", "autocast"), [
+    pytest.param("tiny", False, marks=pytest.mark.slow),  # each a cold compile: 15-20 s on 2 cores
+    pytest.param("tiny-gpt", True, marks=pytest.mark.slow),
+    ("tiny,qk_norm", True),
+])
 def test_compiled_activation_count(model, autocast):
     """A compiled block (compile=on) keeps what AOTAutograd's partitioner saves: RMSNorm's normalised input and
     SwiGLU's silu(gate) are recomputed from what it keeps (memory.compiled_recomputed_elements); under autocast
