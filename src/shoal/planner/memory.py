@@ -71,8 +71,6 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     split = attention + (4 * width if cfg.activation == "swiglu" else 2 * width)
     permuted = 2 * ffns * D + router_elements(cfg) if moe else 0  # tokens permuted to their experts, their outputs
     scores = 0 if fused_attention else cfg.num_heads * seq_len
-    masks, dropped = dropout_kept_elements(cfg, seq_len=seq_len, tp=tp, sp=sp, fused_attention=fused_attention,
-                                           on_cpu=on_cpu, element_bytes=element_bytes)
     if ac == "full":
         return D / (tp if sp else 1)
     if ac == "selective" and policy == "torchtitan-op" and not moe:
@@ -80,6 +78,8 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     if ac == "selective" and policy == "shoal" and not moe:  # a CPU drops out in SDPA's math path: unfused
         fused = fused_attention and not (on_cpu and cfg.dropout > 0.0)
         return shoal_selective_elements(cfg, index, tp=tp, sp=sp, fused_attention=fused)
+    masks, dropped = dropout_kept_elements(cfg, seq_len=seq_len, tp=tp, sp=sp, fused_attention=fused_attention,
+                                           on_cpu=on_cpu, element_bytes=element_bytes)
     if ac == "selective":
         scores = dropped = 0
     rerun = compiled_recomputed_elements(cfg, index, tp=tp, sp=sp) if compiled and ac == "none" else 0.0
@@ -96,15 +96,21 @@ def compiled_recomputed_elements(cfg: ModelConfig, index: int, *, tp: int, sp: b
     (tests/test_planner_counts.py: the tiny presets, float32, autocast and tp2; an 85M shape, dim 768, once, by
     hand: 12,302 elements a token against 15,886 eager, float32); on one H200 the
     85M shape's step under `precision=fp16` (compiled, autocast) peaked at 6.24 GB of live tensors, which this
-    count prices at 6.46 (the eager count: 9.71; docs/gpu_check/H200_2026-11-27). Dense blocks without dropout
+    count prices at 6.49 (the eager count: 9.71; docs/gpu_check/H200_2026-11-27). Dense blocks without dropout
     only: an MoE block and the dropouts keep their eager count (an upper bound)."""
-    if cfg.is_moe_layer(index) or cfg.dropout > 0.0:
+    if not _partitioned(cfg, index):
         return 0.0
     rms = cfg.norm == "rmsnorm"
     norms = 2 * cfg.dim / (tp if sp else 1) if rms else 0.0
     heads = cfg.head_dim * (cfg.num_heads + cfg.kv_heads) / tp if rms and cfg.qk_norm else 0.0
     gate = compute.ffn_width(cfg, index) / tp if cfg.activation == "swiglu" else 0.0
     return norms + heads + gate
+
+
+def _partitioned(cfg: ModelConfig, index: int) -> bool:
+    """Whether block `index`, compiled, is priced by what the partitioner keeps (`compiled_recomputed_elements`):
+    dense blocks without dropout, the ones measured."""
+    return not cfg.is_moe_layer(index) and cfg.dropout == 0.0
 
 
 def dropout_kept_elements(cfg: ModelConfig, *, seq_len: int, tp: int, sp: bool, fused_attention: bool,
@@ -166,7 +172,7 @@ def autocast_extra_elements(cfg: ModelConfig, index: int, *, ac: str, compiled: 
     if ac != "none":
         return 0.0
     D = cfg.dim
-    if compiled and not cfg.is_moe_layer(index) and cfg.dropout == 0.0:
+    if compiled and _partitioned(cfg, index):
         stats = 2 * (1 if cfg.norm == "rmsnorm" else 2) + (cfg.num_heads + cfg.kv_heads if cfg.qk_norm else 0)
         return D + cfg.num_heads + stats
     norms = 2 * (2 * D + 1 if cfg.norm == "rmsnorm" else D + 2)

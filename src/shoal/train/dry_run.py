@@ -79,8 +79,8 @@ def dry_run(trainer: Any, *, baseline_mb: float = 0.0) -> dict[str, Any]:
     # torch's MemTracker is a dispatch mode, under which compiled code runs op by op: on a CPU (where it counts
     # the live tensors) a compiled step's count is the eager step's, and is compared with the eager terms.
     eager = trainer.device.type == "cpu" and bool(trainer.plan.compile)
-    tracked = memory_prediction(trainer, compiled=False) if eager else predicted
-    print(_table(trainer, [r.tolist() for r in rows], predicted, loss, tracked=tracked, eager=eager))
+    tracked = memory_prediction(trainer, compiled=False) if eager else None
+    print(_table(trainer, [r.tolist() for r in rows], predicted, loss, eager_terms=tracked))
     ranks = [{k: None if math.isnan(v) else v for k, v in zip(_COLUMNS, r.tolist(), strict=True)} for r in rows]
     return {"dry_run": True, "loss": loss, "ranks": ranks,
             "predicted_mb": predicted}
@@ -110,7 +110,9 @@ def memory_prediction(trainer: Any, *, compiled: bool | None = None) -> dict[str
 
 
 def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | None, loss: float, *,
-           tracked: dict[str, float] | None, eager: bool) -> str:
+           eager_terms: dict[str, float] | None = None) -> str:
+    """The dry run's printout; `eager_terms`: the planner's terms with the blocks run op by op, which the live
+    tensors are compared with where MemTracker counted a compiled step."""
     where = "resident" if trainer.device.type == "cpu" else "allocated"
     allocator = f"; host memory allocator: {host_memory.describe()}" if trainer.device.type == "cpu" else ""
     lines = [f"dry run: set-up and three steps of plan {trainer.plan} on {trainer.world} process(es) "
@@ -137,10 +139,11 @@ def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | 
         lines.append(f"step peak above the baseline, busiest rank: {above:.0f} MB; the planner's "
                      f"{total:.0f} MB is {100 * (total - above) / above:+.0f}% off")
         live = max(r[6] for r in rows)
-        terms = tracked or predicted
+        terms = eager_terms or predicted
         priced = sum(v for k, v in terms.items() if k not in ("total", "all gradients"))  # no allocator margin
         if not math.isnan(live):
-            how = " (counted under torch's MemTracker, which runs compiled blocks op by op: priced so)" if eager else ""
+            how = " (counted under torch's MemTracker, which runs compiled blocks op by op: priced so)" \
+                if eager_terms else ""
             lines.append(f"step peak of live tensors, busiest rank: {live:.0f} MB; the planner's terms, "
                          f"{priced:.0f} MB, are {100 * (priced - live) / live:+.0f}% off{how}")
     kept_mb = [r[7] for r in rows]
