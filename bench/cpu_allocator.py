@@ -1,5 +1,5 @@
 """Which C allocator a CPU run's workers use, and what it costs: speed and resident peak of `shoal train`
-under glibc's malloc against jemalloc (shoal's choice where one is found: shoal.host_memory), in one launch.
+under glibc's malloc against jemalloc (shoal's choice where one is found: shoal.infra.host_memory), in one launch.
 
 Each row is one plan of a preset (`small` unless --model says) trained for a few steps, the allocators
 alternated run by run (ABAB...), the median of `--repeats` runs of each: tokens/s (shoal's summary: the
@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import report, summarize
-from shoal import host_memory
+from shoal.infra import host_memory
 
 NPROC = {"dp1": 1, "dp2": 2, "fsdp2": 2, "tp2": 2, "fsdp4": 4}
 ALLOCATORS = {"glibc": {"SHOAL_ALLOCATOR": "glibc"}, "jemalloc": {"SHOAL_ALLOCATOR": "jemalloc"},

@@ -44,7 +44,7 @@ def make_tokenizer(folder: Path) -> Path:
 def make_jsonl(path: Path, megabytes: float) -> int:
     """The built-in corpus's documents, repeated (each copy numbered, so no two lines are equal)
     until the file holds `megabytes`; returns the document count."""
-    from shoal.train.data import default_corpus
+    from shoal.data.text import default_corpus
 
     docs = [p for p in default_corpus().split("\n\n") if p.strip()]
     written, count = 0, 0

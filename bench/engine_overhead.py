@@ -13,7 +13,7 @@ Contenders, interleaved repeat by repeat (bench.common.measure_pair):
 - fsdp2 fp32: FSDP2 of degree 1 per block and root, nothing cast (FSDP2's own overhead);
 - fsdp2 bf16: the same with bf16 parameters and fp32 reduction (shoal's one-process bf16 until 2026-11-27);
 - shoal dp1 bf16: shoal's runtime for `dp1,precision=bf16,compile=off`, called as the trainer calls it.
-Ratios are against plain fp32; beside them the host ops each runs (shoal.planner.counts.host_ops, the unit of
+Ratios are against plain fp32; beside them the host ops each runs (shoal.calibration.counts.host_ops, the unit of
 the planner's host time: outermost aten and c10d calls, views at half), the host's work on any device.
 `python -m bench.engine_overhead [--device cuda]`.
 """
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import measure_pair, report
-from shoal.planner.counts import host_ops
+from shoal.calibration.counts import host_ops
 
 LAYERS, TOKENS = 12, 8
 

@@ -21,7 +21,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from bench.common import RESULTS  # noqa: E402
-from shoal.pool import WorkerPool  # noqa: E402
+from shoal.infra.pool import WorkerPool  # noqa: E402
 from shoal.testing import HF_FAMILIES, HF_PLANS, check_parity, hf_case, parity_diffs, run_parallel  # noqa: E402
 
 SAVED = RESULTS / "hf_matrix.json"

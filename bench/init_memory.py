@@ -1,4 +1,4 @@
-"""Memory while loading pretrained weights (`--init`, shoal/train/pretrained.py) on each rank.
+"""Memory while loading pretrained weights (`--init`, shoal/models/hf/pretrained.py) on each rank.
 
 Writes a Hugging Face Llama folder of a few hundred MB (tensor by tensor, never the whole model in
 one process), then on 1 and 2 gloo processes builds the model on the meta device and loads it
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from shoal.models import ModelConfig, Transformer
-from shoal.models.hf_weights import hf_llama_config, hf_llama_names, to_hf_llama_tensor
+from shoal.models.hf.safetensors_stream import write_streaming
+from shoal.models.hf.weights import hf_llama_config, hf_llama_names, to_hf_llama_tensor
 from shoal.models.init import fill_slice_
-from shoal.train.safetensors_stream import write_streaming
 
 MiB = 2**20
 
@@ -66,9 +66,9 @@ def _status() -> tuple[int, int]:
 def load_and_measure(plan_text: str | None, folder: str, cfg: ModelConfig) -> dict:
     """On this rank: the meta model loaded under `plan_text` (None: one process) and its memory."""
     from shoal.mesh import build_mesh
+    from shoal.models.hf.pretrained import open_pretrained
     from shoal.parallelize import parallelize
     from shoal.plan import Plan
-    from shoal.train.pretrained import open_pretrained
 
     weights = open_pretrained(folder, cfg)
     with torch.device("meta"):
@@ -112,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = ModelConfig(num_layers=args.layers, dim=args.dim, num_heads=12, num_kv_heads=4, ffn_dim=2048,
                       vocab_size=args.vocab, max_seq_len=256)
-    from shoal.pool import WorkerPool
+    from shoal.infra.pool import WorkerPool
 
     with tempfile.TemporaryDirectory() as tmp:
         largest = write_folder(cfg, Path(tmp) / "hf")

@@ -26,7 +26,7 @@ import tempfile
 from typing import Any
 
 from bench.common import report
-from shoal import host_memory
+from shoal.infra import host_memory
 
 MODELS: dict[str, list[str]] = {
     "small": ["--model", "small"],

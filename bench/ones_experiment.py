@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import RESULTS, RUN_RECORD, measure_pair, report, train_run
+from shoal.data.text import open_data
 from shoal.models import ModelConfig, Transformer, get_preset
 from shoal.moe.gather import GATHERS, student_config
 from shoal.train.config import RunConfig
-from shoal.train.data import open_data
 from shoal.train.distill import STUDENT_INIT, load_teacher
 from shoal.train.metrics import read_metrics
 

@@ -218,9 +218,9 @@ def _findings(table_rows: list[Row], before: dict[str, float] | None = None) -> 
          "slowdown of compute beside a collective (arXiv 2507.03114) and which pass hides each data-axis collective "
          "(the engines' schedules) are sourced already; tensor-parallel and pipeline traffic is never hidden."),
         ("The GPU constants come from data sheets and published kernel- and link-level measurements (each source "
-        "named beside it in shoal/planner/hardware.py and shoal/planner/kernels.py); the planner has no measured GPU "
-        "calibration yet (`python -m bench.gpu_check --parts calibrate` writes one), and the published runs stay held "
-        f"out from it. {_one_gpu()}"),
+        "named beside it in shoal/planner/hardware.py and shoal/planner/kernel_rates.py); the planner has no "
+        "measured GPU calibration yet (`python -m bench.gpu_check --parts calibrate` writes one), and the published "
+        f"runs stay held out from it. {_one_gpu()}"),
     ]
     return "\n".join(textwrap.fill(b, 100, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
                      for b in bullets)
@@ -396,7 +396,7 @@ def _document(table_rows: list[Row], lines: list[str], figures: list[str], befor
 `python -m bench.planner_at_scale --write` regenerates this page. For each published run the
 cost model (`shoal plan --plan PLAN`) predicts tokens/s per device from the model shape, the
 cluster and the plan the source names. Its constants come from data sheets and kernel- and
-link-level measurements (`shoal/planner/hardware.py`, `shoal/planner/kernels.py`); none is
+link-level measurements (`shoal/planner/hardware.py`, `shoal/planner/kernel_rates.py`); none is
 fitted to these runs. Runs marked (*) rest on a number
 the source did not state or that could not be re-checked here (see the notes below).
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shoal.plan_command import price, resolve_cluster, workload
+from shoal.cli.plan import price, resolve_cluster, workload
 from shoal.planner.search import search
 
 PLANS = ("dp4", "fsdp4", "fsdp4,zero=1", "fsdp4,zero=2", "dp2,fsdp2", "dp2,tp2", "tp4", "dp2,cp2", "cp4",
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--calibrate", action="store_true", help="measure the profile first (full mode)")
     args = parser.parse_args()
     if args.calibrate:
-        from shoal.planner.calibrate import calibrate
+        from shoal.calibration.calibrate import calibrate
         from shoal.planner.profile import save_profile
 
         print(f"profile: {save_profile(calibrate(world_sizes=sorted({1, 2, args.nproc})))}")

@@ -3,7 +3,7 @@ inside Sparse-MLP, on the 8x8 digits (Lou et al. 2021, arXiv 2109.02008, at toy 
 
 Every variant trains in this process, one after the other, through the trainer's own pieces at
 world size 1: `parallelize(model)` (the runtime), `train_step`, the trainer's AdamW and
-warm-up + cosine schedule (shoal.train.optim defaults), the image batches of `shoal train`
+warm-up + cosine schedule (shoal.optim.builder defaults), the image batches of `shoal train`
 (shoal.train.images, a pure function of seed and step) and its held-out accuracy. No launcher:
 on a loaded 2-core machine a subprocess per run would cost more than the training.
 
@@ -35,11 +35,11 @@ import torch
 from bench.common import report
 from shoal.models import MIXER_PRESETS, Mixer, MixerConfig
 from shoal.moe.collect import records as moe_records
-from shoal.parallel.vocab import cross_entropy_sum
+from shoal.optim.builder import OptimConfig, build_optimizer, build_scheduler
+from shoal.parallel.loss import cross_entropy_sum
 from shoal.parallelize import parallelize
 from shoal.runtime import Runtime
 from shoal.train.images import HeldOutImages, ImageBatches, correct_and_count, load_digits, split_images
-from shoal.train.optim import OptimConfig, build_optimizer, build_scheduler
 from shoal.train.step import train_step
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

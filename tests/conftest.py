@@ -42,7 +42,7 @@ class _Pools:
 
 def _pool(n: int) -> Any:
     """The session's WorkerPool of n gloo processes, started once and restarted if a task broke it."""
-    from shoal.pool import WorkerPool
+    from shoal.infra.pool import WorkerPool
 
     pool = _POOLS.get(n)
     if pool is None or not pool.alive:

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from shoal import cli, train_command
+from shoal import cli
+from shoal.cli import errors
+from shoal.cli import train as train_cli
 from shoal.testing import assert_user_error
 
 # These tests mean CPU/gloo with 2 processes, also on a machine with GPUs.
@@ -241,7 +243,7 @@ def _fail_on_rank_1(_: object) -> int:
 
 def test_launcher_names_the_failed_rank():
     """A worker that fails at run time ends the run with its rank and its error's last line."""
-    from shoal.launch import WorkerFailed, launch
+    from shoal.infra.launch import WorkerFailed, launch
 
     with pytest.raises(WorkerFailed, match=r"^rank 1 of 2 failed: the last line says what broke$"):
         launch(_fail_on_rank_1, None, nproc=2)
@@ -252,9 +254,9 @@ def test_the_cause_is_named_not_the_rank_that_lost_it():
     own error. The launcher names rank 1 either way; a run of only lost connections names the first."""
     from types import SimpleNamespace
 
-    from shoal.launch import _cause
+    from shoal.infra.launch import _cause
 
-    lost = SimpleNamespace(message="shoal.train.watchdog.PeerGone: rank 0 waited 0 s: Connection closed by peer",
+    lost = SimpleNamespace(message="shoal.infra.watchdog.PeerGone: rank 0 waited 0 s: Connection closed by peer",
                            exitcode=1, timestamp=100)
     own = SimpleNamespace(message="RuntimeError: injected fault", exitcode=1, timestamp=100)
     assert _cause({0: lost, 1: own})[0] == 1
@@ -277,13 +279,13 @@ def test_gpu_machine_defaults(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 80 * 2**30}))
     out = str(tmp_path / "run")
-    job = train_command.prepare_job(cli.build_parser().parse_args(["train", "--out", out]))
-    assert job.device == "cuda" and train_command.world_size(job.config, job.device) == 1
+    job = train_cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out]))
+    assert job.device == "cuda" and train_cli.world_size(job.config, job.device) == 1
     plan = parse_plan(job.config.plan).resolve(1, job.device)
     assert (plan.precision, plan.reduce) == ("bf16", "fp32")
     assert_user_error(capsys, ["train", "--out", out, "--nproc", "2"], "--nproc 2", "1 GPU(s)", "--device cpu")
-    job = train_command.prepare_job(cli.build_parser().parse_args(["train", "--out", out, "--device", "cpu"]))
-    assert job.device == "cpu" and train_command.world_size(job.config, job.device) == 2
+    job = train_cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out, "--device", "cpu"]))
+    assert job.device == "cpu" and train_cli.world_size(job.config, job.device) == 2
     assert parse_plan(job.config.plan).resolve(2, job.device).precision == "fp32"
     assert not (tmp_path / "run").exists()
 
@@ -301,13 +303,13 @@ def test_device_errors(monkeypatch, tmp_path, capsys):
 
 def test_a_long_error_is_cut_and_kept_whole_in_the_run_folder(capsys, tmp_path):
     message = "checkpoint x could not be read: " + "detail " * 80
-    assert cli.fail(message, 2, tmp_path) == 2
+    assert errors.fail(message, 2, tmp_path) == 2
     line = capsys.readouterr().err.strip()
     assert "\n" not in line and line.startswith("shoal: error: checkpoint x could not be read")
     shown = line.removeprefix("shoal: error: ").split(" ... (whole message in ")[0]
-    assert len(shown) <= cli.MAX_ERROR and line.endswith(f"{tmp_path / 'error.log'})")
+    assert len(shown) <= errors.MAX_ERROR and line.endswith(f"{tmp_path / 'error.log'})")
     assert (tmp_path / "error.log").read_text().strip() == " ".join(message.split())
-    assert cli.fail("short", 2, tmp_path) == 2 and capsys.readouterr().err.strip() == "shoal: error: short"
+    assert errors.fail("short", 2, tmp_path) == 2 and capsys.readouterr().err.strip() == "shoal: error: short"
 
 
 def test_help_and_version(capsys):
@@ -344,16 +346,16 @@ def test_data_and_tokenizer_paths_are_kept_absolute(tmp_path, monkeypatch):
     (tmp_path / "b").mkdir()
     (tmp_path / "tok").mkdir()
     monkeypatch.chdir(tmp_path)
-    data = train_command._absolute_paths(cli_data(path="a", tokenizer="tok"))
+    data = train_cli._absolute_paths(cli_data(path="a", tokenizer="tok"))
     assert (data.path, data.tokenizer) == (str(tmp_path / "a"), str(tmp_path / "tok"))
-    mixed = train_command._absolute_paths(cli_data(path="a:0.7,b:0.3", tokenizer="byte"))
+    mixed = train_cli._absolute_paths(cli_data(path="a:0.7,b:0.3", tokenizer="byte"))
     assert (mixed.path, mixed.tokenizer) == (f"{tmp_path / 'a'}:0.7,{tmp_path / 'b'}:0.3", "byte")
-    assert train_command._absolute_paths(cli_data(path="gone:1,a:1", tokenizer="byte")).path == "gone:1,a:1"
-    assert train_command._same_path("data", "a:0.7,b:0.3") == mixed.path  # --resume with the same mixture typed again
+    assert train_cli._absolute_paths(cli_data(path="gone:1,a:1", tokenizer="byte")).path == "gone:1,a:1"
+    assert train_cli._same_path("data", "a:0.7,b:0.3") == mixed.path  # --resume with the same mixture typed again
 
 
 def cli_data(**fields):
-    from shoal.train.data import DataConfig
+    from shoal.data.text import DataConfig
 
     return DataConfig(**fields)
 
@@ -369,14 +371,14 @@ def test_a_runs_config_with_another_model_or_set_trains_what_the_flags_name(tmp_
     another model (its preset, not the stored shape) and --set changes the stored shape: flags override the file."""
     from shoal.models import PRESETS
     from shoal.train.config import from_flat
-    from shoal.train.runs import with_model, write_run_config
+    from shoal.train.job import with_model, write_run_config
 
     write_run_config(tmp_path, with_model(from_flat({"model": "tiny"}), PRESETS["tiny"]))
     config = str(tmp_path / "config.toml")
 
     def model_of(*flags: str) -> object:
         args = cli.build_parser().parse_args(["train", "--config", config, "--out", str(tmp_path / "r"), *flags])
-        return train_command.prepare_job(args).config.model_config
+        return train_cli.prepare_job(args).config.model_config
 
     assert model_of() == PRESETS["tiny"]
     assert model_of("--model", "small") == PRESETS["small"]
@@ -389,7 +391,7 @@ def test_resuming_at_another_precision_says_so(good_run, capsys):
     naming both; the same precision says nothing."""
     def resume(*flags: str) -> str:
         args = cli.build_parser().parse_args(["train", "--resume", str(good_run), "--steps", "3", *flags])
-        train_command.prepare_job(args)  # validates and prices; trains nothing
+        train_cli.prepare_job(args)  # validates and prices; trains nothing
         return capsys.readouterr().err
 
     said = resume("--plan", "precision=bf16")

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.testing import one_line_error
-from shoal.train.data import (
+from shoal.data.text import (
     ByteTokenizer,
     DataConfig,
     TokenBatches,
@@ -19,6 +18,7 @@ from shoal.train.data import (
     load_tokens,
     split_tokens,
 )
+from shoal.testing import one_line_error
 
 SEQ = 16
 NUM_WINDOWS = 40

@@ -123,7 +123,7 @@ def _teacher_run(folder: Path, model: ModelConfig, *, checkpoint: bool = True) -
     """A run folder as `shoal train` leaves it (config.toml, a checkpoint), without training."""
     from shoal.train.checkpoint import save_checkpoint
     from shoal.train.config import RunConfig, to_flat
-    from shoal.train.runs import write_run_config
+    from shoal.train.job import write_run_config
 
     cfg = RunConfig(model_config=model)
     folder.mkdir(parents=True)

@@ -81,14 +81,14 @@ def test_fp16_reads_once_for_its_overflow_check(pools):
 
 
 def test_fused_adamw_on_gpus_only():
-    from shoal.train.optim import adamw_kernel
+    from shoal.optim.builder import adamw_kernel
 
     assert adamw_kernel({"cuda"}) == {"fused": True}
     assert adamw_kernel({"cpu"}) == {} and adamw_kernel({"cpu", "cuda"}) == {}  # offloaded shards: torch's default
 
 
 def test_tf32_is_set_for_gpus_only():
-    from shoal.train.setup import set_matmul_precision
+    from shoal.train.build import set_matmul_precision
 
     before = torch.get_float32_matmul_precision()
     try:
@@ -106,8 +106,8 @@ def test_tf32_is_set_for_gpus_only():
 def test_a_gpu_step_does_not_synchronise():
     """On a GPU, torch itself checks: sync debug mode "error" raises at any synchronising call."""
     from shoal.models import Transformer
+    from shoal.optim.builder import OptimConfig, build_optimizer
     from shoal.parallelize import parallelize
-    from shoal.train.optim import OptimConfig, build_optimizer
 
     runtime = parallelize(Transformer(SMALL).cuda())
     optimizer = build_optimizer(runtime.parameters(), OptimConfig())

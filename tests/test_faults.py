@@ -1,7 +1,7 @@
 """The fault suite: faults injected into real `shoal train` runs (2 gloo processes), each ending
 in a clear message within seconds, and a resume that continues the unbroken run's exact loss curve.
 
-Faults come from shoal/train/faults.py (SHOAL_FAULT, off in normal runs). Each faulted run is a
+Faults come from shoal/infra/faults.py (SHOAL_FAULT, off in normal runs). Each faulted run is a
 fresh `python -m shoal train` process, so that signals reach a real launcher; steps are tiny, so
 the start-up dominates. The unbroken reference runs once. Bit-exact resume:
 same processes and threads, state restored bit for bit, batches a pure function of the step.
@@ -259,7 +259,7 @@ def test_watchdog_reads_a_threads_stack():
     is named by that call, and one inside torch's backward is in the backward."""
     import threading
 
-    from shoal.train import watchdog
+    from shoal.infra import watchdog
 
     release = threading.Event()
     fake = {}

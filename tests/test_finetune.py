@@ -15,9 +15,9 @@ import torch
 
 from shoal.data.dataset import open_prepared, read_manifest
 from shoal.data.prepare import PrepareConfig, prepare
-from shoal.parallel.vocab import IGNORE
+from shoal.data.text import default_corpus
+from shoal.parallel.loss import IGNORE
 from shoal.testing import ParityCase, assert_user_error, check_parity, run_parallel
-from shoal.train.data import default_corpus
 
 EOS, END = "<|endoftext|>", "<|end|>"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

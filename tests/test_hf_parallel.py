@@ -95,9 +95,9 @@ def _init_under(plan_text: str, folder: str, tokens) -> dict:
 
     from shoal.mesh import build_mesh
     from shoal.models import Transformer
-    from shoal.models.hf import config_from_hf
+    from shoal.models.hf.config import config_from_hf
+    from shoal.models.hf.pretrained import open_pretrained
     from shoal.parallelize import parallelize
-    from shoal.train.pretrained import open_pretrained
 
     cfg = config_from_hf(folder)
     weights = open_pretrained(folder, cfg)

@@ -23,8 +23,8 @@ import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 
 from shoal import cli  # noqa: E402
 from shoal.models import ModelConfig, Transformer  # noqa: E402
-from shoal.models.hf import load_model_config  # noqa: E402
-from shoal.models.hf_weights import from_hf_llama, hf_llama_config, to_hf_llama  # noqa: E402
+from shoal.models.hf.config import load_model_config  # noqa: E402
+from shoal.models.hf.weights import from_hf_llama, hf_llama_config, to_hf_llama  # noqa: E402
 from shoal.parallelize import parallelize  # noqa: E402
 from shoal.testing import assert_rounding_close  # noqa: E402
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
@@ -263,7 +263,7 @@ def test_cli_export_hf_of_fused_layouts(tmp_path, capsys, family):
     transformers loads with equal logits."""
     from shoal.train.checkpoint import save_checkpoint
     from shoal.train.config import from_flat, to_flat
-    from shoal.train.runs import with_model
+    from shoal.train.job import with_model
 
     shape = dict(num_layers=1, dim=32, num_heads=4, ffn_dim=64, vocab_size=64, max_seq_len=32)
     if family == "gpt2":

@@ -1,4 +1,4 @@
-"""The C allocator of CPU workers (shoal.host_memory): jemalloc preloaded where one is found, the user's choice
+"""The C allocator of CPU workers (shoal.infra.host_memory): jemalloc preloaded where one is found, the user's choice
 kept, a bad SHOAL_ALLOCATOR refused in one line."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from shoal import cli, host_memory
+from shoal import cli
+from shoal.infra import host_memory
 
 JEMALLOC = host_memory.find_jemalloc()
 needs_jemalloc = pytest.mark.skipif(JEMALLOC is None, reason=f"no libjemalloc here ({host_memory.NOT_FOUND})")

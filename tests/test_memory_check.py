@@ -104,7 +104,7 @@ def test_giant_presets_are_refused_on_this_kind_of_machine(model, capsys):
 def test_the_check_counts_what_the_machine_has_free_and_each_process_baseline(monkeypatch):
     """On CPUs the check prices a plan against the memory free now (other jobs may hold the rest),
     each process charged the interpreter's baseline besides the planner's terms."""
-    from shoal.auto_plan import memory_cluster
+    from shoal.calibration.auto_plan import memory_cluster
     from shoal.planner import hardware
 
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: 64 * 2**30)
@@ -121,7 +121,7 @@ def test_the_check_counts_what_the_machine_has_free_and_each_process_baseline(mo
 def test_plan_auto_refuses_a_model_no_plan_holds_before_calibrating(monkeypatch, capsys):
     """--plan auto on llama3-405b: refused from memory alone, in one line with the least need, before a CPU
     calibration (a minute) is measured for plan times it would not use."""
-    from shoal import auto_plan
+    from shoal.calibration import auto_plan
 
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibrated for a model no plan holds")

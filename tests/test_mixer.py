@@ -174,7 +174,7 @@ def test_a_run_folder_config_keeps_the_mixer_shape():
     import tomllib
 
     from shoal.train.config import RunConfig, dump_toml, from_flat, to_flat
-    from shoal.train.runs import with_model
+    from shoal.train.job import with_model
 
     shape = MIXER_PRESETS["sparse-mlp"].replace(top_k=2, norm_topk=True, capacity_factor=0.0)
     cfg = with_model(RunConfig(model="sparse-mlp"), shape)

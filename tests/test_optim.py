@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shoal.train.optim import OptimConfig, Schedule, build_optimizer, build_scheduler
+from shoal.optim.builder import OptimConfig, Schedule, build_optimizer, build_scheduler
 
 
 def test_schedule_hand_computed():

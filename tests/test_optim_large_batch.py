@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+from shoal.optim.builder import OptimConfig, Schedule, build_optimizer, build_scheduler, scale_for_batch
+from shoal.optim.large_batch import LAMB, LARS, CowClip
 from shoal.testing import (
     ParityCase,
     assert_rounding_close,
@@ -26,8 +28,6 @@ from shoal.testing import (
     references,
     run_parallel,
 )
-from shoal.train.optim import OptimConfig, Schedule, build_optimizer, build_scheduler, scale_for_batch
-from shoal.train.optimizers import LAMB, LARS, CowClip
 
 F64 = {"rtol": 1e-12, "atol": 1e-14}
 
@@ -434,9 +434,9 @@ def test_parity_fsdp_over_tp(pools):
 def _trust_after_steps(case):
     """The case trained through parallelize and train_step on this rank (one process when no
     process group is up: the reference), then every trust ratio of its last step, gathered."""
+    from shoal.optim.large_batch import gather_trust
     from shoal.parallelize import parallelize
     from shoal.testing import parallel_setup
-    from shoal.train.optimizers import gather_trust
     from shoal.train.step import split_micro, train_step
 
     if case.plan == "single":
@@ -464,7 +464,7 @@ def test_trust_ratios_gathered_over_every_plan(pools):
     equals the single-process run's, tensor by tensor: under dp2 and fsdp2 (one copy each, global
     norms), tp2, pp2 (each stage's own tensors) and ep2 (each rank's own experts). Tolerance: the
     float32 single-process run's own distance from float64 (assert_rounding_close)."""
-    from shoal.train.optimizers import trust_summary
+    from shoal.optim.large_batch import trust_summary
 
     results = pools(2).run(_trust_cases, TRUST)
     for c in TRUST:
@@ -484,7 +484,7 @@ def test_trust_ratios_gathered_over_every_plan(pools):
 
 
 def test_trust_summary_hand_computed():
-    from shoal.train.optimizers import trust_summary
+    from shoal.optim.large_batch import trust_summary
 
     assert trust_summary({}) == {}
     stats = trust_summary({("a", -1): 0.5, ("b", 0): 2.0, ("b", 1): 1.0, ("c", -1): 4.0})

@@ -64,10 +64,10 @@ def _export_under(plan_text: str, folder: str, out: str) -> None:
     plan_text, exported live as a Hugging Face folder and as a shoal file."""
     from shoal.mesh import build_mesh
     from shoal.models import Transformer
-    from shoal.models.hf import config_from_hf
+    from shoal.models.hf.config import config_from_hf
+    from shoal.models.hf.pretrained import open_pretrained
     from shoal.parallelize import parallelize
     from shoal.train.export import export_model
-    from shoal.train.pretrained import open_pretrained
 
     cfg = config_from_hf(folder)
     with torch.device("meta"):

@@ -9,10 +9,10 @@ from fractions import Fraction
 import pytest
 
 from shoal.cli import main
+from shoal.cli.plan import price
 from shoal.models.config import ModelConfig, get_preset
 from shoal.parallel.schedules import bubble_fraction, build_schedule, peak_in_flight, simulate
 from shoal.plan import Plan
-from shoal.plan_command import price
 from shoal.planner import compute, memory
 from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.comm import RingNetwork, ring_time
@@ -435,7 +435,7 @@ def _profile_file(tmp_path):
 
 
 def test_auto_picks_the_searchs_best_and_prices_the_local_processes(tmp_path, monkeypatch):
-    from shoal.auto_plan import choose
+    from shoal.calibration.auto_plan import choose
 
     monkeypatch.setenv("SHOAL_PROFILE", str(_profile_file(tmp_path)))
     choice = choose(TINY, global_batch=16, seq_len=128, world_size=4, device="cpu")
@@ -467,7 +467,7 @@ def test_train_plan_auto_runs_the_chosen_plan_and_keeps_the_prediction(tmp_path,
     ("Tesla V100-SXM2-16GB", "V100-32GB"), ("NVIDIA H200", "H200"),
 ])
 def test_auto_knows_the_gpus_torch_names(name, spec):
-    from shoal.auto_plan import gpu_cluster
+    from shoal.calibration.auto_plan import gpu_cluster
 
     cluster = gpu_cluster(name, 16 * 2**30, world_size=16, per_node=8)
     assert cluster.device.name == spec and cluster.num_nodes == 2 and cluster.per_node == 8
@@ -475,7 +475,7 @@ def test_auto_knows_the_gpus_torch_names(name, spec):
 
 
 def test_auto_refuses_an_unknown_gpu_in_one_line():
-    from shoal.auto_plan import gpu_cluster
+    from shoal.calibration.auto_plan import gpu_cluster
 
     with pytest.raises(ValueError, match="no spec for GPU 'Radeon'.*valid: .*H100-80GB"):
         gpu_cluster("Radeon", 2**30, world_size=1, per_node=1)

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from shoal.calibration.calibrate import calibrate
 from shoal.planner import profile as prof
-from shoal.planner.calibrate import calibrate
 from shoal.planner.profile import (
     COLLECTIVES,
     CollectiveFit,
@@ -47,7 +47,7 @@ def _profile() -> Profile:
 
 def test_profile_and_lookups_import_no_torch():
     """The planner reads a profile and prices collectives on it without torch: only measuring needs it."""
-    code = ("import sys, shoal.planner.profile, shoal.planner.calibrate; "
+    code = ("import sys, shoal.planner.profile, shoal.calibration.calibrate; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -2,7 +2,7 @@
 
 The cost model prices a CPU step's host time as counts of ops, taken from the model and the
 parallel code, times the seconds calibration measures per op. A count goes stale silently when
-the code it was taken from changes; these tests recount each (shoal.planner.counts, which says
+the code it was taken from changes; these tests recount each (shoal.calibration.counts, which says
 what one op is) and fail until the constant is updated to the new count. The counts are exact
 (whole ops, views at half), so they are compared exactly: a different count is a different model.
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from shoal.calibration import counts
 from shoal.mesh import build_mesh
 from shoal.models import PRESETS
 from shoal.plan import Plan
-from shoal.planner import counts
 from shoal.planner.costs import DTENSOR_DISPATCHES, DTENSOR_DISPATCHES_PER_OP, OPS_PER_BLOCK, RING_OPS_PER_HOP
 from shoal.testing import case, parallel_setup
 from shoal.train.step import split_micro
@@ -80,29 +80,29 @@ def test_loss_logit_copies():
     cross-entropy's block temporaries (blocks as large as the logits, and tiny ones), fp32 and bf16."""
     import torch
 
-    from shoal.parallel import vocab
+    from shoal.parallel import loss as parallel_loss
     from shoal.planner.memory import CONSUMED_LOGIT_COPIES, LOSS_PIECE_ELEMENTS
     from shoal.train.memory import TensorPeak
 
-    assert vocab.ROWS_ELEMENTS == LOSS_PIECE_ELEMENTS
+    assert parallel_loss.ROWS_ELEMENTS == LOSS_PIECE_ELEMENTS
     N, D, V = 256, 16, 20000
     copy_mb = N * V * 4 / 2**20
     gen = torch.Generator().manual_seed(0)
     targets = torch.randint(0, V, (N,), generator=gen)
     for dtype in (torch.float32, torch.bfloat16):
-        for rows in (vocab.ROWS_ELEMENTS, 1 << 12):
+        for rows in (parallel_loss.ROWS_ELEMENTS, 1 << 12):
             h = torch.randn(N, D, generator=gen).to(dtype).requires_grad_()
             w = torch.randn(V, D, generator=gen).to(dtype).requires_grad_()
             w.grad = torch.zeros_like(w)
             held_mb = (2 * h.numel() + 2 * w.numel()) * h.element_size() / 2**20
-            saved, vocab.ROWS_ELEMENTS = vocab.ROWS_ELEMENTS, rows
+            saved, parallel_loss.ROWS_ELEMENTS = parallel_loss.ROWS_ELEMENTS, rows
             try:
                 with TensorPeak(h, w) as peak:
                     logits = h @ w.T
-                    vocab.cross_entropy_sum(logits, targets, consume=True).backward()
+                    parallel_loss.cross_entropy_sum(logits, targets, consume=True).backward()
                     del logits
             finally:
-                vocab.ROWS_ELEMENTS = saved
+                parallel_loss.ROWS_ELEMENTS = saved
             assert peak.peak_mb is not None, "torch's MemTracker did not count this step"
             copies = (peak.peak_mb - held_mb) / copy_mb
             during, after = CONSUMED_LOGIT_COPIES[dtype.itemsize]
@@ -126,7 +126,7 @@ def _loss_parallel_copies(dtype_name: str) -> float:
     import torch
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from shoal.parallel.vocab import cross_entropy_sum, vocab_parallel_loss
+    from shoal.parallel.loss import cross_entropy_sum, vocab_parallel_loss
     from shoal.train.memory import TensorPeak
 
     dtype = getattr(torch, dtype_name)
@@ -149,30 +149,30 @@ def _loss_parallel_copies(dtype_name: str) -> float:
 
 
 def test_runtime_cross_entropy_is_torchs():
-    """The runtime's cross-entropy (shoal.parallel.vocab) is torch's F.cross_entropy(reduction="sum"),
+    """The runtime's cross-entropy (shoal.parallel.loss) is torch's F.cross_entropy(reduction="sum"),
     bit for bit, loss and gradient, whatever its blocks, with ignored targets, fp32 and bf16 logits,
     writing into the logits or not."""
     import torch
     import torch.nn.functional as F
 
-    from shoal.parallel import vocab
+    from shoal.parallel import loss as parallel_loss
 
     gen = torch.Generator().manual_seed(0)
-    for rows in (vocab.ROWS_ELEMENTS, 64, 1000):
+    for rows in (parallel_loss.ROWS_ELEMENTS, 64, 1000):
         for n, v, consume, dtype in ((7, 11, False, torch.float32), (300, 5000, True, torch.float32),
                                      (64, 1000, False, torch.bfloat16), (513, 257, True, torch.float32),
                                      (0, 5, True, torch.float32)):
             x = (3 * torch.randn(n, v, generator=gen)).to(dtype)
             t = torch.randint(0, v, (n,), generator=gen)
-            t[1:n:3] = vocab.IGNORE
+            t[1:n:3] = parallel_loss.IGNORE
             ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
-            saved, vocab.ROWS_ELEMENTS = vocab.ROWS_ELEMENTS, rows
+            saved, parallel_loss.ROWS_ELEMENTS = parallel_loss.ROWS_ELEMENTS, rows
             try:
-                loss = vocab.cross_entropy_sum(ours * 1.0, t, consume=consume)
+                loss = parallel_loss.cross_entropy_sum(ours * 1.0, t, consume=consume)
                 (0.37 * loss).backward()
             finally:
-                vocab.ROWS_ELEMENTS = saved
-            ref = F.cross_entropy(theirs.float(), t, ignore_index=vocab.IGNORE, reduction="sum")
+                parallel_loss.ROWS_ELEMENTS = saved
+            ref = F.cross_entropy(theirs.float(), t, ignore_index=parallel_loss.IGNORE, reduction="sum")
             (0.37 * ref).backward()
             assert torch.equal(loss, ref) and torch.equal(ours.grad, theirs.grad), (rows, n, v, consume, dtype)
 
@@ -217,7 +217,7 @@ def test_fsdp_vocabulary_tables(pools, tables):
       own sharded gradient, so they lie above the measured peak (7% when counted).
     - vocab=sharded (shoal/parallel/sharded_vocab.py): no table gathered, the classifier's backward
       holding SHARDED_LOGIT_COPIES of the logits."""
-    from shoal.auto_plan import memory_cluster
+    from shoal.calibration.auto_plan import memory_cluster
     from shoal.planner.estimate import Workload, estimate
 
     for vocab in (50000, 100000):
@@ -245,7 +245,7 @@ def _sharded_logits_peak() -> float:
     import torch
     from torch import nn
 
-    from shoal.parallel import vocab
+    from shoal.parallel import loss as parallel_loss
     from shoal.parallel.sharded_vocab import shard_classifier
     from shoal.train.memory import TensorPeak
 
@@ -260,7 +260,7 @@ def _sharded_logits_peak() -> float:
     held_mb = (2 * h.numel() + 2 * weight.to_local().numel()) * 4 / 2**20
     with TensorPeak(h, weight) as peak:
         logits = linear(h)
-        vocab.cross_entropy_sum(logits, targets, consume=True).backward()
+        parallel_loss.cross_entropy_sum(logits, targets, consume=True).backward()
         del logits
     assert peak.peak_mb is not None, "torch's MemTracker did not count this step"
     return (peak.peak_mb - held_mb) / (T * V * 4 / 2**20)

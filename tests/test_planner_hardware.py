@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.planner import cluster_file, hardware
+from shoal.planner import cluster_file, hardware, kernel_rates
 from shoal.planner.cluster_file import dump_cluster, load_cluster, parse_cluster
 from shoal.planner.hardware import ALIASES, DEVICES, Cluster, DeviceSpec, Link, get_device
 from shoal.testing import one_line_error
@@ -209,30 +209,29 @@ def test_tile_and_wave_quantization_by_hand():
     """NVIDIA's Matrix Multiplication Background guide, sections 3.1-3.2: a 2048 x 9600 output in 256 x 128 tiles
     (256 along the 9600 side) is 38 x 16 = 608 tiles, 6 waves of 108 SMs, so 2048 * 9600 / (6 * 108 * 256 * 128) of
     the slots work; 2048 x 128 in 64 x 64 tiles is 64 tiles in one wave of 108."""
-    from shoal.planner import kernels
-
-    assert kernels.tile_efficiency(2048, 9600, 108, (256, 128)) == pytest.approx(2048 * 9600 / (6 * 108 * 256 * 128))
-    assert kernels.tile_efficiency(9600, 2048, 108, (128, 256)) == kernels.tile_efficiency(2048, 9600, 108, (256, 128))
-    assert kernels.tile_efficiency(2048, 128, 108, (64, 64)) == pytest.approx(64 / 108)
-    assert kernels.quantization_efficiency(2048, 128, 108) == pytest.approx(64 / 108)  # 64 x 64 is the best tile
-    assert kernels.quantization_efficiency(108 * 256, 128, 108) == 1.0  # one full wave of 256 x 128 tiles
+    assert kernel_rates.tile_efficiency(2048, 9600, 108, (256, 128)) == \
+        pytest.approx(2048 * 9600 / (6 * 108 * 256 * 128))
+    assert kernel_rates.tile_efficiency(9600, 2048, 108, (128, 256)) == \
+        kernel_rates.tile_efficiency(2048, 9600, 108, (256, 128))
+    assert kernel_rates.tile_efficiency(2048, 128, 108, (64, 64)) == pytest.approx(64 / 108)
+    assert kernel_rates.quantization_efficiency(2048, 128, 108) == pytest.approx(64 / 108)  # 64 x 64 is the best tile
+    assert kernel_rates.quantization_efficiency(108 * 256, 128, 108) == 1.0  # one full wave of 256 x 128 tiles
     v100 = DEVICES["V100-32GB"]  # no square table: quantization, 64 x 64 tiles, 32 x 2 = 64 of 80 SMs
     assert v100.gemm_factor(2048, 128, 4096) == pytest.approx(64 / 80)
     assert DEVICES["H100-80GB"].gemm_factor(2048, 128, 4096) == DEVICES["H100-80GB"].gemm_factor(4096, 2048, 128)
     with pytest.raises(ValueError, match="sms >= 1"):
-        kernels.tile_efficiency(10, 10, 0, (64, 64))
+        kernel_rates.tile_efficiency(10, 10, 0, (64, 64))
 
 
 def test_attention_rates_from_the_flashattention3_figures_by_hand():
     """FlashAttention-2 on an H100 (arXiv 2407.08608, figures 5-6): head dim 128 at 8K, 333 TFLOP/s forward under
     the causal mask, 370 without, 318 backward; between the benchmarked points, linear in log2 of the length and
     in the head dimension; held at the ends."""
-    from shoal.planner import kernels
 
     T = 1e12
 
     def rates(head_dim: float, seq_len: float, causal: bool) -> tuple[float, float]:
-        return kernels.attention_rates("FA2-H100", head_dim=head_dim, seq_len=seq_len, causal=causal)
+        return kernel_rates.attention_rates("FA2-H100", head_dim=head_dim, seq_len=seq_len, causal=causal)
 
     assert rates(128, 8192, True) == pytest.approx((333 * T, 318 * T))
     assert rates(128, 8192, False) == pytest.approx((370 * T, 318 * T))
@@ -243,7 +242,7 @@ def test_attention_rates_from_the_flashattention3_figures_by_hand():
     assert rates(256, 2**20, True) == pytest.approx((335 * T, 322 * T))
     assert rates(32, 100, False) == pytest.approx((282 * T, 198 * T))
     with pytest.raises(ValueError, match="valid: FA2-H100"):
-        kernels.attention_rates("FA9", head_dim=128, seq_len=8192, causal=True)
+        kernel_rates.attention_rates("FA9", head_dim=128, seq_len=8192, causal=True)
 
 
 def test_h100_at_500_watts_runs_its_tensor_cores_at_the_capped_clock():

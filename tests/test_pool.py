@@ -1,4 +1,4 @@
-"""The worker pool (shoal/pool.py) that the parity tests and the calibration share: results in rank
+"""The worker pool (shoal/infra/pool.py) that the parity tests and the calibration share: results in rank
 order, reports while a function runs, and a rank that fails or dies named in one error."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from shoal.pool import WorkerPool, report
+from shoal.infra.pool import WorkerPool, report
 
 
 def _rank_and_reports() -> int:

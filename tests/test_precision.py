@@ -128,8 +128,8 @@ def _save_and_resume_scale(run_dir):
     import dataclasses
 
     from shoal.train.config import LoopConfig, RunConfig, resolve_model
+    from shoal.train.job import Job
     from shoal.train.loop import Trainer
-    from shoal.train.runs import Job
 
     cfg = RunConfig(plan="fsdp2,precision=fp16", set=("num_layers=1", "dim=32", "ffn_dim=64"),
                     loop=LoopConfig(steps=1, global_batch=4, seq_len=16, eval_batches=1))

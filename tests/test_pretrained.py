@@ -1,4 +1,4 @@
-"""Pretrained weights into any plan (`shoal train --init`, shoal/train/pretrained.py): a Hugging
+"""Pretrained weights into any plan (`shoal train --init`, shoal/models/hf/pretrained.py): a Hugging
 Face Llama folder written by transformers (two shards and an index) gives transformers' own
 logits under every plan; shoal's own export comes back bitwise under other plans (MoE experts
 too); each rank reads only its slices; dtypes are cast; bad input is refused in one line before
@@ -27,12 +27,12 @@ import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 
 from shoal.mesh import build_mesh  # noqa: E402
 from shoal.models import ModelConfig, Transformer  # noqa: E402
-from shoal.models.hf import load_model_config  # noqa: E402
+from shoal.models.hf.config import load_model_config  # noqa: E402
+from shoal.models.hf.pretrained import open_pretrained  # noqa: E402
 from shoal.parallelize import parallelize  # noqa: E402
 from shoal.plan import Plan  # noqa: E402
 from shoal.testing import assert_user_error, full_tensors  # noqa: E402
 from shoal.train.export import export_model  # noqa: E402
-from shoal.train.pretrained import open_pretrained  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # see the module docstring
 MOE = ModelConfig(num_layers=2, dim=64, num_heads=8, num_kv_heads=4, ffn_dim=128, vocab_size=128, max_seq_len=64,
@@ -229,7 +229,8 @@ def test_cli_init_then_export_gives_the_files_back(hf_folder, tmp_path, capfd):
 def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path, monkeypatch):
     """`--init FOLDER` without `--model` trains the folder's own config.json (what `--model
     hf:FOLDER` gives); a `--model` given on the command line or in the config file wins."""
-    from shoal import cli, train_command
+    from shoal import cli
+    from shoal.cli import train as train_cli
     from shoal.train.config import model_of_init
 
     folder = hf_folder["folder"]
@@ -237,7 +238,7 @@ def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path,
     def job(*argv: str, init: str = str(folder)):
         run = str(tmp_path / "run")
         args = ["train", "--init", init, "--device", "cpu", "--seq-len", "32", "--out", run, *argv]
-        return train_command.prepare_job(cli.build_parser().parse_args(args))
+        return train_cli.prepare_job(cli.build_parser().parse_args(args))
 
     chosen = job().config
     assert chosen.model == f"hf:{folder}" and chosen.model_config == load_model_config(f"hf:{folder}")
@@ -254,7 +255,8 @@ def test_init_alone_takes_the_model_from_the_folders_config(hf_folder, tmp_path,
 def test_init_without_config_json_says_the_model_is_the_default_preset(tmp_path, capsys):
     """`--init` of a folder with weights but no config.json and no --model trains the default preset: a
     warning says so once the weights fit it, and a refusal of weights that do not fit says it in its one line."""
-    from shoal import cli, train_command
+    from shoal import cli
+    from shoal.cli import train as train_cli
     from shoal.models import preset
 
     torch.manual_seed(0)
@@ -269,6 +271,6 @@ def test_init_without_config_json_says_the_model_is_the_default_preset(tmp_path,
     state = {name: p.detach().clone() for name, p in Transformer(preset("tiny")).named_parameters()}
     assert sorted(state) == sorted(names)
     save_file(state, str(folder / "model.safetensors"))  # shoal's names and tiny's shapes: they fit
-    train_command.prepare_job(cli.build_parser().parse_args(args))
+    train_cli.prepare_job(cli.build_parser().parse_args(args))
     err = capsys.readouterr().err
     assert err.startswith(f"shoal: warning: --init {folder} has no config.json") and "default preset tiny" in err

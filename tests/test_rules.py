@@ -127,7 +127,7 @@ def test_rules_and_planner_import_without_torch(tmp_path):
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('torch is blocked in this test')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    code = "import shoal.planner.search, shoal.rules, shoal.plan_command; print('imported')"
+    code = "import shoal.planner.search, shoal.rules, shoal.cli.plan; print('imported')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-2000:]
     blocked = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True, env=env)

@@ -35,8 +35,8 @@ def _own_attributes(module: nn.Module) -> dict[str, object]:
 def _watched_run(plan: str, run_dir: str) -> dict[str, list]:
     from shoal.runtime import Runtime
     from shoal.train.config import LoopConfig, RunConfig, resolve_model
+    from shoal.train.job import Job, with_model
     from shoal.train.loop import Trainer
-    from shoal.train.runs import Job, with_model
 
     cfg = RunConfig(plan=plan, set=("num_layers=2", "dim=32", "ffn_dim=64"),
                     loop=LoopConfig(steps=3, global_batch=4, seq_len=16, eval_every=2, eval_batches=1, ckpt_every=2,

@@ -7,7 +7,7 @@ training step runs (the projections and FFN of the 85M and 1.9B shapes of bench/
 forward and the two backward products, each beside what the planner's square-GEMM model says for it;
 square GEMMs give the model's table and its large-GEMM efficiency) and written as a cluster file that
 `shoal plan --cluster FILE.toml` reads: a profile for this device kind only.
-It is kept out of shoal.planner.calibrate (the CPU calibration) on purpose: it is a bench-side
+It is kept out of shoal.calibration.calibrate (the CPU calibration) on purpose: it is a bench-side
 measurement until a GPU run has shown its figures.
 """
 
@@ -162,7 +162,7 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
 
 def part(ctx: Context, device_name: str | None) -> None:
     """Calibrate, then one-GPU predictions (data sheet and calibrated) against measured `shoal train` runs."""
-    from shoal.plan_command import price, workload
+    from shoal.cli.plan import price, workload
     from shoal.planner.cluster_file import parse_cluster
 
     toml = calibrate(ctx, device_name)["toml"]

@@ -140,7 +140,7 @@ def planner_cluster(device_name: str | None) -> str:
 
 def predicted(plan: str, model: tuple, device_name: str | None) -> dict[str, Any]:
     """The planner's step time and memory for one plan on one device of this kind (pure, no GPU)."""
-    from shoal.plan_command import price, workload
+    from shoal.cli.plan import price, workload
     from shoal.planner.cluster_file import parse_cluster
 
     preset, sets, batch, seq = model

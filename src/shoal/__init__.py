@@ -11,7 +11,7 @@ __all__ = ["from_hf"]
 
 def __getattr__(name: str) -> Any:
     if name == "from_hf":
-        from shoal.models.hf_model import from_hf
+        from shoal.models.hf.model import from_hf
 
         return from_hf
     raise AttributeError(f"module 'shoal' has no attribute {name!r}")

@@ -258,7 +258,7 @@ Rule = Callable[[Plan, Facts], "str | None"]
 def _auto_rule(plan: Plan, facts: Facts) -> str | None:
     if plan.auto:
         return ("plan 'auto' is chosen before the model is parallelized: `shoal train --plan auto` does it, "
-                "or in Python shoal.auto_plan.choose(...); valid: the chosen plan, e.g. dp2 or fsdp2,tp2")
+                "or in Python shoal.calibration.auto_plan.choose(...); valid: the chosen plan, e.g. dp2 or fsdp2,tp2")
     return None
 
 

@@ -54,17 +54,17 @@ from shoal.moe.collect import MoECollector
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
 from shoal.parallel.expert import ExpertGrads
+
+# IGNORE (the target that takes no loss) and cross_entropy_sum are also the trainer's, through here.
+from shoal.parallel.loss import IGNORE as IGNORE
+from shoal.parallel.loss import cross_entropy_sum as cross_entropy_sum
+from shoal.parallel.loss import local_value, vocab_parallel_loss
+from shoal.parallel.loss import num_targets as num_targets
 from shoal.parallel.pipeline import Pipeline
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.parallel.schedules import bubble_fraction, save_gantt
 from shoal.parallel.tensor import reduce_partial_grads
 from shoal.parallel.tied import TiedGrads
-
-# IGNORE (the target that takes no loss) and cross_entropy_sum are also the trainer's, through here.
-from shoal.parallel.vocab import IGNORE as IGNORE
-from shoal.parallel.vocab import cross_entropy_sum as cross_entropy_sum
-from shoal.parallel.vocab import local_value, vocab_parallel_loss
-from shoal.parallel.vocab import num_targets as num_targets
 from shoal.plan import Plan
 from shoal.rules import EngineChoice
 

@@ -1,6 +1,6 @@
 """The parity harness: run a configuration on N gloo processes and compare with a single process.
 
-The tests run the functions here on every rank of a `shoal.pool.WorkerPool` (one per world
+The tests run the functions here on every rank of a `shoal.infra.pool.WorkerPool` (one per world
 size, reused by every test that asks for it). `ParityCase` describes one configuration;
 `run_reference(case)` trains it in plain PyTorch in this process (in float32, and in float64 as
 the truth), `run_parallel(case)` (called on every rank) trains it through shoal's real
@@ -142,7 +142,7 @@ def corpus_bpe(folder: Path, vocab_size: int, eos: str = "<|endoftext|>") -> Pat
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from shoal.train.data import default_corpus
+    from shoal.data.text import default_corpus
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

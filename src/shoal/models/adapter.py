@@ -88,7 +88,7 @@ class ModelAdapter:
     (a pipeline stage holds some only); `*` in a pattern stands for any block's key."""
     weights: str | None = None
     """The module that maps the family's weight names and layouts to and from Hugging Face's, by
-    the model's config (as shoal.models.hf_weights does: `hf_family`, `hf_layout`, `shoal_to_hf`,
+    the model's config (as shoal.models.hf.weights does: `hf_family`, `hf_layout`, `shoal_to_hf`,
     `hf_to_shoal`, `hf_config`, `check_llama`, and `SLICE_LAYOUTS` for reading slices of files);
     a name, imported by `weight_map()` on first use since it needs torch. None: no such layout."""
 
@@ -166,7 +166,7 @@ TRANSFORMER = ModelAdapter(
     moe_slots=("feed_forward",),
     attention=AttentionSeam(module="attention", core="core", rope_arg=1),
     tp_plan=_transformer_tp_plan,
-    weights="shoal.models.hf_weights",
+    weights="shoal.models.hf.weights",
 )
 """shoal's Transformer (shoal/models/transformer.py) and the Hugging Face families built as one.
 A pipeline stage boundary carries the residual stream, hidden states (B, T, D): the model takes

@@ -43,8 +43,8 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shoal.models.adapter import adapter_with
+from shoal.parallel.loss import is_vocab_sharded, local_value, vocab_parallel_loss
 from shoal.parallel.schedules import Action, build_schedule, format_table, split_backward, stage_rank
-from shoal.parallel.vocab import is_vocab_sharded, local_value, vocab_parallel_loss
 from shoal.rules import split_refusal
 
 Batch = tuple[torch.Tensor, torch.Tensor]

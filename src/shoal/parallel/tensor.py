@@ -14,7 +14,7 @@ The embedding table is split by columns (each rank holds 1/t of every row's feat
 gathers the rest), or, tied to the classifier, by rows (vocabulary-parallel: a token's row lives
 on one rank, the others contribute zeros to the reduction). The output classifier is
 vocabulary-parallel: its logits stay sharded on the vocabulary dim (a DTensor, Shard(-1)) and
-the loss is computed across shards by `shoal.parallel.vocab` (DTensor's loss_parallel), never gathering them.
+the loss is computed across shards by `shoal.parallel.loss` (DTensor's loss_parallel), never gathering them.
 
 The plan is data: the model family's adapter (shoal.models.adapter) names a style for each
 module-name pattern, this module turns the names into DTensor ParallelStyles, applied with

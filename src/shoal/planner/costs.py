@@ -24,22 +24,22 @@ OPS_PER_BLOCK = {False: 42, True: 13}
 eager and compiled, on a CPU, the one device whose host time the estimate charges: every call
 into the dispatcher, views at half (the norms, attention with RoPE and grouped-query heads, the
 FFN, the residual adds and dropouts); compiled, the graph's fused kernels and the matmul and
-attention kernels it calls. Counted by shoal.planner.counts.block_ops on the tiny preset;
+attention kernels it calls. Counted by shoal.calibration.counts.block_ops on the tiny preset;
 tests/test_planner_counts.py recounts them."""
 DTENSOR_DISPATCHES = {"block": 144, "head": 56}
 """DTensor dispatches of one block's forward and backward under tensor parallelism, and of the
-vocabulary-parallel embedding, head and loss: shoal.planner.counts.dtensor_dispatches on the tiny
+vocabulary-parallel embedding, head and loss: shoal.calibration.counts.dtensor_dispatches on the tiny
 preset at tp2, the block's from 2 and 4 layers; tests/test_planner_counts.py recounts them. Without
 sequence parallelism a block runs as many (its norms' DTensor ops replace the all-reduces'
 wrapping) and the head slightly fewer; these serve both."""
 DTENSOR_DISPATCHES_PER_OP = 25 / 17
 """What the calibration's DTensor chain (measure._measure_dtensor_dispatch, whose figure is per op of
 the chain, its backward included) runs per op: 25 dispatches for its 16 ops and the final sum
-(shoal.planner.counts.dtensor_dispatches_per_chain_op; tests/test_planner_counts.py recounts it)."""
+(shoal.calibration.counts.dtensor_dispatches_per_chain_op; tests/test_planner_counts.py recounts it)."""
 RING_OPS_PER_HOP = 61.5
 """Host ops of one block's ring attention per ring step (context parallelism): the zig-zag chunk
 pairs' attention, the log-sum-exp merge and the exchange, forward and hand-written backward
-(shoal.parallel.context), counted as OPS_PER_BLOCK is by shoal.planner.counts.ring_ops_per_hop at
+(shoal.parallel.context), counted as OPS_PER_BLOCK is by shoal.calibration.counts.ring_ops_per_hop at
 cp2, the smallest ring (a larger one runs fewer per step: the causal mask hides more of its chunk
 pairs); tests/test_planner_counts.py recounts it."""
 OVERLAP_SLOWDOWN = 0.189

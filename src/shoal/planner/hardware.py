@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.planner import kernels
+from shoal.planner import kernel_rates
 
 TERA = 1e12  # FLOP/s per TFLOP/s
 GB = 1e9  # bytes per GB: data sheets quote bandwidth in decimal gigabytes
@@ -94,11 +94,11 @@ class DeviceSpec:
     kernel (xFormers, Rabe and Staats 2021), ~0.3 of fp16 peak."""
     attention_table: str | None = None
     """A published table of the fused attention kernel's rate by head dimension, sequence length and causal
-    mask (shoal.planner.kernels.ATTENTION_TABLES), used for 16-bit attention in place of
+    mask (shoal.planner.kernel_rates.ATTENTION_TABLES), used for 16-bit attention in place of
     `attention_efficiency`; measured at the clock `sustained_clock` is relative to."""
     sm_count: int = 0
     """Streaming multiprocessors (data sheet), for the tile and wave quantization of GEMMs
-    (shoal.planner.kernels.quantization_efficiency) where no measured `gemm_square` table is given (0: none)."""
+    (shoal.planner.kernel_rates.quantization_efficiency) where no measured `gemm_square` table is given (0: none)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))  # never shared between specs
@@ -128,7 +128,7 @@ class DeviceSpec:
         without such a table, the tile and wave quantization of its (m x n) output on the device's SMs
         (`matmul_efficiency` being the rate of a shape that fills them); without either, 1."""
         if not self.gemm_square:
-            return kernels.quantization_efficiency(m, n, self.sm_count) if self.sm_count else 1.0
+            return kernel_rates.quantization_efficiency(m, n, self.sm_count) if self.sm_count else 1.0
         sizes, rates = zip(*self.gemm_square)
         x = math.log2(max(sizes[0], min(sizes[-1], (m * n * k) ** (1 / 3))))
         for (s0, r0), (s1, r1) in zip(self.gemm_square, self.gemm_square[1:]):
@@ -144,11 +144,11 @@ class DeviceSpec:
 
     def attention_rates(self, dtype: str, *, head_dim: float, seq_len: float, causal: bool) -> tuple[float, float]:
         """(forward, backward) FLOP/s of the fused attention kernel on sequences of `seq_len` (FlashAttention's
-        FLOP convention: shoal.planner.kernels): from the device's published table for 16-bit types, held to
+        FLOP convention: shoal.planner.kernel_rates): from the device's published table for 16-bit types, held to
         its sustained clock; otherwise `attention_flops` both ways."""
         if self.attention_table and dtype in ("bf16", "fp16"):
-            forward, backward = kernels.attention_rates(self.attention_table, head_dim=head_dim, seq_len=seq_len,
-                                                        causal=causal)
+            forward, backward = kernel_rates.attention_rates(self.attention_table, head_dim=head_dim,
+                                                             seq_len=seq_len, causal=causal)
             return forward * self.sustained_clock, backward * self.sustained_clock
         rate = self.attention_flops(dtype)
         return rate, rate

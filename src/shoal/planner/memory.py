@@ -268,13 +268,13 @@ no reference to them). tests/test_planner_counts.py recounts it from live tensor
 
 CONSUMED_LOGIT_COPIES = {4: (1.0, 1.0), 2: (1.5, 2.0)}
 """fp32-sized copies of plain logits at the loss's backward, by the logits' bytes per element, with the
-runtime's own cross-entropy (shoal.parallel.vocab), which writes the gradient into the fp32 logits it is
+runtime's own cross-entropy (shoal.parallel.loss), which writes the gradient into the fp32 logits it is
 handed: (while it works through the blocks of rows, after). fp32 logits are one tensor throughout;
 16-bit logits are held (half a copy) beside their fp32 copy that becomes the gradient (one), and then the
 16-bit gradient handed back (half). Recounted in tests/test_planner_counts.py."""
 
 LOSS_PIECE_ELEMENTS = 1 << 22
-"""shoal.parallel.vocab.ROWS_ELEMENTS (a test holds them equal): the logits one block of the runtime's
+"""shoal.parallel.loss.ROWS_ELEMENTS (a test holds them equal): the logits one block of the runtime's
 cross-entropy works on; its backward keeps three fp32 temporaries of a block (the block's log-softmax, the
 gradient arriving at it, the gradient it gives) beside the logits."""
 

@@ -18,7 +18,7 @@ CPU_STEP_BYTES = 29 * 2**20
 code of the kernels it pages in, the Python objects of the model, plan and optimizer, gloo's buffers, the
 allocator's own. Measured with a model whose tensors are negligible (2 layers of dim 64, 1-5 MB): its dry runs
 under dp1, dp2, fsdp2, fsdp4, tp2, pp2 and tp4 on jemalloc keeping freed pages, shoal's CPU workers' allocator
-(shoal.host_memory), peak 22-31 MB above the baseline beyond their live tensors, median 29 (on glibc's malloc
+(shoal.infra.host_memory), peak 22-31 MB above the baseline beyond their live tensors, median 29 (on glibc's malloc
 21-28, median 24) (`python -m bench.memory_model --models runtime`)."""
 
 

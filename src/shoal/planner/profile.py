@@ -5,7 +5,7 @@ measured), its JSON file, and the lookups the cost model makes in it (a collecti
 Collectives are fitted to `time = alpha + beta * nbytes` (`fit_alpha_beta`); the planner uses
 that fit directly on CPU (gloo's algorithms are not NCCL's ring, so the ring formulas over a
 Link would mispredict them), with the in-step latency of a group (`Profile.in_step`) in place of
-alpha for the calls a step blocks on. shoal.planner.calibrate measures a profile.
+alpha for the calls a step blocks on. shoal.calibration.calibrate measures a profile.
 """
 
 from __future__ import annotations

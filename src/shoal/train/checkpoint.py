@@ -49,10 +49,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shoal.infra import faults
+from shoal.infra.world import broadcast_from_rank0, distributed, first_error, rank, world_size
 from shoal.runtime import Runtime
-from shoal.train import faults
 from shoal.train.safe_load import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
-from shoal.world import broadcast_from_rank0, distributed, first_error, rank, world_size
 
 FORMAT = "shoal-checkpoint/1"
 MANIFEST = "manifest.json"

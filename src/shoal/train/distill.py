@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from shoal.data.text import open_data
 from shoal.models import ModelConfig, Transformer
 from shoal.models.mixer_config import MixerConfig
 from shoal.moe.gather import student_weights
@@ -33,10 +34,9 @@ from shoal.parallelize import parallelize
 from shoal.runtime import Runtime
 from shoal.train.checkpoint import load_checkpoint
 from shoal.train.config import RunConfig, from_flat, resolve_model
-from shoal.train.data import open_data
+from shoal.train.job import Job
 from shoal.train.kd import DistillConfig, kd_loss, pack_targets
 from shoal.train.loop import Trainer
-from shoal.train.runs import Job
 
 DISTILL_FILE = "distill.json"
 """The distillation settings in a student's run folder (`--resume` reads them)."""
@@ -101,7 +101,7 @@ def read_distill_config(run_dir: str | Path) -> DistillConfig:
 
 def teacher_config(teacher_dir: Path) -> tuple[RunConfig, ModelConfig]:
     """The teacher run's config and its model shape (ValueError if it is no run folder)."""
-    from shoal.train.runs import read_run_config
+    from shoal.train.job import read_run_config
 
     if not teacher_dir.is_dir():
         raise ValueError(f"--teacher {str(teacher_dir)!r}: no such run folder")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shoal import host_memory
+from shoal.infra import host_memory
 from shoal.train import memory
 
 MB = 2**20
@@ -95,7 +95,7 @@ def memory_prediction(trainer: Any, *, compiled: bool | None = None) -> dict[str
     (the interpreter and libraries not included); None where the planner has no spec for the GPU,
     and for an image Mixer, which the planner does not price. `compiled`: price the blocks compiled or
     not, whatever the plan says (None: as it says)."""
-    from shoal.auto_plan import memory_cluster
+    from shoal.calibration.auto_plan import memory_cluster
     from shoal.models import ModelConfig
     from shoal.planner.estimate import Workload, estimate
 

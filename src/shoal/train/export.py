@@ -35,12 +35,12 @@ from safetensors import SafetensorError  # the library's own spelling
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from shoal.infra.world import rank
 from shoal.models.adapter import TRANSFORMER, adapter_of_config
 from shoal.models.config import ModelConfig
+from shoal.models.hf.safetensors_stream import write_streaming
 from shoal.runtime import Runtime
 from shoal.train.safe_load import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
-from shoal.train.safetensors_stream import write_streaming
-from shoal.world import rank
 
 MODEL_KEY = "model"  # the top-level key shoal.train.checkpoint saves the model state under
 
@@ -185,7 +185,7 @@ def special_token_ids(tokenizer: str | None) -> dict[str, int]:
         return {}
     if tokenizer == "byte":
         return {"eos_token_id": 0}
-    from shoal.train.data import HFTokenizer
+    from shoal.data.text import HFTokenizer
 
     return HFTokenizer(tokenizer).special_ids()
 
@@ -219,8 +219,8 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
 def _checkpoint_tokenizer(checkpoint: Path) -> str:
     """The tokenizer a `shoal train` checkpoint's run read its tokens with: `--tokenizer`, or the
     prepared `--data`'s (its manifest names it); "byte" for the byte tokenizer."""
+    from shoal.data.text import resolve_tokenizer
     from shoal.train.config import from_flat  # the trainer's config, only when needed
-    from shoal.train.data import resolve_tokenizer
 
     state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))  # read by the caller already
     data = from_flat(state["config"]).data

@@ -10,7 +10,7 @@ integers, and integer `labels` (N,).
 The held-out images are a fixed share of the set (`val_fraction`), chosen by a permutation that
 depends on the set alone, not on the run's seed: every run of every seed is scored on the same
 images. Training batch `step` is a pure function of (seed, step), as for text
-(shoal.train.data.TokenBatches): any number of ranks agree on it without talking, and a resumed
+(shoal.data.text.TokenBatches): any number of ranks agree on it without talking, and a resumed
 run sees the batches an unbroken one would have. Held-out batches run through the held-out
 images in order; the last batch is padded with blank images labelled IGNORE, which count
 neither in the loss nor in the accuracy.

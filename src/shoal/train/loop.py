@@ -1,7 +1,7 @@
 """The training loop of one rank: train, evaluate, checkpoint, report.
 
 `Trainer(job, device)` is one rank's model (through its parallel runtime, shoal/runtime.py, and
-nothing else), optimizer, data and run folder, set up by shoal.train.setup; `run()` trains it.
+nothing else), optimizer, data and run folder, set up by shoal.train.build; `run()` trains it.
 shoal.train.worker starts a worker process and runs it.
 
 Rank 0 alone prints and writes the run folder's files (config, metrics, plot, summary);
@@ -20,21 +20,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shoal import host_memory, rules
+from shoal import rules
+from shoal.infra import faults, host_memory
+from shoal.infra.watchdog import Watchdog
+from shoal.infra.world import broadcast_from_rank0
 from shoal.models import MixerConfig
 from shoal.moe.collect import records as moe_records
+from shoal.optim.builder import build_optimizer, build_scheduler
+from shoal.optim.large_batch import gather_trust, trust_summary
 from shoal.plan import Plan
 from shoal.runtime import LossFn
-from shoal.train import faults, memory
-from shoal.train.checkpoint import prune, save_checkpoint
-from shoal.train.config import to_flat
-from shoal.train.dry_run import memory_prediction
-from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
-from shoal.train.optim import build_optimizer, build_scheduler
-from shoal.train.optimizers import gather_trust, trust_summary
-from shoal.train.preempt import StopSignals
-from shoal.train.runs import Job, default_run_dir, write_run_config
-from shoal.train.setup import (
+from shoal.train import memory
+from shoal.train.build import (
     build_runtime,
     checkpoint_to_continue,
     load_data,
@@ -45,9 +42,13 @@ from shoal.train.setup import (
     restore,
     set_matmul_precision,
 )
+from shoal.train.checkpoint import prune, save_checkpoint
+from shoal.train.config import to_flat
+from shoal.train.dry_run import memory_prediction
+from shoal.train.job import Job, default_run_dir, write_run_config
+from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
+from shoal.train.preempt import StopSignals
 from shoal.train.step import StepResult, split_micro, train_step
-from shoal.train.watchdog import Watchdog
-from shoal.world import broadcast_from_rank0
 
 Window = list[tuple[float, StepResult, float]]
 """Steps run since the numbers were last read from the device: (learning rate, result, seconds

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shoal import host_memory
+from shoal.infra import host_memory
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -69,7 +69,7 @@ def allocator_held_mb() -> float | None:
     """Memory the allocator holds freed for reuse now (MiB), a part of the resident set (or of
     CUDA's reserved memory) that no tensor owns: on CUDA torch's cached blocks (reserved minus
     allocated); on CPU glibc's free chunks over all its arenas (mallinfo2's `fordblks`: freed
-    blocks kept in the heap instead of returned to the OS); under jemalloc (shoal.host_memory) its resident
+    blocks kept in the heap instead of returned to the OS); under jemalloc (shoal.infra.host_memory) its resident
     pages less those allocated and its metadata. None under another allocator."""
     if _cuda():
         return (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / 2**20

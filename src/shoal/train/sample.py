@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from shoal.data.text import load_tokenizer
 from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
 from shoal.train.checkpoint import good_checkpoint, load_checkpoint
 from shoal.train.config import resolve_model
-from shoal.train.data import load_tokenizer
-from shoal.train.runs import read_run_config
+from shoal.train.job import read_run_config
 
 
 def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,

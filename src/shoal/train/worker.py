@@ -15,14 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shoal import host_memory
+from shoal.infra import host_memory
+from shoal.infra.world import first_error, threads_per_rank
 from shoal.train import memory
+from shoal.train.build import restart_count
 from shoal.train.dry_run import dry_run
+from shoal.train.job import Job
 from shoal.train.loop import Trainer
 from shoal.train.preempt import StopSignals
-from shoal.train.runs import Job
-from shoal.train.setup import restart_count
-from shoal.world import first_error, threads_per_rank
 
 
 def run_worker(job: Job) -> dict[str, Any] | None:
@@ -31,7 +31,7 @@ def run_worker(job: Job) -> dict[str, Any] | None:
     signals = StopSignals()  # before anything slow: a signal during start-up stops after the first step
     device = init_distributed(job.device)
     if device.type == "cpu":
-        host_memory.return_large_blocks()  # where jemalloc keeps freed pages (shoal.host_memory)
+        host_memory.return_large_blocks()  # where jemalloc keeps freed pages (shoal.infra.host_memory)
     baseline_mb = memory.current_mb()  # the interpreter, torch and the process group: no model yet
     if dist.get_rank() != 0:  # the ranks' warnings repeat rank 0's: print them once, from rank 0
         warnings.simplefilter("ignore")

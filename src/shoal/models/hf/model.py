@@ -1,6 +1,6 @@
 """`shoal.from_hf(path)`: a Hugging Face model folder as shoal's own Transformer, weights loaded.
 
-The config maps through shoal.models.hf (refusing in one line what shoal does not compute
+The config maps through shoal.models.hf.config (refusing in one line what shoal does not compute
 exactly), the weights through the Transformer adapter's weight map; single-file and sharded safetensors
 folders (model.safetensors, or model.safetensors.index.json and its shards) both read.
 Plain PyTorch: no distributed imports.
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from shoal.models.adapter import TRANSFORMER
-from shoal.models.hf import config_from_hf
+from shoal.models.hf.config import config_from_hf
 from shoal.models.transformer import Transformer
 
 

@@ -1,5 +1,5 @@
 """A pool of gloo processes that run functions on every rank: the parity tests' worker pool and
-the planner's calibration (shoal.planner.calibrate) both run their work on one.
+the planner's calibration (shoal.calibration.calibrate) both run their work on one.
 
 `WorkerPool(n)` starts n processes once (spawned, one thread each, one process group reused by
 every function run on it), runs picklable functions on all ranks and returns each rank's result.

@@ -73,7 +73,7 @@ def choose(model: ModelConfig, *, global_batch: int, seq_len: int, world_size: i
 def local_world(world_size: int, device: str) -> tuple[Cluster, Network | None]:
     """The cluster this run will have: calibrated CPU processes, or the GPUs torch sees."""
     if device == "cpu":
-        from shoal.planner.calibrate import calibrate
+        from shoal.calibration.calibrate import calibrate
         from shoal.planner.profile import load_profile, local_cluster, save_profile
 
         profile = load_profile()

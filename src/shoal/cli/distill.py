@@ -1,5 +1,5 @@
 """`shoal distill`: a trained MoE run distilled into a dense student (OneS, arXiv 2201.10890), its command line
-on top of `shoal train`'s (shoal.train_command): the student is a normal run, trained by the same workers.
+on top of `shoal train`'s (shoal.cli.train): the student is a normal run, trained by the same workers.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shoal.cli import TRAIN_FLAGS, UserError
-from shoal.train_command import (
+from shoal.cli.errors import UserError
+from shoal.cli.train import (
+    TRAIN_FLAGS,
     auto_plan,
     check_fresh_out,
     check_resumable,
@@ -50,13 +51,13 @@ def add_parser(sub: Any) -> None:
     for flag, type_, help_ in TRAIN_FLAGS:
         if flag not in ("--model",):
             distill.add_argument(flag, type=type_, help=help_, default=argparse.SUPPRESS)
-    distill.set_defaults(func=_distill)
+    distill.set_defaults(func=run)
 
 
 _DISTILL_ONLY = ("teacher", "gather", "gather_k", "kd_temperature", "kd_alpha", "set")
 
 
-def _distill(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     return run_job(prepare_distill(args))
 
 
@@ -67,12 +68,12 @@ def prepare_distill(args: argparse.Namespace) -> Any:
     DistillTrainer); the run folder must then be named (--out), as the ranks share it."""
     import dataclasses
 
-    from shoal.launch import resolve_device, under_torchrun
+    from shoal.infra.launch import resolve_device, under_torchrun
     from shoal.moe.gather import check_fits, default_k, student_config
     from shoal.train.checkpoint import good_checkpoint
     from shoal.train.distill import STUDENT_INIT, student_run_config, teacher_config, write_student
+    from shoal.train.job import Job, default_run_dir
     from shoal.train.kd import DistillConfig
-    from shoal.train.runs import Job, default_run_dir
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "resume", *_DISTILL_ONLY)}
     check_torchrun_flags(flags)
@@ -106,9 +107,9 @@ def prepare_distill(args: argparse.Namespace) -> Any:
 
 
 def _resume_distill(args: argparse.Namespace, given: dict[str, Any], flags: dict[str, Any]) -> Any:
-    from shoal.launch import resolve_device
+    from shoal.infra.launch import resolve_device
     from shoal.train.distill import read_distill_config
-    from shoal.train.runs import Job
+    from shoal.train.job import Job
 
     folder = Path(args.resume)
     if not folder.is_dir():

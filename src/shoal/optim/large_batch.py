@@ -339,7 +339,7 @@ class CowClip(LAMB):
     (the authors' code, bytedance/LargeBatchCTR). Rows absent from the batch are not clipped (in a
     CTR model their gradient is zero; with a tied output head it is the head's). Then the table
     takes an Adam step with L2 weight decay (g += wd w) at its own group's lr: the paper keeps the
-    embedding lr fixed as the batch grows and scales the L2 linearly (see `shoal.train.optim`'s
+    embedding lr fixed as the batch grows and scales the L2 linearly (see `shoal.optim.builder`'s
     scaling helpers). The other groups take AdamW steps (LAMB's step with adapt=False).
 
     Gradient clipping: the trainer's global-norm clip runs first over every gradient; CowClip then

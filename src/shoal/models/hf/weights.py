@@ -362,7 +362,7 @@ and indexing by a tuple of slices reads just that box)."""
 class SliceLayout:
     """How a family of weight files names and lays out shoal's tensors, read one box at a time.
 
-    `shoal train --init` (shoal/train/pretrained.py) asks the first layout in `SLICE_LAYOUTS` whose
+    `shoal train --init` (shoal/models/hf/pretrained.py) asks the first layout in `SLICE_LAYOUTS` whose
     `marker` key the file holds; a file matching none is read under shoal's own names. A family
     plugs in by adding a layout: `sources` says which file keys (and shapes) hold a shoal tensor,
     which lets the loader check a folder against the model from its headers alone; `read_slice`

@@ -1,7 +1,7 @@
 """`shoal plan`: rank the plans for a model on a cluster by predicted step time, or price one plan.
 
 The cluster is a spec (`64xA100-80GB`, `2x8xH100`, a TOML file) or `local`: this machine, priced
-from the profile `shoal plan --calibrate` measured (shoal.planner.calibrate).
+from the profile `shoal plan --calibrate` measured (shoal.calibration.calibrate).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shoal.planner.calibrate import calibrate
+    from shoal.calibration.calibrate import calibrate
     from shoal.planner.profile import save_profile
 
     if args.top < 1:

@@ -219,7 +219,7 @@ class Watchdog:
 
 
 REPORTS_ENV = "SHOAL_REPORTS"
-"""host:port of a store `shoal train`'s own launcher serves for the reports (launch.py), so that
+"""host:port of a store `shoal train`'s own launcher serves for the reports (infra/launch.py), so that
 it can say where a worker was when it died; under torchrun the agent's store (MASTER_ADDR)."""
 
 

@@ -2,7 +2,7 @@
 
 PATH is a Hugging Face folder of safetensors (one `model.safetensors`, or shards listed in
 `model.safetensors.index.json`) in a layout shoal maps (the `SLICE_LAYOUTS` of the model
-adapter's weight map, shoal/models/hf_weights.py), or what `shoal export` writes (shoal's own
+adapter's weight map, shoal/models/hf/weights.py), or what `shoal export` writes (shoal's own
 names): a .safetensors file, or a folder of them. `open_pretrained` checks the files against the
 model from their headers alone (names, shapes, dtypes; no tensor data), so the launcher runs it
 before any worker starts and refuses bad input in one line. The object it returns is the `WeightSource` that
@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from shoal.models import ModelConfig, Transformer
 from shoal.models.adapter import adapter_of_config
-from shoal.models.hf_weights import Box, OpenKey, SliceLayout, read_box
+from shoal.models.hf.weights import Box, OpenKey, SliceLayout, read_box
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}

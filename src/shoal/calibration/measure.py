@@ -1,4 +1,4 @@
-"""What each rank of a calibration measures (shoal.planner.calibrate runs `measure` on N
+"""What each rank of a calibration measures (shoal.calibration.calibrate runs `measure` on N
 processes at once): matmul and training-kernel rates, memory bandwidth, the host cost of an
 eager op and of a DTensor op, and collective times, back to back and as a step meets them.
 
@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from shoal.infra.pool import report
 from shoal.mesh import shared_mesh
 from shoal.planner.profile import COLLECTIVES, IN_STEP_KINDS
-from shoal.pool import report
 
 MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (4096, 128, 384))
 """(M, K, N) of the timed products (M x K) @ (K x N): square sizes and one skinny, activation-shaped one."""
@@ -157,7 +157,7 @@ DTENSOR_CHAIN = 16
 
 def dtensor_chain_step() -> Callable[[], None]:
     """One pass of the chain `_measure_dtensor_dispatch` times, on a DTensor sharded over every rank
-    of the default group (shoal.planner.counts counts the dispatches it runs)."""
+    of the default group (shoal.calibration.counts counts the dispatches it runs)."""
     mesh = shared_mesh("cpu", (dist.get_world_size(),), ("world",))  # one mesh (and its groups) per process
     x = distribute_tensor(torch.randn(8 * dist.get_world_size()), mesh, [Shard(0)]).requires_grad_()
     return _chain_step(x, lambda y: y.to_local().sum(), DTENSOR_CHAIN)

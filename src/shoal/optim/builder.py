@@ -3,7 +3,7 @@ a linear warm-up then cosine decay to a floor, optionally scaled with the global
 
 The learning rate is a pure function of the step (`lr_at`), so a resumed run recomputes it
 instead of trusting a stored value, and the unit tests check it against hand-computed numbers.
-The large-batch optimizers live in shoal/train/optimizers.py; `build_optimizer` picks one.
+The large-batch optimizers live in shoal/optim/large_batch.py; `build_optimizer` picks one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class OptimConfig:
 
     optimizer: str = "adamw"
     """adamw, lamb (You et al. 2020), lars (You et al. 2017, over SGD with momentum) or cowclip
-    (clipping of embedding-row gradients, arXiv 2204.06240, over AdamW); see shoal/train/optimizers.py."""
+    (clipping of embedding-row gradients, arXiv 2204.06240, over AdamW); see shoal/optim/large_batch.py."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of the warm-up."""
     min_lr: float | None = None
@@ -197,8 +197,8 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
     (see `adamw_kernel`). `global_batch`: apply the batch scaling rule (`scale_for_batch`).
     `embeddings`, `count_groups`: CowClip's tables and the groups its id counts are summed over,
     for a source that is not a Runtime (default: found in the runtime / none)."""
+    from shoal.optim import large_batch
     from shoal.runtime import Runtime
-    from shoal.train import optimizers
 
     cfg = scale_for_batch(cfg, global_batch) if global_batch is not None else cfg
     runtime = source if isinstance(source, Runtime) else None
@@ -220,10 +220,10 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
                                  eps=cfg.eps, **adamw_kernel({p.device.type for p in params}))
     groups = [g for g in groups if g["params"]]
     if cfg.optimizer == "lars":
-        return optimizers.LARS(groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.lars_eta, per_expert=cfg.per_expert)
+        return large_batch.LARS(groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.lars_eta, per_expert=cfg.per_expert)
     adam: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "per_expert": cfg.per_expert}
     if cfg.optimizer == "lamb":
-        return optimizers.LAMB(groups, **adam)
+        return large_batch.LAMB(groups, **adam)
     for g in groups:  # CowClip: AdamW on the dense part
         g["adapt"] = False
     embed_lr = cfg.embed_lr if cfg.embed_lr is not None else cfg.lr
@@ -233,7 +233,7 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
                        "l2": cfg.embed_weight_decay, "lr": embed_lr, "lr_scale": embed_lr / cfg.lr})
     if count_groups is None:
         count_groups = reduction_groups(runtime.mesh, ("dp", "fsdp", "cp")) if runtime and runtime.mesh else []
-    return optimizers.CowClip(groups, embeddings=embeddings, count_groups=count_groups, ratio=cfg.cowclip_ratio,
+    return large_batch.CowClip(groups, embeddings=embeddings, count_groups=count_groups, ratio=cfg.cowclip_ratio,
                               zeta=cfg.cowclip_zeta, **adam)
 
 

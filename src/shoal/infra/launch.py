@@ -81,7 +81,7 @@ def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int, max_restarts: int 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from shoal.world import threads_per_rank
+    from shoal.infra.world import threads_per_rank
 
     # Each worker reads this before torch sizes its thread pools (torchrun sets it to 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
@@ -95,7 +95,7 @@ def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int, max_restarts: int 
         with _forward_stop_signals(), _report_store() as reports:
             return elastic_launch(config, fn)(arg)
     except ChildFailedError as exc:
-        from shoal.train.watchdog import last_words
+        from shoal.infra.watchdog import last_words
 
         rank, failure = _cause(exc.failures)
         # A worker killed by a signal left no words of its own: its watchdog's last report says where it was.
@@ -123,12 +123,12 @@ def _cause(failures: dict[int, Any]) -> tuple[int, Any]:
 
 @contextlib.contextmanager
 def _report_store() -> Iterator[Any]:
-    """A store served by this process for the workers' watchdog reports (shoal/train/watchdog.py):
+    """A store served by this process for the workers' watchdog reports (shoal/infra/watchdog.py):
     the agent's store is gone by the time a failure reaches us, this one is still here to say
     where a dead worker was."""
     import torch.distributed as dist
 
-    from shoal.train.watchdog import REPORTS_ENV
+    from shoal.infra.watchdog import REPORTS_ENV
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)

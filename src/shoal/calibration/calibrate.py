@@ -4,8 +4,8 @@ of matmul rates, memory bandwidth, per-op host costs and collective times.
 The cost formulas need three numbers per device (achievable matmul FLOP/s, memory bandwidth,
 and how long each collective takes for a given size). On a CPU these depend on how many
 processes share the cores, so each world size N is measured with N gloo processes running the
-same work at once (shoal.planner.measure): what one rank of an N-process `shoal train` run will
-see. Each N is one `shoal.pool.WorkerPool` (spawned, one thread per process) that measures
+same work at once (shoal.calibration.measure): what one rank of an N-process `shoal train` run will
+see. Each N is one `shoal.infra.pool.WorkerPool` (spawned, one thread per process) that measures
 everything in one task, because importing torch in each process costs more than most
 measurements. Collectives are fitted to `time = alpha + beta * nbytes` by least squares over
 sizes from 1 KB to 16 MB. The profile is saved as JSON at `default_profile_path()`.
@@ -52,8 +52,8 @@ def calibrate(world_sizes: Sequence[int] = (1, 2, 4), *, quick: bool = False, pr
 def _measure_at(world_size: int, quick: bool, bar: Any, timeout_s: float = 600.0) -> dict[str, Any]:
     """Rank 0's measurements on a fresh pool of `world_size` processes (fresh: nothing else has
     run in them), its progress on `bar`."""
-    from shoal.planner.measure import measure, settings
-    from shoal.pool import WorkerPool
+    from shoal.calibration.measure import measure, settings
+    from shoal.infra.pool import WorkerPool
 
     def step(_rank: int, name: str) -> None:
         bar.update(1)

@@ -10,7 +10,88 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shoal.cli import RUN_FAILED, USER_ERROR, UserError, fail, warn
+from shoal.cli.errors import RUN_FAILED, USER_ERROR, UserError, fail, warn
+from shoal.cli.parser import on_off
+
+# (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
+TRAIN_FLAGS: list[tuple[str, Any, str]] = [
+    ("--model", str, "preset (tiny, tiny-gpt, small, gpt3-1.3b..gpt3-175b, llama3-8b/70b/405b, bert-large; "
+     "tiny-moe, mixtral-8x7b; the image models mixer, sparse-mlp) or hf:<dir or config.json> [tiny]"),
+    ("--plan", str, "parallel plan: dpN, fsdpN, tpN, cpN, ppN, epN and options, e.g. fsdp2,tp2,zero=1 (see README), "
+     "or auto: the planner's fastest plan for this world [dp over all processes]"),
+    ("--nproc", int, "local worker processes to start; ignored under torchrun [one per GPU; 2 on CPU]"),
+    ("--device", str, "cuda (one GPU per process, NCCL), cpu (gloo) or auto [auto: cuda when there are GPUs]"),
+    ("--steps", int, "total optimizer steps of the run [300]"),
+    ("--global-batch", int, "sequences per optimizer step, whatever the plan [16]"),
+    ("--micro-batch", int, "sequences per forward per data rank; accumulation = B/(data ranks*M) [B/data ranks]"),
+    ("--seq-len", int, "tokens per sequence [128]"),
+    ("--lr", float, "peak learning rate [3e-3]"),
+    ("--min-lr", float, "floor of the cosine decay [lr/10]"),
+    ("--warmup-steps", int, "linear warm-up steps [10%% of decay steps]"),
+    ("--decay-steps", int, "step where the cosine reaches min-lr [--steps]"),
+    ("--weight-decay", float, "AdamW weight decay on matrices [0.1]"),
+    ("--grad-clip", float, "clip the gradient norm to this; 0: off [1.0]"),
+    ("--optimizer", str, "adamw, lamb, lars (over momentum SGD) or cowclip (embedding-row clipping over AdamW); "
+     "each takes whole-parameter norms under every sharding [adamw]"),
+    ("--momentum", float, "LARS: SGD momentum [0.9]"),
+    ("--lars-eta", float, "LARS: trust coefficient eta [1e-3]"),
+    ("--adapt-vectors", on_off, "LAMB/LARS: trust ratios and weight decay on biases and norm weights too [off]"),
+    ("--per-expert", on_off, "LAMB/LARS: one trust ratio per expert of a stacked MoE weight [on]"),
+    ("--cowclip-ratio", float, "CowClip: r in clip = r * count * max(||w_id||, r * sqrt(d) * zeta) [1.0]"),
+    ("--cowclip-zeta", float, "CowClip: zeta, the lower bound of a row's clip [1e-5]"),
+    ("--embed-lr", float, "CowClip: the embedding tables' peak lr, not batch-scaled [lr]"),
+    ("--embed-weight-decay", float, "CowClip: the embedding tables' L2 decay, scaled linearly with the batch [0]"),
+    ("--lr-scaling", str, "none, linear or sqrt: scale lr (and min-lr) from --base-batch to --global-batch; "
+     "explicit warm-up steps keep their number of sequences [none]"),
+    ("--base-batch", int, "the global batch the lr and warm-up were set for (with --lr-scaling) [none]"),
+    ("--seed", int, "seed of weights, data order and dropout [0]"),
+    ("--out", str, "run folder [runs/<timestamp>]"),
+    ("--ckpt-every", int, "checkpoint every K steps, and at the end [100]"),
+    ("--keep", int, "keep only the K most recent checkpoints; 0: all [0]"),
+    ("--eval-every", int, "held-out loss every K steps, and at the end [50]"),
+    ("--eval-batches", int, "global batches per held-out evaluation [4]"),
+    ("--hang-timeout", float, "seconds a collective may wait once steps run before the run stops naming the "
+     "ranks that stopped answering; 0: auto, 10x the slowest step, at least 30 [0]"),
+    ("--max-restarts", int, "restart the workers this many times after a failure, from the newest good "
+     "checkpoint; under torchrun use torchrun's --max-restarts [0]"),
+    ("--log-every", int, "read loss and memory from the device every K steps (one sync per K) [10]"),
+    ("--tf32", on_off, "fp32 matmuls on TF32 tensor cores on GPUs that have them [on]"),
+    ("--memory-check", on_off, "refuse before start a plan predicted not to fit this machine's memory, naming "
+     "plans that fit; --no-memory-check: off [on]"),
+    ("--data", str, "a folder made by shoal data prepare, a mixture DIR_A:0.7,DIR_B:0.3 of them, a folder of .txt "
+     "files, a .txt, .bin (uint16) or .npy token file [built-in corpus]"),
+    ("--tokenizer", str, "byte, or a local Hugging Face tokenizer folder [byte; a prepared --data: its own]"),
+    ("--doc-mask", on_off, "keep attention inside each document of a prepared --data, positions restarting at "
+     "each (not with pp or cp) [off]"),
+]
+
+
+def add_parser(sub: Any) -> None:
+    """Add `shoal train` to the command line's subcommands."""
+    train = sub.add_parser("train", help="train a model", description="Train a model; with no flags, the "
+                           "tiny preset on the built-in corpus on 2 local processes.")
+    for flag, type_, help_ in TRAIN_FLAGS:
+        train.add_argument(flag, type=type_, help=help_, default=argparse.SUPPRESS)
+    train.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
+                       help="override a model field (repeatable), e.g. --set num_layers=2 [the preset's values]")
+    train.add_argument("--init", metavar="PATH", default=argparse.SUPPRESS,
+                       help="start from pretrained weights: a Hugging Face folder of safetensors (Llama, Mistral, "
+                       "Qwen2/3, Mixtral, GPT-2 names) or "
+                       "a shoal export; each rank reads only its slices, any dtype cast to the run's; without "
+                       "--model, the model is the folder's config.json [off: the seed's]")
+    train.add_argument("--init-ignore", action="append", metavar="GLOB", default=argparse.SUPPRESS,
+                       help="tensors --init may lack or hold in excess (glob over shoal or file names; repeatable "
+                       "or comma-separated); missing ones start from the seed [none]")
+    train.add_argument("--resume", metavar="DIR", help="continue this run folder from its newest checkpoint that "
+                       "verifies [off: a new run]")
+    train.add_argument("--config", metavar="FILE.toml", help="read flags from a TOML file (same keys) [none]")
+    train.add_argument("--dry-run", dest="dry_run", action="store_const", const=True, default=argparse.SUPPRESS,
+                       help="set up, run three steps on throwaway state, print each rank's memory beside the planner's "
+                       "prediction, save nothing, exit [off]")
+    train.add_argument("--no-memory-check", dest="memory_check", action="store_const", const=False,
+                       default=argparse.SUPPRESS,
+                       help="run even where the memory check predicts the plan won't fit [off: checked]")
+    train.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_job(job: Any) -> int:
     """Run a prepared Job on its workers (or this torchrun rank); returns the exit status."""
-    from shoal import host_memory
-    from shoal.launch import Stopped, WorkerFailed, launch, under_torchrun
+    from shoal.infra import host_memory
+    from shoal.infra.launch import Stopped, WorkerFailed, launch, under_torchrun
     from shoal.train.preempt import STOPPED
     from shoal.train.worker import run_worker
 
@@ -58,12 +139,12 @@ def prepare_job(args: argparse.Namespace) -> Any:
     """Validate everything the user gave and return the Job the workers run (ValueError if wrong)."""
     import dataclasses
 
-    from shoal import host_memory
-    from shoal.launch import resolve_device, under_torchrun
+    from shoal.data.text import doc_eos_id, resolve_tokenizer
+    from shoal.infra import host_memory
+    from shoal.infra.launch import resolve_device, under_torchrun
     from shoal.models import MixerConfig
     from shoal.train.config import from_flat, load_toml, model_of_init, resolve_model
-    from shoal.train.data import doc_eos_id, resolve_tokenizer
-    from shoal.train.runs import Job, default_run_dir, with_model
+    from shoal.train.job import Job, default_run_dir, with_model
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
     check_torchrun_flags(flags)
@@ -82,7 +163,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
         elif cfg.model_config is not None and "set" in flags:  # and --set changes that shape
             cfg = dataclasses.replace(cfg, model_config=cfg.model_config.with_overrides(list(flags["set"])))
         if cfg.init is not None:  # said before any guess about its model
-            from shoal.train.pretrained import check_exists
+            from shoal.models.hf.pretrained import check_exists
 
             check_exists(cfg.init)
         if cfg.init is not None and "model" not in flags and "model" not in toml:
@@ -112,7 +193,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
         cfg, prediction = auto_plan(cfg, device)
     validate(cfg, device)
     if args.resume is None and cfg.init is not None:  # the files' headers only: before any worker starts
-        from shoal.train.pretrained import WeightsMismatch, open_pretrained
+        from shoal.models.hf.pretrained import WeightsMismatch, open_pretrained
 
         if isinstance(model, MixerConfig):
             raise UserError("--init loads pretrained transformer weights; the image Mixer starts from the seed's")
@@ -136,7 +217,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
 
 def check_torchrun_flags(flags: dict[str, Any]) -> None:
     """Under torchrun, refuse the flags that torchrun's own settings replace."""
-    from shoal.launch import under_torchrun
+    from shoal.infra.launch import under_torchrun
 
     if under_torchrun() and flags.get("max_restarts"):
         raise UserError("--max-restarts under torchrun: give torchrun --max-restarts N (and shoal --out DIR), "
@@ -150,7 +231,7 @@ def auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
     """The run config with `--plan auto` replaced by the planner's choice, and its prediction."""
     import dataclasses
 
-    from shoal.auto_plan import choose
+    from shoal.calibration.auto_plan import choose
 
     if cfg.loop.micro_batch is not None:
         raise UserError(f"--micro-batch {cfg.loop.micro_batch} with --plan auto: the planner chooses the "
@@ -192,7 +273,7 @@ def _absolute(spec: str | None) -> str | None:
 
 def world_size(cfg: Any, device: str) -> int:
     """The run's number of processes: torchrun's world, --nproc, or one per GPU (2 on CPU)."""
-    from shoal.launch import default_nproc, under_torchrun
+    from shoal.infra.launch import default_nproc, under_torchrun
 
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
@@ -202,7 +283,7 @@ def world_size(cfg: Any, device: str) -> int:
 def resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
     """The run folder's config with the flags a resumed run may change."""
     from shoal.train.config import RESUMABLE, from_flat, to_flat
-    from shoal.train.runs import read_run_config
+    from shoal.train.job import read_run_config
 
     folder = Path(args.resume)
     if not folder.is_dir():
@@ -230,7 +311,7 @@ def resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
 def _say_a_precision_change(folder: Path, stored: Any, resumed: Any) -> None:
     """A resumed run whose --plan (or device) changes its precision goes on from the same weights at another one: a
     warning, not a refusal (the flag is the user's choice), since the loss curve then moves beyond rounding."""
-    from shoal.launch import resolve_device
+    from shoal.infra.launch import resolve_device
     from shoal.plan import DEVICE_DEFAULTS
     from shoal.train.config import parse_plan
 
@@ -269,10 +350,10 @@ def validate(cfg: Any, device: str) -> None:
     import torch
 
     from shoal import rules
-    from shoal.launch import under_torchrun
+    from shoal.data.text import load_tokenizer, open_data
+    from shoal.infra.launch import under_torchrun
     from shoal.models import MixerConfig, Transformer
     from shoal.train.config import parse_plan
-    from shoal.train.data import load_tokenizer, open_data
 
     model, loop = cfg.model_config, cfg.loop
     world = world_size(cfg, device)
@@ -319,7 +400,7 @@ def _validate_images(cfg: Any, model: Any, world: int, device: str) -> None:
 
 def _check_memory(cfg: Any, plan: Any, device: str) -> None:
     """Refuse (one line) a plan the planner predicts won't fit this machine (shoal.planner.fit)."""
-    from shoal.auto_plan import memory_cluster
+    from shoal.calibration.auto_plan import memory_cluster
     from shoal.planner.estimate import Workload
     from shoal.planner.fit import memory_refusal
 
@@ -343,7 +424,7 @@ def check_resumable(folder: Path, steps: int) -> Path:
     scheduler has nobody to answer a question, and losing the steps since the previous
     checkpoint beats not training. Under torchrun every rank decides alone, from file sizes only
     (re-reading the whole checkpoint on every rank costs too much); DCP's own errors remain."""
-    from shoal.launch import under_torchrun
+    from shoal.infra.launch import under_torchrun
     from shoal.train.checkpoint import TRAINER_STATE, good_checkpoint, latest_checkpoint, read_trainer_state
 
     if under_torchrun():

@@ -131,7 +131,7 @@ def ring_ops_per_hop(cp_mesh: Any, *, heads: int = 2, seq_len: int = 16, head_di
 def dtensor_dispatches_per_chain_op() -> float:
     """DTensor dispatches per op of calibration's DTensor chain (DTENSOR_DISPATCHES_PER_OP). Call on
     every rank of the default process group."""
-    from shoal.planner.measure import DTENSOR_CHAIN, dtensor_chain_step
+    from shoal.calibration.measure import DTENSOR_CHAIN, dtensor_chain_step
 
     step = dtensor_chain_step()
     step()
