@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import launch, report, summarize
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.parallel.context import attend_blocks, chunks_of
@@ -44,7 +45,7 @@ def _one_step(plan_text: str | None, seq_len: int) -> dict[str, float]:
     if plan_text is None:
         runtime = parallelize(model)
     else:
-        plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+        plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
         runtime = parallelize(model, plan, build_mesh(plan, "cpu"))
     tokens = torch.randint(0, MODEL.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(1))
     (x, y), = runtime.local_batches([(tokens[:, :-1], tokens[:, 1:])])

@@ -36,7 +36,7 @@ EOS = "<|endoftext|>"
 
 def make_tokenizer(folder: Path) -> Path:
     """A 4,096-id byte-level BPE trained on the built-in corpus, saved as a Hugging Face folder."""
-    from shoal.testing import corpus_bpe
+    from shoal.testing.fixtures import corpus_bpe
 
     return corpus_bpe(folder, 4096, EOS)
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.common import launch, measure_pair, report
+from shoal import rules
 from shoal.mesh import build_mesh, data_rank
 from shoal.models import Transformer, get_preset
 from shoal.parallelize import parallelize
@@ -25,7 +26,7 @@ from shoal.train.step import split_micro, train_step
 
 def _rank(model_name: str, global_batch: int, seq_len: int, repeats: int) -> dict:
     cfg = get_preset(model_name).replace(max_seq_len=max(seq_len, 32))
-    plan = Plan.parse(f"dp{dist.get_world_size()}").resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse(f"dp{dist.get_world_size()}"), world_size=dist.get_world_size())
     mesh = build_mesh(plan)
     index, count = data_rank(mesh)
     gen = torch.Generator().manual_seed(1)

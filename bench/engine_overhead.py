@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import measure_pair, report
+from shoal import rules
 from shoal.calibration.counts import host_ops
 
 LAYERS, TOKENS = 12, 8
@@ -58,7 +59,7 @@ def contenders(device: str) -> dict[str, Callable[[], Any]]:
             fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
         return fully_shard(sharded, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
 
-    plan = Plan.parse("dp1,precision=bf16,compile=off").resolve(1, device)
+    plan = rules.resolve(Plan.parse("dp1,precision=bf16,compile=off"), world_size=1, device=device)
     shoal_bf16 = parallelize(Transformer(cfg).to(device), plan, build_mesh(plan, device))
 
     def step(model: Callable[[torch.Tensor], torch.Tensor], autocast: bool = False) -> Callable[[], Any]:

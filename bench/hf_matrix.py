@@ -1,7 +1,7 @@
 """Every Hugging Face family under every plan of issue 25 against one process: the full matrix that
 tests/test_hf_parallel.py runs a share of in CI.
 
-Each cell trains the family's tiny shoal model (shoal.testing.HF_FAMILIES) for two steps under the
+Each cell trains the family's tiny shoal model (shoal.testing.parity.HF_FAMILIES) for two steps under the
 plan on gloo processes and reports the largest absolute difference from the single-process float32
 run of the losses (every step) and of the first step's gradients, and whether check_parity (the
 tests' rounding bounds) passes; or the one line in which shoal refuses the plan for that family.
@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from bench.common import RESULTS  # noqa: E402
 from shoal.infra.pool import WorkerPool  # noqa: E402
-from shoal.testing import HF_FAMILIES, HF_PLANS, check_parity, hf_case, parity_diffs, run_parallel  # noqa: E402
+from shoal.testing.parity import HF_FAMILIES, HF_PLANS, check_parity, hf_case, parity_diffs, run_parallel  # noqa: E402
 
 SAVED = RESULTS / "hf_matrix.json"
 

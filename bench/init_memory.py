@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from shoal import rules
 from shoal.models import ModelConfig, Transformer
 from shoal.models.hf.safetensors_stream import write_streaming
 from shoal.models.hf.weights import hf_llama_config, hf_llama_names, to_hf_llama_tensor
@@ -77,7 +78,7 @@ def load_and_measure(plan_text: str | None, folder: str, cfg: ModelConfig) -> di
     if plan_text is not None:
         import torch.distributed as dist
 
-        plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+        plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
         mesh = build_mesh(plan)
     base = _status()
     peak = list(base)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.common import launch, measure_pair, report, summarize
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.parallel.pipeline import build_stages
@@ -45,7 +46,7 @@ def _batch(num_micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _runtime(plan_text: str):
     torch.manual_seed(0)
-    plan = Plan.parse(plan_text).resolve(dist.get_world_size(), "cpu")
+    plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size(), device="cpu")
     return parallelize(Transformer(MODEL), plan, build_mesh(plan, "cpu")), plan
 
 

@@ -382,7 +382,8 @@ def _one_gpu() -> str:
     shape = SHAPES["1.9b"]
     cluster = parse_cluster("1xH100-80GB")
     work = Workload(model=shape.model(), global_batch=shape.batch, seq_len=shape.seq_len)
-    predicted = {name: estimate(Plan.parse(text).resolve(1, "cuda"), work, cluster).tokens_per_s
+    predicted = {name: estimate(rules.resolve(Plan.parse(text), world_size=1, device="cuda"), work,
+                                cluster).tokens_per_s
                  for name, text in SHOAL_PLANS.items()}
     return (f"For the step `python bench/gpu_throughput.py --shapes 1.9b` measures on one H100 (llama3-8b cut to "
             f"{shape.model().num_layers} layers, {shape.batch} x {shape.seq_len} tokens), it predicts "

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import launch, report
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
 from shoal.parallelize import parallelize
@@ -92,7 +93,7 @@ class CountCollectives(TorchDispatchMode):
 
 def _count(plan_text: str, num_layers: int, model: str, batch: int, seq_len: int) -> dict[str, Any]:
     cfg = get_preset(model).replace(num_layers=num_layers, max_seq_len=max(seq_len, 32))
-    plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
     mesh = build_mesh(plan)
     torch.manual_seed(0)
     model_ = parallelize(Transformer(cfg), plan, mesh)

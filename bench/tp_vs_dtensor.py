@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from bench.common import launch, measure_pair, report
 from bench.wide_classifier import tensor_peak_mb
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
 from shoal.parallelize import parallelize
@@ -76,7 +77,7 @@ def clip_mixed(model: torch.nn.Module, max_norm: float) -> None:
 def _rank(model_name: str, batch: int, seq_len: int, repeats: int, sp: bool) -> dict:
     cfg = get_preset(model_name).replace(max_seq_len=max(seq_len, 32))
     t = dist.get_world_size()
-    plan = Plan.parse(f"tp{t}" + ("" if sp else ",sp=off")).resolve(t)
+    plan = rules.resolve(Plan.parse(f"tp{t}" + ("" if sp else ",sp=off")), world_size=t)
     mesh = build_mesh(plan)
     gen = torch.Generator().manual_seed(1)
     seq = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)

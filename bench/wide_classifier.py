@@ -28,6 +28,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
 from bench.common import launch, measure_pair, report
+from shoal import rules
 from shoal.mesh import build_mesh, data_rank
 from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
@@ -69,7 +70,7 @@ def _rank(cfg: ModelConfig, plans: list[str], global_batch: int, seq_len: int, r
     seq = torch.randint(0, cfg.vocab_size, (global_batch, seq_len + 1), generator=gen)
     steps, models = {}, {}
     for text in plans:
-        plan = Plan.parse(text).resolve(world)
+        plan = rules.resolve(Plan.parse(text), world_size=world)
         mesh = build_mesh(plan)
         index, count = data_rank(mesh)
         local = seq[index * global_batch // count:(index + 1) * global_batch // count]

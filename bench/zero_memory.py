@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from bench.common import launch, report
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
 from shoal.parallel.recompute import kept_activation_bytes
@@ -75,7 +76,7 @@ def _rank(model_name: str, stage: int, batch: int, seq_len: int, bucket: int | N
     psi = plain.num_params()
     act, _ = kept_activation_bytes(functools.partial(plain, micro[0][0]))
     del plain
-    plan = Plan.parse(f"fsdp{n},zero={stage}" + (f",bucket={bucket}" if bucket else "")).resolve(n)
+    plan = rules.resolve(Plan.parse(f"fsdp{n},zero={stage}" + (f",bucket={bucket}" if bucket else "")), world_size=n)
     mesh = build_mesh(plan)
     torch.manual_seed(0)
     model = parallelize(Transformer(cfg), plan, mesh)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.common import launch, measure, measure_pair, report
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
 from shoal.parallelize import parallelize
@@ -47,7 +48,7 @@ def _batch(cfg, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _shoal(cfg, stage: int, x: torch.Tensor, y: torch.Tensor):
     n = dist.get_world_size()
     bucket = os.environ.get("SHOAL_BENCH_BUCKET")  # --bucket; unset: shoal's default
-    plan = Plan.parse(f"fsdp{n},zero={stage}" + (f",bucket={bucket}" if bucket else "")).resolve(n)
+    plan = rules.resolve(Plan.parse(f"fsdp{n},zero={stage}" + (f",bucket={bucket}" if bucket else "")), world_size=n)
     mesh = build_mesh(plan)
     model = parallelize(Transformer(cfg), plan, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -17,13 +17,21 @@ import torch
 from torch import nn
 
 from shoal.models import Mixer, MixerConfig, ModelConfig, Transformer
-from shoal.models.adapter import AXES, MIXER, TP_STYLES, TRANSFORMER, adapter_for, adapter_of_config, adapter_with
+from shoal.models.adapter import (
+    FAMILY_AXES,
+    MIXER,
+    TP_STYLES,
+    TRANSFORMER,
+    adapter_for,
+    adapter_of_config,
+    adapter_with,
+)
 from shoal.models.transformer import causal_attention
 from shoal.moe.layer import MoELayer
 from shoal.parallel.data import blocks_of
 from shoal.parallel.pipeline import keep_stage
 from shoal.parallel.tensor import _styles, tensor_plan
-from shoal.testing import one_line_error
+from shoal.testing.asserts import one_line_error
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
 BASE = ModelConfig(num_layers=3, dim=32, num_heads=4, num_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=16)
@@ -124,7 +132,7 @@ def test_the_mixer_adapter_refuses_tp_pp_and_cp(axis):
 def test_a_module_of_no_known_family_has_no_adapter_and_is_told_so():
     model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]))
     assert adapter_for(model) is None and len(blocks_of(model)) == 3  # blocks found by shape, as before
-    for axis in AXES:
+    for axis in FAMILY_AXES:
         assert "Sequential has none" in one_line_error(adapter_with, model, axis)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import shoal.train.checkpoint as ckpt
+from shoal import rules
 from shoal.models import ModelConfig, Transformer
 from shoal.parallelize import parallelize
 from shoal.runtime import Runtime
@@ -260,7 +261,7 @@ def _ddp(world_plan: str, seed: int):
     from shoal.mesh import build_mesh
     from shoal.plan import Plan
 
-    plan = Plan.parse(world_plan).resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse(world_plan), world_size=dist.get_world_size())
     torch.manual_seed(seed)
     runtime = parallelize(Transformer(CFG), plan, build_mesh(plan))
     opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from shoal import cli
+from shoal import cli, rules
 from shoal.cli import errors
 from shoal.cli import train as train_cli
-from shoal.testing import assert_user_error
+from shoal.testing.asserts import assert_user_error
 
 # These tests mean CPU/gloo with 2 processes, also on a machine with GPUs.
 SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "8",
@@ -281,12 +281,12 @@ def test_gpu_machine_defaults(monkeypatch, tmp_path, capsys):
     out = str(tmp_path / "run")
     job = train_cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out]))
     assert job.device == "cuda" and train_cli.world_size(job.config, job.device) == 1
-    plan = parse_plan(job.config.plan).resolve(1, job.device)
+    plan = rules.resolve(parse_plan(job.config.plan), world_size=1, device=job.device)
     assert (plan.precision, plan.reduce) == ("bf16", "fp32")
     assert_user_error(capsys, ["train", "--out", out, "--nproc", "2"], "--nproc 2", "1 GPU(s)", "--device cpu")
     job = train_cli.prepare_job(cli.build_parser().parse_args(["train", "--out", out, "--device", "cpu"]))
     assert job.device == "cpu" and train_cli.world_size(job.config, job.device) == 2
-    assert parse_plan(job.config.plan).resolve(2, job.device).precision == "fp32"
+    assert rules.resolve(parse_plan(job.config.plan), world_size=2, device=job.device).precision == "fp32"
     assert not (tmp_path / "run").exists()
 
 

@@ -3,7 +3,7 @@ under every data-parallel engine, tensor parallelism and selective recompute.
 
 The tolerance is the harness's: a compiled kernel fuses element-wise ops and so rounds
 differently from eager, but each result must stay within SLACK x the eager float32 run's own
-error against the float64 reference (see shoal.testing). A cold compile is slow on a CPU, so
+error against the float64 reference (see shoal.testing.asserts). A cold compile is slow on a CPU, so
 the cases share the compiled graphs inside each worker pool's processes.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.testing import case, check_parity, run_parallel
+from shoal.testing.parity import case, check_parity, run_parallel
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_compiled_blocks_keep_clean_names_and_share_one_graph():
     from shoal.models import Transformer
     from shoal.parallel.compile import apply_compile
     from shoal.plan import Plan
-    from shoal.testing import SMALL
+    from shoal.testing.parity import SMALL
 
     torch._dynamo.reset()
     model = apply_compile(Transformer(SMALL), plan=Plan(compile=True))

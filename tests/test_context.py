@@ -6,7 +6,7 @@ an online softmax (a rescaling by exp(lse_old - lse_new) per block), so it diffe
 float32 rounding of sums of T terms: a few units of 2^-24 times T times the largest term. With
 T <= 64 and values O(1), 1e-5 absolute bounds that with ~10x room. The a2a mode runs SDPA itself on
 whole sequences, so it is exact up to the same kernel's blocking: the same bound.
-Model parity uses check_parity's measured-rounding bounds (shoal/testing.py).
+Model parity uses check_parity's measured-rounding bounds (shoal/testing/parity.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models.transformer import causal_attention
 from shoal.parallel import context
 from shoal.parallel.context import ContextSplit, a2a_attention, chunks_of, positions, ring_attention
 from shoal.plan import Plan
-from shoal.testing import SMALL, case, check_parity, one_line_error, run_parallel
+from shoal.testing.asserts import one_line_error
+from shoal.testing.parity import SMALL, case, check_parity, run_parallel
 
 ATOL = 1e-5
 
@@ -47,7 +49,7 @@ def _attention_vs_full(mode: str, causal: bool, seq_len: int, flash: bool = True
 
 
 def _attention_error(mode: str, causal: bool, seq_len: int) -> float:
-    plan = Plan.parse(f"cp{dist.get_world_size()}").resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse(f"cp{dist.get_world_size()}"), world_size=dist.get_world_size())
     split = ContextSplit(build_mesh(plan)["cp"])
     torch.manual_seed(0)
     q, k, v, dy = (torch.randn(2, 4, seq_len, 8, dtype=torch.float32) for _ in range(4))
@@ -90,13 +92,13 @@ def test_cp_matches_single_process(pools, world, plan):
 
 
 def test_cp_errors_are_one_line():
-    plan = Plan.parse("cp4").resolve(4)
-    assert "multiple of 8" in one_line_error(plan.validate, SMALL, global_batch=8, seq_len=12)
-    a2a = Plan.parse("cp4,cp_mode=a2a").resolve(4)
+    plan = rules.resolve(Plan.parse("cp4"), world_size=4)
+    assert "multiple of 8" in one_line_error(rules.validate, plan, SMALL, global_batch=8, seq_len=12)
+    a2a = rules.resolve(Plan.parse("cp4,cp_mode=a2a"), world_size=4)
     narrow = SMALL.replace(dim=48, num_heads=6, num_kv_heads=6)
-    assert "scatters the" in one_line_error(a2a.validate, narrow, global_batch=8,
+    assert "scatters the" in one_line_error(rules.validate, a2a, narrow, global_batch=8,
                                             seq_len=16)
-    Plan.parse("fsdp2,cp2").resolve(4)  # resolving asks every rule: fsdp with cp runs
+    rules.resolve(Plan.parse("fsdp2,cp2"), world_size=4)  # resolving asks every rule: fsdp with cp runs
 
 
 def test_cp_through_the_trainer(tmp_path):

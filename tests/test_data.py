@@ -18,7 +18,7 @@ from shoal.data.text import (
     load_tokens,
     split_tokens,
 )
-from shoal.testing import one_line_error
+from shoal.testing.asserts import one_line_error
 
 SEQ = 16
 NUM_WINDOWS = 40

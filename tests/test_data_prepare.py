@@ -21,7 +21,8 @@ from shoal.data import prepare as prep
 from shoal.data.dataset import MixtureBatches, TokenStream, open_prepared, parse_mixture, permute, read_manifest
 from shoal.data.prepare import PrepareConfig, prepare
 from shoal.data.text import DataConfig, default_corpus, open_data, resolve_tokenizer
-from shoal.testing import assert_user_error, corpus_bpe, one_line_error
+from shoal.testing.asserts import assert_user_error, one_line_error
+from shoal.testing.fixtures import corpus_bpe
 
 EOS = "<|endoftext|>"
 

@@ -79,9 +79,9 @@ def test_dropout_keeps_what_the_memory_model_counts(device):
     element and FlashAttention its RNG state (integers, not counted); on a CPU the noise it multiplies by, in bf16,
     and SDPA's math path the probabilities, the noise and the dropped probabilities in place of a log-sum-exp a
     head. Exact: whole bytes of whole tensors."""
+    from shoal.calibration.saved import saved_activation_bytes
     from shoal.models import PRESETS, Transformer
     from shoal.planner import memory
-    from shoal.testing import saved_activation_bytes
 
     inputs = torch.randint(0, 256, (4, 64), device=device)
 

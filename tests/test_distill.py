@@ -1,7 +1,7 @@
 """OneS distillation (shoal.train.kd, shoal.train.distill, `shoal distill`): the loss against its
 formula, its parity under fsdp2 and tp2 with one process, and the command's refusals.
 
-Parity tolerance: `assert_rounding_close` (shoal/testing.py), the harness's own. The distillation
+Parity tolerance: `assert_rounding_close` (shoal/testing/parity.py), the harness's own. The distillation
 loss is the same sums as the single process (log-softmaxes over the vocabulary, a mean over the
 tokens, then AdamW), split over ranks and added in another order: fsdp2 averages the ranks'
 gradients and losses, tp2 adds row-parallel partial sums and gathers the vocab-sharded logits
@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.moe.gather import student_config, student_weights
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
-from shoal.testing import assert_rounding_close, assert_user_error
+from shoal.testing.asserts import assert_rounding_close, assert_user_error
 from shoal.train.kd import kd_loss, pack_targets, unpack_targets
 from shoal.train.step import split_micro, train_step
 
@@ -95,7 +96,7 @@ def _reference(dtype: torch.dtype) -> list[float]:
 def _parallel(plan_text: str) -> list[float]:
     """The same run with the student under `plan_text` on this pool's ranks, the teacher whole."""
     teacher, student = _models(torch.float32)
-    plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
     runtime = parallelize(student, plan, build_mesh(plan))
     optimizer, loss_fn, losses = _optimizer(runtime.parameters()), kd_loss(TEMPERATURE, ALPHA), []
     index, count = runtime.data_rank

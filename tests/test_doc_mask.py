@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from shoal import rules
 from shoal.models import PRESETS, Transformer
 from shoal.models.transformer import documents
 from shoal.plan import Plan
-from shoal.testing import SMALL, ParityCase, assert_user_error, check_parity, one_line_error, run_parallel
+from shoal.testing.asserts import assert_user_error, one_line_error
+from shoal.testing.parity import SMALL, ParityCase, check_parity, run_parallel
 
 EOS = 3
 
@@ -50,10 +52,10 @@ def test_a_packed_sequence_equals_its_documents_run_alone(preset):
 def test_plans_without_document_masks_are_refused_in_one_line():
     model = SMALL.replace(doc_eos_id=EOS)
     for text, world, words in (("cp2", 2, "ring and all-to-all"), ("pp2", 2, "hidden states")):
-        plan = Plan.parse(text).resolve(world)
-        assert words in one_line_error(plan.validate, model, global_batch=8, seq_len=16)
+        plan = rules.resolve(Plan.parse(text), world_size=world)
+        assert words in one_line_error(rules.validate, plan, model, global_batch=8, seq_len=16)
     for text, world in (("dp2", 2), ("tp2", 2), ("fsdp2", 2)):
-        Plan.parse(text).resolve(world).validate(model, global_batch=8, seq_len=16)
+        rules.validate(rules.resolve(Plan.parse(text), world_size=world), model, global_batch=8, seq_len=16)
 
 
 def test_doc_mask_needs_prepared_data(capsys, tmp_path):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from shoal import cli
+from shoal.calibration.saved import saved_activation_elements
 from shoal.models import Transformer
 from shoal.models.config import get_preset
 from shoal.planner import memory
-from shoal.testing import saved_activation_elements
 from shoal.train import memory as memory_stats
 
 

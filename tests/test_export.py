@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
-from shoal.testing import assert_rounding_close, case, full_tensors, parallel_setup
+from shoal.testing.asserts import assert_rounding_close, full_tensors
+from shoal.testing.parity import case, parallel_setup
 from shoal.train.checkpoint import save_checkpoint
 from shoal.train.export import export_checkpoint, export_model, import_weights
 from shoal.train.step import split_micro, train_step
@@ -37,7 +39,7 @@ def train_save_export(run_dir: str, plan_text: str) -> dict:
 
 def import_under(path: str, plan_text: str) -> dict:
     """Worker: build a fresh model under plan_text, import the file, return full weights and logits."""
-    plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
     runtime = parallelize(RUN.build_model(), plan, build_mesh(plan))
     import_weights(path, runtime=runtime)
     with torch.no_grad():

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shoal.models import ModelConfig
-from shoal.testing import SMALL, case, parallel_setup
+from shoal.testing.parity import SMALL, case, parallel_setup
 from shoal.train.step import split_micro, train_step
 
 
@@ -127,7 +127,7 @@ def test_gpu_bf16_attention_runs_a_fused_kernel():
     flash attention, which torch 2.11 prefers on an H200), not the unfused math path: the op the
     forward dispatches."""
     from shoal.models import Transformer
-    from shoal.testing import SMALL
+    from shoal.testing.parity import SMALL
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:

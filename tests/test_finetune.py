@@ -16,8 +16,9 @@ import torch
 from shoal.data.dataset import open_prepared, read_manifest
 from shoal.data.prepare import PrepareConfig, prepare
 from shoal.data.text import default_corpus
-from shoal.parallel.loss import IGNORE
-from shoal.testing import ParityCase, assert_user_error, check_parity, run_parallel
+from shoal.loss import IGNORE
+from shoal.testing.asserts import assert_user_error
+from shoal.testing.parity import ParityCase, check_parity, run_parallel
 
 EOS, END = "<|endoftext|>", "<|end|>"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -134,6 +135,6 @@ class MaskedCase(ParityCase):
 @pytest.mark.parametrize("world, plan, num_micro", [(2, "dp2", 2), (2, "cp2", 1), (2, "tp2", 2), (2, "pp2,mb=2", 2)])
 def test_masked_loss_is_the_mean_over_the_global_batchs_targets(pools, world, plan, num_micro):
     """Every plan's losses, gradients and steps equal one process taking the mean over all targets
-    of the global batch (check_parity's float32 rounding tolerances, shoal.testing)."""
+    of the global batch (check_parity's float32 rounding tolerances, shoal.testing.parity)."""
     c = MaskedCase(plan=plan, num_micro=num_micro, steps=2, global_batch=len(COUNTS))
     check_parity(pools(world).run(run_parallel, c), c)

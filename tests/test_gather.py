@@ -21,7 +21,7 @@ from shoal.moe.gather import (
     top_experts,
     truncated,
 )
-from shoal.testing import one_line_error
+from shoal.testing.asserts import one_line_error
 
 # Three "experts" of a 2x2 matrix each: diagonal, so their singular values are visible.
 STACK = torch.tensor([[[3.0, 0.0], [0.0, 1.0]],

@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 
 import shoal  # noqa: E402
+from shoal import rules
 from shoal.models.hf.weights import shoal_to_hf  # noqa: E402
 from shoal.parallelize import parallelize  # noqa: E402
 from shoal.train.export import export_model  # noqa: E402
@@ -225,7 +226,7 @@ def test_pooled_router_loss_is_refused_where_it_would_be_split():
     from shoal import rules
     from shoal.models import ModelConfig
     from shoal.plan import Plan
-    from shoal.testing import one_line_error
+    from shoal.testing.asserts import one_line_error
 
     cfg = ModelConfig(num_layers=2, dim=64, num_heads=4, vocab_size=128, num_experts=4, top_k=2,
                       capacity_factor=0.0, aux_loss_pooled=True)
@@ -274,7 +275,8 @@ def test_a_pipeline_says_its_micro_batches_pool_the_router_loss():
     pooled = get_preset("tiny-moe").replace(aux_loss_pooled=True, capacity_factor=0.0)
 
     def note(plan: str, cfg) -> list[str]:
-        return Trainer._pooling_note(SimpleNamespace(plan=Plan.parse(plan).resolve(2), model_cfg=cfg, local_batch=8))
+        return Trainer._pooling_note(SimpleNamespace(plan=rules.resolve(Plan.parse(plan), world_size=2),
+                                                     model_cfg=cfg, local_batch=8))
 
     (line,) = note("pp2,mb=4", pooled)
     assert "pools each of the pipeline's 4 micro-batches" in line and "--micro-batch 2" in line

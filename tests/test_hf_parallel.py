@@ -1,9 +1,9 @@
 """The Hugging Face families' features under shoal's parallel axes: each equals the single-process
-run (check_parity's tolerances, shoal/testing.py), and an axis a feature cannot take is refused in
+run (check_parity's tolerances, shoal/testing/parity.py), and an axis a feature cannot take is refused in
 one line. The single process itself equals transformers' model (tests/test_hf_families.py), so
 these close the chain family -> one process -> plan.
 
-The configs are shoal.testing.HF_FAMILIES: what shoal.from_hf makes of each family's tiny config.
+The configs are shoal.testing.parity.HF_FAMILIES: what shoal.from_hf makes of each family's tiny config.
 Here runs the CI's share of the family x plan matrix; `python -m bench.hf_matrix` runs all of it
 and writes the table of docs/hf_matrix.md.
 """
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import pytest
 
+from shoal import rules
 from shoal.plan import Plan
-from shoal.testing import HF_FAMILIES, HF_PLANS, case, check_parity, hf_case, one_line_error, run_parallel
+from shoal.testing.asserts import one_line_error
+from shoal.testing.parity import HF_FAMILIES, HF_PLANS, case, check_parity, hf_case, run_parallel
 
 FAMILIES = HF_FAMILIES
 LLAMA = ("llama3", "yarn", "linear", "dynamic")  # one family, its rotary scalings
@@ -66,7 +68,7 @@ ROUTER_LOSS = {name: FAMILIES[name].replace(aux_loss_pooled=True, aux_loss_coef=
 def test_router_loss_under_plan_matches_single_process(pools, family, plan):
     """Under pp2 (1f1b, 4 micro-batches) the reference accumulates over the same micro-batches,
     each pooling its own tokens over both stages' layers."""
-    resolved = Plan.parse(plan).resolve(2)
+    resolved = rules.resolve(Plan.parse(plan), world_size=2)
     c = case(plan=plan, model=ROUTER_LOSS[family], steps=2, num_micro=resolved.micro_batches if resolved.pp > 1 else 1)
     check_parity(pools(2).run(run_parallel, c), c)
 
@@ -103,7 +105,7 @@ def _init_under(plan_text: str, folder: str, tokens) -> dict:
     weights = open_pretrained(folder, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
-    plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
     runtime = parallelize(model, plan, build_mesh(plan), weights=weights)
     with torch.no_grad():
         logits = runtime.eval()(tokens)

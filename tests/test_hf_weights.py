@@ -21,12 +21,15 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 
-from shoal import cli  # noqa: E402
+from shoal import (
+    cli,  # noqa: E402
+    rules,
+)
 from shoal.models import ModelConfig, Transformer  # noqa: E402
 from shoal.models.hf.config import load_model_config  # noqa: E402
 from shoal.models.hf.weights import from_hf_llama, hf_llama_config, to_hf_llama  # noqa: E402
 from shoal.parallelize import parallelize  # noqa: E402
-from shoal.testing import assert_rounding_close  # noqa: E402
+from shoal.testing.asserts import assert_rounding_close  # noqa: E402
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from shoal.train.export import export_model, import_weights  # noqa: E402
 
@@ -115,14 +118,15 @@ def export_and_import_sharded(folder: str) -> dict:
 
     from shoal.mesh import build_mesh
     from shoal.plan import Plan
-    from shoal.testing import case, full_tensors
+    from shoal.testing.asserts import full_tensors
+    from shoal.testing.parity import case
 
     run = case(model=TINY)
     for plan_text, name in (("fsdp2", "fsdp"), ("fsdp2,zero=1", "zero")):
-        plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+        plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
         export_model(parallelize(run.build_model(), plan, build_mesh(plan)), f"{folder}/{name}", hf=True)
     dist.barrier()  # rank 0 has written
-    plan = Plan.parse("tp2").resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse("tp2"), world_size=dist.get_world_size())
     runtime = parallelize(run.build_model(), plan, build_mesh(plan))
     with torch.no_grad():
         for p in runtime.parameters():
@@ -139,7 +143,7 @@ def test_sharded_export_and_import(pools, tmp_path):
     folder imports into a tensor-parallel model with the same weights (exact: copies only)."""
     from safetensors.torch import load_file
 
-    from shoal.testing import case
+    from shoal.testing.parity import case
 
     reference = case(model=TINY).build_model()
     expected = to_hf_llama(reference.state_dict(), TINY)

@@ -10,13 +10,14 @@ import math
 import pytest
 import torch
 
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.models import Transformer
 from shoal.models.config import ModelConfig
 from shoal.models.init import InitSpec, fill_slice_
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
-from shoal.testing import full_tensors
+from shoal.testing.asserts import full_tensors
 
 DENSE = ModelConfig(num_layers=2, dim=64, num_heads=8, num_kv_heads=4, ffn_dim=128, vocab_size=128, max_seq_len=64)
 MOE = DENSE.replace(num_experts=4, top_k=2)
@@ -32,7 +33,7 @@ def _one_process(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 def _under(plan_text: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         model = Transformer(cfg)
-    plan = Plan.parse(plan_text).resolve(torch.distributed.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=torch.distributed.get_world_size())
     runtime = parallelize(model, plan, build_mesh(plan), seed=SEED)
     assert not any(p.is_meta for p in runtime.parameters())
     return full_tensors(runtime)
@@ -102,7 +103,7 @@ def _user_module(plan_text: str | None) -> dict[str, torch.Tensor]:
     if plan_text is None:
         return full_tensors(parallelize(model, seed=SEED))
     torch.manual_seed(123 + torch.distributed.get_rank())  # each rank's own random state plays no part
-    plan = Plan.parse(plan_text).resolve(torch.distributed.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=torch.distributed.get_world_size())
     return full_tensors(parallelize(model, plan, build_mesh(plan), seed=SEED))
 
 

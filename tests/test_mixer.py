@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from shoal import rules
 from shoal.models import MIXER_PRESETS, Mixer, MixerConfig, preset
 from shoal.moe.layer import MoELayer
 from shoal.plan import Plan
-from shoal.testing import assert_user_error, one_line_error
+from shoal.testing.asserts import assert_user_error, one_line_error
 from shoal.train.images import IGNORE, HeldOutImages, ImageBatches, correct_and_count, load_digits
 
 VARIANTS = ([], ["rr_patches=0"], ["rr_channels=0", "rr_patches=0"], ["top_k=2", "num_prototypes=2"],
@@ -98,7 +99,8 @@ def test_digits_ship_with_scikit_learn():
 @pytest.mark.parametrize("axis", ["tp2", "pp2", "cp2"])
 def test_plans_the_mixer_cannot_take_are_refused_in_one_line(axis, capsys):
     cfg, named = MIXER_PRESETS["sparse-mlp"], f"{axis[:2]}=2"
-    assert named in one_line_error(Plan.parse(axis).resolve(2).validate, cfg, global_batch=8, seq_len=1)
+    assert named in one_line_error(rules.validate, rules.resolve(Plan.parse(axis), world_size=2), cfg, global_batch=8,
+                                   seq_len=1)
     # shoal plan and shoal train refuse alike, before any worker starts
     line = assert_user_error(capsys, ["plan", "--model", "sparse-mlp", "--plan", axis], named, "Mixer")
     assert assert_user_error(capsys, ["train", "--model", "sparse-mlp", "--plan", axis, "--device", "cpu"]) == line
@@ -106,13 +108,16 @@ def test_plans_the_mixer_cannot_take_are_refused_in_one_line(axis, capsys):
 
 def test_expert_plans_check_the_mixer():
     dense, sparse = MIXER_PRESETS["mixer"], MIXER_PRESETS["sparse-mlp"]
-    assert "num_experts=0" in one_line_error(Plan.parse("ep2").resolve(2).validate, dense, global_batch=8, seq_len=1)
-    assert "does not divide 4 experts" in one_line_error(Plan.parse("ep3").resolve(3).validate, sparse,
+    assert "num_experts=0" in one_line_error(rules.validate, rules.resolve(Plan.parse("ep2"), world_size=2), dense,
+                                             global_batch=8, seq_len=1)
+    assert "does not divide 4 experts" in one_line_error(rules.validate, rules.resolve(Plan.parse("ep3"),
+                                                                                       world_size=3), sparse,
                                                          global_batch=6, seq_len=1)
     # fsdp6,ep2: the experts' widths (S' = 32, C = 64) over the 3 data ranks outside ep
-    assert "S'" in one_line_error(Plan.parse("fsdp6,ep2").resolve(6).validate, sparse, global_batch=12, seq_len=1)
+    assert "S'" in one_line_error(rules.validate, rules.resolve(Plan.parse("fsdp6,ep2"), world_size=6), sparse,
+                                  global_batch=12, seq_len=1)
     for ok in ("dp2", "fsdp2", "ep2", "fsdp2,ep2", "fsdp2,zero=1"):
-        Plan.parse(ok).resolve(2).validate(sparse, global_batch=8, seq_len=1)
+        rules.validate(rules.resolve(Plan.parse(ok), world_size=2), sparse, global_batch=8, seq_len=1)
 
 
 def test_bad_image_input_is_one_line(capsys, monkeypatch, tmp_path):

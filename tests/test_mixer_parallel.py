@@ -3,7 +3,7 @@ equals one process: logits, every gradient (the routers' load-balancing and z-lo
 its global norm, the first AdamW step, the loss of every step and the parameters after several
 steps.
 
-Tolerances (shoal.testing.check_parity, derived from the arithmetic, not tuned): everything is
+Tolerances (shoal.testing.parity.check_parity, derived from the arithmetic, not tuned): everything is
 float32, and a plan computes the single process's sums split over ranks and added in another
 order (the data ranks' gradient all-reduce or reduce-scatter, the experts' gradients summed over
 the ep group). A float32 sum of n terms in any order is off the exact sum by at most
@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.models import MixerConfig
-from shoal.testing import case, check_parity, run_parallel
+from shoal.testing.parity import case, check_parity, run_parallel
 
 SPARSE = MixerConfig(num_layers=2, dim=16, token_ffn_dim=16, channel_ffn_dim=32, num_experts=4, moe_every=1,
                      top_k=1, capacity_factor=1.0, rr_channels=8, rr_patches=8)

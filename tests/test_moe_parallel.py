@@ -1,6 +1,6 @@
 """Mixture-of-Experts models under data-parallel plans equal the single-process MoE reference:
 logits, every gradient (the load-balancing and z-losses included), the first optimizer step, the
-loss curve and the final parameters (check_parity's rounding bounds, shoal/testing.py).
+loss curve and the final parameters (check_parity's rounding bounds, shoal/testing/parity.py).
 
 The reference is the plain single process over the whole global batch: an MoE layer routes
 within routing groups (one sequence each by default, `moe_group_tokens`), so capacity, dropping
@@ -15,8 +15,9 @@ import dataclasses
 
 import pytest
 
+from shoal import rules
 from shoal.models import PRESETS
-from shoal.testing import SMALL, case, check_parity, run_parallel
+from shoal.testing.parity import SMALL, case, check_parity, run_parallel
 
 MOE = dataclasses.replace(SMALL, num_experts=4, top_k=2, ffn_dim=64)
 
@@ -45,17 +46,21 @@ def test_moe_zero1_with_micro_batches(pools):
 
 def test_what_moe_does_not_run_with_yet_is_refused():
     from shoal.plan import Plan
-    from shoal.testing import one_line_error
+    from shoal.testing.asserts import one_line_error
 
-    assert "Mixture-of-Experts" in one_line_error(Plan.parse("cp2").resolve(2).validate, MOE, global_batch=8,
+    assert "Mixture-of-Experts" in one_line_error(rules.validate, rules.resolve(Plan.parse("cp2"), world_size=2), MOE,
+                                                  global_batch=8,
                                                   seq_len=16)
     for text in ("fsdp2", "tp2", "pp2"):
-        assert "share_moe" in one_line_error(Plan.parse(text).resolve(2).validate, MOE.replace(share_moe=True),
+        assert "share_moe" in one_line_error(rules.validate, rules.resolve(Plan.parse(text), world_size=2),
+                                             MOE.replace(share_moe=True),
                                              global_batch=8, seq_len=16)
-    assert "bias" in one_line_error(Plan.parse("tp2").resolve(2).validate, MOE.replace(bias=True),
+    assert "bias" in one_line_error(rules.validate, rules.resolve(Plan.parse("tp2"), world_size=2),
+                                    MOE.replace(bias=True),
                                     global_batch=8, seq_len=16)
     # fsdp6,ep2: the experts' model dim 64 over the 3 data ranks outside ep.
-    assert "model dim 64" in one_line_error(Plan.parse("fsdp6,ep2").resolve(6).validate, MOE.replace(num_experts=6),
+    assert "model dim 64" in one_line_error(rules.validate, rules.resolve(Plan.parse("fsdp6,ep2"), world_size=6),
+                                            MOE.replace(num_experts=6),
                                             global_batch=12, seq_len=16)
 
 
@@ -159,7 +164,7 @@ def _expert_local_shapes(plan_text: str) -> dict[str, tuple[int, ...]]:
     from shoal.parallelize import parallelize
     from shoal.plan import Plan
 
-    plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
     runtime = parallelize(case(model=MOE).build_model(), plan, build_mesh(plan))
     return {name.rpartition(".")[2]: tuple(p.to_local().shape) for name, p in runtime.named_parameters()
             if name.startswith("layers.0.feed_forward.experts.") and isinstance(p, DTensor)}
@@ -235,7 +240,8 @@ def test_pooled_router_loss_needs_every_stages_counts(monkeypatch):
     around the truth."""
     import shoal.moe.collect as collect
     from shoal.parallel.pipeline import block_costs, split_layers
-    from shoal.testing import FLOOR_ULPS, SLACK, U32, references, run_reference
+    from shoal.testing.asserts import FLOOR_ULPS, SLACK, U32
+    from shoal.testing.parity import references, run_reference
 
     c = case(plan="pp2,mb=4", model=POOLED_PP, steps=3, num_micro=4)  # the pipeline test's: its references
     ref32, ref64 = references(c)
@@ -281,7 +287,8 @@ def _resume_chain(pools, tmp_path, segments):
     """Train RESHARD through `segments` (plan, world (0: this process), first step, end step), each
     resuming the previous checkpoint: every segment's losses and the final weights must be the
     unbroken single-process run's."""
-    from shoal.testing import assert_rounding_close, assert_trained_close, references, train_segment
+    from shoal.testing.asserts import assert_rounding_close
+    from shoal.testing.parity import assert_trained_close, references, train_segment
 
     ref32, ref64 = references(RESHARD)
     for plan_text, world, start, end in segments:

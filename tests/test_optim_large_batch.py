@@ -4,7 +4,7 @@ step, and the batch scaling rules against hand-computed values.
 
 Tolerances: the single-process checks compare the same float64 formulas evaluated in another
 order (a few roundings of 2^-53: 1e-12 relative is far above them and far below any formula
-error). The parallel runs use check_parity's yardsticks (shoal/testing.py): the float32 run's
+error). The parallel runs use check_parity's yardsticks (shoal/testing/parity.py): the float32 run's
 own distance from the float64 run, measured in the test.
 """
 
@@ -19,15 +19,8 @@ from torch import nn
 
 from shoal.optim.builder import OptimConfig, Schedule, build_optimizer, build_scheduler, scale_for_batch
 from shoal.optim.large_batch import LAMB, LARS, CowClip
-from shoal.testing import (
-    ParityCase,
-    assert_rounding_close,
-    assert_trained_close,
-    assert_user_error,
-    one_line_error,
-    references,
-    run_parallel,
-)
+from shoal.testing.asserts import assert_rounding_close, assert_user_error, one_line_error
+from shoal.testing.parity import ParityCase, assert_trained_close, references, run_parallel
 
 F64 = {"rtol": 1e-12, "atol": 1e-14}
 
@@ -317,7 +310,7 @@ def _count_collectives(plan_text, num_layers, opt_name):
     """All-reduces one optimizer step issues, counted at torch.distributed.all_reduce."""
     import torch.distributed as dist
 
-    from shoal.testing import parallel_setup
+    from shoal.testing.parity import parallel_setup
     from shoal.train.step import split_micro
 
     c = OptCase(plan=plan_text, opt=opt_name, model=OptCase().model.replace(num_layers=num_layers), steps=1)
@@ -404,7 +397,7 @@ def test_parity_ep_pp_cp(pools):
 def test_state_resumes_and_reshards(pools, tmp_path, opt_name):
     """Steps 0-1 under fsdp2, 2-3 under dp2, 4 in one process, each resumed from the last one's
     checkpoint: the losses and final weights of an unbroken single-process run."""
-    from shoal.testing import train_segment
+    from shoal.testing.parity import train_segment
 
     run = OptCase(opt=opt_name, steps=5, lr=0.01 if opt_name == "lamb" else 0.5)
     ref32, ref64 = references(run)
@@ -436,7 +429,7 @@ def _trust_after_steps(case):
     process group is up: the reference), then every trust ratio of its last step, gathered."""
     from shoal.optim.large_batch import gather_trust
     from shoal.parallelize import parallelize
-    from shoal.testing import parallel_setup
+    from shoal.testing.parity import parallel_setup
     from shoal.train.step import split_micro, train_step
 
     if case.plan == "single":

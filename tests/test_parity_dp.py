@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.testing import case, check_parity, run_parallel
+from shoal.testing.parity import case, check_parity, run_parallel
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_the_harness_catches_real_defects(pools):
 
     import pytest
 
-    from shoal.testing import references
+    from shoal.testing.parity import references
 
     c = case(plan="dp2")
     good = pools(2).run(run_parallel, c)

@@ -2,7 +2,7 @@
 equals the single-process run: logits, every gradient, parameters after one AdamW step, the loss
 over several steps and the final parameters.
 
-Tolerances are check_parity's (shoal/testing.py): tensor parallelism changes only the order of
+Tolerances are check_parity's (shoal/testing/parity.py): tensor parallelism changes only the order of
 floating-point sums (a row-parallel matmul adds t partial sums of D/t terms, the softmax's sum of
 exponentials is added shard by shard), so the parallel run is as far from the float64 truth as
 the single float32 process is, like data parallelism's all-reduce.
@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from shoal import rules
 from shoal.models import PRESETS, ModelConfig
 from shoal.plan import Plan
-from shoal.testing import SMALL, case, check_parity, parallel_setup, run_parallel
+from shoal.testing.parity import SMALL, case, check_parity, parallel_setup, run_parallel
 from shoal.train.step import split_micro
 
 GPT = PRESETS["tiny-gpt"].replace(num_layers=2, max_seq_len=32)
@@ -105,7 +106,7 @@ def _layout(model_cfg: ModelConfig) -> bool:
     from shoal.mesh import build_mesh
     from shoal.parallel.tensor import apply_tensor_parallel
 
-    plan = Plan.parse("tp2").resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse("tp2"), world_size=dist.get_world_size())
     torch.manual_seed(0)
     from shoal.models import Transformer
 
@@ -136,9 +137,9 @@ def _layout(model_cfg: ModelConfig) -> bool:
     ],
 )
 def test_tp_degree_errors(plan, cfg, message):
-    p = Plan.parse(plan).resolve(Plan.parse(plan).tp)
+    p = rules.resolve(Plan.parse(plan), world_size=Plan.parse(plan).tp)
     with pytest.raises(ValueError, match=message.split(";")[0]):
-        p.validate(cfg, global_batch=8, seq_len=15 if "sequence" in message else 16)
+        rules.validate(p, cfg, global_batch=8, seq_len=15 if "sequence" in message else 16)
 
 
 def test_tp_error_for_a_model_passed_directly():

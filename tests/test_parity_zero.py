@@ -1,6 +1,6 @@
 """Sharded data parallelism (ZeRO-1/2/3, hybrid dp x fsdp) equals the single-process run.
 
-Tolerances are check_parity's (shoal/testing.py): sharding changes only where sums happen (a
+Tolerances are check_parity's (shoal/testing/parity.py): sharding changes only where sums happen (a
 reduce-scatter instead of an all-reduce; per-shard Adam updates are elementwise), so the
 parallel run is as far from the float64 truth as the single float32 process is.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from shoal import rules
 from shoal.plan import Plan
-from shoal.testing import SMALL, case, check_parity, run_parallel
+from shoal.testing.parity import SMALL, case, check_parity, run_parallel
 
 GPT_SMALL = SMALL.replace(norm="layernorm", activation="gelu", pos_emb="learned", bias=True, tie_embeddings=True)
 
@@ -72,7 +73,7 @@ def _sharded_after_forward():
 
     out = {}
     for zero in (3, 2, 1):
-        plan = Plan.parse(f"fsdp2,zero={zero}").resolve(2)
+        plan = rules.resolve(Plan.parse(f"fsdp2,zero={zero}"), world_size=2)
         c = case(plan=str(plan))
         runtime = parallelize(c.build_model(), plan, build_mesh(plan))
         assert all(isinstance(p, DTensor) for p in runtime.parameters())  # what an optimizer updates
@@ -98,7 +99,7 @@ def _units(plans):
 
     out = []
     for text in plans:
-        plan = Plan.parse(text).resolve(2)
+        plan = rules.resolve(Plan.parse(text), world_size=2)
         runtime = parallelize(Transformer(SMALL), plan, build_mesh(plan))
         if plan.zero < 3:  # the engine's own buckets
             out.append(len(runtime._engine.buckets))
@@ -109,7 +110,7 @@ def _units(plans):
 
 def test_offload_and_bucket_need_fsdp():
     assert str(Plan.parse("fsdp2,zero=2,bucket=4,offload=on")) == "fsdp2,zero=2,bucket=4,offload=on"
-    words = Plan.parse("fsdp2,bucket=4,offload=on").resolve(2).describe()
+    words = rules.resolve(Plan.parse("fsdp2,bucket=4,offload=on"), world_size=2).describe()
     assert "CPU memory" in words and "4 block(s) per gather/reduce unit" in words
     for text, message in (("dp2,offload=on", "offload=on acts on the fsdp axis"),
                           ("dp2,bucket=2", "bucket=2 acts on the fsdp axis")):
@@ -136,7 +137,7 @@ def _tables_while_they_run():
 
     out = {}
     for vocab in ("sharded", "gathered"):
-        plan = Plan.parse(f"fsdp2,vocab={vocab}").resolve(2)
+        plan = rules.resolve(Plan.parse(f"fsdp2,vocab={vocab}"), world_size=2)
         c = case(plan=str(plan))
         runtime = parallelize(c.build_model(), plan, build_mesh(plan))
         model = runtime.parts[0]

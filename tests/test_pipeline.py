@@ -2,7 +2,7 @@
 single-process reference (logits, every gradient, the first optimizer step, the loss curve and the
 final parameters).
 
-Tolerances are check_parity's measured-rounding bounds (shoal/testing.py). A pipeline computes each
+Tolerances are check_parity's measured-rounding bounds (shoal/testing/parity.py). A pipeline computes each
 stage's layers with the same kernels on the same micro-batch rows as one process; what differs is
 where the micro-batch gradients are summed (in another order under split backward, and over the
 data ranks' reduction), so the bounds are float32 rounding of those sums, as for dp.
@@ -14,17 +14,17 @@ import dataclasses
 
 import pytest
 
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.parallel.pipeline import split_layers
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
-from shoal.testing import (
+from shoal.testing.asserts import assert_rounding_close, one_line_error
+from shoal.testing.parity import (
     SMALL,
-    assert_rounding_close,
     assert_trained_close,
     case,
     check_parity,
-    one_line_error,
     references,
     run_parallel,
     train_segment,
@@ -71,7 +71,8 @@ def test_pp_composes_with_the_other_axes(pools, plan):
 
 def _error(text: str, world: int, model, batch: int = 8) -> str:
     """The one-line refusal of plan `text` (at resolve, or against the model and batch)."""
-    return one_line_error(lambda: Plan.parse(text).resolve(world).validate(model, global_batch=batch, seq_len=16))
+    return one_line_error(lambda: rules.validate(rules.resolve(Plan.parse(text), world_size=world), model,
+                                                 global_batch=batch, seq_len=16))
 
 
 def test_pp_errors_are_one_line():
@@ -84,7 +85,7 @@ def test_pp_errors_are_one_line():
 
 def _refused(text: str) -> str:
     try:
-        plan = Plan.parse(text).resolve(4)
+        plan = rules.resolve(Plan.parse(text), world_size=4)
         parallelize(case(model=dataclasses.replace(SMALL, num_layers=4)).build_model(), plan, build_mesh(plan))
     except ValueError as exc:
         return str(exc)

@@ -1,7 +1,7 @@
 """Tied input and output embeddings under pipeline parallelism: a copy of the table on the first
 and the last stage, their gradients all-reduced (Megatron-LM's way), trained against one process.
 
-Tolerances are check_parity's measured-rounding bounds (shoal/testing.py): the table's gradient is
+Tolerances are check_parity's measured-rounding bounds (shoal/testing/parity.py): the table's gradient is
 the sum of the embedding's and the head's contributions, added on the last step's all-reduce in
 another order than one process's autograd accumulation, which is float32 rounding of one more sum;
 the gradient norm subtracts the last stage's copy once (rounding of the same size). Each check
@@ -15,10 +15,11 @@ import dataclasses
 import pytest
 import torch
 
+from shoal import rules
 from shoal.plan import Plan
-from shoal.testing import (
+from shoal.testing.asserts import assert_rounding_close
+from shoal.testing.parity import (
     SMALL,
-    assert_rounding_close,
     assert_trained_close,
     case,
     check_parity,
@@ -72,7 +73,7 @@ def _export_under(plan_text: str, folder: str, out: str) -> None:
     cfg = config_from_hf(folder)
     with torch.device("meta"):
         model = Transformer(cfg)
-    plan = Plan.parse(plan_text).resolve(torch.distributed.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=torch.distributed.get_world_size())
     runtime = parallelize(model, plan, build_mesh(plan), weights=open_pretrained(folder, cfg))
     export_model(runtime, f"{out}/hf", hf=True)
     export_model(runtime, f"{out}/shoal.safetensors")
@@ -160,7 +161,7 @@ def _names_on_meta(plan_text: str) -> list[str]:
         model = Transformer(TIED)
     if plan_text == "single":
         return [n for n, _ in parallelize(model).named_parameters()]
-    plan = Plan.parse(plan_text).resolve(torch.distributed.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=torch.distributed.get_world_size())
     return [n for n, _ in parallelize(model, plan, build_mesh(plan)).named_parameters()]
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from shoal import rules
 from shoal.models import PRESETS
 from shoal.plan import Plan
-from shoal.testing import one_line_error
+from shoal.testing.asserts import one_line_error
 
 TINY = PRESETS["tiny"]  # 8 heads, 4 KV heads, ffn 384, vocab 256, 4 layers
 
@@ -54,7 +55,7 @@ def test_parse_fields():
     ("dp1", 1, "dp1"),
 ])
 def test_resolve_fills_dp(text, world, resolved):
-    plan = Plan.parse(text).resolve(world)
+    plan = rules.resolve(Plan.parse(text), world_size=world)
     # the CPU's defaults, said
     assert str(plan) == resolved + ",precision=fp32,compile=off" and plan.world_size == world
     names, sizes = plan.mesh_shape()
@@ -64,12 +65,12 @@ def test_resolve_fills_dp(text, world, resolved):
 
 def test_compile_defaults_by_device():
     """Left out, blocks are compiled on GPUs and not on CPUs; given, the choice is kept and printed."""
-    assert Plan.parse("dp2").resolve(2, "cuda").compile is True
-    assert Plan.parse("dp2").resolve(2, "cpu").compile is False
-    assert Plan.parse("dp2,compile=off").resolve(2, "cuda").compile is False
-    plan = Plan.parse("fsdp2,compile=on").resolve(2, "cpu")
+    assert rules.resolve(Plan.parse("dp2"), world_size=2, device="cuda").compile is True
+    assert rules.resolve(Plan.parse("dp2"), world_size=2, device="cpu").compile is False
+    assert rules.resolve(Plan.parse("dp2,compile=off"), world_size=2, device="cuda").compile is False
+    plan = rules.resolve(Plan.parse("fsdp2,compile=on"), world_size=2, device="cpu")
     assert plan.compile is True and str(plan) == "fsdp2,precision=fp32,compile=on"
-    assert Plan.parse(str(plan)).resolve(2) == plan
+    assert rules.resolve(Plan.parse(str(plan)), world_size=2) == plan
     assert "compile: each transformer block" in plan.describe()
     assert one_line_error(Plan.parse, "dp2,compile=yes") == "plan option compile='yes' is not valid; valid: on, off"
 
@@ -77,17 +78,18 @@ def test_compile_defaults_by_device():
 def test_precision_defaults_by_device():
     """Left out, precision is the device's default: bf16 (fp32 master weights and gradient
     reduction) on GPUs, fp32 on CPUs; given, it is kept everywhere."""
-    assert Plan.parse("dp2").resolve(2, "cuda").precision == "bf16"
-    assert Plan.parse("dp2").resolve(2, "cuda").reduce == "fp32"
-    assert Plan.parse("dp2").resolve(2).precision == "fp32"
-    assert Plan.parse("dp2,precision=fp32").resolve(2, "cuda").precision == "fp32"
-    assert Plan.parse("fsdp2,precision=fp16").resolve(2, "cpu").precision == "fp16"
-    assert "precision: bf16" in Plan.parse("fsdp2").resolve(2, "cuda").describe()
-    assert one_line_error(Plan.parse("dp2").resolve, 2, "tpu") == "device 'tpu' is not valid; valid: cpu, cuda"
+    assert rules.resolve(Plan.parse("dp2"), world_size=2, device="cuda").precision == "bf16"
+    assert rules.resolve(Plan.parse("dp2"), world_size=2, device="cuda").reduce == "fp32"
+    assert rules.resolve(Plan.parse("dp2"), world_size=2).precision == "fp32"
+    assert rules.resolve(Plan.parse("dp2,precision=fp32"), world_size=2, device="cuda").precision == "fp32"
+    assert rules.resolve(Plan.parse("fsdp2,precision=fp16"), world_size=2, device="cpu").precision == "fp16"
+    assert "precision: bf16" in rules.resolve(Plan.parse("fsdp2"), world_size=2, device="cuda").describe()
+    assert one_line_error(rules.resolve, Plan.parse("dp2"), world_size=2,
+                          device="tpu") == "device 'tpu' is not valid; valid: cpu, cuda"
 
 
 def test_degrees():
-    plan = Plan.parse("dp2,fsdp2,tp2").resolve(8)
+    plan = rules.resolve(Plan.parse("dp2,fsdp2,tp2"), world_size=8)
     assert (plan.data_ranks, plan.world_size, plan.non_dp_product) == (4, 8, 4)
     assert Plan.parse("pp4").micro_batches == 8 and Plan.parse("pp4,mb=3").micro_batches == 3
 
@@ -120,38 +122,41 @@ def test_parse_errors_are_one_line(text, words):
 
 
 def test_resolve_errors():
-    assert "plan tp3 needs a multiple of 3 processes" in one_line_error(Plan.parse("tp3").resolve, 8)
-    assert "valid: 3, 6, 9, 12" in one_line_error(Plan.parse("tp3").resolve, 8)
-    message = one_line_error(Plan.parse("dp2,tp2").resolve, 8)
+    assert "plan tp3 needs a multiple of 3 processes" in one_line_error(rules.resolve, Plan.parse("tp3"), world_size=8)
+    assert "valid: 3, 6, 9, 12" in one_line_error(rules.resolve, Plan.parse("tp3"), world_size=8)
+    message = one_line_error(rules.resolve, Plan.parse("dp2,tp2"), world_size=8)
     assert "4 processes" in message and "world size is 8" in message and "leave dp out" in message
-    assert "ep=4 must divide" in one_line_error(Plan.parse("ep4").resolve, 2)
-    assert "valid: 1, 2" in one_line_error(Plan.parse("ep4").resolve, 2)
-    assert "world size 0 must be >= 1" in one_line_error(Plan.parse("dp1").resolve, 0)
+    assert "ep=4 must divide" in one_line_error(rules.resolve, Plan.parse("ep4"), world_size=2)
+    assert "valid: 1, 2" in one_line_error(rules.resolve, Plan.parse("ep4"), world_size=2)
+    assert "world size 0 must be >= 1" in one_line_error(rules.resolve, Plan.parse("dp1"), world_size=0)
 
 
 def test_validate_against_model_and_batch():
-    Plan.parse("dp2,tp2").resolve(4).validate(TINY, global_batch=8, seq_len=64)
-    tp3 = Plan.parse("tp3").resolve(3)
-    assert one_line_error(tp3.validate, TINY, global_batch=3, seq_len=64) == (
+    rules.validate(rules.resolve(Plan.parse("dp2,tp2"), world_size=4), TINY, global_batch=8, seq_len=64)
+    tp3 = rules.resolve(Plan.parse("tp3"), world_size=3)
+    assert one_line_error(rules.validate, tp3, TINY, global_batch=3, seq_len=64) == (
         "tp=3 does not divide 8 attention heads; valid: tp in 1, 2, 4"
     )
-    kv = Plan.parse("tp8").resolve(8)
-    assert "tp=8 does not divide 4 KV heads; valid: tp in 1, 2, 4" in one_line_error(kv.validate, TINY, global_batch=8,
+    kv = rules.resolve(Plan.parse("tp8"), world_size=8)
+    assert "tp=8 does not divide 4 KV heads; valid: tp in 1, 2, 4" in one_line_error(rules.validate, kv, TINY,
+                                                                                     global_batch=8,
                                                                                 seq_len=64)
     assert "pp=8 exceeds the model's 4 layers; valid: 1..4" in one_line_error(
-        Plan.parse("pp8").resolve(8).validate, TINY, global_batch=16, seq_len=64)
+        rules.validate, rules.resolve(Plan.parse("pp8"), world_size=8), TINY, global_batch=16, seq_len=64)
     assert "30 tokens do not divide; valid: a sequence length that is a multiple of 8, or cp in 1, 3, 5, 15" in (
-        one_line_error(Plan.parse("cp4").resolve(4).validate, TINY, global_batch=4, seq_len=30))
+        one_line_error(rules.validate, rules.resolve(Plan.parse("cp4"), world_size=4), TINY, global_batch=4,
+                       seq_len=30))
     assert ("global batch 6 is not divisible by the 4 data-parallel ranks (dp*fsdp); valid: multiples of 4"
-            in one_line_error(Plan.parse("dp2,fsdp2").resolve(4).validate, TINY, global_batch=6, seq_len=64))
+            in one_line_error(rules.validate, rules.resolve(Plan.parse("dp2,fsdp2"), world_size=4), TINY,
+                              global_batch=6, seq_len=64))
     assert "mb=3 does not divide the 8 sequences each pipeline gets per step; valid: 1, 2, 4, 8" in one_line_error(
-        Plan.parse("pp2,mb=3").resolve(2).validate, TINY, global_batch=8, seq_len=64)
+        rules.validate, rules.resolve(Plan.parse("pp2,mb=3"), world_size=2), TINY, global_batch=8, seq_len=64)
     assert "ep=2 needs a Mixture-of-Experts model; this one has num_experts=0" in one_line_error(
-        Plan.parse("ep2").resolve(2).validate, TINY, global_batch=8, seq_len=64)
+        rules.validate, rules.resolve(Plan.parse("ep2"), world_size=2), TINY, global_batch=8, seq_len=64)
     moe = PRESETS["tiny-moe"]  # 4 experts
-    Plan.parse("ep4").resolve(4).validate(moe, global_batch=8, seq_len=64)
+    rules.validate(rules.resolve(Plan.parse("ep4"), world_size=4), moe, global_batch=8, seq_len=64)
     assert "ep=8 does not divide 4 experts; valid: ep in 1, 2, 4" in one_line_error(
-        Plan.parse("ep8").resolve(8).validate, moe, global_batch=8, seq_len=64)
+        rules.validate, rules.resolve(Plan.parse("ep8"), world_size=8), moe, global_batch=8, seq_len=64)
 
 
 @pytest.mark.parametrize("text, world, words", [
@@ -167,7 +172,7 @@ def test_validate_against_model_and_batch():
     ("fsdp2,precision=bf16,reduce=bf16", 2, ["precision: bf16, gradients reduced in bf16"]),
 ])
 def test_describe_mentions_every_axis_in_use(text, world, words):
-    plan = Plan.parse(text).resolve(world)
+    plan = rules.resolve(Plan.parse(text), world_size=world)
     text_out = plan.describe()
     assert text_out.startswith(f"plan {plan} on {world} process(es):")
     for w in words:
@@ -223,5 +228,6 @@ def test_options_built_in_python_follow_the_same_rule():
     assert "acts on the fsdp axis" in one_line_error(Plan, dp=2, zero=2)
     assert "acts on the pp axis" in one_line_error(Plan, fsdp=2, mb=4)
     assert Plan(fsdp=2, zero=1).zero == 1 and Plan(dp=2).zero is None  # left out: chosen by shoal.rules
-    assert Plan(dp=2).resolve(2).zero == 3 and Plan(dp=2, zero=3).zero == 3  # the usual value needs no axis
-    assert "reduce=bf16" in one_line_error(Plan.parse("tp2,reduce=bf16").resolve, 2)
+    assert rules.resolve(Plan(dp=2), world_size=2).zero == 3 and Plan(dp=2,
+                                                                      zero=3).zero == 3  # the usual value needs no axis
+    assert "reduce=bf16" in one_line_error(rules.resolve, Plan.parse("tp2,reduce=bf16"), world_size=2)

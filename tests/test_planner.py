@@ -8,6 +8,7 @@ from fractions import Fraction
 
 import pytest
 
+from shoal import rules
 from shoal.cli import main
 from shoal.cli.plan import price
 from shoal.models.config import ModelConfig, get_preset
@@ -159,7 +160,7 @@ def test_shared_experts_count_at_their_own_width():
     assert memory.activation_elements(QWEN2_MOE, 0, seq_len=16, tp=1, sp=False, ac="none",
                                       fused_attention=True) == 1_492
     cluster = parse_cluster("1xA100-80GB")
-    plan = Plan.parse("dp1").resolve(1, "cuda")
+    plan = rules.resolve(Plan.parse("dp1"), world_size=1, device="cuda")
     cost = Costs(plan, QWEN2_MOE, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
     dense, experts = cost.params_per_rank(QWEN2_MOE.num_layers, head=True)
     assert dense + experts == QWEN2_MOE.num_params() - QWEN2_MOE.dim
@@ -174,7 +175,7 @@ def test_a_tied_head_under_pp_is_a_copy():
     V, D = TINY.vocab_size, TINY.dim
     counts = {}
     for text in ("pp2", "dp2"):
-        plan = Plan.parse(text).resolve(2, "cuda")
+        plan = rules.resolve(Plan.parse(text), world_size=2, device="cuda")
         for tied in (False, True):
             cfg = TINY.replace(tie_embeddings=tied)
             cost = Costs(plan, cfg, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
@@ -191,8 +192,9 @@ def test_under_pp_the_first_stage_holds_the_embedding():
     cfg = TINY.replace(vocab_size=500_000, dim=512)
     cluster = parse_cluster("2xcpu")
     work = Workload(model=cfg, global_batch=4, seq_len=128)
-    one = estimate(Plan.parse("dp1").resolve(1, "cpu"), work, parse_cluster("1xcpu"), micro_batch=4)
-    pp2 = estimate(Plan.parse("pp2").resolve(2, "cpu"), work, cluster, micro_batch=2)
+    one = estimate(rules.resolve(Plan.parse("dp1"), world_size=1, device="cpu"), work, parse_cluster("1xcpu"),
+                   micro_batch=4)
+    pp2 = estimate(rules.resolve(Plan.parse("pp2"), world_size=2, device="cpu"), work, cluster, micro_batch=2)
     table = 4.0 * cfg.vocab_size * cfg.dim  # fp32 bytes of one (V, D) table
     assert pp2.memory["parameters"] >= table
     assert one.memory["parameters"] / 2 <= pp2.memory["parameters"] < one.memory["parameters"]
@@ -204,8 +206,8 @@ def test_activation_count_follows_the_shared_width():
     tensors cancel): 4 elements per unit of SwiGLU width, per token."""
     import torch
 
+    from shoal.calibration.saved import saved_activation_elements
     from shoal.models import Transformer
-    from shoal.testing import saved_activation_elements
 
     def saved(cfg: ModelConfig) -> int:
         torch.manual_seed(0)
@@ -221,7 +223,7 @@ def test_activation_count_follows_the_shared_width():
 def _estimate(text: str, cluster: str = "8xA100-80GB", model: ModelConfig = TINY, batch: int = 16, seq: int = 128,
               **kw):
     c = parse_cluster(cluster)
-    plan = Plan.parse(text).resolve(c.world_size, "cuda")
+    plan = rules.resolve(Plan.parse(text), world_size=c.world_size, device="cuda")
     return estimate(plan, Workload(model=model, global_batch=batch, seq_len=seq), c, **kw)
 
 
@@ -260,7 +262,7 @@ def test_attention_backward_counts_the_fused_kernels_recompute():
 
     assert attention_backward_multiplier(fused_kernel=False) == 2.0
     assert attention_backward_multiplier(fused_kernel=True) == FUSED_BACKWARD == 5 / 2
-    unfused = estimate(Plan.parse("dp1").resolve(1, "cuda"),
+    unfused = estimate(rules.resolve(Plan.parse("dp1"), world_size=1, device="cuda"),
                        Workload(model=TINY, global_batch=16, seq_len=128, fused_attention=False),
                        parse_cluster("1xA100-80GB"))
     clock = 1200 / 1410
@@ -290,7 +292,8 @@ def test_a_cpu_process_adds_the_step_runtime_to_its_tensors():
     from shoal.planner.peak import CPU_STEP_BYTES
 
     work = Workload(model=TINY, global_batch=16, seq_len=128)
-    cpu = estimate(Plan.parse("fsdp2").resolve(2, "cpu"), work, cpu_cluster(2, local=2, memory_bytes=2**36))
+    cpu = estimate(rules.resolve(Plan.parse("fsdp2"), world_size=2, device="cpu"), work, cpu_cluster(2, local=2,
+                                                                                                     memory_bytes=2**36))
     assert cpu.mem_per_device_bytes == pytest.approx(sum(cpu.memory.values()) * memory.FRAGMENTATION + CPU_STEP_BYTES)
     assert 16 * 2**20 <= CPU_STEP_BYTES <= 32 * 2**20  # 22-31 MB measured a process (jemalloc keeping freed pages)
     gpu = _estimate("fsdp2", cluster="2xA100-80GB")
@@ -318,7 +321,7 @@ def test_every_step_pays_its_small_collectives():
     assert _estimate("dp1", cluster="1xA100-80GB").time["step_sync"] == 0.0
     # fp32 tp alone runs without a data engine: its partial gradients are one more all-reduce
     cpu = parse_cluster("4xcpu")
-    plan = Plan.parse("tp4").resolve(4, "cpu")
+    plan = rules.resolve(Plan.parse("tp4"), world_size=4, device="cpu")
     e = estimate(plan, Workload(model=TINY, global_batch=16, seq_len=128), cpu)
     assert e.time["step_sync"] == pytest.approx(3 * RingNetwork(cpu).time("all_reduce", 4, 8.0, stride=1))
 
@@ -327,7 +330,7 @@ def test_context_parallel_ring_counts_its_hops():
     """cp4: forward passes K, V 3 times; backward passes them 3 times more and the dK, dV
     accumulator 4 times, in fp32 (shoal.parallel.context); nothing hides on a CPU."""
     c = parse_cluster("4xcpu")
-    plan = Plan.parse("cp4").resolve(4, "cpu")
+    plan = rules.resolve(Plan.parse("cp4"), world_size=4, device="cpu")
     model = get_preset("tiny")
     e = estimate(plan, Workload(model=model, global_batch=16, seq_len=128), c)
     net = RingNetwork(c)
@@ -440,8 +443,8 @@ def test_auto_picks_the_searchs_best_and_prices_the_local_processes(tmp_path, mo
     monkeypatch.setenv("SHOAL_PROFILE", str(_profile_file(tmp_path)))
     choice = choose(TINY, global_batch=16, seq_len=128, world_size=4, device="cpu")
     assert choice.cluster.world_size == 4 and choice.cluster.device.name == "cpu"
-    plan = Plan.parse(choice.plan_text).resolve(4, "cpu")
-    plan.validate(TINY, global_batch=16, seq_len=128)
+    plan = rules.resolve(Plan.parse(choice.plan_text), world_size=4, device="cpu")
+    rules.validate(plan, TINY, global_batch=16, seq_len=128)
     everything = main(["plan", "--cluster", "local", "--nproc", "4", "--top", "1", "--json"])
     assert everything == 0
     assert choice.prediction()["step_time_s"] == pytest.approx(choice.estimate.step_time_s)
@@ -457,7 +460,7 @@ def test_train_plan_auto_runs_the_chosen_plan_and_keeps_the_prediction(tmp_path,
     assert "plan auto: " in out  # printed by the launcher; the workers print the summary
     summary = json.loads((run / "summary.json").read_text())
     assert summary["predicted"]["step_time_s"] > 0 and summary["measured_over_predicted_step_time"] > 0
-    chosen = Plan.parse(summary["predicted"]["plan"]).resolve(2, "cpu")
+    chosen = rules.resolve(Plan.parse(summary["predicted"]["plan"]), world_size=2, device="cpu")
     assert str(chosen) == summary["plan"]
 
 
@@ -510,7 +513,7 @@ def test_plan_text_keeps_options_the_device_would_not_default_to():
     """An fp32, uncompiled plan on GPUs must print both options: left out, CUDA's defaults (bf16,
     compile) would fill them in."""
     e = _estimate("fsdp8,precision=fp32,compile=off")
-    assert Plan.parse(e.plan_text).resolve(8, "cuda") == e.plan
+    assert rules.resolve(Plan.parse(e.plan_text), world_size=8, device="cuda") == e.plan
     assert "precision=fp32" in e.plan_text and "compile=off" in e.plan_text
     assert _estimate("fsdp8").plan_text == "fsdp8"
 
@@ -521,7 +524,7 @@ def test_sequence_parallel_copies_of_dtensor_by_hand():
     read and written whole on the compute stream; Megatron-LM's (sequence, batch, dim) copies nothing. Without
     recompute a block runs 2 all-gathers and 2 reduce-scatters forward and as many backward."""
     cluster = parse_cluster("8xH100")
-    plan = Plan.parse("tp8").resolve(8, "cuda")
+    plan = rules.resolve(Plan.parse("tp8"), world_size=8, device="cuda")
     for sequences, copied in ((2, 8), (1, 4)):  # a block's copies a micro-batch: all 8, or the 4 reduce-scatters'
         dtensor, megatron = (estimate(plan, Workload(model=TINY, global_batch=16, seq_len=128, tp_engine=engine),
                                       cluster, micro_batch=sequences) for engine in ("dtensor", "megatron"))
@@ -572,7 +575,7 @@ def test_small_gemms_and_overlapped_collectives_on_an_h100_by_hand():
 
     e = _estimate("dp8", cluster="8xH100", batch=4096)  # enough compute to hide behind
     total = e.traffic["dp_allreduce"]
-    engine = choose_engine(Plan.parse("dp8").resolve(8, "cuda"), num_layers=TINY.num_layers)
+    engine = choose_engine(rules.resolve(Plan.parse("dp8"), world_size=8, device="cuda"), num_layers=TINY.num_layers)
     units = engine.units  # one reduction per unit; all but the last hide behind backward (far longer here)
     assert units >= 1 and e.time["compute_matmul"] > total
     hidden = total * (1 - 1 / (units + 1))
@@ -615,7 +618,7 @@ def test_unsharded_fsdp2_reduction_hides_behind_one_backward():
     from shoal.planner.costs import OVERLAP_SLOWDOWN, overlap_exposed
     from shoal.rules import choose_engine
 
-    plan = Plan.parse("dp8").resolve(8, "cuda")
+    plan = rules.resolve(Plan.parse("dp8"), world_size=8, device="cuda")
     engine = choose_engine(plan, num_layers=TINY.num_layers)
     assert (engine.kind, plan.fsdp) == ("fsdp2", 1)
     e = _estimate("dp8", cluster="8xH100", batch=64, micro_batch=2)  # 4 micro-batches of 2 sequences
@@ -639,7 +642,7 @@ def test_gathers_hide_only_behind_forward_by_hand():
     from shoal.rules import choose_engine
 
     e = _estimate("fsdp8", cluster="8xH100", batch=64)
-    plan = Plan.parse("fsdp8").resolve(8, "cuda")
+    plan = rules.resolve(Plan.parse("fsdp8"), world_size=8, device="cuda")
     engine = choose_engine(plan, num_layers=TINY.num_layers)
     assert (engine.kind, engine.zero) == ("fsdp2", 3)
     gathers, reduces = e.traffic["fsdp_all_gather"], e.traffic["fsdp_reduce_scatter"]
@@ -711,7 +714,7 @@ def test_dropout_elements_by_hand():
 
 
 def _unfused_step(cfg: ModelConfig, plan: str, cluster: str, **work: object) -> dict[str, float]:
-    resolved = Plan.parse(plan).resolve(parse_cluster(cluster).world_size, "cuda")
+    resolved = rules.resolve(Plan.parse(plan), world_size=parse_cluster(cluster).world_size, device="cuda")
     return estimate(resolved, Workload(model=cfg, global_batch=16, seq_len=128, fused_attention=False, **work),
                     parse_cluster(cluster)).time
 
@@ -753,7 +756,7 @@ def test_scattered_pipeline_sends_a_share_and_gathers_it():
     rank sends the next stage 1/tp of the activation, gathered over the tensor-parallel group on arrival. Priced
     per micro-batch and direction as a send of act/tp between nodes plus an all-gather of act inside one."""
     cluster = parse_cluster("16xA100-80GB")
-    plan = Plan.parse("tp8,pp2,mb=4,sp=off,precision=fp16").resolve(16, "cuda")
+    plan = rules.resolve(Plan.parse("tp8,pp2,mb=4,sp=off,precision=fp16"), world_size=16, device="cuda")
 
     def step(scatter: bool) -> dict[str, float]:
         work = Workload(model=TINY, global_batch=4, seq_len=128, pipe_scatter=scatter)
@@ -770,7 +773,8 @@ def test_scattered_pipeline_sends_a_share_and_gathers_it():
     assert scattered > whole  # a small one: the gather's seven steps cost more than the bytes saved
     # nothing to scatter where sequence parallelism sends a shard already, or without tensor parallelism
     for text, world in (("tp8,pp2,mb=4,precision=fp16", 16), ("pp2,mb=4,precision=fp16", 2)):
-        other, where = Plan.parse(text).resolve(world, "cuda"), parse_cluster(f"{world}xA100-80GB")
+        other, where = rules.resolve(Plan.parse(text), world_size=world,
+                                     device="cuda"), parse_cluster(f"{world}xA100-80GB")
         sends = [estimate(other, Workload(model=TINY, global_batch=4, seq_len=128, pipe_scatter=scatter), where,
                           micro_batch=1).time["pp_p2p"] for scatter in (False, True)]
         assert sends[0] == sends[1] > 0
@@ -801,7 +805,7 @@ def test_torchtitan_selective_policy_by_hand():
 def test_torchtitan_selective_policy_in_the_estimate():
     """The estimate reruns the policy's share of the blocks' weight products (not the head's) and holds less."""
     model, cluster = get_preset("llama3-8b"), parse_cluster("8xH100")
-    plan = Plan.parse("fsdp8,ac=selective,precision=bf16").resolve(8, "cuda")
+    plan = rules.resolve(Plan.parse("fsdp8,ac=selective,precision=bf16"), world_size=8, device="cuda")
     shoal_way, titan = (estimate(plan, Workload(model=model, global_batch=16, seq_len=8192, selective_policy=policy),
                                  cluster) for policy in ("shoal", "torchtitan-op"))
     share = compute.titan_recomputed_matmul(model, moe=False) / compute.block_work(
@@ -821,7 +825,7 @@ def test_full_recompute_holds_the_rerun_blocks_scores_again():
     probabilities too: H x T a token (and the dropouts' masks, a byte an element, at dropout > 0), for one block
     of the micro-batch's tokens; the kept block inputs do not change."""
     model, cluster = get_preset("gpt3-1.3b").replace(dropout=0.0), parse_cluster("8xA100")
-    plan = Plan.parse("dp8,ac=full,precision=bf16").resolve(8, "cuda")
+    plan = rules.resolve(Plan.parse("dp8,ac=full,precision=bf16"), world_size=8, device="cuda")
     held = {fused: estimate(plan, Workload(model=model, global_batch=8, seq_len=1024, fused_attention=fused),
                             cluster, micro_batch=1).memory["activations"] for fused in (True, False)}
     tokens = 1024  # one sequence a micro-batch on each rank
@@ -916,16 +920,16 @@ def test_a_deepspeed_pipeline_run_reduces_and_gathers_once_a_step_beside_no_comp
     from shoal.rules import choose_engine
 
     c = parse_cluster("16xA100-80GB")
-    plan = Plan.parse("fsdp4,zero=1,tp2,pp2,mb=8").resolve(16, "cuda")
+    plan = rules.resolve(Plan.parse("fsdp4,zero=1,tp2,pp2,mb=8"), world_size=16, device="cuda")
     shoal_engine = choose_engine(plan, num_layers=TINY.num_layers)
     assert shoal_engine.kind == "fsdp2"
     engine = deepspeed_engine(plan, shoal_engine)
     assert (engine.kind, engine.zero, engine.units) == ("zero", 1, shoal_engine.units)
-    replicated = Plan.parse("tp2,pp2,mb=8").resolve(16, "cuda")
+    replicated = rules.resolve(Plan.parse("tp2,pp2,mb=8"), world_size=16, device="cuda")
     assert deepspeed_engine(replicated, choose_engine(replicated, num_layers=4)) == choose_engine(replicated,
                                                                                                   num_layers=4)
     with pytest.raises(ValueError, match="ZeRO-1 at most"):
-        deepspeed_engine(Plan.parse("fsdp4,zero=2,tp2,pp2").resolve(16, "cuda"), shoal_engine)
+        deepspeed_engine(rules.resolve(Plan.parse("fsdp4,zero=2,tp2,pp2"), world_size=16, device="cuda"), shoal_engine)
     with pytest.raises(ValueError, match="data_engine"):
         Workload(model=TINY, global_batch=16, seq_len=128, data_engine="megatron")
     ds = estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine="deepspeed-pipe"), c)
@@ -944,7 +948,7 @@ def test_deepspeed_bf16_optimizer_accumulates_in_fp32_and_all_reduces():
     from shoal.planner.costs import BF16_REDUCE_COPY_BYTES, FP32_ACCUMULATION_BYTES, Costs
 
     c = parse_cluster("16xA100-80GB")
-    plan = Plan.parse("fsdp4,zero=1,tp2,pp2,mb=8,precision=bf16").resolve(16, "cuda")
+    plan = rules.resolve(Plan.parse("fsdp4,zero=1,tp2,pp2,mb=8,precision=bf16"), world_size=16, device="cuda")
     pipe, bf16 = (estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine=engine), c)
                   for engine in ("deepspeed-pipe", "deepspeed-bf16"))
     assert (FP32_ACCUMULATION_BYTES, BF16_REDUCE_COPY_BYTES) == (18, 32)
@@ -972,14 +976,14 @@ def test_megatron_local_ddp_all_reduces_once_after_the_last_backward():
     from shoal.planner.estimate import Workload, estimate
 
     c = parse_cluster("32xA100-80GB")
-    plan = Plan.parse("tp8,pp2,mb=8,sched=1f1b").resolve(32, "cuda")
+    plan = rules.resolve(Plan.parse("tp8,pp2,mb=8,sched=1f1b"), world_size=32, device="cuda")
     local, torch_ddp = (estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine=engine), c)
                         for engine in ("megatron-local", "shoal"))
     assert local.traffic == pytest.approx(torch_ddp.traffic) and local.traffic["dp_allreduce"] > 0
     assert local.time["dp_sync_exposed"] == pytest.approx(local.traffic["dp_allreduce"])
     assert torch_ddp.time["dp_sync_exposed"] < local.time["dp_sync_exposed"]
     with pytest.raises(ValueError, match="fsdp=2"):
-        estimate(Plan.parse("fsdp2,tp8,pp2,mb=8").resolve(32, "cuda"),
+        estimate(rules.resolve(Plan.parse("fsdp2,tp8,pp2,mb=8"), world_size=32, device="cuda"),
                  Workload(model=TINY, global_batch=64, seq_len=128, data_engine="megatron-local"), c)
 
 
@@ -990,7 +994,7 @@ def test_accumulation_under_fsdp2_adds_unsharded_gradients_only_where_the_sync_i
     from shoal.planner.estimate import Workload, estimate
 
     cluster = parse_cluster("8xA100-80GB")
-    plan = Plan.parse("fsdp4,pp2,mb=8").resolve(8, "cuda")
+    plan = rules.resolve(Plan.parse("fsdp4,pp2,mb=8"), world_size=8, device="cuda")
     ours, torchs = (estimate(plan, Workload(model=TINY, global_batch=32, seq_len=128, unsharded_accumulation=off),
                              cluster) for off in (False, True))
     stage = ours.memory["parameters"] * 4 / 2  # the stage's parameters: a shard over fsdp4, 2 bytes each in bf16
@@ -1001,7 +1005,7 @@ def test_fp32_gemms_run_on_tf32_tensor_cores_where_the_gpu_has_them():
     """shoal train's --tf32 (on by default) runs fp32 matmuls on TF32 tensor cores: an fp32 plan's GEMMs are
     priced at the data sheet's dense TF32 rate (494.5 of the H100's 67 TFLOP/s fp32), its attention and
     elementwise work as before; --tf32 off, a CPU, and a GPU without TF32 (V100) keep the fp32 rate."""
-    plan = Plan.parse("dp1,precision=fp32,compile=off").resolve(world_size=1, device="cuda")
+    plan = rules.resolve(Plan.parse("dp1,precision=fp32,compile=off"), world_size=1, device="cuda")
     cfg = get_preset("small")
     on, off = (estimate(plan, Workload(model=cfg, global_batch=8, seq_len=256, tf32=t), parse_cluster("1xH100"))
                for t in (True, False))
@@ -1011,7 +1015,7 @@ def test_fp32_gemms_run_on_tf32_tensor_cores_where_the_gpu_has_them():
     assert on.mfu == pytest.approx(off.mfu * off.step_time_s / on.step_time_s * 67 / 494.5)  # against TF32's peak
     for cluster in ("1xV100", "1xcpu"):
         device = "cpu" if cluster == "1xcpu" else "cuda"
-        p = Plan.parse("dp1,precision=fp32,compile=off").resolve(world_size=1, device=device)
+        p = rules.resolve(Plan.parse("dp1,precision=fp32,compile=off"), world_size=1, device=device)
         a, b = (estimate(p, Workload(model=cfg, global_batch=8, seq_len=256, tf32=t), parse_cluster(cluster))
                 for t in (True, False))
         assert a.step_time_s == b.step_time_s

@@ -15,12 +15,14 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from shoal import rules
 from shoal.calibration import counts
+from shoal.loss import IGNORE
 from shoal.mesh import build_mesh
 from shoal.models import PRESETS
 from shoal.plan import Plan
 from shoal.planner.costs import DTENSOR_DISPATCHES, DTENSOR_DISPATCHES_PER_OP, OPS_PER_BLOCK, RING_OPS_PER_HOP
-from shoal.testing import case, parallel_setup
+from shoal.testing.parity import case, parallel_setup
 from shoal.train.step import split_micro
 
 TINY = PRESETS["tiny"].replace(max_seq_len=16)
@@ -40,7 +42,7 @@ def test_ring_ops_per_hop(pools):
 
 
 def _ring_ops() -> float:
-    mesh = build_mesh(Plan.parse("cp2").resolve(dist.get_world_size()))
+    mesh = build_mesh(rules.resolve(Plan.parse("cp2"), world_size=dist.get_world_size()))
     return counts.ring_ops_per_hop(mesh["cp"])
 
 
@@ -130,7 +132,7 @@ def _loss_parallel_copies(dtype_name: str) -> float:
     from shoal.train.memory import TensorPeak
 
     dtype = getattr(torch, dtype_name)
-    mesh = build_mesh(Plan.parse("tp2").resolve(dist.get_world_size()))["tp"]
+    mesh = build_mesh(rules.resolve(Plan.parse("tp2"), world_size=dist.get_world_size()))["tp"]
     B, T, D, V = 4, 64, 16, 20000
     gen = torch.Generator().manual_seed(0)
     h = distribute_tensor(torch.randn(B * T, D, generator=gen).to(dtype), mesh, [Replicate()]).requires_grad_()
@@ -164,7 +166,7 @@ def test_runtime_cross_entropy_is_torchs():
                                      (0, 5, True, torch.float32)):
             x = (3 * torch.randn(n, v, generator=gen)).to(dtype)
             t = torch.randint(0, v, (n,), generator=gen)
-            t[1:n:3] = parallel_loss.IGNORE
+            t[1:n:3] = IGNORE
             ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
             saved, parallel_loss.ROWS_ELEMENTS = parallel_loss.ROWS_ELEMENTS, rows
             try:
@@ -172,7 +174,7 @@ def test_runtime_cross_entropy_is_torchs():
                 (0.37 * loss).backward()
             finally:
                 parallel_loss.ROWS_ELEMENTS = saved
-            ref = F.cross_entropy(theirs.float(), t, ignore_index=parallel_loss.IGNORE, reduction="sum")
+            ref = F.cross_entropy(theirs.float(), t, ignore_index=IGNORE, reduction="sum")
             (0.37 * ref).backward()
             assert torch.equal(loss, ref) and torch.equal(ours.grad, theirs.grad), (rows, n, v, consume, dtype)
 
@@ -200,7 +202,7 @@ def test_accumulated_table_gradient():
         assert peak.peak_mb is not None and abs(peak.peak_mb / one_mb - tables) < 0.05, (micro, peak.peak_mb / one_mb)
 
     cfg = TINY.replace(vocab_size=100000, dim=512, max_seq_len=32)  # a table (205 MB) above the logits (38 MB)
-    plan = Plan.parse("pp2,mb=4").resolve(2, "cpu")
+    plan = rules.resolve(Plan.parse("pp2,mb=4"), world_size=2, device="cpu")
     mem = estimate(plan, Workload(model=cfg, global_batch=4, seq_len=32), parse_cluster("2xcpu")).memory
     assert mem["accumulation"] > 0 and mem["logits"] + mem["accumulation"] == cfg.vocab_size * cfg.dim * 4, mem
 
@@ -223,7 +225,7 @@ def test_fsdp_vocabulary_tables(pools, tables):
     for vocab in (50000, 100000):
         cfg = TINY.replace(vocab_size=vocab, dim=64)
         measured = pools(2).run(_fsdp_step_peak, cfg, f"fsdp2,vocab={tables}")
-        plan = Plan.parse(f"fsdp2,vocab={tables}").resolve(2, "cpu")
+        plan = rules.resolve(Plan.parse(f"fsdp2,vocab={tables}"), world_size=2, device="cpu")
         terms = estimate(plan, Workload(model=cfg, global_batch=2, seq_len=16), memory_cluster(2, "cpu")).memory
         priced = sum(terms.values()) / 2**20
         assert all(0.999 * m <= priced <= 1.15 * m for m in measured), (vocab, priced, measured)
@@ -250,7 +252,7 @@ def _sharded_logits_peak() -> float:
     from shoal.train.memory import TensorPeak
 
     T, D, V = 512, 16, 40000
-    mesh = build_mesh(Plan.parse("fsdp2").resolve(dist.get_world_size()))["fsdp"]
+    mesh = build_mesh(rules.resolve(Plan.parse("fsdp2"), world_size=dist.get_world_size()))["fsdp"]
     gen = torch.Generator().manual_seed(dist.get_rank())
     linear = nn.Linear(D, V, bias=False)
     weight = shard_classifier(linear, mesh)
@@ -267,7 +269,7 @@ def _sharded_logits_peak() -> float:
 
 
 def _fsdp_step_peak(cfg: object, plan: str) -> float:
-    from shoal.testing import case
+    from shoal.testing.parity import case
     from shoal.train.memory import TensorPeak
     from shoal.train.step import train_step
 
@@ -312,7 +314,7 @@ def test_tensor_parallel_activation_count(pools, plan, world):
 
     sizes = [pools(world).run(_saved_per_token, plan, layers) for layers in (2, 4)]
     assert len({*sizes[0]}) == 1 and len({*sizes[1]}) == 1, sizes  # every rank saves the same
-    resolved = Plan.parse(plan).resolve(world)
+    resolved = rules.resolve(Plan.parse(plan), world_size=world)
     per_block = (sizes[1][0] - sizes[0][0]) / 2
     assert per_block == memory.activation_elements(TINY, 0, seq_len=TINY.max_seq_len, tp=resolved.tp,
                                                    sp=bool(resolved.sp), ac="none", fused_attention=True)
@@ -328,9 +330,9 @@ def test_dropout_activation_count(model):
     final norm's 3D + 1 and the embedding's D). Exact: whole elements of whole float32 tensors."""
     import torch
 
+    from shoal.calibration.saved import saved_activation_elements
     from shoal.models import Transformer
     from shoal.planner import memory
-    from shoal.testing import saved_activation_elements
 
     cfg = PRESETS[model].replace(max_seq_len=16, dropout=0.1)
     inputs = torch.randint(0, cfg.vocab_size, (2, 16))
@@ -377,7 +379,7 @@ def test_tensor_parallel_moe_activation_count(pools):
 
 
 def _saved_per_token(plan: str, num_layers: int, model=TINY) -> float:
-    from shoal.testing import saved_activation_elements
+    from shoal.calibration.saved import saved_activation_elements
 
     runtime, _, batches = parallel_setup(case(plan=plan, model=model.replace(num_layers=num_layers),
                                               global_batch=2, seq_len=model.max_seq_len, steps=1))
@@ -401,7 +403,7 @@ def test_selective_recompute_activation_count(pools, plan, model, dropout):
     world = 1 if plan == "dp1" else 2
     sizes = [pools(world).run(_kept_per_token, f"{plan},ac=selective", layers, cfg) for layers in (2, 4)]
     assert len({*sizes[0]}) == 1 and len({*sizes[1]}) == 1, sizes  # every rank keeps the same
-    resolved = Plan.parse(f"{plan},ac=selective").resolve(world)
+    resolved = rules.resolve(Plan.parse(f"{plan},ac=selective"), world_size=world)
     assert (sizes[1][0] - sizes[0][0]) / 2 == memory.activation_elements(
         cfg, 0, seq_len=16, tp=resolved.tp, sp=bool(resolved.sp), ac="selective", fused_attention=True, on_cpu=True,
         element_bytes=4)
@@ -435,11 +437,11 @@ def test_compiled_activation_count(model, autocast):
     import torch._dynamo
     from torch import nn
 
+    from shoal.calibration.saved import saved_activation_bytes
     from shoal.models import Transformer
     from shoal.parallel.compile import apply_compile
     from shoal.parallel.precision import Autocast
     from shoal.planner import memory
-    from shoal.testing import saved_activation_bytes
 
     name, *flags = model.split(",")
     cfg = PRESETS[name].replace(max_seq_len=64, **{flag: True for flag in flags})
@@ -485,7 +487,7 @@ def _compiled_saved_per_token(plan: str, num_layers: int, model) -> float:
     import torch._dynamo
     from torch.distributed.tensor import DTensor
 
-    from shoal.testing import saved_activation_elements
+    from shoal.calibration.saved import saved_activation_elements
 
     runtime, _, batches = parallel_setup(case(plan=plan, model=model.replace(num_layers=num_layers), global_batch=2,
                                               seq_len=model.max_seq_len, steps=1))
@@ -510,10 +512,10 @@ def test_autocast_activation_count(model):
     import torch
     from torch import nn
 
+    from shoal.calibration.saved import saved_activation_bytes, saved_activation_elements
     from shoal.models import Transformer
     from shoal.parallel.precision import Autocast
     from shoal.planner import memory
-    from shoal.testing import saved_activation_bytes, saved_activation_elements
 
     name, *flags = model.split(",")
     cfg = PRESETS[name].replace(max_seq_len=16, **{flag: True for flag in flags})

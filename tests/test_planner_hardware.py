@@ -12,7 +12,7 @@ import pytest
 from shoal.planner import cluster_file, hardware, kernel_rates
 from shoal.planner.cluster_file import dump_cluster, load_cluster, parse_cluster
 from shoal.planner.hardware import ALIASES, DEVICES, Cluster, DeviceSpec, Link, get_device
-from shoal.testing import one_line_error
+from shoal.testing.asserts import one_line_error
 
 
 def test_count_fills_whole_nodes():

@@ -14,9 +14,11 @@ import dataclasses
 import pytest
 import torch
 
+from shoal import rules
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.plan import Plan
-from shoal.testing import SMALL, assert_close, case, parallel_setup, run_parallel, run_reference
+from shoal.testing.asserts import assert_close
+from shoal.testing.parity import SMALL, case, parallel_setup, run_parallel, run_reference
 from shoal.train.step import split_micro, train_step
 
 CASES = [case(plan="fsdp2,precision=bf16", steps=6), case(plan="dp2,precision=bf16", steps=6),
@@ -50,7 +52,7 @@ def test_mixed_precision_tracks_fp32(pools):
     for i, c in enumerate(CASES):
         reference = run_reference(c)["losses"]
         for rank_result in (r[i] for r in results):
-            compute = PrecisionPolicy.from_name(Plan.parse(c.plan).resolve(2).precision).param_dtype
+            compute = PrecisionPolicy.from_name(rules.resolve(Plan.parse(c.plan), world_size=2).precision).param_dtype
             assert rank_result["logits_dtype"] == compute, c.plan
             assert rank_result["master"] == {torch.float32}, c.plan  # the optimizer updates fp32 weights
             assert_close(rank_result["losses"], reference, rtol=1e-3, atol=0, what=f"{c.plan} losses")
@@ -70,7 +72,7 @@ def test_one_process_mixed_precision_tracks_fp32(pools):
     residual stream and the element-wise work in fp32, which is nearer the fp32 run than FSDP2's casts."""
     results = pools(1).run(train_losses, ONE_PROCESS)
     for c, result in zip(ONE_PROCESS, results[0], strict=True):
-        compute = PrecisionPolicy.from_name(Plan.parse(c.plan).resolve(1).precision).param_dtype
+        compute = PrecisionPolicy.from_name(rules.resolve(Plan.parse(c.plan), world_size=1).precision).param_dtype
         assert result["logits_dtype"] == compute, c.plan  # the products ran in 16 bits
         assert result["master"] == {torch.float32}, c.plan
         reference = run_reference(c)["losses"]
@@ -94,7 +96,8 @@ def test_fp16_overflow_skips_the_step_through_the_runtime():
     from shoal.runtime import Runtime
 
     model = torch.nn.Linear(2, 1)
-    runtime = Runtime(TorchDataEngine(model, model), plan=Plan.parse("dp1,precision=fp16").resolve(1), mesh=None,
+    runtime = Runtime(TorchDataEngine(model, model), plan=rules.resolve(Plan.parse("dp1,precision=fp16"),
+                                                                        world_size=1), mesh=None,
                       choice=None)
     optimizer = torch.optim.SGD(runtime.parameters(), lr=1.0)
     before = [p.detach().clone() for p in model.parameters()]
@@ -166,7 +169,7 @@ def test_the_summary_names_a_reduction_only_where_gradients_are_reduced(plan, wo
     from shoal.train.loop import _precision_words
 
     text = plan if plan != "fp32" else "precision=fp32"
-    assert _precision_words(Plan.parse(text).resolve(world, "cpu")) == words
+    assert _precision_words(rules.resolve(Plan.parse(text), world_size=world, device="cpu")) == words
 
 
 def test_the_trainer_says_which_fp16_steps_overflowed(tmp_path, capfd):

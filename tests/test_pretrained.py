@@ -25,13 +25,14 @@ from safetensors.torch import load_file, save_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 
+from shoal import rules
 from shoal.mesh import build_mesh  # noqa: E402
 from shoal.models import ModelConfig, Transformer  # noqa: E402
 from shoal.models.hf.config import load_model_config  # noqa: E402
 from shoal.models.hf.pretrained import open_pretrained  # noqa: E402
 from shoal.parallelize import parallelize  # noqa: E402
 from shoal.plan import Plan  # noqa: E402
-from shoal.testing import assert_user_error, full_tensors  # noqa: E402
+from shoal.testing.asserts import assert_user_error, full_tensors  # noqa: E402
 from shoal.train.export import export_model  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # see the module docstring
@@ -67,7 +68,7 @@ def _load_under(plan_text: str, path: str, cfg: ModelConfig, tokens: torch.Tenso
     weights = open_pretrained(path, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
-    plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+    plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
     runtime = parallelize(model, plan, build_mesh(plan), weights=weights)
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in runtime.parameters())
     logits = None

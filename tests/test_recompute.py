@@ -11,10 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shoal import rules
 from shoal.parallel.recompute import apply_recompute, kept_activation_bytes
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
-from shoal.testing import SMALL, case, check_parity, full_tensors, run_parallel
+from shoal.testing.asserts import full_tensors
+from shoal.testing.parity import SMALL, case, check_parity, run_parallel
 
 
 def _grads_and_saved_bytes(ac: str, cfg=SMALL) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
@@ -72,7 +74,7 @@ def _wrapped_blocks(plan_text):
     from shoal.mesh import build_mesh
     from shoal.models import Transformer
 
-    plan = Plan.parse(plan_text).resolve(2)
+    plan = rules.resolve(Plan.parse(plan_text), world_size=2)
     runtime = parallelize(Transformer(SMALL), plan, build_mesh(plan))
     return [type(b).__name__ for b in runtime.parts[0].layers.values()]
 

@@ -8,7 +8,7 @@ each starting from the previous segment's DCP checkpoint (model and AdamW state,
     group) -> fsdp2,zero=1 (2 ranks, 2 micro-batches) -> fsdp2,tp2 (ZeRO-3 x tensor parallel,
     4 ranks) -> dp2,fsdp2 (hybrid, 4 ranks)
 
-Tolerances are the parity harness's (shoal/testing.py: losses as close to the float64 run as the
+Tolerances are the parity harness's (shoal/testing/parity.py: losses as close to the float64 run as the
 single float32 process is, final parameters by `assert_trained_close`). A checkpoint stores every
 tensor exactly, so a resumed step differs from the unbroken one only by the reduction order of
 its layout, as in the parity tests.
@@ -16,7 +16,8 @@ its layout, as in the parity tests.
 
 from __future__ import annotations
 
-from shoal.testing import assert_rounding_close, assert_trained_close, case, references, train_segment
+from shoal.testing.asserts import assert_rounding_close
+from shoal.testing.parity import assert_trained_close, case, references, train_segment
 
 RUN = case(steps=9)
 # (plan, world size or 0 for a single process without a process group, first step, end step, micro-batches)

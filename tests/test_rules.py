@@ -15,7 +15,7 @@ from shoal import rules
 from shoal.cli import main
 from shoal.models.config import get_preset
 from shoal.plan import Plan
-from shoal.testing import one_line_error
+from shoal.testing.asserts import one_line_error
 
 TINY = get_preset("tiny")  # 4 layers, 8 heads, 4 KV heads, ffn 384, vocab 256
 MOE = get_preset("tiny-moe")  # 4 experts
@@ -54,7 +54,7 @@ def test_sp_vpp_and_zero_defaults_follow_the_plan():
     assert plan.zero == 2 and notes == ["zero=2: zero-bubble pipelines run on shoal's ZeRO-1/2 engine, not on FSDP2 "
                                         "(ZeRO-3)"]
     assert str(plan) == "fsdp2,pp2,zero=2,mb=4,sched=zb,precision=fp32,compile=off"
-    assert Plan.parse(str(plan)).resolve(4) == plan  # the printed plan is the plan
+    assert rules.resolve(Plan.parse(str(plan)), world_size=4) == plan  # the printed plan is the plan
     assert resolve("fsdp2", facts(2))[0].zero == 3
 
 

@@ -144,7 +144,7 @@ def test_held_out_loss_weighs_each_batch_by_its_targets():
 
     import torch
 
-    from shoal.parallel.loss import IGNORE
+    from shoal.loss import IGNORE
     from shoal.train.loop import Trainer
 
     def targets(n: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shoal import rules
 from shoal.mesh import build_mesh
 from shoal.parallel.precision import PrecisionPolicy
 from shoal.parallel.zero import ZeroDataParallel
@@ -50,7 +51,7 @@ def _averaged_grads(toy: _Toy, x: torch.Tensor, skip_last: bool) -> dict[str, to
 
 
 def _engine_mechanics() -> dict:
-    plan = Plan.parse("fsdp2,zero=1").resolve(2)
+    plan = rules.resolve(Plan.parse("fsdp2,zero=1"), world_size=2)
     mesh = build_mesh(plan)
     torch.manual_seed(0)
     toy = _Toy()

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shoal import rules
 from shoal.plan import Plan
 
 
@@ -30,7 +31,7 @@ def build_mesh(plan: Plan, device: str | None = None) -> DeviceMesh:
     so that code can always ask for `mesh["tp"]` and get a degree-1 group when tp is off.
     `device`: "cpu" or "cuda"; None: `device_type()`."""
     device = device or device_type()
-    names, sizes = plan.resolve(dist.get_world_size(), device).mesh_shape()
+    names, sizes = rules.resolve(plan, world_size=dist.get_world_size(), device=device).mesh_shape()
     return shared_mesh(device, tuple(sizes), tuple(names))
 
 

@@ -11,27 +11,16 @@ ep is carved out of the ranks that see different tokens (dp x fsdp x cp).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from shoal.models.config import ModelConfig
-    from shoal.models.mixer_config import MixerConfig
 
 AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
-DEVICES = ("cpu", "cuda")
-DEVICE_DEFAULTS = {"cpu": {"precision": "fp32", "compile": False}, "cuda": {"precision": "bf16", "compile": True}}
-"""Options a plan leaves out take these values on each device: bf16 compute with fp32 master
-weights and fp32 gradient reduction on GPUs (what users expect there), plain fp32 on CPUs (no
-fast bf16 matmuls; exact parity with a single process). Blocks are compiled on GPUs, where fused
-kernels replace a small model's many short ones; on CPUs the cold compile every run starts with
-costs more than it saves at the sizes one trains there (bench/gpu_throughput.py compares compiled
-and eager on either device; --compile-on-cpu on a CPU)."""
 # Mesh dimension order, outermost first: pipeline stages span the slowest links, tensor
 # parallel the fastest (the torchtitan / Megatron convention).
 MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+"""The pipeline schedules (shoal.parallel.schedules builds each one's table)."""
 
 _CHOICES = {
-    "sched": ("gpipe", "1f1b", "interleaved", "zb"),
+    "sched": SCHEDULES,
     "cp_mode": ("ring", "a2a"),
     "ac": ("none", "selective", "full"),
     "precision": ("fp32", "bf16", "fp16"),
@@ -100,14 +89,14 @@ class Plan:
     """Activation recompute: none, selective or full (per block)."""
     precision: str | None = None
     """Parameter/compute precision: fp32, bf16 (fp32 master weights) or fp16 (loss scaling).
-    None: the device's default (DEVICE_DEFAULTS), filled in by `resolve`."""
+    None: the device's default (shoal.rules.DEVICE_DEFAULTS)."""
     reduce: str = "fp32"
     """Dtype gradients are reduced (all-reduced / reduce-scattered) in: fp32 (exact sums, the
     default), or bf16/fp16 (half the gradient traffic, rounded sums)."""
     compile: bool | None = None
     """Compile each transformer block with torch.compile (inductor), as torchtitan does: fused
     kernels, and selective recompute decided at compile time. None: the device's default
-    (DEVICE_DEFAULTS), filled in by `resolve`."""
+    (shoal.rules.DEVICE_DEFAULTS)."""
     auto: bool = False
     """Ask the planner to choose the plan."""
 
@@ -211,39 +200,21 @@ class Plan:
     def non_dp_product(self) -> int:
         return self.fsdp * self.tp * self.pp * self.cp
 
-    def resolve(self, world_size: int, device: str = "cpu") -> Plan:
-        """Fill in dp from the world size and the options left out (shoal.rules.resolve, which a
-        caller that knows the model and the batch asks directly); one-line ValueError if the
-        plan cannot run on `world_size` processes of `device`."""
-        from shoal import rules  # rules reads Plan: imported here, not at the top
-
-        return rules.resolve(self, world_size=world_size, device=device)
-
     @property
     def data_ranks(self) -> int:
         """Number of ranks that see different sequences (dp x fsdp); dp must be resolved."""
-        assert self.dp is not None, "call Plan.resolve(world_size) first"
+        assert self.dp is not None, "resolve the plan first (shoal.rules.resolve)"
         return self.dp * self.fsdp
 
     @property
     def world_size(self) -> int:
-        assert self.dp is not None, "call Plan.resolve(world_size) first"
+        assert self.dp is not None, "resolve the plan first (shoal.rules.resolve)"
         return self.dp * self.non_dp_product
 
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """Names and sizes of the device-mesh dimensions (every axis, size-1 ones too)."""
-        assert self.dp is not None, "call Plan.resolve(world_size) first"
+        assert self.dp is not None, "resolve the plan first (shoal.rules.resolve)"
         return MESH_AXES, tuple(getattr(self, a) for a in MESH_AXES)
-
-    # ------------------------------------------------------------------ validation
-    def validate(self, model: ModelConfig | MixerConfig, *, global_batch: int, seq_len: int) -> None:
-        """Check the (resolved) plan against a model shape and batch (shoal.rules.check); one-line
-        ValueError if wrong."""
-        from shoal import rules
-
-        assert self.dp is not None, "call Plan.resolve(world_size) first"
-        rules.check(self, rules.Facts(world_size=self.world_size, model=model, global_batch=global_batch,
-                                      seq_len=seq_len))
 
     @property
     def micro_batches(self) -> int:
@@ -252,10 +223,10 @@ class Plan:
     # ------------------------------------------------------------------ words
     def describe(self) -> str:
         """The plan in words, one line per axis in use."""
-        assert self.dp is not None, "call Plan.resolve(world_size) first"
+        assert self.dp is not None, "resolve the plan first (shoal.rules.resolve)"
         lines = [f"plan {self} on {self.world_size} process(es):"]
         if self.pp > 1:
-            assert self.vpp is not None, "call Plan.resolve(world_size) first"
+            assert self.vpp is not None, "resolve the plan first (shoal.rules.resolve)"
             lines.append(
                 f"  pipeline: layers split into {self.pp} stages ({self.sched}, {self.micro_batches} micro-batches"
                 + (f", {self.vpp} virtual stages per rank" if self.vpp > 1 else "") + ")"
@@ -268,7 +239,7 @@ class Plan:
         if self.cp > 1:
             lines.append(f"  context: each sequence split into {self.cp} chunks ({self.cp_mode} attention)")
         if self.fsdp > 1:
-            assert self.zero is not None, "call Plan.resolve(world_size) first"
+            assert self.zero is not None, "resolve the plan first (shoal.rules.resolve)"
             what = {1: "optimizer state", 2: "optimizer state and gradients",
                     3: "parameters, gradients and optimizer state"}[self.zero]
             lines.append(f"  sharded data: ZeRO-{self.zero}, {what} sharded {self.fsdp} ways"

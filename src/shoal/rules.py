@@ -2,7 +2,7 @@
 values an option left out takes, and which data-parallel engine runs the plan.
 
 One place, pure (no torch), so that every caller asks the same question and gets the same
-one-line answer: `Plan.validate`, `parallelize`, the planner's search, `shoal plan --plan` and
+one-line answer: `validate`, `parallelize`, the planner's search, `shoal plan --plan` and
 `shoal train` before any worker starts. A rule written in two places drifts; add new ones here.
 
 What a rule may look at: the plan, the world size, the device type ("cpu" or "cuda"), the model's
@@ -45,9 +45,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shoal.models.adapter import AXES, MIXER
+from shoal.models.adapter import FAMILY_AXES, MIXER
 from shoal.models.mixer_config import MixerConfig
-from shoal.plan import DEVICE_DEFAULTS, DEVICES, Plan
+from shoal.plan import SCHEDULES, Plan
 
 if TYPE_CHECKING:
     from shoal.models.config import ModelConfig
@@ -57,7 +57,14 @@ DEFAULT_BUCKET = {1: 2, 2: 2, 3: 1}
 (fewer, larger collectives; the full parameters are kept anyway), one at ZeRO-3, where a
 unit's full parameters are the transient memory sharding exists to save."""
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+DEVICES = ("cpu", "cuda")
+DEVICE_DEFAULTS = {"cpu": {"precision": "fp32", "compile": False}, "cuda": {"precision": "bf16", "compile": True}}
+"""Options a plan leaves out take these values on each device: bf16 compute with fp32 master
+weights and fp32 gradient reduction on GPUs (what users expect there), plain fp32 on CPUs (no
+fast bf16 matmuls; exact parity with a single process). Blocks are compiled on GPUs, where fused
+kernels replace a small model's many short ones; on CPUs the cold compile every run starts with
+costs more than it saves at the sizes one trains there (bench/gpu_throughput.py compares compiled
+and eager on either device; --compile-on-cpu on a CPU)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +118,12 @@ def fill(plan: Plan, facts: Facts) -> Plan:
     """dp and the options left out filled in, without asking whether shoal can run the plan: for
     pricing a layout another system ran (the planner's published runs), never for a run."""
     return _choose_defaults(_resolve_degrees(plan, facts), facts)[0]
+
+
+def validate(plan: Plan, model: ModelConfig | MixerConfig, *, global_batch: int, seq_len: int) -> None:
+    """Check a resolved plan against a model shape and batch; one-line ValueError if it cannot run."""
+    assert plan.dp is not None, "resolve the plan first"
+    check(plan, Facts(world_size=plan.world_size, model=model, global_batch=global_batch, seq_len=seq_len))
 
 
 def check(plan: Plan, facts: Facts) -> None:
@@ -416,7 +429,7 @@ def _mixer_rule(plan: Plan, facts: Facts) -> str | None:
     model = facts.model
     if not isinstance(model, MixerConfig):
         return None
-    for axis in AXES:
+    for axis in FAMILY_AXES:
         if not MIXER.takes(axis) and getattr(plan, axis) > 1:
             return (f"{axis}={getattr(plan, axis)} with the image Mixer (Sparse-MLP) is not available: it trains "
                     "under dp, fsdp and ep; valid: plans such as dp2, fsdp2, ep2 or dp2,ep2")

@@ -49,14 +49,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from shoal.loss import Batch, LossFn
 from shoal.mesh import all_reduce_mean, data_rank, reduction_groups, stages_and_data_mesh
 from shoal.moe.collect import MoECollector
 from shoal.parallel.context import ContextSplit
 from shoal.parallel.data import DataEngine, clean_name
 from shoal.parallel.expert import ExpertGrads
 
-# IGNORE (the target that takes no loss) and cross_entropy_sum are also the trainer's, through here.
-from shoal.parallel.loss import IGNORE as IGNORE
+# cross_entropy_sum and num_targets are also the trainer's, through here (the trainer imports no shoal.parallel).
 from shoal.parallel.loss import cross_entropy_sum as cross_entropy_sum
 from shoal.parallel.loss import local_value, vocab_parallel_loss
 from shoal.parallel.loss import num_targets as num_targets
@@ -67,10 +67,6 @@ from shoal.parallel.tensor import reduce_partial_grads
 from shoal.parallel.tied import TiedGrads
 from shoal.plan import Plan
 from shoal.rules import EngineChoice
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(model output, targets) -> the mean loss of one micro-batch (Runtime.share weighs it)."""
 
 
 class Runtime:

@@ -312,7 +312,7 @@ def _say_a_precision_change(folder: Path, stored: Any, resumed: Any) -> None:
     """A resumed run whose --plan (or device) changes its precision goes on from the same weights at another one: a
     warning, not a refusal (the flag is the user's choice), since the loss curve then moves beyond rounding."""
     from shoal.infra.launch import resolve_device
-    from shoal.plan import DEVICE_DEFAULTS
+    from shoal.rules import DEVICE_DEFAULTS
     from shoal.train.config import parse_plan
 
     try:

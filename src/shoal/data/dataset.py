@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from shoal.data.prepare import FORMAT, MANIFEST, PROGRESS
-from shoal.parallel.loss import IGNORE
+from shoal.loss import IGNORE
 
 BLOCK = 4096
 """Samples per mixture block: the shares are exact at every block boundary."""

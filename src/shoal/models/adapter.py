@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-AXES = ("tp", "pp", "cp", "ep")
+FAMILY_AXES = ("tp", "pp", "cp", "ep")
 """The axes that need a family's knowledge (dp and fsdp need none: every module takes them)."""
 
 TP_STYLES = ("embedding", "vocab_embedding", "positions", "residual_norm", "attention_input", "ffn_input", "colwise",
@@ -69,7 +69,7 @@ class ModelAdapter:
     family: str
     """The family's name, for messages."""
     axes: frozenset[str]
-    """The axes of AXES this family takes; an adapter-less model takes none of them."""
+    """The axes of FAMILY_AXES this family takes; an adapter-less model takes none of them."""
     blocks: str
     """The attribute holding the repeated blocks, a ModuleDict keyed "0".."L-1" in order: the units
     that recompute, compile and sharded data parallelism wrap, and that a pipeline splits."""
@@ -93,14 +93,14 @@ class ModelAdapter:
     a name, imported by `weight_map()` on first use since it needs torch. None: no such layout."""
 
     def __post_init__(self) -> None:
-        assert self.axes <= set(AXES), f"{self.family}: axes {sorted(self.axes)} outside {AXES}"
+        assert self.axes <= set(FAMILY_AXES), f"{self.family}: axes {sorted(self.axes)} outside {FAMILY_AXES}"
         assert ("tp" in self.axes) == (self.tp_plan is not None), f"{self.family}: tp takes a plan"
         assert ("cp" in self.axes) == (self.attention is not None), f"{self.family}: cp takes an attention seam"
         assert self.classifier is None or self.classifier in self.head, f"{self.family}: the classifier is in the head"
 
     def takes(self, axis: str) -> bool:
-        """Whether this family runs under `axis` (one of AXES) at a degree above 1."""
-        assert axis in AXES, axis
+        """Whether this family runs under `axis` (one of FAMILY_AXES) at a degree above 1."""
+        assert axis in FAMILY_AXES, axis
         return axis in self.axes
 
     def block_container(self, model: nn.Module) -> nn.ModuleDict:
@@ -158,7 +158,7 @@ def _transformer_tp_plan(model: Any) -> dict[str, str]:
 
 TRANSFORMER = ModelAdapter(
     family="transformer",
-    axes=frozenset(AXES),
+    axes=frozenset(FAMILY_AXES),
     blocks="layers",
     embeddings=("tok_embeddings", "pos_embeddings"),
     head=("norm", "output"),

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from shoal.loss import IGNORE
+
 
 def is_vocab_sharded(logits: torch.Tensor) -> bool:
     """True for logits that are a DTensor sharded on their last (vocabulary) dim."""
@@ -51,9 +53,6 @@ def vocab_parallel_loss(logits: torch.Tensor) -> Iterator[None]:
     with loss_parallel():
         yield
 
-
-IGNORE = -100
-"""A target that takes no loss (a prompt or user token of fine-tuning data): torch's ignore_index."""
 
 
 def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

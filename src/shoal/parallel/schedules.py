@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.rules import SCHEDULES, schedule_refusal
+from shoal.plan import SCHEDULES
+from shoal.rules import schedule_refusal
 
 OPS = ("F", "B", "W")
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}

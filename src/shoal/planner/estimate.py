@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.models.config import ModelConfig
-from shoal.plan import DEVICE_DEFAULTS, Plan
+from shoal.plan import Plan
 from shoal.planner import compute, memory, peak
 from shoal.planner.comm import Network, RingNetwork
 from shoal.planner.costs import Costs, matmul_dtype
 from shoal.planner.hardware import Cluster
-from shoal.rules import EngineChoice, choose_engine, micro_batches
+from shoal.rules import DEVICE_DEFAULTS, EngineChoice, choose_engine, micro_batches
 
 OPTIMIZER_BYTES = 28 + 4 * 2
 """Bytes an Adam step moves per parameter: read weight, gradient, two moments (16), write the weight

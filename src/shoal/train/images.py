@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shoal.runtime import IGNORE
+from shoal.loss import IGNORE
 
 DIGITS = "digits"
 """The `--data` name of the built-in image set (also what --data left out means for an image model)."""

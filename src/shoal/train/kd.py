@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from shoal.runtime import IGNORE, LossFn
+from shoal.loss import IGNORE, LossFn
 
 
 @dataclass(frozen=True, kw_only=True)

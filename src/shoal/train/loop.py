@@ -24,12 +24,12 @@ from shoal import rules
 from shoal.infra import faults, host_memory
 from shoal.infra.watchdog import Watchdog
 from shoal.infra.world import broadcast_from_rank0
+from shoal.loss import LossFn
 from shoal.models import MixerConfig
 from shoal.moe.collect import records as moe_records
 from shoal.optim.builder import build_optimizer, build_scheduler
 from shoal.optim.large_batch import gather_trust, trust_summary
 from shoal.plan import Plan
-from shoal.runtime import LossFn
 from shoal.train import memory
 from shoal.train.build import (
     build_runtime,

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.runtime import Batch, LossFn, Runtime
+from shoal.loss import Batch, LossFn
+from shoal.runtime import Runtime
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,7 @@ its tolerances follow from the arithmetic: `check_parity`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,184 +22,26 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shoal import rules
+from shoal.loss import IGNORE
 from shoal.mesh import build_mesh
 from shoal.models import MixerConfig, ModelConfig, build_model
 from shoal.moe.collect import MoECollector
 from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.runtime import Runtime
+from shoal.testing.asserts import FLOOR_ULPS, MOVED, SLACK, U32, assert_rounding_close, full_tensors
 from shoal.train.step import split_micro, train_step
-
-# ----------------------------------------------------------------------------- comparisons
-
-
-def assert_close(actual: Any, expected: Any, *, rtol: float, atol: float, what: str = "value") -> None:
-    """Recursive allclose over dicts/lists of tensors and floats, naming the first key that differs."""
-    if isinstance(expected, Mapping):
-        assert set(actual) == set(expected), f"{what}: keys differ: {sorted(set(actual) ^ set(expected))}"
-        for key in expected:
-            assert_close(actual[key], expected[key], rtol=rtol, atol=atol, what=f"{what}[{key}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), f"{what}: length {len(actual)} != {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_close(a, e, rtol=rtol, atol=atol, what=f"{what}[{i}]")
-    else:
-        a, e = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
-        assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-        if not torch.allclose(a, e, rtol=rtol, atol=atol):
-            diff = (a - e).abs()
-            raise AssertionError(
-                f"{what}: max abs diff {diff.max().item():.3g} (rtol={rtol}, atol={atol}); "
-                f"max |expected| {e.abs().max().item():.3g}"
-            )
-
-
-U32 = 2.0**-24
-"""Unit roundoff of float32: the largest relative error of one rounding."""
-SLACK = 8.0
-"""How many times the single-process float32 error a parallel float32 run may be off the float64
-truth (see `assert_rounding_close`). The error analysis there puts the ratio near 1, a tensor
-now and then a few times that (another order of summation rounds as a random walk, not always
-the same way); a real defect is off by orders of magnitude more."""
-MOVED = 0.01
-"""Share of the distance training moved a tensor by which a parallel run's final parameters may
-differ from the float64 run's (see `assert_trained_close`); ordinary tensors differ by ~1e-4."""
-FLOOR_ULPS = 16.0
-"""Rounding errors below this many float32 ulps of the largest value are always accepted."""
-
-
-def assert_rounding_close(actual: Any, ref32: Any, ref64: Any, *, what: str = "value") -> None:
-    """`actual` (float32, computed in another order) is as close to the float64 truth `ref64` as
-    the single-process float32 run `ref32` is, up to SLACK times, plus FLOOR_ULPS ulps; per tensor.
-
-    Why this holds on any machine: a parallel run computes the same sums as the single process,
-    split across ranks and added in another order. A float32 sum of n terms in any order is off
-    by at most (n-1) u sum|x_i| (Higham, Accuracy and Stability of Numerical Algorithms, 4.2),
-    and in practice by a similar random-walk amount whatever the order, so the parallel error
-    is of the size of the single process's own error. That error is measured in each test, on the
-    CPU it runs on with its kernels and thread count, rather than assumed from the machine the test
-    was written on: the bound moves with the machine. A real defect (a missing average, a wrong shard) is off
-    by orders of magnitude more than float32 rounding.
-    """
-    if isinstance(ref64, Mapping):
-        assert set(actual) == set(ref64), f"{what}: keys differ: {sorted(set(actual) ^ set(ref64))}"
-        for key in ref64:
-            assert_rounding_close(actual[key], ref32[key], ref64[key], what=f"{what}[{key}]")
-        return
-    a, r32, r64 = (torch.as_tensor(v, dtype=torch.float64) for v in (actual, ref32, ref64))
-    assert a.shape == r64.shape, f"{what}: shape {tuple(a.shape)} != {tuple(r64.shape)}"
-    error = (a - r64).abs().max().item() if a.numel() else 0.0
-    single = (r32 - r64).abs().max().item() if a.numel() else 0.0
-    floor = FLOOR_ULPS * U32 * (r64.abs().max().item() if a.numel() else 0.0)
-    bound = SLACK * single + floor
-    if not error <= bound:
-        raise AssertionError(f"{what}: off the float64 reference by {error:.3g} > {bound:.3g} ({SLACK:g} x the "
-                             f"single-process float32 error {single:.3g} + {FLOOR_ULPS:g} ulps = {floor:.3g})")
-
-
-def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, *, masks: bool = False) -> int:
-    """Bytes autograd saves for backward in one forward of `model`, counted as `saved_activation_elements`
-    counts them but by each tensor's own dtype (a float32 statistic beside 16-bit activations); `masks`: bool
-    tensors (dropout's masks on a GPU) counted too."""
-    return sum(nbytes for nbytes, _ in _saved_storages(model, inputs, masks=masks))
-
-
-def saved_activation_elements(model: nn.Module, inputs: torch.Tensor) -> int:
-    """Elements autograd saves for backward in one forward of `model`, each storage counted once
-    (parameters, buffers and integer tensors such as token ids left out; a DTensor counted by this
-    rank's local tensor): the planner's activation count, measured."""
-    return sum(nbytes // size for nbytes, size in _saved_storages(model, inputs, masks=False))
-
-
-def _saved_storages(model: nn.Module, inputs: torch.Tensor, *, masks: bool) -> list[tuple[int, int]]:
-    """(bytes, element size) of each storage autograd saves in one forward of `model`, once each: floating
-    tensors (and bool ones with `masks`), not the model's parameters or buffers, a DTensor by its local tensor."""
-    from torch.distributed.tensor import DTensor
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    skip = {local(t).untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    sizes: dict[int, tuple[int, int]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        here = local(t)
-        kept = here.is_floating_point() or (masks and here.dtype == torch.bool)
-        if kept and here.untyped_storage().data_ptr() not in skip:
-            sizes[here.untyped_storage().data_ptr()] = (here.untyped_storage().nbytes(), here.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(inputs)
-    return list(sizes.values())
-
-
-def corpus_bpe(folder: Path, vocab_size: int, eos: str = "<|endoftext|>") -> Path:
-    """A byte-level BPE of `vocab_size` ids trained on the built-in corpus (offline, about a second),
-    saved as a Hugging Face tokenizer folder whose EOS token is `eos`; returns the folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from shoal.data.text import default_corpus
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([default_corpus()], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(folder)
-    return folder
-
-
-def assert_user_error(capsys: Any, argv: list[str], *names: str) -> str:
-    """`shoal` with `argv` exits 2 with exactly one stderr line that names every string in
-    `names` (capsys: pytest's fixture); returns the line."""
-    from shoal import cli
-
-    capsys.readouterr()
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("shoal: error: "), err
-    for name in names:
-        assert name in lines[0], (name, lines[0])
-    return lines[0]
-
-
-def one_line_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
-    """The message of the ValueError that fn(*args, **kwargs) raises, checked to be one line."""
-    try:
-        fn(*args, **kwargs)
-    except ValueError as exc:
-        message = str(exc)
-        assert "\n" not in message, message
-        return message
-    raise AssertionError(f"{getattr(fn, '__name__', fn)} raised no ValueError")
-
-
-def full_tensors(source: Runtime | nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every trainable parameter (or its gradient) of a runtime or a plain module as a full,
-    unsharded CPU tensor, keyed by name (a runtime's names are the user module's own). Collective
-    for sharded ones."""
-    out = {}
-    for name, param in source.named_parameters():
-        tensor = param.grad if grads else param
-        if tensor is None:
-            continue
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        out[name] = tensor.detach().cpu().clone()
-    return out
-
-
-# ----------------------------------------------------------------------------- parity cases
 
 SMALL = ModelConfig(num_layers=2, dim=64, num_heads=8, num_kv_heads=4, ffn_dim=128, vocab_size=128, max_seq_len=64)
 
+
 _HF_BASE = ModelConfig(num_layers=2, dim=64, num_heads=4, num_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=32,
                        rope_theta=500.0)
+
+
 _HF_MOE = dict(num_experts=4, top_k=2, capacity_factor=0.0, aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
 HF_FAMILIES: dict[str, ModelConfig] = {
     "llama3": _HF_BASE.replace(rope_type="llama3", rope_factor=8.0, rope_original_max_len=8),
     "yarn": _HF_BASE.replace(rope_type="yarn", rope_factor=4.0, rope_original_max_len=8),
@@ -281,7 +121,7 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        num_targets = int((targets != -100).sum())  # the loss: the mean over every target of the global batch
+        num_targets = int((targets != IGNORE).sum())  # the loss: the mean over every target of the global batch
         for x, y in zip(inputs.chunk(micro), targets.chunk(micro)):
             logits = model(x)  # (B, T, V) for text, (B, classes) for images
             logits = logits if logits.dim() == 2 else logits.flatten(0, 1)
@@ -320,8 +160,8 @@ def reference_update(case: ParityCase, grads: dict[str, torch.Tensor]) -> tuple[
 def parallel_setup(case: ParityCase) -> tuple[Runtime, torch.optim.Optimizer, list[tuple[torch.Tensor, torch.Tensor]]]:
     """On this rank: the case's model parallelized by its plan, its optimizer, and this rank's
     slice of every global batch."""
-    plan = Plan.parse(case.plan).resolve(dist.get_world_size())
-    plan.validate(case.model, global_batch=case.global_batch, seq_len=case.seq_len)
+    plan = rules.resolve(Plan.parse(case.plan), world_size=dist.get_world_size())
+    rules.validate(plan, case.model, global_batch=case.global_batch, seq_len=case.seq_len)
     runtime = parallelize(case.build_model(), plan, build_mesh(plan))
     optimizer = case.optimizer_for(runtime)
     index, count = runtime.data_rank
@@ -451,7 +291,7 @@ def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, en
     if plan_text == "single":
         runtime = parallelize(case.build_model())
     else:
-        plan = Plan.parse(plan_text).resolve(dist.get_world_size())
+        plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
         runtime = parallelize(case.build_model(), plan, build_mesh(plan))
     optimizer = case.optimizer_for(runtime)
     if start > 0:
