@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 from bench.common import launch, report, summarize
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.parallel.context import attend_blocks, chunks_of
 from shoal.parallel.recompute import kept_activation_bytes
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train import memory
 

@@ -2,7 +2,7 @@
 (Zheng et al. 2022, arXiv 2204.06240).
 
 The model is what a user would write: one embedding table per categorical field, the fields'
-vectors concatenated into a small MLP, one logit; it is handed to `shoal.parallelize` with a `dpN`
+vectors concatenated into a small MLP, one logit; it is handed to `shoal.apply_plan` with a `dpN`
 plan and trained through `shoal.train.step.train_step` with a binary cross-entropy loss, like any
 user's model (`--plan dp` or `--plan fsdp`: replicated or sharded data parallelism over all the
 processes). The data is synthetic with a planted signal: every (field, id) has a true weight, two
@@ -105,9 +105,9 @@ def optim_config(recipe: str, args: argparse.Namespace) -> Any:
 
 def train(recipe: str, batch: int, data: tuple[torch.Tensor, ...], args: argparse.Namespace) -> dict[str, Any]:
     """One recipe at one global batch on this rank (every rank calls it); the test AUC and loss."""
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.optim.builder import build_optimizer, build_scheduler
-    from shoal.parallelize import parallelize
     from shoal.plan import Plan
     from shoal.train.step import train_step
 

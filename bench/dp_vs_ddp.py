@@ -17,9 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench.common import launch, measure_pair, report
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh, data_rank
 from shoal.models import Transformer, get_preset
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train.step import split_micro, train_step
 

@@ -41,10 +41,10 @@ def contenders(device: str) -> dict[str, Callable[[], Any]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models import PRESETS, Transformer
     from shoal.parallel.data import blocks_of
-    from shoal.parallelize import parallelize
     from shoal.plan import Plan
 
     cfg = PRESETS["tiny"].replace(num_layers=LAYERS, max_seq_len=16)

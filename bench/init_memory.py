@@ -66,9 +66,9 @@ def _status() -> tuple[int, int]:
 
 def load_and_measure(plan_text: str | None, folder: str, cfg: ModelConfig) -> dict:
     """On this rank: the meta model loaded under `plan_text` (None: one process) and its memory."""
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models.hf.pretrained import open_pretrained
-    from shoal.parallelize import parallelize
     from shoal.plan import Plan
 
     weights = open_pretrained(folder, cfg)

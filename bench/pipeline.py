@@ -27,12 +27,12 @@ import torch.nn.functional as F
 
 from bench.common import launch, measure_pair, report, summarize
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.parallel.pipeline import build_stages
 from shoal.parallel.recompute import CreatedStorages
 from shoal.parallel.schedules import bubble_fraction
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 
 MODEL = ModelConfig(num_layers=8, dim=128, num_heads=8, num_kv_heads=8, ffn_dim=512, vocab_size=256, max_seq_len=128)

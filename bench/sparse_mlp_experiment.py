@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from bench.common import report
+from shoal.apply_plan import parallelize
 from shoal.models import MIXER_PRESETS, Mixer, MixerConfig
 from shoal.moe.collect import records as moe_records
 from shoal.optim.builder import OptimConfig, build_optimizer, build_scheduler
 from shoal.parallel.loss import cross_entropy_sum
-from shoal.parallelize import parallelize
 from shoal.runtime import Runtime
 from shoal.train.images import HeldOutImages, ImageBatches, correct_and_count, load_digits, split_images
 from shoal.train.step import train_step

@@ -29,9 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import launch, report
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train.step import split_micro, train_step
 

@@ -28,9 +28,9 @@ from torch.distributed.tensor.parallel import (
 from bench.common import launch, measure_pair, report
 from bench.wide_classifier import tensor_peak_mb
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train.step import split_micro, train_step
 

@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 
 from bench.common import launch, measure_pair, report
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh, data_rank
 from shoal.models import ModelConfig, Transformer
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.train.step import split_micro, train_step

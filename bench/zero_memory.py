@@ -36,10 +36,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from bench.common import launch, report
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
 from shoal.parallel.recompute import kept_activation_bytes
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train.step import split_micro, train_step
 

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 from bench.common import launch, measure, measure_pair, report
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.models import Transformer, get_preset
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.train.memory import current_mb
 from shoal.train.step import split_micro, train_step

@@ -161,7 +161,7 @@ def _strings(tree: ast.AST) -> list[str]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs]
 
 
-@pytest.mark.parametrize("path", [*sorted((SRC / "parallel").glob("*.py")), SRC / "parallelize.py"],
+@pytest.mark.parametrize("path", [*sorted((SRC / "parallel").glob("*.py")), SRC / "apply_plan.py"],
                          ids=lambda p: p.name)
 def test_the_parallel_layer_names_no_attribute_of_a_model_family(path):
     """What the generic modules know of a family they ask its adapter: no family's module names in

@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 
 import shoal.train.checkpoint as ckpt
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.models import ModelConfig, Transformer
-from shoal.parallelize import parallelize
 from shoal.runtime import Runtime
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, prune, read_trainer_state, save_checkpoint
 

@@ -43,7 +43,7 @@ def test_compiled_blocks_keep_clean_names_and_share_one_graph():
     model(torch.randint(0, SMALL.vocab_size, (2, 8))).sum().backward()
     assert all(type(b).__name__ == "OptimizedModule" for b in model.layers.values())
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before == 1
-    from shoal.parallelize import parallelize
+    from shoal.apply_plan import parallelize
 
     runtime, plain = parallelize(model), Transformer(SMALL)
     assert [n for n, _ in runtime.named_parameters()] == [n for n, _ in plain.named_parameters()]

@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.moe.gather import student_config, student_weights
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.testing.asserts import assert_rounding_close, assert_user_error
 from shoal.train.kd import kd_loss, pack_targets, unpack_targets

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.testing.asserts import assert_rounding_close, full_tensors
 from shoal.testing.parity import case, parallel_setup

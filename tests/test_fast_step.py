@@ -48,8 +48,8 @@ def host_reads_in_a_step(plan: str, model: ModelConfig = SMALL, num_micro: int =
 
 
 def test_a_step_never_reads_the_device_in_one_process():
+    from shoal.apply_plan import parallelize
     from shoal.models import Transformer
-    from shoal.parallelize import parallelize
 
     runtime = parallelize(Transformer(SMALL))
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-3)
@@ -105,9 +105,9 @@ def test_tf32_is_set_for_gpus_only():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU; runs on the GPU machine")
 def test_a_gpu_step_does_not_synchronise():
     """On a GPU, torch itself checks: sync debug mode "error" raises at any synchronising call."""
+    from shoal.apply_plan import parallelize
     from shoal.models import Transformer
     from shoal.optim.builder import OptimConfig, build_optimizer
-    from shoal.parallelize import parallelize
 
     runtime = parallelize(Transformer(SMALL).cuda())
     optimizer = build_optimizer(runtime.parameters(), OptimConfig())

@@ -27,8 +27,8 @@ import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 
 import shoal  # noqa: E402
 from shoal import rules
+from shoal.apply_plan import parallelize  # noqa: E402
 from shoal.models.hf.weights import shoal_to_hf  # noqa: E402
-from shoal.parallelize import parallelize  # noqa: E402
 from shoal.train.export import export_model  # noqa: E402
 
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)  # see the module docstring

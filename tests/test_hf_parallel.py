@@ -95,11 +95,11 @@ def _init_under(plan_text: str, folder: str, tokens) -> dict:
     import torch
     import torch.distributed as dist
 
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models import Transformer
     from shoal.models.hf.config import config_from_hf
     from shoal.models.hf.pretrained import open_pretrained
-    from shoal.parallelize import parallelize
 
     cfg = config_from_hf(folder)
     weights = open_pretrained(folder, cfg)

@@ -25,10 +25,10 @@ from shoal import (
     cli,  # noqa: E402
     rules,
 )
+from shoal.apply_plan import parallelize  # noqa: E402
 from shoal.models import ModelConfig, Transformer  # noqa: E402
 from shoal.models.hf.config import load_model_config  # noqa: E402
 from shoal.models.hf.weights import from_hf_llama, hf_llama_config, to_hf_llama  # noqa: E402
-from shoal.parallelize import parallelize  # noqa: E402
 from shoal.testing.asserts import assert_rounding_close  # noqa: E402
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from shoal.train.export import export_model, import_weights  # noqa: E402

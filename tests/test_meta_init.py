@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.models import Transformer
 from shoal.models.config import ModelConfig
 from shoal.models.init import InitSpec, fill_slice_
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.testing.asserts import full_tensors
 

@@ -160,8 +160,8 @@ def _expert_local_shapes(plan_text: str) -> dict[str, tuple[int, ...]]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
-    from shoal.parallelize import parallelize
     from shoal.plan import Plan
 
     plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())

@@ -427,8 +427,8 @@ def test_parity_fsdp_over_tp(pools):
 def _trust_after_steps(case):
     """The case trained through parallelize and train_step on this rank (one process when no
     process group is up: the reference), then every trust ratio of its last step, gathered."""
+    from shoal.apply_plan import parallelize
     from shoal.optim.large_batch import gather_trust
-    from shoal.parallelize import parallelize
     from shoal.testing.parity import parallel_setup
     from shoal.train.step import split_micro, train_step
 

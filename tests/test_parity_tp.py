@@ -146,8 +146,8 @@ def test_tp_error_for_a_model_passed_directly():
     """parallelize asks shoal.rules with the model's own config before touching the mesh."""
     from types import SimpleNamespace
 
+    from shoal.apply_plan import parallelize
     from shoal.models import Transformer
-    from shoal.parallelize import parallelize
 
     mesh = SimpleNamespace(size=lambda: 3, device_type="cpu")  # refused before any collective
     with pytest.raises(ValueError, match="tp=3 does not divide 8 attention heads; valid: tp in 1, 2, 4"):

@@ -67,8 +67,8 @@ def _sharded_after_forward():
     import torch
     from torch.distributed.tensor import DTensor
 
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
-    from shoal.parallelize import parallelize
     from shoal.plan import Plan
 
     out = {}
@@ -93,9 +93,9 @@ def test_bucket_groups_blocks_into_units(pools):
 
 
 def _units(plans):
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models import Transformer
-    from shoal.parallelize import parallelize
 
     out = []
     for text in plans:
@@ -132,8 +132,8 @@ def _tables_while_they_run():
     import torch
     from torch.distributed.tensor import DTensor
 
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
-    from shoal.parallelize import parallelize
 
     out = {}
     for vocab in ("sharded", "gathered"):

@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.parallel.pipeline import split_layers
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.testing.asserts import assert_rounding_close, one_line_error
 from shoal.testing.parity import (

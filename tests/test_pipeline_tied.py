@@ -63,11 +63,11 @@ def test_tied_gpt_structure_pp2(pools):
 def _export_under(plan_text: str, folder: str, out: str) -> None:
     """Worker: shoal's model of a Hugging Face folder, read by `--init`'s sliced reader under
     plan_text, exported live as a Hugging Face folder and as a shoal file."""
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models import Transformer
     from shoal.models.hf.config import config_from_hf
     from shoal.models.hf.pretrained import open_pretrained
-    from shoal.parallelize import parallelize
     from shoal.train.export import export_model
 
     cfg = config_from_hf(folder)
@@ -153,9 +153,9 @@ def test_tied_checkpoint_from_pp2_resumes_in_one_process(pools, tmp_path):
 
 def _names_on_meta(plan_text: str) -> list[str]:
     """Worker: the trainable names of the tied model built on the meta device under plan_text."""
+    from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models import Transformer
-    from shoal.parallelize import parallelize
 
     with torch.device("meta"):
         model = Transformer(TIED)

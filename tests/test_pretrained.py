@@ -26,11 +26,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 
 from shoal import rules
+from shoal.apply_plan import parallelize  # noqa: E402
 from shoal.mesh import build_mesh  # noqa: E402
 from shoal.models import ModelConfig, Transformer  # noqa: E402
 from shoal.models.hf.config import load_model_config  # noqa: E402
 from shoal.models.hf.pretrained import open_pretrained  # noqa: E402
-from shoal.parallelize import parallelize  # noqa: E402
 from shoal.plan import Plan  # noqa: E402
 from shoal.testing.asserts import assert_user_error, full_tensors  # noqa: E402
 from shoal.train.export import export_model  # noqa: E402

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.parallel.recompute import apply_recompute, kept_activation_bytes
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.testing.asserts import full_tensors
 from shoal.testing.parity import SMALL, case, check_parity, run_parallel

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.mesh import build_mesh
 from shoal.models import Transformer
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.rules import EngineChoice, choose_engine
 from shoal.testing.asserts import full_tensors

@@ -1,6 +1,6 @@
 """The parallel runtime: the one object between the trainer and the parallel layer.
 
-`shoal.parallelize.parallelize(model, plan, mesh)` applies a plan to an unmodified model (in
+`shoal.apply_plan.parallelize(model, plan, mesh)` applies a plan to an unmodified model (in
 place: sharded, never wrapped) and returns a `Runtime` holding what the parallelisms built: the
 data engine (shoal.parallel.data: none, DDP, shoal's ZeRO-1/2 or FSDP2, as the pure
 `shoal.rules.choose_engine` picks it), and where the plan has them the pipeline executor, the

@@ -22,11 +22,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.loss import IGNORE
 from shoal.mesh import build_mesh
 from shoal.models import MixerConfig, ModelConfig, build_model
 from shoal.moe.collect import MoECollector
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.testing.asserts import FLOOR_ULPS, MOVED, SLACK, U32, assert_rounding_close, full_tensors

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from shoal import rules
+from shoal.apply_plan import parallelize
 from shoal.data.text import Batches, open_data
 from shoal.infra import faults
 from shoal.infra.world import broadcast_from_rank0
@@ -18,7 +19,6 @@ from shoal.mesh import build_mesh
 from shoal.models import AnyConfig, MixerConfig, ModelConfig, build_model
 from shoal.models.hf.pretrained import Pretrained, open_pretrained
 from shoal.optim.builder import WarmupCosine
-from shoal.parallelize import parallelize
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from shoal.apply_plan import parallelize
 from shoal.data.text import open_data
 from shoal.models import ModelConfig, Transformer
 from shoal.models.mixer_config import MixerConfig
 from shoal.moe.gather import student_weights
 from shoal.moe.layer import MoELayer
-from shoal.parallelize import parallelize
 from shoal.runtime import Runtime
 from shoal.train.checkpoint import load_checkpoint
 from shoal.train.config import RunConfig, from_flat, resolve_model

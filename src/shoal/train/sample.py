@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from shoal.apply_plan import parallelize
 from shoal.data.text import load_tokenizer
 from shoal.models import ModelConfig, Transformer
-from shoal.parallelize import parallelize
 from shoal.train.checkpoint import good_checkpoint, load_checkpoint
 from shoal.train.config import resolve_model
 from shoal.train.job import read_run_config

@@ -39,7 +39,7 @@ def load_hf_state(folder: Path | str) -> dict[str, torch.Tensor]:
 def from_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transformer:
     """shoal's Transformer for the Hugging Face model folder `path`, its weights loaded, for one
     process: forward(input_ids) returns the logits transformers' own model gives, and
-    `shoal.parallelize` takes it like any model."""
+    `shoal.apply_plan` takes it like any model."""
     cfg = config_from_hf(path)
     model = Transformer(cfg)
     model.load_state_dict(TRANSFORMER.weight_map().hf_to_shoal(load_hf_state(path), cfg))
