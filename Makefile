@@ -11,7 +11,7 @@
 # package's `torch` range is already satisfied (pip never pulls a CUDA build on a CPU machine).
 # Elsewhere, point pip at PyTorch's CPU index: make test TORCH_PIP_FLAGS="--index-url https://download.pytorch.org/whl/cpu"
 # After shoal, tools/fetch-jemalloc puts Debian's libjemalloc2 in the venv where apt can fetch it: shoal's CPU workers
-# preload it (src/shoal/host_memory.py); without it they run on glibc's malloc.
+# preload it (src/shoal/infra/host_memory.py); without it they run on glibc's malloc.
 
 PYTHON ?= python3
 VENV ?= .venv
