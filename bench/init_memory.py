@@ -1,4 +1,4 @@
-"""Memory while loading pretrained weights (`--init`, shoal/models/hf/pretrained.py) on each rank.
+"""Memory while loading pretrained weights (`--init`, shoal/models/safetensors_io.py) on each rank.
 
 Writes a Hugging Face Llama folder of a few hundred MB (tensor by tensor, never the whole model in
 one process), then on 1 and 2 gloo processes builds the model on the meta device and loads it
@@ -23,9 +23,9 @@ import torch
 
 from shoal import rules
 from shoal.models import ModelConfig, Transformer
-from shoal.models.hf.safetensors_stream import write_streaming
-from shoal.models.hf.weights import hf_llama_config, hf_llama_names, to_hf_llama_tensor
+from shoal.models.hf.families import hf_config, hf_layout, hf_shape, to_hf_tensor
 from shoal.models.init import fill_slice_
+from shoal.models.safetensors_io import write_streaming
 
 MiB = 2**20
 
@@ -38,19 +38,19 @@ def write_folder(cfg: ModelConfig, folder: Path) -> int:
         model = Transformer(cfg)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     specs = {n: model.init_spec(n, len(s)) for n, s in shapes.items()}
-    names = hf_llama_names(cfg)
-    by_hf = {hf: shoal for shoal, hf in names.items()}
+    by_hf = {entry.name: entry for entry in hf_layout(cfg)}
+
+    def seed_values(name: str) -> torch.Tensor:
+        return fill_slice_(torch.empty(shapes[name]), specs[name], seed=0, name=name, shape=shapes[name],
+                           offset=(0,) * len(shapes[name]))
 
     def fetch(hf: str) -> torch.Tensor:
-        name = by_hf[hf]
-        out = fill_slice_(torch.empty(shapes[name]), specs[name], seed=0, name=name, shape=shapes[name],
-                          offset=(0,) * len(shapes[name]))
-        return to_hf_llama_tensor(name, out, cfg)
+        return to_hf_tensor(by_hf[hf], [seed_values(p) for p in by_hf[hf].parts], cfg)
 
-    entries = [(hf, torch.float32, shapes[s]) for s, hf in names.items()]
+    entries = [(hf, torch.float32, hf_shape(e, [shapes[p] for p in e.parts])) for hf, e in by_hf.items()]
     folder.mkdir(parents=True, exist_ok=True)
     write_streaming(folder / "model.safetensors", entries, fetch, {"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_llama_config(cfg)))
+    (folder / "config.json").write_text(json.dumps(hf_config(cfg)))
     return max(4 * torch.Size(s).numel() for s in shapes.values())
 
 
@@ -68,7 +68,7 @@ def load_and_measure(plan_text: str | None, folder: str, cfg: ModelConfig) -> di
     """On this rank: the meta model loaded under `plan_text` (None: one process) and its memory."""
     from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
-    from shoal.models.hf.pretrained import open_pretrained
+    from shoal.models.safetensors_io import open_pretrained
     from shoal.plan import Plan
 
     weights = open_pretrained(folder, cfg)

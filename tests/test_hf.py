@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 
 from shoal.models import ModelConfig, Transformer  # noqa: E402
-from shoal.models.hf.config import config_from_hf, load_model_config  # noqa: E402
+from shoal.models.hf.families import config_from_hf, load_model_config  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)

@@ -28,7 +28,7 @@ import transformers  # noqa: E402  (a dev dependency: pyproject [dev])
 import shoal  # noqa: E402
 from shoal import rules
 from shoal.apply_plan import parallelize  # noqa: E402
-from shoal.models.hf.weights import shoal_to_hf  # noqa: E402
+from shoal.models.hf.families import shoal_to_hf  # noqa: E402
 from shoal.train.export import export_model  # noqa: E402
 
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)  # see the module docstring
@@ -169,7 +169,7 @@ def test_export_loads_in_transformers_with_equal_logits(family, tmp_path):
 def test_gpt2_files_of_the_original_release_read_alike(tmp_path):
     """GPT-2's first files name tensors without the `transformer.` prefix and hold the causal-mask
     buffers (`attn.bias`): both read as the current layout does."""
-    from shoal.models.hf.weights import hf_to_shoal
+    from shoal.models.hf.families import hf_to_shoal
 
     hf_model = _hf_model("gpt2")
     hf_model.save_pretrained(str(tmp_path))

@@ -98,8 +98,8 @@ def _init_under(plan_text: str, folder: str, tokens) -> dict:
     from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models import Transformer
-    from shoal.models.hf.config import config_from_hf
-    from shoal.models.hf.pretrained import open_pretrained
+    from shoal.models.hf.families import config_from_hf
+    from shoal.models.safetensors_io import open_pretrained
 
     cfg = config_from_hf(folder)
     weights = open_pretrained(folder, cfg)

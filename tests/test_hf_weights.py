@@ -27,8 +27,7 @@ from shoal import (
 )
 from shoal.apply_plan import parallelize  # noqa: E402
 from shoal.models import ModelConfig, Transformer  # noqa: E402
-from shoal.models.hf.config import load_model_config  # noqa: E402
-from shoal.models.hf.weights import from_hf_llama, hf_llama_config, to_hf_llama  # noqa: E402
+from shoal.models.hf.families import hf_config, hf_to_shoal, load_model_config, shoal_to_hf  # noqa: E402
 from shoal.testing.asserts import assert_rounding_close  # noqa: E402
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from shoal.train.export import export_model, import_weights  # noqa: E402
@@ -99,11 +98,11 @@ def test_transformers_to_shoal_same_logits(tmp_path, tied):
 def test_mapping_round_trips_exactly(tied):
     cfg = TINY.replace(tie_embeddings=tied)
     shoal_sd = {k: v.clone() for k, v in Transformer(cfg).state_dict().items()}
-    hf_sd = to_hf_llama(shoal_sd, cfg)
+    hf_sd = shoal_to_hf(shoal_sd, cfg)
     assert ("lm_head.weight" in hf_sd) is not tied  # transformers re-ties on load
-    back = to_hf_llama(from_hf_llama(hf_sd, cfg), cfg)
+    back = shoal_to_hf(hf_to_shoal(hf_sd, cfg), cfg)
     assert set(back) == set(hf_sd) and all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
-    again = from_hf_llama(hf_sd, cfg)
+    again = hf_to_shoal(hf_sd, cfg)
     assert set(again) == set(shoal_sd) and all(torch.equal(again[k], shoal_sd[k]) for k in shoal_sd)
     # The rotary reorder is a real permutation of q rows (not the identity) within each head.
     wq, q_proj = shoal_sd["layers.0.attention.wq.weight"], hf_sd["model.layers.0.self_attn.q_proj.weight"]
@@ -146,7 +145,7 @@ def test_sharded_export_and_import(pools, tmp_path):
     from shoal.testing.parity import case
 
     reference = case(model=TINY).build_model()
-    expected = to_hf_llama(reference.state_dict(), TINY)
+    expected = shoal_to_hf(reference.state_dict(), TINY)
     res = pools(2).run(export_and_import_sharded, str(tmp_path))
     for name in ("fsdp", "zero"):
         written = load_file(str(tmp_path / name / "model.safetensors"))
@@ -166,13 +165,13 @@ def test_unsupported_models_give_one_line_errors():
                        (ModelConfig(num_experts=4), "capacity_factor=1.25"),
                        (ModelConfig(qkv_bias=True, bias=True), "bias=True")):
         # Each lambda is called right here, within the iteration over cfg.
-        for fn in (lambda: hf_llama_config(cfg), lambda: to_hf_llama({}, cfg), lambda: from_hf_llama({}, cfg)):  # noqa: B023
+        for fn in (lambda: hf_config(cfg), lambda: shoal_to_hf({}, cfg), lambda: hf_to_shoal({}, cfg)):  # noqa: B023
             with pytest.raises(ValueError) as info:
                 fn()
             message = str(info.value)
             assert words in message and "supported families" in message and "\n" not in message, message
     with pytest.raises(ValueError, match="do not fit the model config: missing"):
-        from_hf_llama({"model.embed_tokens.weight": torch.zeros(128, 64)}, TINY)
+        hf_to_shoal({"model.embed_tokens.weight": torch.zeros(128, 64)}, TINY)
 
 
 @pytest.fixture(scope="module")
@@ -306,5 +305,5 @@ def test_export_checkpoint_without_stored_config(tmp_path):
         export_checkpoint(path, tmp_path / "hf", hf=True)
     assert "\n" not in str(info.value) and not (tmp_path / "hf").exists()
     out = export_checkpoint(path, tmp_path / "hf", hf=True, config=TINY)
-    written, expected = load_file(str(out / "model.safetensors")), to_hf_llama(model.state_dict(), TINY)
+    written, expected = load_file(str(out / "model.safetensors")), shoal_to_hf(model.state_dict(), TINY)
     assert set(written) == set(expected) and all(torch.equal(written[k], expected[k]) for k in expected)

@@ -66,8 +66,8 @@ def _export_under(plan_text: str, folder: str, out: str) -> None:
     from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models import Transformer
-    from shoal.models.hf.config import config_from_hf
-    from shoal.models.hf.pretrained import open_pretrained
+    from shoal.models.hf.families import config_from_hf
+    from shoal.models.safetensors_io import open_pretrained
     from shoal.train.export import export_model
 
     cfg = config_from_hf(folder)

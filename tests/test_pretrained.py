@@ -1,4 +1,4 @@
-"""Pretrained weights into any plan (`shoal train --init`, shoal/models/hf/pretrained.py): a Hugging
+"""Pretrained weights into any plan (`shoal train --init`, shoal/models/safetensors_io.py): a Hugging
 Face Llama folder written by transformers (two shards and an index) gives transformers' own
 logits under every plan; shoal's own export comes back bitwise under other plans (MoE experts
 too); each rank reads only its slices; dtypes are cast; bad input is refused in one line before
@@ -29,8 +29,8 @@ from shoal import rules
 from shoal.apply_plan import parallelize  # noqa: E402
 from shoal.mesh import build_mesh  # noqa: E402
 from shoal.models import ModelConfig, Transformer  # noqa: E402
-from shoal.models.hf.config import load_model_config  # noqa: E402
-from shoal.models.hf.pretrained import open_pretrained  # noqa: E402
+from shoal.models.hf.families import load_model_config  # noqa: E402
+from shoal.models.safetensors_io import open_pretrained  # noqa: E402
 from shoal.plan import Plan  # noqa: E402
 from shoal.testing.asserts import assert_user_error, full_tensors  # noqa: E402
 from shoal.train.export import export_model  # noqa: E402

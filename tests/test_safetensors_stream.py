@@ -1,4 +1,4 @@
-"""The streaming safetensors writer (shoal/models/hf/safetensors_stream.py) against the library's own
+"""The streaming safetensors writer (shoal/models/safetensors_io.py) against the library's own
 reader: every dtype and shape (0-d included) reads back bit for bit, and a tensor that does not
 match the header is refused in one line."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shoal.models.hf.safetensors_stream import write_streaming
+from shoal.models.safetensors_io import write_streaming
 
 
 def test_written_file_reads_back_exactly(tmp_path):

@@ -39,7 +39,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     runtime interface at degree 1 everywhere. A model built on the meta device is materialized
     after the plan is applied, each rank allocating only its shards, with initial weights that
     are a function of `seed` and the parameter names alone (shoal/parallel/materialize.py), or
-    read slice by slice from pretrained `weights` (shoal.models.hf.pretrained.open_pretrained).
+    read slice by slice from pretrained `weights` (shoal.models.safetensors_io.open_pretrained).
     """
     if weights is not None and not on_meta([model]):
         raise ValueError("pretrained weights= load while materializing: build the model on the meta device "

@@ -163,7 +163,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
         elif cfg.model_config is not None and "set" in flags:  # and --set changes that shape
             cfg = dataclasses.replace(cfg, model_config=cfg.model_config.with_overrides(list(flags["set"])))
         if cfg.init is not None:  # said before any guess about its model
-            from shoal.models.hf.pretrained import check_exists
+            from shoal.models.safetensors_io import check_exists
 
             check_exists(cfg.init)
         if cfg.init is not None and "model" not in flags and "model" not in toml:
@@ -193,7 +193,7 @@ def prepare_job(args: argparse.Namespace) -> Any:
         cfg, prediction = auto_plan(cfg, device)
     validate(cfg, device)
     if args.resume is None and cfg.init is not None:  # the files' headers only: before any worker starts
-        from shoal.models.hf.pretrained import WeightsMismatch, open_pretrained
+        from shoal.models.safetensors_io import WeightsMismatch, open_pretrained
 
         if isinstance(model, MixerConfig):
             raise UserError("--init loads pretrained transformer weights; the image Mixer starts from the seed's")

@@ -21,7 +21,6 @@ by shape (shoal.parallel.data.blocks_of), and an axis that needs an adapter says
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -86,11 +85,10 @@ class ModelAdapter:
     tp_plan: Callable[[Any], dict[str, str]] | None = None
     """model -> {module-name pattern: style name of TP_STYLES}, for the modules the model holds
     (a pipeline stage holds some only); `*` in a pattern stands for any block's key."""
-    weights: str | None = None
-    """The module that maps the family's weight names and layouts to and from Hugging Face's, by
-    the model's config (as shoal.models.hf.weights does: `hf_family`, `hf_layout`, `shoal_to_hf`,
-    `hf_to_shoal`, `hf_config`, `check_llama`, and `SLICE_LAYOUTS` for reading slices of files);
-    a name, imported by `weight_map()` on first use since it needs torch. None: no such layout."""
+    weights: bool = False
+    """Whether the family's weight names and layouts map to and from Hugging Face's, by the model's
+    config: `weight_map()` is then shoal.models.hf.families (`hf_family`, `hf_layout`, `shoal_to_hf`,
+    `hf_to_shoal`, `hf_config`, and `SLICE_LAYOUTS` for reading slices of files)."""
 
     def __post_init__(self) -> None:
         assert self.axes <= set(FAMILY_AXES), f"{self.family}: axes {sorted(self.axes)} outside {FAMILY_AXES}"
@@ -113,10 +111,12 @@ class ModelAdapter:
 
     def weight_map(self) -> ModuleType:
         """The family's Hugging Face weight map (see `weights`); a one-line ValueError if it has none."""
-        if self.weights is None:
+        if not self.weights:
             raise ValueError(f"the {self.family} has no Hugging Face weight layout; valid: shoal's own names "
                              "(shoal export without --hf), or a Transformer family")
-        return importlib.import_module(self.weights)
+        from shoal.models.hf import families  # imports torch: on first use
+
+        return families
 
 
 def _transformer_tp_plan(model: Any) -> dict[str, str]:
@@ -166,7 +166,7 @@ TRANSFORMER = ModelAdapter(
     moe_slots=("feed_forward",),
     attention=AttentionSeam(module="attention", core="core", rope_arg=1),
     tp_plan=_transformer_tp_plan,
-    weights="shoal.models.hf.weights",
+    weights=True,
 )
 """shoal's Transformer (shoal/models/transformer.py) and the Hugging Face families built as one.
 A pipeline stage boundary carries the residual stream, hidden states (B, T, D): the model takes

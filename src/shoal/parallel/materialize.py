@@ -14,7 +14,7 @@ CUDA), so each submodule is reset on full-size stand-ins for its own parameters,
 seeded by the seed and the submodule's name, and each rank keeps its slice: the same values under
 every plan as in one process, for one submodule's full parameters of memory at a time.
 
-With `weights` (pretrained weights, shoal/models/hf/pretrained.py) each parameter's slice is read from
+With `weights` (pretrained weights, shoal/models/safetensors_io.py) each parameter's slice is read from
 the files instead of drawn: the same slices, from a file instead of a generator, so under every
 plan a rank reads only what it holds.
 """
@@ -37,7 +37,7 @@ from shoal.parallel.data import clean_name
 
 
 class WeightSource(Protocol):
-    """Pretrained values by slice (shoal/models/hf/pretrained.py implements it)."""
+    """Pretrained values by slice (shoal/models/safetensors_io.py implements it)."""
 
     def read(self, name: str, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
         """The `box` ((start, stop) per dim) of full parameter `name` of `shape`; None: not in the

@@ -17,7 +17,7 @@ from shoal.infra import faults
 from shoal.infra.world import broadcast_from_rank0
 from shoal.mesh import build_mesh
 from shoal.models import AnyConfig, MixerConfig, ModelConfig, build_model
-from shoal.models.hf.pretrained import Pretrained, open_pretrained
+from shoal.models.safetensors_io import Pretrained, open_pretrained
 from shoal.optim.builder import WarmupCosine
 from shoal.plan import Plan
 from shoal.runtime import Runtime

@@ -103,7 +103,7 @@ class RunConfig:
     refuse a plan predicted not to fit, naming plans that fit. Off: run anyway (a warning)."""
     init: str | None = None
     """Start from pretrained weights: a Hugging Face folder of safetensors or a `shoal export`
-    file/folder, each rank reading only its slices (shoal/models/hf/pretrained.py); None: the seed's."""
+    file/folder, each rank reading only its slices (shoal/models/safetensors_io.py); None: the seed's."""
     init_ignore: tuple[str, ...] = ()
     """Glob patterns (shoal names or file keys) of tensors `init` may lack or hold in excess;
     ignored missing tensors start from the seed's values."""
@@ -216,7 +216,7 @@ def resolve_model(cfg: RunConfig) -> AnyConfig:
     if cfg.model_config is not None:
         return cfg.model_config
     if cfg.model.startswith("hf:"):
-        from shoal.models.hf.config import config_from_hf  # transformers is optional: import on demand
+        from shoal.models.hf.families import config_from_hf
 
         base: AnyConfig = config_from_hf(cfg.model.removeprefix("hf:"))
     else:

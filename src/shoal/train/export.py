@@ -27,7 +27,6 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,7 +37,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from shoal.infra.world import rank
 from shoal.models.adapter import TRANSFORMER, adapter_of_config
 from shoal.models.config import ModelConfig
-from shoal.models.hf.safetensors_stream import write_streaming
+from shoal.models.safetensors_io import write_streaming
 from shoal.runtime import Runtime
 from shoal.train.safe_load import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
 
@@ -59,7 +58,7 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     extra_files = tokenizer_files(tokenizer) if hf else []  # before any tensor is written
     if cfg is not None:
         weight_map = adapter_of_config(cfg).weight_map()
-        weight_map.check_llama(cfg)  # before reading any tensor
+        weight_map.hf_family(cfg)  # refused before reading any tensor
     try:
         meta = SafeReader(str(checkpoint)).read_metadata()
     except UnsafeCheckpointError as exc:
@@ -92,23 +91,14 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
         entries = [(k, stored[k].properties.dtype, tuple(stored[k].size)) for k in needed]
         return _stream(out, entries, fetch, info)
     by_hf = {t.name: t for t in layout}
-    entries = [(t.name, stored[t.parts[0]].properties.dtype, _hf_shape(t, [tuple(stored[p].size) for p in t.parts]))
-               for t in layout]
+    entries = [(t.name, stored[t.parts[0]].properties.dtype,
+                weight_map.hf_shape(t, [tuple(stored[p].size) for p in t.parts])) for t in layout]
     folder = _hf_folder(out)
     _stream(folder / "model.safetensors", entries,
             lambda hf: weight_map.to_hf_tensor(by_hf[hf], [fetch(p) for p in by_hf[hf].parts], cfg), info)
     _write_hf_config(folder, cfg, special_token_ids(tokenizer))
     _copy_files(extra_files, folder)
     return folder
-
-
-def _hf_shape(entry: Any, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """The shape of a Hugging Face tensor made of parts of these shapes (an HFTensor of the weight map)."""
-    if entry.expert is not None:  # one expert's slice of a stacked tensor
-        shapes = [s[1:] for s in shapes]
-    shape = list(shapes[0][::-1] if entry.transpose else shapes[0])
-    shape[entry.cat_dim] = sum((s[::-1] if entry.transpose else s)[entry.cat_dim] for s in shapes)
-    return tuple(shape)
 
 
 def _stream(out: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], fetch: Callable[[str], torch.Tensor],
@@ -127,7 +117,7 @@ def export_model(runtime: Runtime, out: Path | str, *, metadata: dict[str, str] 
     files of the tokenizer folder `tokenizer` copied in when one is given."""
     cfg = _live_model_config(runtime) if hf else None
     if cfg is not None:
-        adapter_of_config(cfg).weight_map().check_llama(cfg)  # every rank raises alike, before any collective
+        adapter_of_config(cfg).weight_map().hf_family(cfg)  # every rank refuses alike, before any collective
     extra_files = tokenizer_files(tokenizer) if hf else []
     weights = runtime.full_weights()
     if rank() != 0:

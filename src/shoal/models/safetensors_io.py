@@ -1,41 +1,58 @@
-"""Pretrained weights into any plan (`shoal train --init PATH`): each rank reads only its slices.
+"""safetensors files in and out: reading a model's weights whole or one slice at a time, and writing
+them one tensor at a time; for Hugging Face folders (the layout of the model adapter's weight map,
+shoal.models.hf.families) and for shoal's own names (`shoal export`) alike.
 
-PATH is a Hugging Face folder of safetensors (one `model.safetensors`, or shards listed in
-`model.safetensors.index.json`) in a layout shoal maps (the `SLICE_LAYOUTS` of the model
-adapter's weight map, shoal/models/hf/weights.py), or what `shoal export` writes (shoal's own
-names): a .safetensors file, or a folder of them. `open_pretrained` checks the files against the
-model from their headers alone (names, shapes, dtypes; no tensor data), so the launcher runs it
-before any worker starts and refuses bad input in one line. The object it returns is the `WeightSource` that
-`parallelize(..., weights=...)` fills each rank's shards from while materializing
-(shoal/parallel/materialize.py): a rank asks for the box of each parameter it holds (its
-tensor/sharded-data rows and columns, its pipeline stage's layers, its experts) and safetensors'
-lazy slices read just that box from the mapped file.
+Reading. A path is a .safetensors file, or a folder of them: one `model.safetensors`, shards listed
+in `model.safetensors.index.json`, or every *.safetensors. `open_pretrained` (`shoal train --init
+PATH`) checks the files against the model from their headers alone (names, shapes, dtypes; no tensor
+data), so the launcher runs it before any worker starts and refuses bad input in one line. The object
+it returns is the `WeightSource` that `parallelize(..., weights=...)` fills each rank's shards from
+while materializing (shoal/parallel/materialize.py): a rank asks for the box of each parameter it
+holds (its tensor/sharded-data rows and columns, its pipeline stage's layers, its experts) and
+safetensors' lazy slices read just that box from the mapped file. `load_hf_state` reads a Hugging
+Face folder whole (`shoal.from_hf`, one process).
 
 Dtypes: the file's floating dtype is cast to the parameters' (bf16 files into fp32 training and
 the reverse), said once in the log (`describe`). Missing or unexpected tensors are an error
 naming the first few, unless `ignore` (glob patterns over shoal names or file keys) covers them:
 an ignored missing (or differently shaped) tensor starts from the seed's initial values instead.
+
+Writing. safetensors' own writer (`save_file`) takes every tensor at once, so exporting a model that
+way holds the whole model in memory. The format is simple (an 8-byte little-endian header length, a
+JSON header of names, dtypes, shapes and byte offsets, then the tensors' bytes in that order), and
+every name, dtype and shape is known before any data is read (from a checkpoint's metadata), so
+`write_streaming` writes the header first and then each tensor as `fetch` produces it: the peak is
+one tensor. The file is written under a temporary name and renamed into place, so a crash leaves no
+half file.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
-from shoal.models import ModelConfig, Transformer
 from shoal.models.adapter import adapter_of_config
-from shoal.models.hf.weights import Box, OpenKey, SliceLayout, read_box
+from shoal.models.config import ModelConfig
+from shoal.models.hf.common import Box, OpenKey, SliceLayout, read_box
+from shoal.models.transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
-FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+"""The file of a sharded folder that names the shard holding each tensor."""
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+"""torch dtypes and their names in the safetensors format."""
+FLOAT_DTYPES = {DTYPES[dtype]: dtype for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 """The safetensors dtypes a run can take (cast to the parameters' dtype)."""
 _MAX_HEADER = 100 * 2**20
 
@@ -218,10 +235,9 @@ def _weight_files(path: Path) -> list[Path]:
     index = path if path.is_file() else path / INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"--init {path}: {index.name} is not a safetensors index ({exc})") from None
+            names = sorted(set(read_index(index).values()))
+        except ValueError as exc:
+            raise ValueError(f"--init {path}: {exc}") from None
         absent = [n for n in names if not (index.parent / n).is_file()]
         if absent:
             raise ValueError(f"--init {path}: shard file {absent[0]} named in {index.name} is missing")
@@ -243,9 +259,20 @@ def _check_index(path: Path, key_files: dict[str, Path]) -> None:
     index = path if path.is_file() and path.name == INDEX else path / INDEX
     if not index.is_file():
         return
-    for key, name in json.loads(index.read_text(encoding="utf-8"))["weight_map"].items():
+    for key, name in read_index(index).items():
         if key_files.get(key, Path()).name != name:
             raise ValueError(f"--init {path}: {INDEX} puts tensor {key} in {name}, which does not hold it")
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """{tensor key: shard file name} from a sharded folder's index; a one-line ValueError if it is none."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise TypeError("its weight_map is no map of tensor names to file names")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{index.name} is not a safetensors index ({exc})") from None
+    return dict(weight_map)
 
 
 def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -267,3 +294,62 @@ def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     if 8 + length + end > size:
         raise ValueError(f"--init: {file} is cut short ({size} bytes; its header lists {8 + length + end})")
     return entries
+
+
+def load_hf_state(folder: Path | str) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors (one file or an index and its shards)."""
+    folder = Path(folder)
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(read_index(index).values()))
+        except ValueError as exc:
+            raise ValueError(f"hf folder {str(folder)!r}: {exc}") from None
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(str(folder / shard)))
+        return state
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"hf folder {str(folder)!r} holds neither model.safetensors nor {INDEX}; "
+                         "valid: a folder written by save_pretrained (safetensors)")
+    return load_file(str(single))
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write_streaming(path: Path, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+                    fetch: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> Path:
+    """Write `entries` (name, dtype, shape) to safetensors file `path`, each tensor's values from
+    fetch(name), which must return that dtype and shape; returns `path`."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape in entries:
+        if dtype not in DTYPES:
+            raise ValueError(f"tensor {name} has dtype {dtype}, which safetensors cannot hold; valid: "
+                             + ", ".join(map(str, DTYPES)))
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name, dtype, shape in entries:
+                tensor = fetch(name)
+                if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                    raise ValueError(f"tensor {name}: got {tensor.dtype} {tuple(tensor.shape)}, the header says "
+                                     f"{dtype} {tuple(shape)}")
+                f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written stays behind
+        raise
+    os.replace(tmp, path)
+    return path
