@@ -322,7 +322,10 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     _cpu(),
 ]}
 ALIASES: dict[str, str] = {"V100": "V100-32GB", "P100": "P100-16GB", "A100": "A100-80GB",
-                           "H100": "H100-80GB", "H200-141GB": "H200"}
+                           "A100-SXM4-40GB": "A100-40GB", "A100-PCIE-40GB": "A100-40GB", "H100": "H100-80GB",
+                           "H200-141GB": "H200"}
+"""The devices' other names: what `--cluster` takes beside DEVICES' own, and what the names torch gives GPUs
+(torch.cuda.get_device_name()) contain (`gpu_device`)."""
 _LOOKUP = {k.lower(): v for k, v in {**{n: n for n in DEVICES}, **ALIASES}.items()}
 
 
@@ -352,6 +355,14 @@ def get_device(name: str) -> DeviceSpec:
     if key is None:
         raise ValueError(f"unknown device {name!r}; valid: {', '.join(DEVICES)} (aliases: {', '.join(ALIASES)})")
     return DEVICES[key]
+
+
+def gpu_device(torch_name: str) -> DeviceSpec | None:
+    """The spec of the GPU torch calls `torch_name` (torch.cuda.get_device_name(): "NVIDIA A100-SXM4-40GB"): the
+    longest device name or alias the name contains, case-insensitively; None for a GPU without a spec."""
+    name = torch_name.lower()
+    found = [key for key in _LOOKUP if key in name and DEVICES[_LOOKUP[key]].name != "cpu"]
+    return DEVICES[_LOOKUP[max(found, key=len)]] if found else None
 
 
 @dataclass(frozen=True, kw_only=True)
