@@ -1,9 +1,10 @@
 """The planner against published large runs: predicted vs published tokens/s per device.
 
-For every run in shoal.planner.published (model shape, cluster, plan, batch as the source gives
-them), the cost model predicts the step; the table gives predicted / published per device and
-the error. Nothing in the model is fitted to these runs: its constants come from data sheets and
-kernel papers (shoal.planner.hardware). Writes docs/planner_at_scale.md with --write.
+For every run in bench/published_runs.py (model shape, cluster, plan, batch as the source gives
+them), the cost model predicts the step as the run's framework ran it (bench/framework_models.py); the
+table gives predicted / published per device and the error. Nothing in the model is fitted to these
+runs: its constants come from data sheets and kernel papers (shoal.planner.hardware). Writes
+docs/planner_at_scale.md with --write.
 
     python -m bench.planner_at_scale [--write] [--before OLD.md]
 """
@@ -17,12 +18,13 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import framework_models
+from bench.published_runs import PUBLISHED, PublishedRun
 from shoal import rules
 from shoal.plan import Plan
 from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.comm import RingNetwork
 from shoal.planner.estimate import Estimate, Workload, estimate
-from shoal.planner.published import PUBLISHED, PublishedRun
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "planner_at_scale.md"
 
@@ -36,11 +38,11 @@ def predict(run: PublishedRun, *, rails: bool = True, a100_square: bool = True, 
     if not a100_square and cluster.device.name.startswith("A100"):
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, gemm_square=()))
     tp_engine = run.tp_engine if sp_copies else "megatron"
-    work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
-                    fused_attention=run.fused_attention, selective_policy=run.selective_policy,
-                    data_engine=run.data_engine, tp_engine=tp_engine,
-                    unsharded_accumulation=run.unsharded_accumulation, fused_qkv=run.fused_qkv,
-                    pipe_scatter=run.pipe_scatter)
+    work = framework_models.workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
+                                     fused_attention=run.fused_attention, selective_policy=run.selective_policy,
+                                     data_engine=run.data_engine, tp_engine=tp_engine,
+                                     unsharded_accumulation=run.unsharded_accumulation, fused_qkv=run.fused_qkv,
+                                     pipe_scatter=run.pipe_scatter)
     # Priced as it ran, also where shoal's runtime would refuse the layout (tests/test_planner.py names it).
     plan = rules.fill(Plan.parse(run.plan), rules.Facts(world_size=cluster.world_size, device="cuda",
                                                         model=run.model, global_batch=run.global_batch,
@@ -323,7 +325,7 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
         "p2p_communication.py at de7dc40f88), as DeepSpeed's pipeline engine does for Megatron-DeepSpeed's runs "
         "(deepspeed/runtime/pipe/engine.py: activations partitioned under tensor parallelism since its first "
         "version, 2020-09, gradients since 2021-09, e2fdd254e, so MT-NLG's 2021 training may have sent whole "
-        "gradients); the model had sent the whole activation from every rank (estimate.Workload.pipe_scatter). "
+        "gradients); the model had sent the whole activation from every rank (estimate.Framework.pipe_scatter). "
         "And Megatron-LM 2021's runs all-reduce their gradients in fp16, not fp32 (reduce=fp16 in their plans): "
         "torch's DDP reduces the fp16 model's own gradients, and the local DDP of the sc21 scripts (no "
         "--accumulate-allreduce-grads-in-fp32, no --use-contiguous-buffers-in-ddp) flattens each param.grad in "
@@ -334,8 +336,8 @@ def _change(table_rows: list[Row], before: dict[str, float]) -> str:
         "buffer on the compute stream (update_hp_grads, 18 bytes a parameter, 128 times a step), and the step's "
         "end all-reduces the whole buffer over the data ranks (_bf16_reduce_grads) where ZeRO-1 would "
         "reduce-scatter it, cast to bf16 for the wire (engine.py allreduce_bucket: communication_data_type's default "
-        "at stage 0 with bf16; reduce=bf16 in its plan) and copied around it (estimate data_engine deepspeed-bf16; "
-        "costs.Costs.data_sync). "
+        "at stage 0 with bf16; reduce=bf16 in its plan) and copied around it (framework_models data_engine "
+        "deepspeed-bf16; costs.Costs.data_sync). "
         "No constant is new: the bytes go at the memory bandwidth and the links already used. The dropouts move "
         "the small Megatron-LM rows most, whose "
         "scores (heads x sequence a token) outweigh their hidden state; the replication moves every tensor-parallel "

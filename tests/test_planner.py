@@ -4,22 +4,27 @@ and `shoal plan` on the command line. No processes, no torch collectives: all pu
 from __future__ import annotations
 
 import json
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
-from shoal import rules
-from shoal.cli import main
-from shoal.cli.plan import price
-from shoal.models.config import ModelConfig, get_preset
-from shoal.parallel.schedules import bubble_fraction, build_schedule, peak_in_flight, simulate
-from shoal.plan import Plan
-from shoal.planner import compute, memory
-from shoal.planner.cluster_file import parse_cluster
-from shoal.planner.comm import RingNetwork, ring_time
-from shoal.planner.costs import _training_gemm_time
-from shoal.planner.estimate import Workload, _bubble, estimate
-from shoal.planner.search import search
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` is a folder beside `src`, not installed
+
+from bench import framework_models  # noqa: E402  (after the sys.path line above)
+from shoal import rules  # noqa: E402
+from shoal.cli import main  # noqa: E402
+from shoal.cli.plan import price  # noqa: E402
+from shoal.models.config import ModelConfig, get_preset  # noqa: E402
+from shoal.parallel.schedules import bubble_fraction, build_schedule, peak_in_flight, simulate  # noqa: E402
+from shoal.plan import Plan  # noqa: E402
+from shoal.planner import compute, memory  # noqa: E402
+from shoal.planner.cluster_file import parse_cluster  # noqa: E402
+from shoal.planner.comm import RingNetwork, ring_time  # noqa: E402
+from shoal.planner.costs import _training_gemm_time  # noqa: E402
+from shoal.planner.estimate import Framework, Workload, _bubble, estimate  # noqa: E402
+from shoal.planner.search import search  # noqa: E402
 
 TINY = get_preset("tiny")  # 4 layers, dim 128, 8 heads of 16, 4 KV heads, FFN 384, SwiGLU, vocab 256
 
@@ -66,11 +71,12 @@ def test_activation_elements_by_hand():
     kw = dict(seq_len=128, fused_attention=True)
     assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="none", **kw) == 770 + 520 + 1536
     assert memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", **kw) == 2 * (257 / 2 + 128) + (520 + 1536) / 2
-    assert memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", tp_engine="megatron",
+    assert memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", sp_layout=framework_models.layout("megatron"),
                                       **kw) == (770 + 520 + 1536) / 2
     assert memory.activation_elements(TINY, 0, tp=2, sp=False, ac="none", **kw) == 770 + (520 + 1536) / 2
     with pytest.raises(ValueError, match="valid: dtensor, megatron"):
-        memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", tp_engine="deepspeed", **kw)
+        memory.activation_elements(TINY, 0, tp=2, sp=True, ac="none", sp_layout=framework_models.layout("deepspeed"),
+                                   **kw)
     assert memory.activation_elements(TINY, 0, tp=1, sp=False, ac="full", **kw) == 128
     # unfused attention keeps the probabilities (H * T per token) unless recomputed
     unfused = dict(seq_len=128, fused_attention=False)
@@ -102,7 +108,7 @@ def test_dropout_kept_elements_by_hand():
     for ac in ("selective", "full"):
         assert memory.activation_elements(drop, 0, tp=1, sp=False, ac=ac, **kw) == memory.activation_elements(
             TINY, 0, tp=1, sp=False, ac=ac, **kw)
-    megatron = dict(ac="selective", policy="megatron", **unfused)
+    megatron = dict(ac="selective", policy=framework_models.policy("megatron"), **unfused)
     assert memory.activation_elements(drop, 0, tp=1, sp=False, **megatron) == memory.activation_elements(
         TINY, 0, tp=1, sp=False, **megatron) + 128
     assert memory.embedding_dropout_elements(drop, tp=1, sp=False, on_cpu=False, element_bytes=2) == 64
@@ -263,7 +269,7 @@ def test_attention_backward_counts_the_fused_kernels_recompute():
     assert attention_backward_multiplier(fused_kernel=False) == 2.0
     assert attention_backward_multiplier(fused_kernel=True) == FUSED_BACKWARD == 5 / 2
     unfused = estimate(rules.resolve(Plan.parse("dp1"), world_size=1, device="cuda"),
-                       Workload(model=TINY, global_batch=16, seq_len=128, fused_attention=False),
+                       Workload(model=TINY, global_batch=16, seq_len=128, framework=Framework(fused_attention=False)),
                        parse_cluster("1xA100-80GB"))
     clock = 1200 / 1410
     full_context = 4 * 128 * 8 * 16  # QK^T and AV over all 128 keys (no masked blocks skipped)
@@ -489,8 +495,8 @@ def test_every_published_run_is_a_plan_shoal_accepts():
     and a plan that parse, resolve and validate against its model; the one layout shoal's runtime
     does not run (interleaved chunks beside a data axis: torchtitan's 405B, Megatron-LM 2021's 76.1B to 529.6B) is
     priced as it ran, and the rules say why."""
+    from bench.published_runs import PUBLISHED
     from shoal import rules
-    from shoal.planner.published import PUBLISHED
 
     assert len(PUBLISHED) >= 10
     not_run = {run.plan for run in PUBLISHED if "sched=interleaved" in run.plan}
@@ -503,8 +509,8 @@ def test_every_published_run_is_a_plan_shoal_accepts():
         reason = rules.refusal(plan, facts)
         assert (reason is not None) == (run.plan in not_run), (run.plan, reason)
         assert reason is None or reason.startswith("sched=interleaved runs with pp, tp and cp only")
-        work = Workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
-                        fused_attention=run.fused_attention, data_engine=run.data_engine)
+        work = framework_models.workload(model=run.model, global_batch=run.global_batch, seq_len=run.seq_len,
+                                         fused_attention=run.fused_attention, data_engine=run.data_engine)
         assert estimate(plan, work, cluster, micro_batch=run.micro_batch_size if plan.pp == 1 else None).step_time_s > 0
         assert run.tokens_per_s_per_device > 0 and run.source.startswith("http")
 
@@ -526,7 +532,8 @@ def test_sequence_parallel_copies_of_dtensor_by_hand():
     cluster = parse_cluster("8xH100")
     plan = rules.resolve(Plan.parse("tp8"), world_size=8, device="cuda")
     for sequences, copied in ((2, 8), (1, 4)):  # a block's copies a micro-batch: all 8, or the 4 reduce-scatters'
-        dtensor, megatron = (estimate(plan, Workload(model=TINY, global_batch=16, seq_len=128, tp_engine=engine),
+        dtensor, megatron = (estimate(plan, framework_models.workload(model=TINY, global_batch=16, seq_len=128,
+                                                                      tp_engine=engine),
                                       cluster, micro_batch=sequences) for engine in ("dtensor", "megatron"))
         act = sequences * 128 * TINY.dim * 2.0  # bytes of one micro-batch's gathered activation
         copies = (16 // sequences) * TINY.num_layers * copied * 2 * act / 2970e9
@@ -709,14 +716,14 @@ def test_dropout_elements_by_hand():
     # the hidden state's: two norms (read, write) and two residual adds (read 2, write 1), and the dropouts' masks
     assert (work.hidden, work.hidden_backward) == (10 * 128 + 128, 20 * 128 + 640)
     # Megatron-LM's selective recompute reruns the scores' elementwise work with QK^T and AV
-    assert compute.recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=False,
-                              policy="megatron", scores=1.5) == 4.5
+    assert framework_models.policy("megatron").rerun(matmul=0.0, attention=3.0, elementwise=2.0,
+                                                     fused_attention=False, scores=1.5) == 4.5
 
 
 def _unfused_step(cfg: ModelConfig, plan: str, cluster: str, **work: object) -> dict[str, float]:
     resolved = rules.resolve(Plan.parse(plan), world_size=parse_cluster(cluster).world_size, device="cuda")
-    return estimate(resolved, Workload(model=cfg, global_batch=16, seq_len=128, fused_attention=False, **work),
-                    parse_cluster(cluster)).time
+    return estimate(resolved, framework_models.workload(model=cfg, global_batch=16, seq_len=128, fused_attention=False,
+                                                        **work), parse_cluster(cluster)).time
 
 
 def test_dropout_in_the_estimate():
@@ -759,7 +766,7 @@ def test_scattered_pipeline_sends_a_share_and_gathers_it():
     plan = rules.resolve(Plan.parse("tp8,pp2,mb=4,sp=off,precision=fp16"), world_size=16, device="cuda")
 
     def step(scatter: bool) -> dict[str, float]:
-        work = Workload(model=TINY, global_batch=4, seq_len=128, pipe_scatter=scatter)
+        work = Workload(model=TINY, global_batch=4, seq_len=128, framework=Framework(pipe_scatter=scatter))
         return estimate(plan, work, cluster, micro_batch=1).time
 
     net, act = RingNetwork(cluster), 128 * TINY.dim * 2.0  # one sequence a micro-batch, fp16
@@ -775,7 +782,8 @@ def test_scattered_pipeline_sends_a_share_and_gathers_it():
     for text, world in (("tp8,pp2,mb=4,precision=fp16", 16), ("pp2,mb=4,precision=fp16", 2)):
         other, where = rules.resolve(Plan.parse(text), world_size=world,
                                      device="cuda"), parse_cluster(f"{world}xA100-80GB")
-        sends = [estimate(other, Workload(model=TINY, global_batch=4, seq_len=128, pipe_scatter=scatter), where,
+        sends = [estimate(other, Workload(model=TINY, global_batch=4, seq_len=128,
+                                          framework=Framework(pipe_scatter=scatter)), where,
                           micro_batch=1).time["pp_p2p"] for scatter in (False, True)]
         assert sends[0] == sends[1] > 0
 
@@ -785,13 +793,14 @@ def test_torchtitan_selective_policy_by_hand():
     (wq wk wv wo w1 w3 w2): wk, wo and w3 are rerun; wq, wv, w1, w2, the attention kernel's output and log-sum-exp
     and the block's input are kept. TINY: D 128, 8 heads of 16, 4 KV heads (64 wide), F 384."""
     assert [name for name, *_ in compute.block_matmuls(TINY)] == ["wq", "wk", "wv", "wo", "w1", "w3", "w2"]
-    assert compute.titan_recomputed_matmul(TINY, moe=False) == 2 * 128 * 64 + 2 * 128 * 128 + 2 * 128 * 384
-    assert compute.titan_recomputed_matmul(TINY, moe=True) == 2 * 128 * 64 + 2 * 128 * 128  # attention only
+    titan_recomputed_matmul = framework_models.titan_recomputed_matmul
+    assert titan_recomputed_matmul(TINY, moe=False) == 2 * 128 * 64 + 2 * 128 * 128 + 2 * 128 * 384
+    assert titan_recomputed_matmul(TINY, moe=True) == 2 * 128 * 64 + 2 * 128 * 128  # attention only
     llama8b = get_preset("llama3-8b")  # wk 4096 x 1024, wo 4096 x 4096, w3 4096 x 14336 of 218.1M weights
-    share = compute.titan_recomputed_matmul(llama8b, moe=False) / compute.block_work(
+    share = titan_recomputed_matmul(llama8b, moe=False) / compute.block_work(
         llama8b, 0, seq_len=1, causal_skip=True, fused_attention=True).matmul
     assert share == pytest.approx((4096 * 1024 + 4096 * 4096 + 4096 * 14336) / 218_103_808)
-    kw = dict(seq_len=128, fused_attention=True, ac="selective", policy="torchtitan-op")
+    kw = dict(seq_len=128, fused_attention=True, ac="selective", policy=framework_models.policy("torchtitan-op"))
     # input 128 + wq 128 + wv 64 + w1 384 + w2 128 + attention output 128 and 8 log-sum-exps
     assert memory.activation_elements(TINY, 0, tp=1, sp=False, **kw) == 128 + 128 + 64 + 384 + 128 + 136
     # tp2 with sequence parallelism: w2's partial sum stays whole; two reduce-scatter outputs of D/2
@@ -799,16 +808,17 @@ def test_torchtitan_selective_policy_by_hand():
     assert compute.recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True,
                               selective_matmul=1.5) == 3.5
     with pytest.raises(ValueError, match="valid: shoal, torchtitan-op"):
-        Workload(model=TINY, global_batch=4, seq_len=128, selective_policy="every-other")
+        framework_models.workload(model=TINY, global_batch=4, seq_len=128, selective_policy="every-other")
 
 
 def test_torchtitan_selective_policy_in_the_estimate():
     """The estimate reruns the policy's share of the blocks' weight products (not the head's) and holds less."""
     model, cluster = get_preset("llama3-8b"), parse_cluster("8xH100")
     plan = rules.resolve(Plan.parse("fsdp8,ac=selective,precision=bf16"), world_size=8, device="cuda")
-    shoal_way, titan = (estimate(plan, Workload(model=model, global_batch=16, seq_len=8192, selective_policy=policy),
+    shoal_way, titan = (estimate(plan, framework_models.workload(model=model, global_batch=16, seq_len=8192,
+                                                                 selective_policy=policy),
                                  cluster) for policy in ("shoal", "torchtitan-op"))
-    share = compute.titan_recomputed_matmul(model, moe=False) / compute.block_work(
+    share = framework_models.titan_recomputed_matmul(model, moe=False) / compute.block_work(
         model, 0, seq_len=1, causal_skip=True, fused_attention=True).matmul
     tokens, device = 2 * 8192, cluster.device  # one micro-batch of 2 sequences on each rank
     head_mm = (_training_gemm_time(device, tokens, model.vocab_size, model.dim) * compute.head_flops(model) * tokens
@@ -816,7 +826,7 @@ def test_torchtitan_selective_policy_in_the_estimate():
     blocks_mm = shoal_way.time["compute_matmul"] / 3 - head_mm
     assert titan.time["recompute"] - shoal_way.time["recompute"] == pytest.approx(share * blocks_mm, rel=1e-6)
     # it keeps every second weight product's output where shoal's policy keeps each: 31,776 elements a token and
-    # block against 51,232 (memory.titan_selective_elements, memory.shoal_selective_elements)
+    # block against 51,232 (framework_models.titan_selective_elements, memory.shoal_selective_elements)
     assert titan.memory["activations"] < 0.7 * shoal_way.memory["activations"]
 
 
@@ -826,12 +836,14 @@ def test_full_recompute_holds_the_rerun_blocks_scores_again():
     of the micro-batch's tokens; the kept block inputs do not change."""
     model, cluster = get_preset("gpt3-1.3b").replace(dropout=0.0), parse_cluster("8xA100")
     plan = rules.resolve(Plan.parse("dp8,ac=full,precision=bf16"), world_size=8, device="cuda")
-    held = {fused: estimate(plan, Workload(model=model, global_batch=8, seq_len=1024, fused_attention=fused),
+    held = {fused: estimate(plan, Workload(model=model, global_batch=8, seq_len=1024,
+                                           framework=Framework(fused_attention=fused)),
                             cluster, micro_batch=1).memory["activations"] for fused in (True, False)}
     tokens = 1024  # one sequence a micro-batch on each rank
     assert held[False] - held[True] == pytest.approx(model.num_heads * 1024 * tokens * 2)
     dropped = estimate(plan, Workload(model=model.replace(dropout=0.1), global_batch=8, seq_len=1024,
-                                      fused_attention=False), cluster, micro_batch=1).memory["activations"]
+                                      framework=Framework(fused_attention=False)), cluster,
+                       micro_batch=1).memory["activations"]
     # the rerun block's masks (two on the hidden state, one on the scores) and the dropped probabilities; the
     # embedding's mask
     rerun = (model.dim + 1.5 * model.num_heads * 1024) * tokens * 2
@@ -841,15 +853,12 @@ def test_full_recompute_holds_the_rerun_blocks_scores_again():
 def test_megatron_selective_policy_reruns_and_drops_the_attention_core_alone():
     """Korthikanti et al. 2022 (section 5): Megatron-LM's selective recompute keeps all but the attention core
     (the scores and probabilities unfused attention stores), which backward reruns."""
-    from shoal.planner.compute import recomputed
-
-    assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=False,
-                      policy="megatron") == 3.0
-    assert recomputed("selective", matmul=5.0, attention=3.0, elementwise=2.0, fused_attention=True,
-                      policy="megatron") == 0.0
+    megatron = framework_models.policy("megatron")
+    assert megatron.rerun(matmul=0.0, attention=3.0, elementwise=2.0, fused_attention=False, scores=0.0) == 3.0
+    assert megatron.rerun(matmul=0.0, attention=3.0, elementwise=2.0, fused_attention=True, scores=0.0) == 0.0
     unfused = dict(seq_len=128, fused_attention=False, tp=1, sp=False)
     none = memory.activation_elements(TINY, 0, ac="none", **unfused)
-    assert memory.activation_elements(TINY, 0, ac="selective", policy="megatron", **unfused) == none - 8 * 128
+    assert memory.activation_elements(TINY, 0, ac="selective", policy=megatron, **unfused) == none - 8 * 128
     assert memory.activation_elements(TINY, 0, ac="selective", **unfused) < none - 8 * 128  # shoal keeps less
 
 
@@ -913,10 +922,10 @@ def test_deepspeeds_pipeline_schedule_takes_what_1f1b_takes(p, m, fwd, bwd):
 
 def test_a_deepspeed_pipeline_run_reduces_and_gathers_once_a_step_beside_no_compute():
     """DeepSpeed's TrainSchedule reduces gradients, and at ZeRO-1 gathers the updated weights, once a step after the
-    last backward (estimate.deepspeed_engine): shoal's FSDP2 runs fsdp2,zero=1 under tp by gathering every
+    last backward (framework_models.deepspeed_engine): shoal's FSDP2 runs fsdp2,zero=1 under tp by gathering every
     micro-batch, DeepSpeed once; and none of it hides. On 2 nodes of 8 A100s, tp2 x pp2 x fsdp4 with 8 micro-batches:
     an eighth of FSDP2's gather traffic, the same one reduce-scatter (zero=1), all of it exposed."""
-    from shoal.planner.estimate import deepspeed_engine
+    from bench.framework_models import deepspeed_engine
     from shoal.rules import choose_engine
 
     c = parse_cluster("16xA100-80GB")
@@ -931,8 +940,9 @@ def test_a_deepspeed_pipeline_run_reduces_and_gathers_once_a_step_beside_no_comp
     with pytest.raises(ValueError, match="ZeRO-1 at most"):
         deepspeed_engine(rules.resolve(Plan.parse("fsdp4,zero=2,tp2,pp2"), world_size=16, device="cuda"), shoal_engine)
     with pytest.raises(ValueError, match="data_engine"):
-        Workload(model=TINY, global_batch=16, seq_len=128, data_engine="megatron")
-    ds = estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine="deepspeed-pipe"), c)
+        framework_models.workload(model=TINY, global_batch=16, seq_len=128, data_engine="megatron")
+    ds = estimate(plan, framework_models.workload(model=TINY, global_batch=64, seq_len=128,
+                                                  data_engine="deepspeed-pipe"), c)
     shoal = estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128), c)
     assert shoal.traffic["fsdp_all_gather"] == pytest.approx(8 * ds.traffic["fsdp_all_gather"])  # 8 micro-batches
     assert ds.traffic["fsdp_reduce_scatter"] == pytest.approx(shoal.traffic["fsdp_reduce_scatter"])  # zero=1: once
@@ -945,11 +955,13 @@ def test_deepspeed_bf16_optimizer_accumulates_in_fp32_and_all_reduces():
     at the step's end the buffer is all-reduced whole over the data ranks where ZeRO-1 reduce-scatters it (in the
     plan's reduce dtype), copied around it (flatten, cast, scale, copy back, unflatten: 32 bytes a parameter); the
     bf16 weights are gathered as before. All of it exposed. The buffer is memory too: 4 bytes a parameter."""
-    from shoal.planner.costs import BF16_REDUCE_COPY_BYTES, FP32_ACCUMULATION_BYTES, Costs
+    from bench.framework_models import BF16_REDUCE_COPY_BYTES, FP32_ACCUMULATION_BYTES
+    from shoal.planner.costs import Costs
 
     c = parse_cluster("16xA100-80GB")
     plan = rules.resolve(Plan.parse("fsdp4,zero=1,tp2,pp2,mb=8,precision=bf16"), world_size=16, device="cuda")
-    pipe, bf16 = (estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine=engine), c)
+    pipe, bf16 = (estimate(plan, framework_models.workload(model=TINY, global_batch=64, seq_len=128,
+                                                           data_engine=engine), c)
                   for engine in ("deepspeed-pipe", "deepspeed-bf16"))
     assert (FP32_ACCUMULATION_BYTES, BF16_REDUCE_COPY_BYTES) == (18, 32)
     grads = pipe.traffic["fsdp_reduce_scatter"]  # fp32 gradients, one reduce-scatter a step
@@ -973,29 +985,29 @@ def test_megatron_local_ddp_all_reduces_once_after_the_last_backward():
     """Megatron-LM's own DDP of 2021 (`--DDP-impl local`, the SC21 Table 1 runs from 39.1B) all-reduces the gradients
     once, after forward_backward_func returns: the same traffic as torch's DDP, which overlaps it with the last
     backward, but all of it exposed. It replicates every state, so a sharded plan is refused."""
-    from shoal.planner.estimate import Workload, estimate
-
     c = parse_cluster("32xA100-80GB")
     plan = rules.resolve(Plan.parse("tp8,pp2,mb=8,sched=1f1b"), world_size=32, device="cuda")
-    local, torch_ddp = (estimate(plan, Workload(model=TINY, global_batch=64, seq_len=128, data_engine=engine), c)
+    local, torch_ddp = (estimate(plan, framework_models.workload(model=TINY, global_batch=64, seq_len=128,
+                                                                 data_engine=engine), c)
                         for engine in ("megatron-local", "shoal"))
     assert local.traffic == pytest.approx(torch_ddp.traffic) and local.traffic["dp_allreduce"] > 0
     assert local.time["dp_sync_exposed"] == pytest.approx(local.traffic["dp_allreduce"])
     assert torch_ddp.time["dp_sync_exposed"] < local.time["dp_sync_exposed"]
     with pytest.raises(ValueError, match="fsdp=2"):
         estimate(rules.resolve(Plan.parse("fsdp2,tp8,pp2,mb=8"), world_size=32, device="cuda"),
-                 Workload(model=TINY, global_batch=64, seq_len=128, data_engine="megatron-local"), c)
+                 framework_models.workload(model=TINY, global_batch=64, seq_len=128, data_engine="megatron-local"), c)
 
 
 def test_accumulation_under_fsdp2_adds_unsharded_gradients_only_where_the_sync_is_off():
     """shoal's FSDP2 at ZeRO-3 reduce-scatters every micro-batch, so accumulating holds nothing more than one
     micro-batch does (its dry run: tests/test_dry_run.py); torch.distributed.pipelining turns the sync off
     between micro-batches, and each rank's unsharded fp32 gradients (4 bytes a parameter) accumulate."""
-    from shoal.planner.estimate import Workload, estimate
+    from shoal.planner.costs import GradientReduction
 
     cluster = parse_cluster("8xA100-80GB")
     plan = rules.resolve(Plan.parse("fsdp4,pp2,mb=8"), world_size=8, device="cuda")
-    ours, torchs = (estimate(plan, Workload(model=TINY, global_batch=32, seq_len=128, unsharded_accumulation=off),
+    ours, torchs = (estimate(plan, Workload(model=TINY, global_batch=32, seq_len=128, framework=Framework(
+                                 gradients=GradientReduction(unsharded_accumulation=off))),
                              cluster) for off in (False, True))
     stage = ours.memory["parameters"] * 4 / 2  # the stage's parameters: a shard over fsdp4, 2 bytes each in bf16
     assert torchs.memory["transient"] - ours.memory["transient"] == pytest.approx(4 * stage)

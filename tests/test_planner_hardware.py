@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
+import os
+import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import shoal.planner
 from shoal.planner import cluster_file, hardware, kernel_rates
 from shoal.planner.cluster_file import dump_cluster, load_cluster, parse_cluster
 from shoal.planner.hardware import ALIASES, DEVICES, Cluster, DeviceSpec, Link, get_device
@@ -183,6 +189,28 @@ def test_no_torch_import():
                      if isinstance(node, ast.ImportFrom) and node.module}
         assert "torch" not in imported, module.__name__
     assert isinstance(DEVICES["cpu"], DeviceSpec) and isinstance(parse_cluster("1xcpu"), Cluster)
+
+
+BELOW_PLANNER = ("shoal.planner", "shoal.rules", "shoal.plan", "shoal.models", "shoal.moe", "shoal.loss", "shoal.infra")
+"""The packages the planner may import: itself and those below it in the layer order."""
+
+
+@pytest.mark.parametrize("name", ["shoal.planner"] + sorted(
+    f"shoal.planner.{m.name}" for m in pkgutil.iter_modules(shoal.planner.__path__)))
+def test_every_planner_module_imports_no_torch_and_nothing_above_it(name):
+    """Imported alone in a fresh interpreter, a planner module loads no torch module and no shoal package above the
+    planner (so `shoal plan` answers at once, and the layers hold with every import counted)."""
+    code = (f"import importlib, json, sys; importlib.import_module({name!r}); "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'shoal'))))")
+    src = str(Path(shoal.planner.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout)
+    assert not [m for m in loaded if m.split(".")[0] == "torch"], name
+    above = [m for m in loaded if m != "shoal" and not any(m == p or m.startswith(p + ".") for p in BELOW_PLANNER)]
+    assert not above, (name, above)
 
 
 def test_gemm_factor_by_hand():

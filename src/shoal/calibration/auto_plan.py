@@ -17,12 +17,8 @@ from shoal.models.config import ModelConfig, parameters_text
 from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.comm import CalibratedNetwork, Network
 from shoal.planner.estimate import Estimate, Workload
-from shoal.planner.hardware import DEVICES, Cluster
+from shoal.planner.hardware import DEVICES, Cluster, gpu_device
 from shoal.planner.search import search
-
-GPU_NAMES = {"H200": "H200", "H100": "H100-80GB", "A100-SXM4-40GB": "A100-40GB", "A100-PCIE-40GB": "A100-40GB",
-             "A100": "A100-80GB", "V100": "V100-32GB", "P100": "P100-16GB"}
-"""Substrings of torch.cuda.get_device_name() -> shoal's device specs, most specific first."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,11 +107,11 @@ def memory_cluster(world_size: int, device: str) -> Cluster | None:
 def gpu_cluster(name: str, memory_bytes: int, *, world_size: int, per_node: int) -> Cluster:
     """The cluster of `world_size` GPUs named `name` (torch's device name), `per_node` to a node,
     with the memory the device reports (a V100 may have 16 or 32 GB)."""
-    spec = next((v for k, v in GPU_NAMES.items() if k in name), None)
+    spec = gpu_device(name)
     if spec is None:
         raise ValueError(f"plan auto: no spec for GPU {name!r}; valid: {', '.join(d for d in DEVICES if d != 'cpu')} "
                          "(give a --plan, or price one with shoal plan --cluster FILE.toml)")
     per_node = min(per_node, world_size)
-    cluster = parse_cluster(f"{max(1, world_size // per_node)}x{per_node}x{spec}")
+    cluster = parse_cluster(f"{max(1, world_size // per_node)}x{per_node}x{spec.name}")
     device = dataclasses.replace(cluster.device, memory_bytes=memory_bytes)
     return dataclasses.replace(cluster, device=device)

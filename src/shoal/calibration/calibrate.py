@@ -29,7 +29,7 @@ def calibrate(world_sizes: Sequence[int] = (1, 2, 4), *, quick: bool = False, pr
     """Measure this machine at each world size (N processes at once, one thread each); see the module docstring.
 
     Collectives are measured at each N > 1. `quick` takes fewer sizes, shorter windows and fewer
-    repetitions (under a minute here, noisier); the full run takes a few minutes. Run it on a
+    repetitions (faster, noisier). Run it on a
     quiet machine: other processes on the cores slow every figure (see Profile.load_average).
     """
     import torch

@@ -53,15 +53,32 @@ def settings(quick: bool, world_size: int) -> Settings:
     return Settings(0.3, tuple(2**k for k in range(10, 25, 2)), 2, 9, 0.01, world_size > 1)
 
 
-def _rate(fn: Callable[[], Any], work: float, seconds: float) -> float:
-    """work/s of `fn` in a window of `seconds` (after one warm-up call); all ranks start together."""
+def _rate(fn: Callable[[], Any], work: float, seconds: float, *, start: Callable[[], Any] = dist.barrier,
+          sync: Callable[[], Any] = lambda: None) -> float:
+    """work/s of `fn` in a window of `seconds`, after one warm-up call and `start` (by default a barrier: all ranks
+    start together); `sync` waits for the device after each call."""
     fn()
-    dist.barrier()
-    count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds or count == 0:
+    sync()
+    start()
+    count, begin = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - begin) < seconds or count == 0:
         fn()
+        sync()
         count += 1
     return work * count / elapsed
+
+
+def matmul_flops(m: int, k: int, n: int, *, seconds: float, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", start: Callable[[], Any] = lambda: None) -> float:
+    """FLOP/s of (m x k) @ (k x n) products of random `dtype` matrices on `device`, run back to back for about
+    `seconds` after a warm-up product and `start` (a barrier where ranks time together); on a GPU each product is
+    waited for before the clock is read."""
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    c = torch.empty(m, n, dtype=dtype, device=device)
+    on_gpu = c.device.type == "cuda"
+    return _rate(lambda: torch.mm(a, b, out=c), 2.0 * m * k * n, seconds, start=start,
+                 sync=(lambda: torch.cuda.synchronize(c.device)) if on_gpu else (lambda: None))
 
 
 def _median_over_ranks(value: float) -> float:
@@ -76,11 +93,9 @@ def _measure_matmul(s: Settings) -> dict[str, dict[str, float]]:
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         out[name] = {}
         for m, k, n in MATMUL_SHAPES:
-            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            c = torch.empty(m, n, dtype=dtype)
             key = f"{m}x{k}x{n}"
-            # _rate calls the lambda before the next iteration rebinds a, b, c.
-            out[name][key] = _median_over_ranks(_rate(lambda: torch.mm(a, b, out=c), 2.0 * m * k * n, s.seconds))  # noqa: B023
+            out[name][key] = _median_over_ranks(matmul_flops(m, k, n, dtype=dtype, seconds=s.seconds,
+                                                             start=dist.barrier))
             if name == "bf16" and out[name][key] < out["fp32"][key] / 4:
                 break  # the same median on every rank, so all stop together
     return out

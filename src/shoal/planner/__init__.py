@@ -1,4 +1,3 @@
-"""The planner: hardware specs, pure cost formulas for each parallel axis, the search over plans,
-and calibration on this machine. The formulas and the search are plain arithmetic on the model's
-shape and the plan (no tensors, no collectives); only `calibrate` runs torch, in its own processes,
-and `counts`, which recounts from the code the op counts the formulas use (for tests)."""
+"""The planner: hardware specs, pure cost formulas for each parallel axis, and the search over plans. Plain
+arithmetic on the model's shape and the plan: no tensors, no collectives, no torch import. What measures by running
+torch (calibration on this machine, the recounts of the formulas' op counts) is shoal.calibration."""

@@ -78,13 +78,13 @@ def rail_link(inter: Link, intra: Link, members: int) -> Link:
     NCCL lays one ring per channel and spreads its channels over the node's NICs, so each ring crosses between
     nodes once and the group's ranks in a node add up their NICs' bandwidth, up to what the NVLink inside the
     node carries: a DGX A100's 8 HDR NICs (24 GB/s each measured) give 192 GB/s of all-reduce bus bandwidth across
-    nodes (S. Jeaugey's team, github.com/NVIDIA/nccl issue 812, 2023-03-31: "we measure 192GB/s AllReduce BusBW");
-    "you can add more NICs and you should get more bandwidth, up to 160GB/s which is the NVLink intra-node
-    bandwidth" of an 8 x A800 node (sjeaugey, nccl issue 412, 2023-04-24); "AllReduce ... will form multiple
-    rings so that it can utilize all the available NICs" (nccl-tests issue 277, 2024-12-19). Measured on DGX-2
-    V100s with NCCL_ALGO=Ring, a 1.6 GB all-reduce over 8 GPUs took 363, 173 and 132 ms with 1, 2 and 4 GPUs
-    (and NICs) in each node (nccl issue 569, 2021-09-18). So: `members` times the per-device link, at most the
-    node's own link (`intra`'s achievable bandwidth); the latency stays the network's."""
+    nodes (S. Jeaugey's team, github.com/NVIDIA/nccl issue 812: "we measure 192GB/s AllReduce BusBW"); "you can
+    add more NICs and you should get more bandwidth, up to 160GB/s which is the NVLink intra-node bandwidth" of an
+    8 x A800 node (sjeaugey, nccl issue 412); "AllReduce ... will form multiple rings so that it can utilize all
+    the available NICs" (nccl-tests issue 277). Measured on DGX-2 V100s with NCCL_ALGO=Ring, a 1.6 GB all-reduce
+    over 8 GPUs took 363, 173 and 132 ms with 1, 2 and 4 GPUs (and NICs) in each node (nccl issue 569). So:
+    `members` times the per-device link, at most the node's own link (`intra`'s achievable bandwidth); the latency
+    stays the network's."""
     if members < 1:
         raise ValueError(f"members must be >= 1, got {members}")
     achievable = min(members * inter.achievable, intra.achievable)

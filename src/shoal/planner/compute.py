@@ -38,8 +38,8 @@ class BlockWork:
     """Elements the dropouts' gradients move in backward: each reads the gradient and the mask and writes the
     gradient."""
     scores: float = 0.0
-    """Of `elementwise` and `dropout`, the forward elements of unfused attention's scores: what Megatron-LM's
-    selective recompute reruns beside QK^T and AV."""
+    """Of `elementwise` and `dropout`, the forward elements of unfused attention's scores: what a recompute policy
+    that reruns the attention core reruns beside QK^T and AV (memory.RecomputePolicy.rerun's `scores`)."""
     hidden: float = 0.0
     """Of `elementwise` and `dropout`, the forward elements on the hidden state (the norms, the residual adds and
     their dropouts), which tensor parallelism without sequence parallelism runs whole on every rank (Korthikanti
@@ -102,7 +102,7 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
     """Forward work per token of block `index` (MoE or dense FFN) at sequence length `seq_len`.
 
     `compiled`: elementwise ops fused into one kernel per region (torch.compile, or hand-fused
-    kernels as Megatron-LM has), so each tensor is read and written once; eager PyTorch runs shoal's
+    kernels), so each tensor is read and written once; eager PyTorch runs shoal's
     block op by op (RMSNorm's pow/mean/rsqrt/mul/mul, RoPE's eight products and sums in fp32, the
     GQA repeat, the head transposes), which moves the elements counted in `_eager_elements`. `element_bytes`: an
     activation's bytes, against which a dropout mask's byte counts."""
@@ -162,14 +162,13 @@ def dropout_elements(cfg: ModelConfig, seq_len: int, *, fused_attention: bool, c
     """Elements per token of a block's dropouts at `cfg.dropout`, of `element_bytes` each (a mask's MASK_BYTES
     counts as that fraction of an element).
 
-    Two on the hidden state, after the attention's output projection and after the FFN (shoal.models.transformer,
-    Megatron-LM's bias_dropout_add): run on its own, each reads and writes the activation and writes its mask;
-    fused into the residual add (compiled, or Megatron-LM's jit-fused bias_dropout_add), only the mask is written,
-    and backward scales the gradient by it either way (read the gradient and the mask, write the gradient).
-    Unfused attention drops its probabilities with torch.nn.Dropout (Megatron-LM's ParallelAttention, metaseq's):
-    a read and a write of the scores and the mask, and backward's mirror. A fused attention kernel draws its
-    dropout inside (FlashAttention regenerates the mask in backward from its RNG state), moving nothing more.
-    The embedding's dropout, once a model, is left out."""
+    Two on the hidden state, after the attention's output projection and after the FFN (shoal.models.transformer):
+    run on its own, each reads and writes the activation and writes its mask; fused into the residual add
+    (compiled, or a hand-fused bias-dropout-add kernel), only the mask is written, and backward scales the gradient
+    by it either way (read the gradient and the mask, write the gradient). Unfused attention drops its
+    probabilities with torch.nn.Dropout: a read and a write of the scores and the mask, and backward's mirror. A
+    fused attention kernel draws its dropout inside (FlashAttention regenerates the mask in backward from its RNG
+    state), moving nothing more. The embedding's dropout, once a model, is left out."""
     if cfg.dropout <= 0.0:
         return DropoutWork(hidden=0.0, hidden_backward=0.0, scores=0.0)
     D, mask = cfg.dim, MASK_BYTES / element_bytes
@@ -216,13 +215,6 @@ def attention_backward_multiplier(*, fused_kernel: bool) -> float:
     return FUSED_BACKWARD if fused_kernel else 2.0
 
 
-SELECTIVE_POLICIES = ("shoal", "torchtitan-op", "megatron")
-"""What `ac=selective` keeps, by the trainer that runs it: shoal's policy (shoal.parallel.recompute: the output of
-every weight product and of the attention kernel), torchtitan's per-op policy (`titan_recomputed_matmul`), or
-Megatron-LM's (Korthikanti et al. 2022, section 5: everything but the attention core, the scores, softmax and
-dropout, which backward reruns)."""
-
-
 def block_matmuls(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
     """A dense block's weight products in the order its forward calls them, as (name, input width, output width,
     column-parallel): attention's wq, wk, wv, then wo; a SwiGLU FFN's w1, then w3, then w2 (`w2(silu(w1(x)) *
@@ -236,38 +228,16 @@ def block_matmuls(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
             *ffn, ("w2", F, D, False))
 
 
-def titan_saves(index: int) -> bool:
-    """Whether torchtitan's per-op selective recompute keeps the output of a block's `index`-th weight product
-    (counting from 1 in call order): its policy (github.com/pytorch/torchtitan, `_custom_policy` in
-    torchtitan/parallelisms/parallelize_llama.py at 9dec370, 2024-12, and unchanged in
-    torchtitan/models/llama3/parallelize_llama.py at 820504e, 2025-06) saves the outputs of aten.mm, the SDPA
-    kernels and tensor parallelism's reduce-scatters, "except every second mm", counted afresh in each block's
-    checkpointed forward; every other op is recomputed."""
-    return index % 2 == 1
-
-
-def titan_recomputed_matmul(cfg: ModelConfig, *, moe: bool) -> float:
-    """Forward FLOPs per token of the weight products torchtitan's per-op selective recompute reruns: every second
-    one of `block_matmuls` (Llama's wk, wo and w3: 0.365 of an 8B block's). In an MoE block only the attention
-    projections are counted (its experts are not a plain aten.mm)."""
-    products = block_matmuls(cfg)[:4] if moe else block_matmuls(cfg)
-    return sum(2.0 * d_in * d_out for i, (_, d_in, d_out, _) in enumerate(products, 1) if not titan_saves(i))
-
-
 def recomputed(ac: str, *, matmul: float, attention: float, elementwise: float, fused_attention: bool,
-               selective_matmul: float = 0.0, policy: str = "shoal", scores: float = 0.0) -> float:
+               selective_matmul: float = 0.0) -> float:
     """The forward work backward reruns, of a block's matmul, attention-core and elementwise work (in any one
     unit: FLOPs or seconds). Full recompute reruns all of it. Selective recompute runs shoal's policy
     (shoal.parallel.recompute: the outputs of matmuls and of the fused attention kernel are kept, every other
     op is recomputed): the elementwise ops, and unfused attention's score products with them (batched
     products the policy does not keep); plus `selective_matmul`, the part of `matmul` a policy that keeps
-    fewer products reruns (torchtitan's: `titan_recomputed_matmul`). Megatron-LM's `policy` reruns the attention
-    core alone, its products and `scores`, the elementwise work on its scores (none of it with a fused kernel,
-    which recomputes its scores in its own backward)."""
+    fewer products reruns (memory.RecomputePolicy.rerun_matmul)."""
     if ac == "full":
         return matmul + attention + elementwise
-    if ac == "selective" and policy == "megatron":
-        return 0.0 if fused_attention else attention + scores
     if ac == "selective":
         return elementwise + selective_matmul + (0.0 if fused_attention else attention)
     return 0.0

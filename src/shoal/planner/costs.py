@@ -11,13 +11,15 @@ this module, never the reverse.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from shoal.models.config import ModelConfig
 from shoal.plan import Plan
-from shoal.planner import compute
+from shoal.planner import compute, memory
 from shoal.planner.comm import Network
 from shoal.planner.hardware import Cluster
+from shoal.rules import EngineChoice
 
 OPS_PER_BLOCK = {False: 42, True: 13}
 """Host ops of one dense block's forward (each with its backward, the unit calibration times),
@@ -49,6 +51,40 @@ et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Di
 (arXiv 2507.03114, abstract: 18.9% on average, 40.0% at most). Charged on the communication time hidden."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class GradientReduction:
+    """What the data engine of the trainer whose step is priced reduces and gathers, with which collective and when,
+    and what it holds for it. The defaults are the engine shoal's runtime picks for the plan
+    (shoal.rules.choose_engine); Costs.data_sync and shoal.planner.peak read the rest."""
+
+    overlaps: bool = True
+    """Each collective hides behind the pass that issues it (`data_schedule`); False: all of them run once a step,
+    after the last micro-batch's backward, beside no compute."""
+    reduces_whole: bool = False
+    """Sharded gradients are all-reduced whole over the shards instead of reduce-scattered."""
+    accumulation_bytes: float = 0.0
+    """Bytes per parameter each micro-batch moves on the compute stream adding its gradients into an fp32 buffer
+    (the traffic term "fp32_accumulation")."""
+    reduction_copy_bytes: float = 0.0
+    """Bytes per parameter copied on the compute stream around the step's reduction, once a step (in
+    "fp32_accumulation")."""
+    fp32_buffer: bool = False
+    """An fp32 buffer of the rank's whole gradients, unsharded, held beside the gradients the whole step (the memory
+    term "fp32_gradients": 4 bytes a parameter)."""
+    unsharded_accumulation: bool = False
+    """FSDP2 at ZeRO-3 accumulates unsharded gradients across micro-batches, its sync turned off for every backward
+    but the last; shoal's own leaves the sync on, each micro-batch's gradients reduce-scattered into the sharded
+    ones (shoal.parallel.data)."""
+
+    def engine(self, plan: Plan, choice: EngineChoice) -> EngineChoice:
+        """The engine whose traffic is priced, given shoal's choice for `plan` (ValueError where this trainer's
+        engine does not run the plan)."""
+        return choice
+
+
+SHOAL_GRADIENTS = GradientReduction()
+
+
 def matmul_dtype(plan: Plan, cluster: Cluster, *, tf32: bool = False) -> str:
     """The matmul rate's key: the plan's precision, fp16's for bf16 on a device without it, TF32's for fp32 GEMMs
     with `tf32` on a GPU that has it."""
@@ -62,9 +98,10 @@ class Costs:
     """Per-rank costs of one micro-batch under one plan (the pieces `estimate` adds up)."""
 
     def __init__(self, plan: Plan, cfg: ModelConfig, cluster: Cluster, net: Network, *, tokens: float,
-                 seq_len: int, fused: bool, policy: str = "shoal", tp_engine: str = "dtensor",
-                 tf32: bool = False, fused_qkv: bool = False, pipe_scatter: bool = False) -> None:
-        self.fused, self.policy, self.tp_engine, self.pipe_scatter = fused, policy, tp_engine, pipe_scatter
+                 seq_len: int, fused: bool, recompute: memory.RecomputePolicy = memory.SHOAL_SELECTIVE,
+                 sp_layout: memory.SequenceParallelLayout = memory.DTENSOR, tf32: bool = False,
+                 fused_qkv: bool = False, pipe_scatter: bool = False) -> None:
+        self.fused, self.recompute, self.sp_layout, self.pipe_scatter = fused, recompute, sp_layout, pipe_scatter
         self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
         self.rate = cluster.device.flops(matmul_dtype(plan, cluster, tf32=tf32))
         # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate; a fused kernel at its published
@@ -98,8 +135,8 @@ class Costs:
                                              element_bytes=self.bytes)
                      for moe in (False, True)}
         # The share of a block's weight-product work selective recompute reruns (none under shoal's policy).
-        self.selective_share = {moe: (compute.titan_recomputed_matmul(cfg, moe=moe) / self.work[moe].matmul
-                                      if policy == "torchtitan-op" and plan.ac == "selective" else 0.0)
+        self.selective_share = {moe: (recompute.rerun_matmul(cfg, moe=moe) / self.work[moe].matmul
+                                      if plan.ac == "selective" else 0.0)
                                 for moe in (False, True)}
 
     def head_in_blocks(self) -> float:
@@ -134,10 +171,13 @@ class Costs:
             mm += self.head_scale * compute.head_flops(self.cfg) * T / tp / self.rate
             logits = 4 * T * self.cfg.vocab_size * 4 / tp / self.mem_bw  # logits: write, softmax, grad
             elem, elem_bwd = elem + logits, elem_bwd + 2 * logits
-        recompute = compute.recomputed(p.ac, matmul=mm, attention=attn, fused_attention=self.fused,
-                                       elementwise=elem if p.ac == "full" else block_elem,  # the head: full only
-                                       selective_matmul=selective_mm, policy=self.policy,
-                                       scores=sum(w.scores * n for w, n in blocks) * element)
+        if p.ac == "selective":  # the blocks' work, not the head's
+            recompute = self.recompute.rerun(matmul=selective_mm, attention=attn, elementwise=block_elem,
+                                             scores=sum(w.scores * n for w, n in blocks) * element,
+                                             fused_attention=self.fused)
+        else:
+            recompute = compute.recomputed(p.ac, matmul=mm, attention=attn, elementwise=elem,
+                                           fused_attention=self.fused)
         if self.on_cpu and p.ac == "selective":  # the calibrated CPU model keeps the accounting it was checked with
             recompute = attn
         ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
@@ -180,17 +220,17 @@ class Costs:
 
     def _sp_collectives(self, act: float) -> tuple[float, float]:
         """(all-gather, reduce-scatter) seconds of one sequence-parallel collective of an activation of `act` bytes
-        (gathered size) under tp > 1 with sequence parallelism, with the copies DTensor makes around it (`tp_engine`
-        "dtensor"). Its residual stream is (batch, sequence, dim), sharded on dim 1, and NCCL gathers and scatters on
-        dim 0, so torch's functional collectives (torch/distributed/_functional_collectives.py) re-lay each one out:
-        all_gather_tensor's result is chunked and concatenated along dim 1 (_maybe_view_chunk_cat: a view only when the
-        micro-batch holds one sequence), reduce_scatter_tensor's input chunked along dim 1 and concatenated along dim 0
-        (_chunk_or_narrow_cat), each a read and a write of the whole activation on the compute stream. Megatron-LM's
-        (sequence, batch, dim) layout gathers on dim 0 and copies nothing."""
+        (gathered size) under tp > 1 with sequence parallelism, with the copies DTensor makes around it
+        (`sp_layout.relayout_copies`). Its residual stream is (batch, sequence, dim), sharded on dim 1, and NCCL
+        gathers and scatters on dim 0, so torch's functional collectives (torch/distributed/_functional_collectives.py)
+        re-lay each one out: all_gather_tensor's result is chunked and concatenated along dim 1 (_maybe_view_chunk_cat:
+        a view only when the micro-batch holds one sequence), reduce_scatter_tensor's input chunked along dim 1 and
+        concatenated along dim 0 (_chunk_or_narrow_cat), each a read and a write of the whole activation on the
+        compute stream. A (sequence, batch, dim) stream gathers on dim 0 and copies nothing."""
         tp = self.plan.tp
         gather = self.net.time("all_gather", tp, act, stride=1)
         scatter = self.net.time("reduce_scatter", tp, act, stride=1)
-        if self.tp_engine == "dtensor":
+        if self.sp_layout.relayout_copies:
             copy = 2 * act / self.mem_bw
             sequences = self.tokens * self.plan.cp / self.seq_len
             gather += copy if sequences > 1 else 0.0
@@ -258,21 +298,13 @@ class Costs:
                                                           stride=stride)}
 
     def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
-                  fwd: float, bwd: float, bf16_optimizer: bool = False) -> tuple[float, dict[str, float]]:
+                  fwd: float, bwd: float, gradients: GradientReduction = SHOAL_GRADIENTS
+                  ) -> tuple[float, dict[str, float]]:
         """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic, given one
         micro-batch's forward and backward seconds on this rank: each collective hides only behind the
-        pass it is issued in (`data_schedule`), all but its last unit's piece (`overlap_exposed`).
-
-        `bf16_optimizer`: DeepSpeed's BF16_Optimizer under its pipeline engine (deepspeed/runtime/bf16_optimizer.py
-        and pipe/engine.py at 56c522386, "bf16+pipeline parallelism", 2022-04, the branch BLOOM trained on; BLOOM's
-        tr11 README: "The new BF16_Optimizer accumulates grads in fp32. It doesn't shard the static fp32 buffer"):
-        every micro-batch's backward adds each bf16 gradient into an fp32 buffer on the compute stream
-        (update_hp_grads: the cast reads 2 bytes and writes 4, the add reads 4 and 4 and writes 4), and at the
-        step's end _bf16_reduce_grads all-reduces that whole buffer over the data ranks (buffered_allreduce_fallback)
-        where a ZeRO-1 engine would reduce-scatter it, in the plan's `reduce` dtype (engine.py allreduce_bucket casts
-        to communication_data_type, bf16 by default at ZeRO stage 0 with bf16), copying around it
-        (BF16_REDUCE_COPY_BYTES); each rank then updates its shard and all-gathers the bf16 weights (its own
-        ZeRO-1)."""
+        pass it is issued in (`data_schedule`), all but its last unit's piece (`overlap_exposed`). `gradients`:
+        what the trainer's engine reduces with which collective, and what it moves on the compute stream for it
+        (all of that waited for at once)."""
         p = self.plan
         grad = 4.0 if p.reduce == "fp32" else 2.0
         # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
@@ -301,8 +333,8 @@ class Costs:
             # FSDP2 at zero=1/2 once per micro-batch, shoal's ZeRO-1/2 engine once per step.
             reduces = 1 if zero == 1 else micro
             gathers = {3: 2 * micro}.get(zero, micro if kind == "fsdp2" else 1)
-            terms["fsdp_reduce_scatter"] = reduces * net("all_reduce" if bf16_optimizer else "reduce_scatter", fsdp,
-                                                         params * grad, stride=self.stride["fsdp"])
+            terms["fsdp_reduce_scatter"] = reduces * net("all_reduce" if gradients.reduces_whole else "reduce_scatter",
+                                                         fsdp, params * grad, stride=self.stride["fsdp"])
             terms["fsdp_all_gather"] = gathers * net("all_gather", fsdp, params * self.bytes,
                                                      stride=self.stride["fsdp"])
             if dp > 1:  # every shard's gradient, the tables' too (averaged over dp as FSDP2 averages its own)
@@ -315,9 +347,9 @@ class Costs:
                 terms["fsdp_copies"] = fsdp2_copy_bytes(params, param_bytes=self.bytes, grad_bytes=self.bytes,
                                                         reduce_bytes=grad, gathers=gathers,
                                                         reduces=reduces) / self.mem_bw
-        if bf16_optimizer:
-            terms["fp32_accumulation"] = ((micro * FP32_ACCUMULATION_BYTES + BF16_REDUCE_COPY_BYTES)
-                                          * (params + experts) / self.mem_bw)
+        accumulated = micro * gradients.accumulation_bytes + gradients.reduction_copy_bytes
+        if accumulated:
+            terms["fp32_accumulation"] = accumulated * (params + experts) / self.mem_bw
         if kind == "autocast":  # each micro-batch casts every weight for its products and each gradient back,
             recast = 4 + 2 if p.ac != "none" else 0  # and a recomputed block its weights once more
             terms["autocast_casts"] = micro * (params + experts) * (AUTOCAST_CAST_BYTES + recast) / self.mem_bw
@@ -339,12 +371,6 @@ class Costs:
         return blocking + exposed + OVERLAP_SLOWDOWN * hidden, terms
 
 
-FP32_ACCUMULATION_BYTES = (2 + 4) + (4 + 4 + 4)
-"""Bytes per parameter DeepSpeed's BF16_Optimizer moves per micro-batch adding a bf16 gradient into its fp32 buffer
-(hp_grad.add_(lp.grad.to(float32)): Costs.data_sync, `bf16_optimizer`)."""
-BF16_REDUCE_COPY_BYTES = (4 + 4) + (4 + 2) + (2 + 2) + (2 + 4) + (4 + 4)
-"""Bytes per parameter DeepSpeed's allreduce_bucket moves around the all-reduce of the fp32 buffer in bf16, once a step
-(deepspeed/runtime/engine.py at 56c522386): flatten, cast to bf16, scale, copy back, unflatten into the buffer."""
 AUTOCAST_CAST_BYTES = (4 + 2) + (2 + 4)
 """Bytes per parameter that torch.autocast moves per forward and backward (shoal.parallel.precision.Autocast):
 each fp32 weight read and written as a 16-bit copy for its products (cached for the rest of that forward), and
@@ -421,9 +447,9 @@ def _product_time(device: Any, m: float, n: float, k: float, *, ridge: float) ->
 def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: bool, fused_qkv: bool = False,
                 ridge: float = 0.0) -> float:
     """Time over time-at-the-large-GEMM-rate of one block's weight products, FLOP-weighted: Q, K and V (one
-    fused product with `fused_qkv`, as Megatron-LM's query_key_value; three otherwise, as shoal's, torchtitan's
-    and transformers' wq, wk, wv) and output projections and the dense FFN as (tokens x k) @ (k x n) on one tp
-    rank, forward and backward (_training_gemm_time). Routed experts and the router are left at 1."""
+    fused product with `fused_qkv`; three otherwise, as shoal's wq, wk, wv) and output projections and the dense
+    FFN as (tokens x k) @ (k x n) on one tp rank, forward and backward (_training_gemm_time). Routed experts and the
+    router are left at 1."""
     D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
     q, kv = cfg.num_heads * hd / tp, cfg.kv_heads * hd / tp
     gemms: list[tuple[float, float]] = [(q + 2 * kv, D)] if fused_qkv else [(q, D), (kv, D), (kv, D)]  # (n, k)

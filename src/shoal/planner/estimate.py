@@ -39,9 +39,9 @@ from shoal.models.config import ModelConfig
 from shoal.plan import Plan
 from shoal.planner import compute, memory, peak
 from shoal.planner.comm import Network, RingNetwork
-from shoal.planner.costs import Costs, matmul_dtype
+from shoal.planner.costs import SHOAL_GRADIENTS, Costs, GradientReduction, matmul_dtype
 from shoal.planner.hardware import Cluster
-from shoal.rules import DEVICE_DEFAULTS, EngineChoice, choose_engine, micro_batches
+from shoal.rules import DEVICE_DEFAULTS, choose_engine, micro_batches
 
 OPTIMIZER_BYTES = 28 + 4 * 2
 """Bytes an Adam step moves per parameter: read weight, gradient, two moments (16), write the weight
@@ -59,94 +59,53 @@ RESERVED_BYTES = 2**30
 on current GPUs; PyTorch "Understanding CUDA memory usage" notes)."""
 CPU_PROCESS_BYTES = 300 * 2**20
 """Host memory a CPU process holds before any model: Python, torch and a gloo group (every `shoal train
---dry-run` reports it as the baseline; 301 MB on the 2-core machines shoal is tested on)."""
+--dry-run` reports it as the baseline)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Framework:
+    """How the training framework whose step is priced runs the parts of a step frameworks run differently: the
+    cost model's extension points. Every default is shoal's own runtime; the published-run validation prices other
+    frameworks' runs through them (bench/framework_models.py)."""
 
-DATA_ENGINES = ("shoal", "deepspeed-pipe", "deepspeed-bf16", "megatron-local")
-STEP_END_ENGINES = ("deepspeed-pipe", "deepspeed-bf16", "megatron-local")
-"""Data engines that reduce the gradients once a step, after the last micro-batch's backward, beside no compute."""
+    fused_attention: bool = True
+    """Attention in one kernel that skips masked blocks and keeps no scores (FlashAttention, which PyTorch's SDPA
+    runs and shoal calls); False for unfused QK^T / softmax / AV, which computes and stores the whole T x T score
+    matrix."""
+    fused_qkv: bool = False
+    """Q, K and V projected by one weight, one product of n = (heads + 2 kv heads) x head dim a tp rank; False for
+    three (shoal's wq, wk, wv), whose K and V products are skinny under grouped-query heads."""
+    recompute: memory.RecomputePolicy = memory.SHOAL_SELECTIVE
+    """What `ac=selective` keeps and reruns."""
+    sequence_parallel: memory.SequenceParallelLayout = memory.DTENSOR
+    """What sequence parallelism keeps and copies. Only the memory and the copies differ: the collectives are
+    priced the same."""
+    pipe_scatter: bool = False
+    """Under tensor parallelism without sequence parallelism, each tensor-parallel rank sends the next pipeline
+    stage its 1/tp share of the activation (and of its gradient back), all-gathered over the tensor-parallel group
+    on arrival (the scatter/gather optimization, Narayanan et al. 2021, section 4.1). False: every rank sends the
+    whole activation."""
+    gradients: GradientReduction = SHOAL_GRADIENTS
+    """What the data engine reduces and gathers, and when."""
 
 
-def deepspeed_engine(plan: Plan, engine: EngineChoice) -> EngineChoice:
-    """The data engine of a DeepSpeed pipeline-engine run of `plan` (shoal's choice for it: `engine`).
-
-    DeepSpeed's TrainSchedule issues ReduceTiedGrads, ReduceGrads and OptimizerStep once, at the end of the batch,
-    after the last micro-batch's backward (github.com/microsoft/DeepSpeed, deepspeed/runtime/pipe/schedule.py,
-    TrainSchedule.steps, "Model step at the end of the batch"): a sharded plan's gradients are reduced and, at
-    ZeRO-1, its updated weights gathered once a step, which is shoal's ZeRO-1 engine's traffic (kind "zero"),
-    and nothing overlaps them (estimate passes no compute window). A replicated plan keeps its one all-reduce.
-    DeepSpeed's pipeline engine runs no ZeRO stage above 1."""
-    if plan.fsdp == 1:
-        return engine
-    if plan.zero != 1:
-        raise ValueError(f"DeepSpeed's pipeline engine runs ZeRO-1 at most, got zero={plan.zero}")
-    return dataclasses.replace(engine, kind="zero", zero=1)
+SHOAL = Framework()
 
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
-    """What one training step does, whatever the plan: the model and the global batch."""
+    """What one training step does, whatever the plan: the model and the global batch, and the framework that runs
+    it."""
 
     model: ModelConfig
     global_batch: int
     """Sequences per optimizer step."""
     seq_len: int
-    fused_attention: bool = True
-    """Attention in one kernel that skips masked blocks and keeps no scores (FlashAttention, which
-    PyTorch's SDPA runs and shoal calls); False for the unfused QK^T / softmax / AV of trainers before
-    it (Megatron-LM until 2022), which computes and stores the whole T x T score matrix."""
-    selective_policy: str = "shoal"
-    """What `ac=selective` keeps (compute.SELECTIVE_POLICIES): shoal's policy, "torchtitan-op" for a run of
-    torchtitan's per-op selective recompute, which keeps every second weight product's output only, or
-    "megatron" for Megatron-LM's, which reruns the attention core alone."""
     tf32: bool = True
     """fp32 matmuls on TF32 tensor cores where the GPU has them (`shoal train --tf32`, on by default): an fp32 plan's
     GEMMs priced at the device's "tf32" rate; attention, which SDPA runs in fp32 without a fused 16-bit kernel, is
     not."""
-    data_engine: str = "shoal"
-    """Who runs the data axes (DATA_ENGINES): shoal's own engine for the plan (shoal.rules.choose_engine), or
-    "deepspeed-pipe" for a run of DeepSpeed's pipeline engine, which reduces gradients (and at ZeRO-1 gathers
-    the updated weights) once a step, after the last micro-batch's backward, beside no compute (deepspeed_engine),
-    or "deepspeed-bf16" for that engine with its BF16_Optimizer (bf16 at ZeRO stage 0: Megatron-DeepSpeed's bf16
-    runs, BLOOM's), which also accumulates every micro-batch's gradients into fp32 and all-reduces them whole
-    (costs.Costs.data_sync, `bf16_optimizer`),
-    or "megatron-local" for Megatron-LM's own DistributedDataParallel of 2021 (`--DDP-impl local`, its default),
-    whose train_step all-reduces the gradients once, after forward_backward_func returns (megatron/training.py
-    and megatron/model/distributed.py, allreduce_gradients, at github.com/NVIDIA/Megatron-LM aed2f75e20): no
-    overlap either. `--DDP-impl torch` is torch's DDP, which shoal's engine prices."""
-    unsharded_accumulation: bool = False
-    """FSDP2 stages under torch.distributed.pipelining (torchtitan's pipelines): its PipelineStage turns
-    gradient sync off for every backward but a stage's last (stage.py, backward_maybe_with_nosync), so the
-    unsharded gradients accumulate across micro-batches. shoal's own pipeline and accumulation leave the sync
-    on: each micro-batch's gradients are reduce-scattered into the sharded ones."""
-    tp_engine: str = "dtensor"
-    """Who runs tensor parallelism (memory.TP_ENGINES): DTensor's styles (shoal, torchtitan), which under sequence
-    parallelism keep each norm's all-gathered output for the product after it, or "megatron" for Megatron-LM's
-    layers, which keep the sequence shard and gather it again in backward. Only the memory differs: both are
-    priced the same collectives (Megatron-LM overlaps its extra all-gather with the weight gradients)."""
-
-    fused_qkv: bool = False
-    """Q, K and V projected by one weight, one product of n = (heads + 2 kv heads) x head dim a tp rank
-    (Megatron-LM's and Megatron-DeepSpeed's query_key_value, metaseq's qkv_proj); False for three (wq, wk, wv:
-    shoal's models, torchtitan's, transformers'), whose K and V products are skinny under grouped-query heads."""
-    pipe_scatter: bool = False
-    """Under tensor parallelism without sequence parallelism, each tensor-parallel rank sends the next pipeline
-    stage its 1/tp share of the activation (and of its gradient back), all-gathered over the tensor-parallel group
-    on arrival: Megatron-LM's scatter/gather optimization (Narayanan et al. 2021, section 4.1; on unless
-    --no-scatter-gather-tensors-in-pipeline, megatron/p2p_communication.py) and DeepSpeed's pipeline engine
-    (deepspeed/runtime/pipe/engine.py: activations partitioned under tensor parallelism since its first version,
-    2020-09, gradients since 2021-09, e2fdd254e; both by default). False: every rank sends the whole activation
-    (torch.distributed.pipelining's stages)."""
-
-    def __post_init__(self) -> None:
-        if self.data_engine not in DATA_ENGINES:
-            raise ValueError(f"data_engine {self.data_engine!r} is not valid; valid: {', '.join(DATA_ENGINES)}")
-        if self.tp_engine not in memory.TP_ENGINES:
-            raise ValueError(f"tp_engine {self.tp_engine!r} is not valid; valid: {', '.join(memory.TP_ENGINES)}")
-        if self.selective_policy not in compute.SELECTIVE_POLICIES:
-            raise ValueError(f"selective_policy {self.selective_policy!r} is not valid; "
-                             f"valid: {', '.join(compute.SELECTIVE_POLICIES)}")
+    framework: Framework = SHOAL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,15 +167,11 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     micro = micro_batches(plan, local_batch=local, micro_batch=micro_batch)
     b = local // micro  # sequences per micro-batch
     net = network or RingNetwork(cluster)
-    engine = choose_engine(plan, num_layers=cfg.num_layers)
-    step_end = work.data_engine in STEP_END_ENGINES
-    if work.data_engine in ("deepspeed-pipe", "deepspeed-bf16"):
-        engine = deepspeed_engine(plan, engine)
-    if work.data_engine == "megatron-local" and plan.fsdp > 1:
-        raise ValueError(f"Megatron-LM's local DDP replicates every state, got fsdp={plan.fsdp}")
-    cost = Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=work.fused_attention,
-                  policy=work.selective_policy, tp_engine=work.tp_engine, tf32=work.tf32,
-                  fused_qkv=work.fused_qkv, pipe_scatter=work.pipe_scatter)
+    frame, gradients = work.framework, work.framework.gradients
+    engine = gradients.engine(plan, choose_engine(plan, num_layers=cfg.num_layers))
+    cost = Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=frame.fused_attention,
+                 recompute=frame.recompute, sp_layout=frame.sequence_parallel, tf32=work.tf32,
+                 fused_qkv=frame.fused_qkv, pipe_scatter=frame.pipe_scatter)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
     stages = [(0, first, plan.pp == 1), (cfg.num_layers - last, cfg.num_layers, True)]
     per_stage = [cost.stage(lo, hi, head=head) for lo, hi, head in stages]
@@ -232,8 +187,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
                               cost.params_per_rank(last, head=True), key=sum)
     grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
                                            units=_units(engine.kind, engine.units, params),
-                                           fwd=0.0 if step_end else fwd, bwd=0.0 if step_end else bwd,
-                                           bf16_optimizer=work.data_engine == "deepspeed-bf16")
+                                           fwd=fwd if gradients.overlaps else 0.0,
+                                           bwd=bwd if gradients.overlaps else 0.0, gradients=gradients)
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts
@@ -245,8 +200,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["step_sync"] = cost.step_sync(engine.kind)
     step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
     mem, gradient_bytes = peak.peak_terms(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts,
-                                          micro, stages, unsharded_accumulation=work.unsharded_accumulation,
-                                          fp32_gradient_buffer=work.data_engine == "deepspeed-bf16")
+                                          micro, stages, unsharded_accumulation=gradients.unsharded_accumulation,
+                                          fp32_gradient_buffer=gradients.fp32_buffer)
     on_cpu = cluster.device_type == "cpu"
     need = sum(mem.values()) * memory.FRAGMENTATION + (peak.CPU_STEP_BYTES if on_cpu else 0.0)
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)

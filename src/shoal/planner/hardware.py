@@ -158,7 +158,7 @@ def _nvlink(generation: int, total_gbs: float, efficiency: float,
             allreduce: tuple[tuple[int, float], ...] = ()) -> Link:
     # NVLink data sheets add both directions together; a Link is one direction. Latency: 5 us a ring step, so a
     # 2-rank all-reduce of a few bytes (2 steps) takes 10 us, as nccl-tests measured on two A100-SXM4-40GB
-    # (all_reduce_perf, 32 B: 10.14 us; github.com/NVIDIA/nccl issue 583, 2021-10).
+    # (all_reduce_perf, 32 B: 10.14 us; github.com/NVIDIA/nccl issue 583).
     return Link(name=f"NVLink {generation}", bandwidth=total_gbs / 2 * GB, efficiency=efficiency, latency=5e-6,
                 allreduce_busbw=allreduce)
 
@@ -166,9 +166,9 @@ def _nvlink(generation: int, total_gbs: float, efficiency: float,
 def _infiniband(kind: str, gbit_per_nic: int, nics_per_8_devices: int, efficiency: float) -> Link:
     # Latency: 10 us a ring step. Cross-check, not fitted: nccl-tests all_reduce_perf of 8 B between two A100-SXM4-80GB
     # in two nodes over HDR InfiniBand took 19.90 us out of place, 18.96 in place, two ring steps (github.com/NVIDIA/
-    # nccl-tests issue 150, 2023-06-29). That a ring's latency grows with its rank count, so mid-sized buffers lose
-    # bandwidth as nodes are added while the largest do not, is what NCCL's engineers describe (nccl issue 1712,
-    # 2025-05-19) and what the alpha-beta ring prices; NCCL's trees for small all-reduces over many nodes (8 B over
+    # nccl-tests issue 150). That a ring's latency grows with its rank count, so mid-sized buffers lose bandwidth as
+    # nodes are added while the largest do not, is what NCCL's engineers describe (nccl issue 1712) and what the
+    # alpha-beta ring prices; NCCL's trees for small all-reduces over many nodes (8 B over
     # 256 A100s in 32 nodes: 63 us, nccl issue 652) are not modelled: the ring charges such a call (n-1) steps.
     per_device = gbit_per_nic / 8 * GB * nics_per_8_devices / 8
     return Link(name=f"InfiniBand {kind}", bandwidth=per_device, efficiency=efficiency, latency=10e-6)
@@ -186,16 +186,15 @@ _NCCL = "efficiencies: nccl-tests all_reduce_perf bus bandwidth on DGX systems; 
 _MAMF_A100, _MAMF_H100 = 271.2 / 312, 794.5 / 989
 # A100's sustained clock: a FlashAttention-2 kernel run back to back drops the A100's SM clock from its
 # 1410 MHz boost to ~1200 MHz at the power limit (github.com/liangan1/GPU_travel,
-# performance/flash-attn/README.md, "Frequency"). No such figure was found for the H100 at 700 W: 1.0.
+# performance/flash-attn/README.md, "Frequency"). The H100 at 700 W has no such figure: 1.0.
 _A100_SUSTAINED = 1200 / 1410
 # H100 at a 500 W board limit: the average SM clock a compute-bound load holds under a 500 W cap, over the
 # clock it holds at 700 W, on an HBM2e H100 SXM of 94 GiB (the memory type and size class of torchtitan's
 # 96 GB Grand Teton parts): 1731 of 1969 MHz (Ujeniya, Eitzinger, Hager and Wellein 2026, arXiv 2604.11391,
-# figure 6b: ViT-L/16 at batch 256, a GEMM-bound load; the values printed on the figure, read here from a
-# public repository's transcription, not re-read from the PDF). Tensor-core rates (matmul, attention) scale
-# with the SM clock; the memory bandwidth is left at its measured figure. Cross-check, not used: an 8B Llama
-# training step on the same part at 500 W runs at 27,705 of 30,271 tokens/s at 700 W (0.915; Mayr et al.
-# 2026, arXiv 2603.16164, table 4), a whole step with its memory-bound work included.
+# figure 6b: ViT-L/16 at batch 256, a GEMM-bound load; the values printed on the figure). Tensor-core rates
+# (matmul, attention) scale with the SM clock; the memory bandwidth is left at its measured figure. Cross-check,
+# not used: an 8B Llama training step on the same part at 500 W runs at 27,705 of 30,271 tokens/s at 700 W (0.915;
+# Mayr et al. 2026, arXiv 2603.16164, table 4), a whole step with its memory-bound work included.
 _H100_500W_SUSTAINED = 1731 / 1969
 # H100 square bf16 GEMMs, TFLOP/s by size (torch 2.7 / CUDA 12.8 on an H100 80GB HBM3; github.com/zzc0721/
 # torch-performance-test-data issue 79): small products leave SMs idle. Beyond 8192 the rate falls again
@@ -203,7 +202,7 @@ _H100_500W_SUSTAINED = 1731 / 1969
 _H100_SQUARE = ((1024, 176.62 * TERA), (2048, 676.59 * TERA), (4096, 788.72 * TERA), (8192, 797.51 * TERA))
 # H100 NVLink 4 within a node: 370 GB/s of bus bandwidth for ring collectives (all-gather, reduce-scatter, or
 # all-reduce with NCCL_ALGO=RING) of the 450 GB/s line rate, ~20% protocol overhead (S. Jeaugey, NCCL maintainer,
-# github.com/NVIDIA/nccl-tests issue 212, 2024-05). All-reduce with NVLink SHARP reaches ~480 GB/s bus bandwidth
+# github.com/NVIDIA/nccl-tests issue 212). All-reduce with NVLink SHARP reaches ~480 GB/s bus bandwidth
 # on 8 GPUs there (_H100_NVLS_ALLREDUCE below measures it).
 _NVLINK4_RING = 370 / 450
 
@@ -226,9 +225,9 @@ _H100_NVLS_ALLREDUCE = _busbw((0.07, 0.14, 0.27, 0.53, 0.95, 1.71, 2.72, 5.40, 1
                                172.13, 234.45, 295.53, 361.78, 400.61, 423.38, 438.46, 466.35, 472.36, 475.54, 478.87))
 # InfiniBand across nodes: the all-reduce bus bandwidth NCCL's engineers report measuring over a node's NICs. DGX A100,
 # 8 x HDR 200 Gb/s (25 GB/s each): "we measure 192GB/s AllReduce BusBW", 24 GB/s a NIC (github.com/NVIDIA/nccl issue
-# 812, 2023-03-31; likewise "24 (what we see ourselves in general on perfect setups)" of a 200 Gb/s NIC, nccl-tests
-# issue 160, 2023-08-01). DGX H100, 8 x NDR 400 Gb/s (50 GB/s each): "46-48GB/s per NIC" with NCCL_ALGO=RING
-# (nccl-tests issue 290, 2025-03-03), 47 taken. EDR (DGX-1) keeps the generic 0.85: no such figure was found.
+# 812; likewise "24 (what we see ourselves in general on perfect setups)" of a 200 Gb/s NIC, nccl-tests issue 160).
+# DGX H100, 8 x NDR 400 Gb/s (50 GB/s each): "46-48GB/s per NIC" with NCCL_ALGO=RING (nccl-tests issue 290), 47
+# taken. EDR (DGX-1), which has no such figure, takes the generic 0.85.
 _IB_HDR, _IB_NDR = 24 / 25, 47 / 50
 _DGX1_IB = _infiniband("EDR", 100, 4, 0.85)  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
 _DGX_A100_IB = _infiniband("HDR", 200, 8, _IB_HDR)  # DGX A100: 8 x HDR 200 Gb/s per 8 GPUs
@@ -236,20 +235,19 @@ _DGX_H100_IB = _infiniband("NDR", 400, 8, _IB_NDR)  # DGX H100/H200: 8 x NDR 400
 # Jean Zay's A100 80GB nodes (BLOOM-176B's run): 8 GPUs on NVLink and 4 Omni-Path links per node ("8 GPUs per node
 # Using NVLink 4 inter-gpu connects, 4 OmniPath links"; "Inter-node connect: Omni-Path Architecture (OPA)", the BLOOM
 # model card, huggingface.co/bigscience/bloom, section "Hardware"; the same in bigscience/bloomz's card), 100 Gb/s
-# each (Intel Omni-Path 100 series). No NCCL measurement over Omni-Path was found: EDR's generic 0.85 (the same
+# each (Intel Omni-Path 100 series). Without an NCCL measurement over Omni-Path: EDR's generic 0.85 (the same
 # 100 Gb/s class) and InfiniBand's per-step latency.
 _JEAN_ZAY_OPA = Link(name="Omni-Path 100", bandwidth=100 / 8 * GB * 4 / 8, efficiency=0.85, latency=10e-6)
 # A100 square GEMMs, TFLOP/s by size: cuBLASLt, fp16 (the A100's bf16 rate), random inputs, 10,000 warm-up
 # iterations, on an A100-SXM4-80GB (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md,
 # "GEMM CuBLASLt"): used, as the H100's table is, for each product's rate relative to the largest. Its absolute level
 # (256.5, 0.82 of peak, after a long warm-up) is above what the A100's constants give a large GEMM (MAMF's 271.2 at
-# the 1200 MHz a sustained FlashAttention load holds: 230.8); the constants are kept, as for the H100, and the gap
-# is left open.
+# the 1200 MHz a sustained FlashAttention load holds: 230.8); the constants stand, as for the H100.
 _A100_SQUARE = ((1024, 119.4 * TERA), (2048, 221.8 * TERA), (4096, 228.0 * TERA), (8192, 253.7 * TERA),
                 (16384, 256.5 * TERA))
 # A100 FlashAttention-2, forward and backward together, head dim 64, batch 2, length 8192, no causal mask: 179.5
 # TFLOP/s, 0.575 of the 312 peak (the same Azure page, "Flash Attention 2.0"; the script runs FlashAttention's
-# benchmark_flash_attention.py, whose first block is causal=False, headdim=64). One shape: no table by shape yet.
+# benchmark_flash_attention.py, whose first block is causal=False, headdim=64). One shape, which stands for all.
 _FA2_A100 = 179.5 / 312
 # TF32 tensor-core peaks are the data sheets' dense figures (half the "with sparsity" ones they print).
 _A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA, "fp16": 312 * TERA,
@@ -303,14 +301,14 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     # Memory bandwidth: STREAM Triad on an H100 80GB HBM3 SXM, 2.97 of the data sheet's 3.35 TB/s (copy 2.90); on an
     # H200, 4.15 of 4.8 (github.com/Azure/AI-benchmarking-guide, Azure_Results/ND_H100_v5_results.md, "HBM
     # Bandwidth", read from the copy in its fork samuel-bohman/AI-benchmarking-guide at 26d18e9, and
-    # ND_H200_v5_results.md). Triad, STREAM's reference kernel, was chosen before its effect was seen.
+    # ND_H200_v5_results.md): Triad, STREAM's reference kernel.
     DeviceSpec(name="H100-80GB", memory_bytes=80 * GiB, memory_bw=2970 * GB, **_H100,
                source=f"NVIDIA H100 SXM5 data sheet (dense); measured HBM3 Triad bandwidth; DGX H100 data sheet; "
                       f"{_NCCL}"),
     # Meta's Grand Teton H100s (torchtitan's runs): HBM2e, 96 GB, the board held to 500 W. Bandwidth: 2.41 TB/s, the
     # HBM2e H100's figure as Ujeniya et al. 2026 (arXiv 2604.11391, section 3) list it beside the H200's 4.89, and
-    # torchtitan's benchmark page's "2.4 TB/sec peak": a peak, not a streaming measurement (none was found for this
-    # part; the HBM3 H100's Triad reaches 0.887 of its sheet), so elementwise work is priced optimistically here.
+    # torchtitan's benchmark page's "2.4 TB/sec peak": a peak, not a streaming measurement (this part has none; the
+    # HBM3 H100's Triad reaches 0.887 of its sheet), so elementwise work is priced optimistically on it.
     # Its tensor cores held to the clock a 500 W cap leaves them (_H100_500W_SUSTAINED).
     DeviceSpec(name="H100-96GB-500W", memory_bytes=96 * GiB, memory_bw=2410 * GB,
                **{**_H100, "sustained_clock": _H100_500W_SUSTAINED},
@@ -322,7 +320,10 @@ DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
     _cpu(),
 ]}
 ALIASES: dict[str, str] = {"V100": "V100-32GB", "P100": "P100-16GB", "A100": "A100-80GB",
-                           "H100": "H100-80GB", "H200-141GB": "H200"}
+                           "A100-SXM4-40GB": "A100-40GB", "A100-PCIE-40GB": "A100-40GB", "H100": "H100-80GB",
+                           "H200-141GB": "H200"}
+"""The devices' other names: what `--cluster` takes beside DEVICES' own, and what the names torch gives GPUs
+(torch.cuda.get_device_name()) contain (`gpu_device`)."""
 _LOOKUP = {k.lower(): v for k, v in {**{n: n for n in DEVICES}, **ALIASES}.items()}
 
 
@@ -352,6 +353,14 @@ def get_device(name: str) -> DeviceSpec:
     if key is None:
         raise ValueError(f"unknown device {name!r}; valid: {', '.join(DEVICES)} (aliases: {', '.join(ALIASES)})")
     return DEVICES[key]
+
+
+def gpu_device(torch_name: str) -> DeviceSpec | None:
+    """The spec of the GPU torch calls `torch_name` (torch.cuda.get_device_name(): "NVIDIA A100-SXM4-40GB"): the
+    longest device name or alias the name contains, case-insensitively; None for a GPU without a spec."""
+    name = torch_name.lower()
+    found = [key for key in _LOOKUP if key in name and DEVICES[_LOOKUP[key]].name != "cpu"]
+    return DEVICES[_LOOKUP[max(found, key=len)]] if found else None
 
 
 @dataclass(frozen=True, kw_only=True)

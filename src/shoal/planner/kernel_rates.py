@@ -2,7 +2,7 @@
 sequence length and causal masking, and the tile and wave quantization of a GEMM on a device's SMs.
 
 These are kernel-level sources, kept apart from the published training runs the planner is checked
-against (shoal.planner.published): each table names the paper and figure it was read from. Rates are
+against (bench/published_runs.py): each table names the paper and figure it was read from. Rates are
 FLOP/s as the source counts them (FlashAttention's convention: a forward of 4 * B * H * T * T * d FLOPs,
 halved under a causal mask; a backward of 2.5 forwards; shoal.planner.compute.FUSED_BACKWARD). No torch.
 """

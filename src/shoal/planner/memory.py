@@ -4,6 +4,9 @@ in-flight micro-batches per schedule. Pure functions of shapes and degrees; byte
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 from shoal.models.config import ModelConfig
 from shoal.planner import compute
 
@@ -11,6 +14,80 @@ FRAGMENTATION = 1.10
 """The caching allocator's slack on top of what tensors hold: PyTorch's allocator rounds blocks
 and keeps freed ones, typically 5-15% above the live bytes (Rajbhandari et al. 2020, section 3.2,
 "memory fragmentation"); 10% is the margin the search keeps."""
+
+
+class RecomputePolicy(Protocol):
+    """What selective recompute (`ac=selective`) keeps of a block for its backward and what the backward reruns: the
+    policy of the trainer whose step is priced. SHOAL_SELECTIVE is shoal's own (shoal.parallel.recompute)."""
+
+    def kept_elements(self, cfg: ModelConfig, index: int, *, tp: int, sp: bool, fused_attention: bool,
+                      on_cpu: bool) -> float | None:
+        """Elements block `index` keeps per token on one tensor-parallel rank; None for what `activation_elements`
+        counts then: all but the attention core's scores, probabilities and their dropout (Korthikanti et al. 2022,
+        section 5)."""
+
+    def rerun_matmul(self, cfg: ModelConfig, *, moe: bool) -> float:
+        """Forward FLOPs per token of the block's weight products that the backward reruns."""
+
+    def rerun(self, *, matmul: float, attention: float, elementwise: float, scores: float,
+              fused_attention: bool) -> float:
+        """The forward work the backward reruns, in any one unit (FLOPs or seconds), of the block's attention core
+        (`attention`), its elementwise work (`elementwise`, of which `scores` is the work on unfused attention's
+        scores) and the weight products `rerun_matmul` names (`matmul`)."""
+
+    def rerun_holds(self, *, whole: float, kept: float) -> float:
+        """Elements per token the block being recomputed holds again in backward, of `whole` (every tensor it keeps
+        without recompute) and `kept` (what this policy keeps of it)."""
+
+
+@dataclass(frozen=True)
+class ShoalSelective:
+    """shoal's selective recompute (shoal.parallel.recompute): the outputs of the weight products, of the attention
+    kernel and of the tensor-parallel reductions are kept; the norms, RoPE, the activation, the residual adds and
+    the dropouts are rerun (with unfused attention's score products)."""
+
+    def kept_elements(self, cfg: ModelConfig, index: int, *, tp: int, sp: bool, fused_attention: bool,
+                      on_cpu: bool) -> float | None:
+        """A dense block's `shoal_selective_elements`; an MoE block's as Korthikanti et al. count (the expert
+        kernels' own saving is not counted: an upper bound)."""
+        if cfg.is_moe_layer(index):
+            return None
+        fused = fused_attention and not (on_cpu and cfg.dropout > 0.0)  # a CPU drops out in SDPA's math path: unfused
+        return shoal_selective_elements(cfg, index, tp=tp, sp=sp, fused_attention=fused)
+
+    def rerun_matmul(self, cfg: ModelConfig, *, moe: bool) -> float:
+        return 0.0
+
+    def rerun(self, *, matmul: float, attention: float, elementwise: float, scores: float,
+              fused_attention: bool) -> float:
+        return compute.recomputed("selective", matmul=0.0, attention=attention, elementwise=elementwise,
+                                  fused_attention=fused_attention, selective_matmul=matmul)
+
+    def rerun_holds(self, *, whole: float, kept: float) -> float:
+        """What the policy did not keep (the products' outputs come from the forward's)."""
+        return whole - kept
+
+
+SHOAL_SELECTIVE = ShoalSelective()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceParallelLayout:
+    """How the trainer's tensor parallelism runs sequence parallelism, where trainers differ; the defaults are
+    DTensor's styles, which shoal's tensor parallelism applies (shoal.parallel.tensor)."""
+
+    keeps_gathered_input: bool = True
+    """The product after each norm keeps the all-gathered input it was given, whole (DTensor's all-gather hands it
+    the whole sequence and autograd keeps that); False: it keeps its sequence shard and gathers it again in
+    backward (Korthikanti et al. 2022, section 4.2.2)."""
+    relayout_copies: bool = True
+    """Each all-gather's output and each reduce-scatter's input is re-laid out around the collective, a read and a
+    write of the whole activation (shoal.planner.costs.Costs._sp_collectives: a (batch, sequence, dim) stream
+    sharded on dim 1 around NCCL's dim-0 collectives); False: a (sequence, batch, dim) stream, which copies
+    nothing."""
+
+
+DTENSOR = SequenceParallelLayout()
 
 
 def model_state_bytes(psi: float, *, shards: int, stage: int, param_bytes: float, grad_bytes: float,
@@ -33,8 +110,9 @@ def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
 
 
 def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, sp: bool, ac: str,
-                        fused_attention: bool, policy: str = "shoal", tp_engine: str = "dtensor",
-                        on_cpu: bool = False, element_bytes: float = 2.0, compiled: bool = False) -> float:
+                        fused_attention: bool, policy: RecomputePolicy = SHOAL_SELECTIVE,
+                        sp_layout: SequenceParallelLayout = DTENSOR, on_cpu: bool = False,
+                        element_bytes: float = 2.0, compiled: bool = False) -> float:
     """Elements block `index` keeps for backward per token on one tensor-parallel rank.
 
     Counted the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -51,33 +129,29 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
         projection's input: 4F for SwiGLU, 2F for GELU.
     Tensor parallelism splits heads and FFN columns by tp, not the tokens an MoE layer permutes to its
     experts (each tp rank permutes every token, D wide, and splits the experts' FFN columns); sequence
-    parallelism also splits the norms' tensors, but not the input of the product after each norm under
-    DTensor (`tp_engine` "dtensor": shoal, torchtitan), which all-gathers it and keeps what the product
-    was given, whole; Megatron-LM ("megatron") keeps its sequence shard and gathers it again in backward
-    (Korthikanti et al. 2022, section 4.2.2), so all of a norm's tensors split there.
+    parallelism also splits the norms' tensors, and the input of the product after each norm as `sp_layout`
+    keeps it (`sp_norm_elements`).
     Full recompute keeps only the block's input (the recomputed block's own tensors are counted once, in
-    `transient`). Selective recompute of a dense block keeps what shoal's policy saves
-    (`shoal_selective_elements`), or under torchtitan's per-op `policy` `titan_selective_elements`; Megatron-LM's
-    (Korthikanti et al. 2022) all but unfused attention's probabilities; of an MoE block shoal's policy is priced
-    as Megatron-LM's (the expert kernels' own saving is not counted: an upper bound).
+    `transient`). Selective recompute keeps what `policy` keeps (shoal's: `shoal_selective_elements` for a dense
+    block), or where the policy leaves it to this count, all but unfused attention's probabilities (Korthikanti
+    et al. 2022, section 5).
     At `cfg.dropout` > 0 the dropouts keep more (`dropout_kept_elements`, on a CPU or a GPU: `on_cpu`, of
     activations `element_bytes` each); shoal's selective policy recomputes them.
     A `compiled` block (torch.compile) keeps less without recompute: `compiled_recomputed_elements`."""
     D, width = cfg.dim, compute.ffn_width(cfg, index)  # shared experts at their own width
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
-    norms = 2 * sp_norm_elements(cfg, tp=tp, tp_engine=tp_engine) if sp else 2 * norm_elements(cfg)
+    norms = 2 * sp_norm_elements(cfg, tp=tp, layout=sp_layout) if sp else 2 * norm_elements(cfg)
     attention = 4 * cfg.num_heads * cfg.head_dim + cfg.num_heads + qk_norm_elements(cfg)
     split = attention + (4 * width if cfg.activation == "swiglu" else 2 * width)
     permuted = 2 * ffns * D + router_elements(cfg) if moe else 0  # tokens permuted to their experts, their outputs
     scores = 0 if fused_attention else cfg.num_heads * seq_len
     if ac == "full":
         return D / (tp if sp else 1)
-    if ac == "selective" and policy == "torchtitan-op" and not moe:
-        return titan_selective_elements(cfg, tp=tp, sp=sp)
-    if ac == "selective" and policy == "shoal" and not moe:  # a CPU drops out in SDPA's math path: unfused
-        fused = fused_attention and not (on_cpu and cfg.dropout > 0.0)
-        return shoal_selective_elements(cfg, index, tp=tp, sp=sp, fused_attention=fused)
+    if ac == "selective":
+        kept = policy.kept_elements(cfg, index, tp=tp, sp=sp, fused_attention=fused_attention, on_cpu=on_cpu)
+        if kept is not None:
+            return kept
     masks, dropped = dropout_kept_elements(cfg, seq_len=seq_len, tp=tp, sp=sp, fused_attention=fused_attention,
                                            on_cpu=on_cpu, element_bytes=element_bytes)
     if ac == "selective":
@@ -92,11 +166,8 @@ def compiled_recomputed_elements(cfg: ModelConfig, index: int, *, tp: int, sp: b
     backward needs at the least cost and recomputes cheap pointwise ops from it, here each RMSNorm's normalised
     input before its weight (from the input and the reciprocal RMS it keeps: D a block norm, split by tp under
     sequence parallelism, and a head's width for each of qk_norm's per-head norms) and SwiGLU's silu(gate) (from
-    gate: the FFN's width, split by tp). LayerNorm and GELU keep what they keep eager. Measured on shoal's blocks
-    (tests/test_planner_counts.py: the tiny presets, float32, autocast and tp2; an 85M shape, dim 768, once, by
-    hand: 12,302 elements a token against 15,886 eager, float32); on one H200 the
-    85M shape's step under `precision=fp16` (compiled, autocast) peaked at 6.24 GB of live tensors, which this
-    count prices at 6.49 (the eager count: 9.71; docs/gpu_check/H200_2026-11-27). Dense blocks without dropout
+    gate: the FFN's width, split by tp). LayerNorm and GELU keep what they keep eager. Recounted on shoal's blocks
+    by tests/test_planner_counts.py (the tiny presets, float32, autocast and tp2). Dense blocks without dropout
     only: an MoE block and the dropouts keep their eager count (an upper bound)."""
     if not _partitioned(cfg, index):
         return 0.0
@@ -118,7 +189,7 @@ def dropout_kept_elements(cfg: ModelConfig, *, seq_len: int, tp: int, sp: bool, 
     """What a block's dropouts keep per token beyond `activation_elements`' count without them, in elements of
     `element_bytes`: (on the hidden state, on one tensor-parallel rank; in attention, before tp splits its heads).
 
-    Each of the two dropouts on the hidden state (shoal.models.transformer; Megatron-LM's bias_dropout_add) keeps
+    Each of the two dropouts on the hidden state (shoal.models.transformer) keeps
     its mask: on a GPU torch's fused dropout kernel writes a bool (compute.MASK_BYTES); a CPU has no fused kernel
     (aten's dropout takes native_dropout on CUDA only, is_fused_kernel_acceptable), so torch multiplies by a
     noise tensor of the activation's dtype and keeps that. Without sequence parallelism every tensor-parallel
@@ -218,45 +289,23 @@ def shoal_selective_elements(cfg: ModelConfig, index: int, *, tp: int, sp: bool,
     return D / (tp if sp else 1) + (qkv + attention + up) / tp + 2 * (D + reduced)
 
 
-def titan_selective_elements(cfg: ModelConfig, *, tp: int, sp: bool) -> float:
-    """Elements a dense block keeps per token on one tensor-parallel rank under torchtitan's per-op selective
-    recompute (compute.titan_saves): the checkpointed block's input; the outputs of the weight products it
-    saves (Llama's wq, wv, w1 and w2: a column-parallel one's split by tp, a row-parallel one's whole, as its
-    partial sum is); the attention kernel's output and log-sum-exp per head; under sequence parallelism the
-    two reduce-scatters' outputs. Everything else is recomputed in backward, one block at a time."""
-    kept: float = cfg.dim / (tp if sp else 1)
-    for i, (_, _, d_out, column) in enumerate(compute.block_matmuls(cfg), 1):
-        if compute.titan_saves(i):
-            kept += d_out / tp if column else d_out
-    kept += (cfg.num_heads * cfg.head_dim + cfg.num_heads) / tp
-    return kept + (2 * cfg.dim / tp if tp > 1 and sp else 0.0)
-
-
 def norm_elements(cfg: ModelConfig) -> float:
     """What a norm and the linear after it keep per token (see activation_elements)."""
     return 3 * cfg.dim + 1 if cfg.norm == "rmsnorm" else 2 * cfg.dim + 2
 
 
-TP_ENGINES = ("dtensor", "megatron")
-"""Who runs tensor parallelism, for what sequence parallelism keeps (activation_elements): DTensor's styles
-(shoal, torchtitan) or Megatron-LM's own layers."""
-
-
-def sp_norm_elements(cfg: ModelConfig, *, tp: int, tp_engine: str = "dtensor") -> float:
+def sp_norm_elements(cfg: ModelConfig, *, tp: int, layout: SequenceParallelLayout = DTENSOR) -> float:
     """What a norm and the product after it keep per token on one rank under sequence parallelism: the norm's
-    own tensors split by tp, the product's input (the norm's output, D) split under Megatron-LM but whole under
-    DTensor, whose all-gather hands the product the whole sequence and autograd keeps that
-    (tests/test_planner_counts.py counts it under tp2 and tp4)."""
-    if tp_engine not in TP_ENGINES:
-        raise ValueError(f"tp_engine {tp_engine!r} is not valid; valid: {', '.join(TP_ENGINES)}")
-    if tp_engine == "megatron":
+    own tensors split by tp, and the product's input (the norm's output, D) whole where `layout` keeps the
+    gathered input (DTensor's: tests/test_planner_counts.py counts it under tp2 and tp4), else split too."""
+    if not layout.keeps_gathered_input:
         return norm_elements(cfg) / tp
     return (norm_elements(cfg) - cfg.dim) / tp + cfg.dim
 
 
-def head_norm_elements(cfg: ModelConfig, *, tp: int, sp: bool, tp_engine: str = "dtensor") -> float:
+def head_norm_elements(cfg: ModelConfig, *, tp: int, sp: bool, layout: SequenceParallelLayout = DTENSOR) -> float:
     """What the final norm keeps per token, with the output projection's input."""
-    return sp_norm_elements(cfg, tp=tp, tp_engine=tp_engine) if sp else norm_elements(cfg)
+    return sp_norm_elements(cfg, tp=tp, layout=layout) if sp else norm_elements(cfg)
 
 
 LOSS_LOGIT_COPIES = {4: 4.0, 2: 4.0}

@@ -16,10 +16,9 @@ from shoal.planner import compute, memory
 CPU_STEP_BYTES = 29 * 2**20
 """Host memory a CPU process's training step holds beyond its tensors and the baseline, whatever the model: the
 code of the kernels it pages in, the Python objects of the model, plan and optimizer, gloo's buffers, the
-allocator's own. Measured with a model whose tensors are negligible (2 layers of dim 64, 1-5 MB): its dry runs
-under dp1, dp2, fsdp2, fsdp4, tp2, pp2 and tp4 on jemalloc keeping freed pages, shoal's CPU workers' allocator
-(shoal.infra.host_memory), peak 22-31 MB above the baseline beyond their live tensors, median 29 (on glibc's malloc
-21-28, median 24) (`python -m bench.memory_model --models runtime`)."""
+allocator's own. The median, over dry runs under dp1, dp2, fsdp2, fsdp4, tp2, pp2 and tp4, of a model whose tensors
+are negligible, on jemalloc keeping freed pages (shoal's CPU workers' allocator, shoal.infra.host_memory): what
+`python -m bench.memory_model --models runtime` measures."""
 
 
 class MicroBatch(Protocol):
@@ -31,10 +30,9 @@ class MicroBatch(Protocol):
     bytes: float
     """Bytes of an activation element."""
     fused: bool
-    policy: str
-    tp_engine: str
+    recompute: memory.RecomputePolicy
+    sp_layout: memory.SequenceParallelLayout
     on_cpu: bool
-    selective_share: dict[bool, float]
 
     def moe_count(self, lo: int, hi: int) -> int: ...
 
@@ -63,11 +61,9 @@ def zero_bucket_bytes(numel: float, *, shards: int, reduce_bytes: float, on_cpu:
 def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: int, bucket: int, params: float,
             experts: float, micro: int, stages: list[tuple[int, int, bool]], *,
             unsharded_accumulation: bool = False, fp32_gradient_buffer: bool = False) -> tuple[dict[str, float], float]:
-    """The busiest device's memory terms in bytes, and all its gradients' bytes. `fp32_gradient_buffer`: DeepSpeed's
-    BF16_Optimizer (estimate.Workload.data_engine "deepspeed-bf16") adds every micro-batch's 16-bit gradients into
-    an fp32 buffer of the rank's whole gradients, unsharded (deepspeed/runtime/bf16_optimizer.py at 56c522386:
-    fp32_groups_gradients_flat, zeros_like the flat bf16 group), and its pipeline engine keeps the 16-bit ones
-    too (update_hp_grads(clear_lp_grads=False)): 4 bytes a parameter beside the gradients, the whole step."""
+    """The busiest device's memory terms in bytes, and all its gradients' bytes. `unsharded_accumulation` and
+    `fp32_gradient_buffer`: the trainer's data engine accumulates FSDP2's gradients unsharded, and holds an fp32
+    buffer of the rank's whole gradients beside them, the whole step (shoal.planner.costs.GradientReduction)."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     pe = pb  # an expert's parameter bytes
     if kind == "autocast":  # fp32 parameters (the master weights) and gradients, and the 16-bit casts of the
@@ -100,23 +96,24 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
         extra = (memory.autocast_extra_elements(cfg, index, ac=plan.ac, compiled=bool(plan.compile))
                  if kind == "autocast" else 0.0)
         return extra + memory.activation_elements(cfg, index, seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp),
-                                                  ac=plan.ac, fused_attention=cost.fused, policy=cost.policy,
-                                                  tp_engine=cost.tp_engine, on_cpu=cost.on_cpu,
+                                                  ac=plan.ac, fused_attention=cost.fused, policy=cost.recompute,
+                                                  sp_layout=cost.sp_layout, on_cpu=cost.on_cpu,
                                                   element_bytes=cost.bytes, compiled=bool(plan.compile))
     per_block = {moe: kept(moe) for moe in (False, True)}
     # The block being recomputed in backward holds its tensors again: all of them under full recompute (unfused
-    # attention's scores, at the run's sequence length, and the dropouts' masks too), those shoal's selective policy
-    # did not keep (its products' outputs come from the forward's); Megatron-LM's reruns one attention core,
-    # counted as kept. Compiled, the rerun block's backward graph holds its recomputed tensors as eager autograd
-    # would save them (the eager count: ac=full on one H200, 2.22 GB measured against 2.17 priced so, 2.05 with
-    # the compiled count; docs/gpu_check/H200_2026-11-27).
+    # attention's scores, at the run's sequence length, and the dropouts' masks too), under selective recompute
+    # what the policy says (shoal's: those it did not keep; its products' outputs come from the forward's).
+    # Compiled, the rerun block's backward graph holds its recomputed tensors as eager autograd would save them:
+    # the eager count.
     def count(ac: str) -> float:
         return memory.activation_elements(cfg, 0, seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp), ac=ac,
-                                          fused_attention=cost.fused, policy=cost.policy, tp_engine=cost.tp_engine,
+                                          fused_attention=cost.fused, policy=cost.recompute, sp_layout=cost.sp_layout,
                                           on_cpu=cost.on_cpu, element_bytes=cost.bytes)
     recomputed = 0.0
-    if plan.ac == "full" or (plan.ac == "selective" and cost.policy != "megatron"):
-        recomputed = count("none") - (count("selective") if plan.ac == "selective" and cost.policy == "shoal" else 0.0)
+    if plan.ac == "full":
+        recomputed = count("none")
+    elif plan.ac == "selective":
+        recomputed = cost.recompute.rerun_holds(whole=count("none"), kept=count("selective"))
     # The embedding's dropout is outside every block's recompute: its mask is kept whatever `ac` is.
     embedded = memory.embedding_dropout_elements(cfg, tp=plan.tp, sp=bool(plan.sp), on_cpu=cost.on_cpu,
                                                  element_bytes=cost.bytes)
@@ -129,7 +126,7 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
         if head and plan.vocab == "sharded":  # the classifier's backward: the logits' gradient, both all-to-all buffers
             logits = max(logits, memory.SHARDED_LOGIT_COPIES * tokens * cfg.vocab_size * cost.bytes)
         if head:
-            final_norm = memory.head_norm_elements(cfg, tp=plan.tp, sp=bool(plan.sp), tp_engine=cost.tp_engine)
+            final_norm = memory.head_norm_elements(cfg, tp=plan.tp, sp=bool(plan.sp), layout=cost.sp_layout)
             held += final_norm * tokens * cost.bytes
         accumulated = max(0.0, table - logits)
         if held + logits + accumulated > sum(worst.values()):

@@ -84,7 +84,7 @@ class Profile:
     running (N/g groups at once). Measured: a few ms of matmuls then the call, less the matmuls
     alone. Where processes outnumber cores, a rank the scheduler has set aside holds up the others:
     far more than back-to-back calls show. "ring" is cp's exchange (each rank sends to the next and
-    receives from the previous). Empty in profiles from before it was measured."""
+    receives from the previous). Empty in a profile that does not hold it."""
     dispatch: Mapping[int, float] = dataclasses.field(default_factory=dict)
     """N -> seconds of host time per eager op on a tiny tensor, its backward included: what an op
     costs beyond its arithmetic (dispatch, autograd bookkeeping), which small models pay per op."""

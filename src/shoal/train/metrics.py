@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shoal.calibration.measure import matmul_flops
+from shoal.planner.hardware import gpu_device
 
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
 MOE_PLOT = "moe_load.png"
 TB_DIR = "tb"
 SUMMARY = "summary.json"
-
-# Dense peak FLOP/s of one device, from the vendors' data sheets (without sparsity).
-_GPU_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
 
 
 class MetricsWriter:
@@ -130,30 +129,18 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path:
 def peak_flops(device: torch.device, world_size: int) -> tuple[float, str]:
     """Peak FLOP/s of the whole job and where the number comes from.
 
-    CUDA: the data-sheet table (bf16 dense) when the GPU is listed, else measured. CPU: a short
-    fp32 matmul timing on this process's threads, times the world size (each rank has its own cores).
+    CUDA: the data sheet's dense 16-bit peak (shoal.planner.hardware.DEVICES) when the GPU has a spec, else
+    measured. CPU: a short fp32 matmul timing on this process's threads (shoal.calibration.measure.matmul_flops),
+    times the world size (each rank has its own cores).
     """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, flops in _GPU_PEAK.items():
-            if key in name:
-                return flops * world_size, f"{name} data sheet, bf16 dense"
-    return measure_matmul_flops(device) * world_size, f"measured: fp32 matmul on {device.type}"
-
-
-def measure_matmul_flops(device: torch.device, *, size: int = 512, budget_s: float = 0.2) -> float:
-    """FLOP/s of repeated size x size fp32 matmuls for about `budget_s` seconds (best of the runs)."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
-    a @ b  # warm-up
-    best, spent = 0.0, 0.0
-    while spent < budget_s:
-        t0 = time.perf_counter()
-        (a @ b).sum().item()  # .item() waits for the GPU
-        dt = time.perf_counter() - t0
-        spent += dt
-        best = max(best, 2 * size**3 / dt)
-    return best
+        spec = gpu_device(name)
+        if spec is not None:
+            peak = spec.peak_flops.get("bf16") or spec.peak_flops["fp16"]
+            return peak * world_size, f"{name} data sheet, bf16 dense"
+    measured = matmul_flops(512, 512, 512, device=device, seconds=0.2)
+    return measured * world_size, f"measured: fp32 matmul on {device.type}"
 
 
 def summarize(records: list[dict[str, Any]], *, flops_per_sample: float, peak: tuple[float, str],

@@ -40,25 +40,25 @@ class PublishedRun:
     """False for trainers that ran attention unfused (QK^T, softmax, AV as separate kernels):
     Megatron-LM and its forks before FlashAttention (2022)."""
     selective_policy: str = "shoal"
-    """What the trainer's selective recompute keeps (shoal.planner.compute.SELECTIVE_POLICIES): "torchtitan-op"
+    """What the trainer's selective recompute keeps (bench.framework_models.SELECTIVE_POLICIES): "torchtitan-op"
     for torchtitan's runs, which use its per-op policy (selective_ac_option 'op' in its llama3 8B train config);
     "megatron" for Korthikanti et al. 2022's, whose selective recompute (section 5) reruns the attention core."""
     data_engine: str = "shoal"
-    """Who ran the data axes (shoal.planner.estimate.DATA_ENGINES): "deepspeed-pipe" for Megatron-DeepSpeed's
+    """Who ran the data axes (bench.framework_models.DATA_ENGINES): "deepspeed-pipe" for Megatron-DeepSpeed's
     runs, whose pipeline engine reduces (and at ZeRO-1 gathers) once a step after the last backward."""
     unsharded_accumulation: bool = False
     """True for FSDP2 under torch.distributed.pipelining (torchtitan's pipelines), which accumulates unsharded
-    gradients across micro-batches (shoal.planner.estimate.Workload.unsharded_accumulation)."""
+    gradients across micro-batches (bench.framework_models.framework)."""
     fused_qkv: bool = False
-    """True for trainers whose attention projects Q, K and V with one weight (shoal.planner.estimate.Workload.
+    """True for trainers whose attention projects Q, K and V with one weight (shoal.planner.estimate.Framework.
     fused_qkv): Megatron-LM's and Megatron-DeepSpeed's ParallelAttention (query_key_value), metaseq's
     ModelParallelMultiheadAttention (combine_qkv_proj); torchtitan's Llama has wq, wk and wv."""
     pipe_scatter: bool = False
     """True for pipelines that send each tensor-parallel rank's share of an activation and gather it on arrival
-    (shoal.planner.estimate.Workload.pipe_scatter): Megatron-LM's, and DeepSpeed's pipeline engine
+    (shoal.planner.estimate.Framework.pipe_scatter): Megatron-LM's, and DeepSpeed's pipeline engine
     (Megatron-DeepSpeed's runs)."""
     tp_engine: str = "dtensor"
-    """Who ran tensor parallelism (shoal.planner.memory.TP_ENGINES): "megatron" for Megatron-LM's own layers, whose
+    """Who ran tensor parallelism (bench.framework_models.TP_ENGINES): "megatron" for Megatron-LM's own layers, whose
     sequence parallelism keeps less than DTensor's (it matters only under sp)."""
     checked: bool = True
     """False where a number the prediction needs was not stated by the source or could not be re-read
