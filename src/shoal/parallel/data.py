@@ -7,7 +7,7 @@ docstring, the one place that says it):
 - zero: shoal's own small ZeRO-1/2 engine, `shoal.parallel.zero.ZeroDataParallel` (full
   parameters kept as plain tensors, float32 row shards for the optimizer, one reduce-scatter per
   bucket in backward, one all-gather per bucket after the step). Its module docstring says why
-  FSDP2 was not good enough there.
+  it runs there instead of FSDP2.
 - autocast: one data rank in bf16 or fp16 with nothing else split: the module under torch.autocast
   (`shoal.parallel.precision.Autocast`), its fp32 parameters the master weights.
 - fsdp2: FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive transformer

@@ -94,9 +94,8 @@ class CreatedStorages(TorchDispatchMode):
 
     def live_bytes(self, settle_s: float = 0.05, patience_s: float = 5.0) -> int:
         """Counted once nothing more dies for `settle_s`: a gloo collective's buffers outlive its wait by a
-        moment (its worker thread wakes the waiter, then drops its reference to the finished work; measured: an
-        all-gather's input still held after the wait about 5% of the time, released within 5 ms on an idle machine,
-        later on a busy one). A storage that only garbage in a reference cycle still holds is not kept."""
+        moment (its worker thread wakes the waiter, then drops its reference to the finished work), and longer on a
+        busy machine. A storage that only garbage in a reference cycle still holds is not kept."""
         deadline = time.monotonic() + patience_s
         self._drop_dead()
         while time.monotonic() < deadline:
