@@ -148,8 +148,6 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan, choic
     precision = PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce)
     blocks = blocks_of(model)
     choice = choice or choose_engine(plan, num_layers=len(blocks))
-    if plan.offload and mesh["fsdp"].size() == 1:
-        raise ValueError(f"offload=on needs fsdp > 1 (plan {plan}); valid: add fsdpN, or offload=off")
     if choice.kind == "none":
         return TorchDataEngine(model, model)  # a tp-only model stays as tensor parallel left it
     if choice.kind == "autocast":
