@@ -34,7 +34,6 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from shoal.parallel.data import wrap_blocks
 from shoal.plan import Plan
 
-MODES = ("none", "selective", "full")
 T = TypeVar("T")
 
 
@@ -62,9 +61,8 @@ def selective_context_fn() -> functools.partial:
 
 
 def apply_recompute(model: nn.Module, *, plan: Plan) -> nn.Module:
-    """Wrap every transformer block of `model` for recompute as `plan.ac` asks (in place); no-op for none."""
-    if plan.ac not in MODES:
-        raise ValueError(f"ac={plan.ac!r} is not a recompute mode; valid: {', '.join(MODES)}")
+    """Wrap every transformer block of `model` for recompute as `plan.ac` asks (in place); no-op for none.
+    `plan.ac` is one of none, selective and full (Plan refuses any other)."""
     if plan.ac == "none":
         return model
     kwargs: dict[str, Any] = {"context_fn": selective_context_fn()} if plan.ac == "selective" else {}
