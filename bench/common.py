@@ -16,7 +16,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shoal.infra.launch import launch as shoal_launch
+from shoal.infra.world import use_threads
 from shoal.train.memory import current_mb, peak_mb, reset_peak
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -79,9 +80,10 @@ def measure_pair(fns: dict[str, Callable[[], Any]], *, warmup: int = 3, repeats:
             for name, s in samples.items()}
 
 
-def _entry(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
+def _entry(call: tuple[Callable[..., Any], tuple[Any, ...]]) -> Any:
+    """One rank of `launch`: one thread, a gloo process group for the call's length."""
+    fn, args = call
+    use_threads(1)
     dist.init_process_group("gloo")
     try:
         return fn(*args)
@@ -90,13 +92,10 @@ def _entry(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
 
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
-    """Run fn(*args) on `nproc` local ranks (gloo, one thread each) through torch's elastic
-    launcher (what torchrun uses); returns the per-rank results in rank order."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
-    results = elastic_launch(config, _entry)(fn, args)
+    """Run fn(*args) on `nproc` local ranks (gloo, one thread each) through shoal's launcher
+    (shoal.infra.launch: torch's elastic launcher, what `shoal train` runs); the per-rank results
+    in rank order. A failed rank raises shoal.infra.launch.WorkerFailed naming it."""
+    results = shoal_launch(_entry, (fn, args), nproc=nproc)
     return [results[r] for r in range(nproc)]
 
 

@@ -16,10 +16,9 @@ _RERUNS: list[str] = []
 
 CRASH = re.compile(r"rank \d+ of \d+ was killed by SIG(ABRT|SEGV|BUS)")
 """A worker process killed by the C library or the kernel, not failed by Python: shoal's code is Python, so this
-is a crash inside torch's C++ (the one seen: glibc's "malloc(): unaligned tcache chunk detected" in a gloo worker,
-in three whole runs of the suite so far, a different multi-process test each time, never reproduced alone or
-under valgrind). A task that dies so is run once more on a fresh pool; the rerun must pass by itself, and the session's
-summary lists every rerun, so the crash stays visible."""
+is a crash inside torch's C++ (such as glibc's "malloc(): unaligned tcache chunk detected" in a gloo worker, rare and
+not reproducible alone). A task that dies so is run once more on a fresh pool; the rerun must pass by itself, and the
+session's summary lists every rerun, so the crash stays visible."""
 
 
 class _Pools:

@@ -166,7 +166,7 @@ class Plan:
                 if not digits or int(digits) < 1:
                     raise ValueError(f"plan axis {part!r} needs a degree >= 1, as in '{name}2'")
                 fields[name] = int(digits)
-        if fields.get("auto") and len(fields) > 1:  # nothing yet chooses the rest of a plan around fixed axes
+        if fields.get("auto") and len(fields) > 1:  # the planner chooses whole plans, not the rest around fixed axes
             raise ValueError(f"plan {text!r}: 'auto' has the planner choose every axis and stands alone; valid: "
                              "auto by itself, or a plan without it such as dp2 or fsdp2,tp2")
         plan = cls(**fields)  # type: ignore[arg-type]  # values parsed per field above

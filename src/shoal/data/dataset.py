@@ -170,7 +170,7 @@ class TokenStream:
 
 class MixtureBatches:
     """Sequences drawn from token streams in the shares `weights`; `batch(step, size, part)` is a
-    pure function of (seed, step, size), like train.data.TokenBatches, which it can replace."""
+    pure function of (seed, step, size), like shoal.data.text.TokenBatches, which it can replace."""
 
     def __init__(self, streams: list[TokenStream], weights: list[float], *, seed: int) -> None:
         total = sum(weights)

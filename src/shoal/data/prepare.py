@@ -229,7 +229,7 @@ def prepare(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, Any]:
     out = Path(cfg.out)
     settings = {"inputs": [_input_identity(p) for p in paths], "kinds": kinds, "tokenizer": tok,
                 "field": cfg.field, "holdout": cfg.holdout, "shard_mb": cfg.shard_mb}
-    if cfg.format != "text":  # (text preparations keep the settings they always had, so they stay finished)
+    if cfg.format != "text":  # a text preparation's settings hold no format: its progress and manifest stay valid
         settings["format"] = cfg.format
     done = _existing(out, settings)
     if done is not None:

@@ -1,15 +1,14 @@
 """The C allocator of CPU workers: jemalloc where a libjemalloc is found, glibc's malloc otherwise.
 
 On CPUs host memory is the device memory, and torch allocates a tensor with the C library's malloc. glibc's
-keeps freed tensors in its heap and fragments it: `small`'s resident peak ran 4-31% above the planner's
-prediction, 114-464 MB a rank held freed (bench/memory_model.py). Returning every tensor to the kernel instead
-(a fixed 64 KiB mmap threshold) ends that but costs 40% of the speed, each allocation faulting in fresh pages.
-jemalloc reuses freed memory by size class; kept for reuse (KEEP_FREED) rather than returned to the kernel, it
-runs at glibc's speed (0.97-1.06) with resident peaks 13-20% lower on `small`, within -4% to +10% of the
-planner's for `small` and a 512M-parameter model under every plan measured (bench/cpu_allocator.py,
-bench/memory_model.py). torch's own CPU launcher (torch.backends.xeon.run_cpu) preloads jemalloc or tcmalloc
-the same way, through LD_PRELOAD, so only processes started after the choice get it: the workers `shoal train`
-launches. Under torchrun the user preloads it (README).
+keeps freed tensors in its heap and fragments it, so a rank's resident peak rises above the live tensors the
+planner predicts; returning every tensor to the kernel instead (a fixed 64 KiB mmap threshold) ends that but
+faults in fresh pages on each allocation. jemalloc reuses freed memory by size class; kept for reuse
+(KEEP_FREED) rather than returned to the kernel, it runs at glibc's speed with lower resident peaks, near the
+planner's prediction (bench/cpu_allocator.py and bench/memory_model.py measure both; docs/measurements.md).
+torch's own CPU launcher (torch.backends.xeon.run_cpu) preloads jemalloc or tcmalloc the same way, through
+LD_PRELOAD, so only processes started after the choice get it: the workers `shoal train` launches. Under
+torchrun the user preloads it (README).
 
 SHOAL_ALLOCATOR=glibc keeps glibc's malloc; a LD_PRELOAD of the user's own is left alone; `make setup` puts
 Debian's libjemalloc2 in the environment's lib folder where apt can fetch it.
@@ -58,19 +57,17 @@ def choice() -> str:
 
 KEEP_FREED = "dirty_decay_ms:-1"
 """jemalloc's MALLOC_CONF for CPU workers: keep freed pages for reuse instead of returning them to the kernel (its
-default decay time, 10 s, returned most of a step's freed pages within the step; jemalloc's TUNING.md: the decay
-times trade memory for CPU). A training step frees and reallocates the same sizes every step, so pages returned
-were only faulted in again: kept, `small` ran 10-11% faster in one process and under tp2 (0.98 under fsdp4), the
-default job 1.21x, at the same resident peaks (bench/cpu_allocator.py, medians of 3, spreads 7-37%),
-and its resident peak no longer depends on how much was returned before it (dp2's had been 30 MB lower than
-the other plans', beyond the same tensors: bench/memory_model.py). Blocks of 8 MiB and more are still returned
-at once (return_large_blocks)."""
+default decay time, 10 s, returns most of a step's freed pages within the step; jemalloc's TUNING.md: the decay
+times trade memory for CPU). A training step frees and reallocates the same sizes every step, so returned pages
+are only faulted in again: kept, a step runs faster at the same resident peak, and the peak does not depend on
+how much an earlier step returned (bench/cpu_allocator.py, bench/memory_model.py; docs/measurements.md). Blocks
+of 8 MiB and more are still returned at once (return_large_blocks)."""
 
 
 def worker_env(device: str) -> dict[str, str]:
     """What to add to the environment of CPU workers about to start: LD_PRELOAD of jemalloc, with KEEP_FREED
-    unless the user set MALLOC_CONF (jemalloc's background thread, which torch's launcher turns on, cost a
-    one-process run a tenth of its speed here, bench/cpu_allocator.py), or nothing (GPU workers,
+    unless the user set MALLOC_CONF (jemalloc's background thread, which torch's launcher turns on, slows a
+    one-process run: bench/cpu_allocator.py's jemalloc-bg), or nothing (GPU workers,
     SHOAL_ALLOCATOR=glibc, the user's own LD_PRELOAD, no jemalloc found). ValueError for SHOAL_ALLOCATOR=jemalloc
     where none is found."""
     wanted = choice()
@@ -133,10 +130,10 @@ def return_large_blocks() -> bool:
     """In a process on jemalloc that keeps freed pages (decay time -1, KEEP_FREED): have jemalloc's arena for
     blocks of its oversize threshold (8 MiB) and more return them to the kernel as soon as they are freed,
     which jemalloc itself does only when the decay time is positive (arena.c, arena_create_huge_arena: "less
-    immediate reuse is expected for huge allocations"). Kept, a 512M-parameter model's set-up copies of its
-    tables stayed resident: its pp2 step peaked 960 MB higher, and dp2, which fits, was killed for memory.
-    MALLOC_CONF cannot say it (the arena takes the default decay time), so it is set here through mallctl, on
-    the arena a first such block lands in. True where it was set."""
+    immediate reuse is expected for huge allocations"). Kept, the set-up copies of a large model's tables
+    would stay resident through every step (bench/memory_model.py's 512M model shows it). MALLOC_CONF cannot
+    say it (the arena takes the default decay time), so it is set here through mallctl, on the arena a first
+    such block lands in. True where it was set."""
     fn = mallctl()
     if fn is None or mallctl_read(fn, "opt.dirty_decay_ms", ctypes.c_ssize_t) != -1:
         return False

@@ -21,11 +21,14 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Final
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 CPU_NPROC = 2
 """Local processes on a machine without GPUs: enough to exercise every collective."""
+START_METHOD: Final = "spawn"
+"""How shoal starts worker processes (`launch`, and shoal.infra.pool's pool): a fresh interpreter each,
+never a fork, which would copy this process's threads and CUDA state into the child."""
 
 
 class WorkerFailed(RuntimeError):
@@ -67,6 +70,7 @@ def default_nproc(device: str) -> int:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no socket holds now (the kernel's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -88,7 +92,7 @@ def launch(fn: Callable[[Any], Any], arg: Any, *, nproc: int, max_restarts: int 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint=f"localhost:{free_port()}",
-        run_id=f"shoal-{os.getpid()}", max_restarts=max_restarts, start_method="spawn",
+        run_id=f"shoal-{os.getpid()}", max_restarts=max_restarts, start_method=START_METHOD,
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM and SIGINT: _forward_stop_signals
     )
     try:

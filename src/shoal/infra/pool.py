@@ -1,8 +1,10 @@
 """A pool of gloo processes that run functions on every rank: the parity tests' worker pool and
 the planner's calibration (shoal.calibration.calibrate) both run their work on one.
 
-`WorkerPool(n)` starts n processes once (spawned, one thread each, one process group reused by
-every function run on it), runs picklable functions on all ranks and returns each rank's result.
+`WorkerPool(n)` starts n processes once (by shoal.infra.launch.START_METHOD, as `launch` starts its
+workers; one thread each; one process group reused by every function run on it), runs picklable
+functions on all ranks and returns each rank's result. It does not start them through `launch`: torch's
+elastic launcher runs one function to its end, and a pool's workers wait for the next one.
 A failure on any rank, a rank that dies, or a silence past the timeout tears the pool down and
 raises an error naming the rank, so one broken task cannot wedge the next. A rank that dies makes
 its peers fail too ("Connection reset by peer"), often before its death is seen: the pool waits a
@@ -12,8 +14,8 @@ a fatal signal (a crash in C code) prints every thread's Python stack first (fau
 A function can `report(message)` as it goes: the pool hands each report to its `on_report`
 callback (progress).
 
-The processes meet through a FileStore in a temporary folder rather than a TCP port, so two
-pools (a calibration beside a test run) cannot race for the same port.
+The processes meet through a FileStore in a temporary folder rather than a TCP port (`launch`'s
+free_port), so two pools (a calibration beside a test run) cannot race for the same port.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shoal.infra.launch import START_METHOD
+from shoal.infra.world import use_threads
+
 DEATH_WAIT_S = 1.0
 """After a rank's error, how long the pool watches for a peer's death that caused it."""
 
@@ -48,8 +53,7 @@ def report(message: Any) -> None:
 
 def _worker_main(rank: int, world_size: int, store_path: str, tasks: Any, results: Any) -> None:
     global _reports
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
+    use_threads(1)
     faulthandler.enable(all_threads=True)  # a crash in C code (SIGSEGV, SIGABRT) says where Python was
     _reports = results
     store = dist.FileStore(store_path, world_size)
@@ -75,7 +79,7 @@ class WorkerPool:
         `on_report(rank, message)`: called in this process for every `report` of a running function."""
         self.world_size, self.timeout_s = world_size, timeout_s
         self._on_report = on_report
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = torch.multiprocessing.get_context(START_METHOD)
         self._dir = tempfile.mkdtemp(prefix="shoal-pool-")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()

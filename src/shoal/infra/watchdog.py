@@ -111,7 +111,7 @@ class Watchdog:
 
     def close(self) -> None:
         """Stop the thread and wait for it: a daemon thread still inside the store's C++ client
-        when the interpreter exits can crash the process (seen as SIGSEGV at exit)."""
+        when the interpreter exits can crash the process (SIGSEGV at exit)."""
         self._stop.set()
         self._moved.set()
         self._thread.join(timeout=10)
@@ -260,12 +260,11 @@ Stack = list[tuple[str, str]]
 def _stack_of(ident: int | None) -> Stack:
     """The stack of thread `ident` (innermost 100 frames), empty if it has none.
 
-    Not faulthandler.dump_traceback(all_threads=True), which this used before: it walks the
-    interpreter's list of thread states without its lock, and a thread state that another thread
-    is creating at that moment (a C++ thread entering Python) is in the list before it is
-    initialised. Reading it crashed 1 run in 5-10 of the default `shoal train` (SIGSEGV in
-    faulthandler's dump_traceback, the thread state's frame pointer NULL; seen in a core dump).
-    sys._current_frames() takes that lock, and only the one thread's own frames are read after."""
+    Not faulthandler.dump_traceback(all_threads=True): it walks the interpreter's list of thread
+    states without its lock, and a thread state that another thread is creating at that moment (a
+    C++ thread entering Python) is in the list before it is initialised, its frame pointer NULL:
+    reading it crashes the process (SIGSEGV). sys._current_frames() takes that lock, and only the
+    one thread's own frames are read after."""
     frame = sys._current_frames().get(ident) if ident is not None else None
     stack: Stack = []
     while frame is not None and len(stack) < 100:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -45,3 +46,10 @@ def first_error(error: str | None) -> str | None:
 def threads_per_rank(local_world: int) -> int:
     """Cores this process may use, shared evenly by the `local_world` ranks on this machine."""
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_world))
+
+
+def use_threads(num: int) -> None:
+    """Run this worker's torch operations on `num` threads (torch's intra-op pool), and give the
+    processes it starts OMP_NUM_THREADS=`num` unless the variable is set already."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(num))
+    torch.set_num_threads(num)

@@ -24,9 +24,9 @@ from torch import nn
 
 PATHS = ("auto", "grouped", "padded", "loop")
 CPU_PATH = "loop"
-"""What "auto" runs on CPU: the fastest forward + backward in bench/moe_experts_cpu.py at N=4096,
-D=256, F=512, K=2, E=8 and 16 (on one thread; tied with "grouped" on two, "padded" last on both).
-On CPU torch's grouped_mm is itself a loop of matmuls, and it also wants 16-byte aligned rows."""
+"""What "auto" runs on CPU: the fastest forward + backward of the three paths in bench/moe_experts_cpu.py
+(docs/measurements.md). On CPU torch's grouped_mm is itself a loop of matmuls, and it also wants 16-byte
+aligned rows."""
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 

@@ -254,7 +254,7 @@ def _embeddings(runtime: Any) -> list[tuple[nn.Embedding, nn.Parameter]]:
 def adamw_kernel(device_types: set[str]) -> dict[str, bool]:
     """AdamW's implementation for parameters on these device types: fused (one kernel for every
     parameter, DTensor shards included) when all are on CUDA; otherwise torch's default, which on
-    CPU (and for offloaded shards) is the per-parameter loop the CPU parity tests were derived with."""
+    CPU (and for offloaded shards) is the per-parameter loop the CPU parity tests compare against."""
     return {"fused": True} if device_types == {"cuda"} else {}
 
 

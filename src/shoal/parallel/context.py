@@ -110,9 +110,8 @@ def apply_context_parallel(model: nn.Module, *, mesh: DeviceMesh, mode: str = "r
     attend = ring_attention if mode == "ring" else a2a_attention
     for block in adapter.blocks_of(model):
         module = block.get_submodule(seam.module)
-        if getattr(module, seam.core) is not causal_attention:
-            raise ValueError(f"context parallelism replaces causal attention; {type(module).__name__} "
-                             "already has another core")
+        # shoal.rules refuses cp with the models whose core is another (sliding window, document masks)
+        assert getattr(module, seam.core) is causal_attention, f"{type(module).__name__} has another core"
         setattr(module, seam.core, functools.partial(attend, split=split))
         if seam.rope_arg is not None:
             module.register_forward_pre_hook(functools.partial(_rope_at_positions, split=split, at=seam.rope_arg))
@@ -135,9 +134,9 @@ def _rope_at_positions(module: nn.Module, args: tuple, *, split: ContextSplit, a
 @torch._dynamo.disable  # point-to-point sends inside: never traced into a compiled block
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *,
                    split: ContextSplit, causal: bool = True) -> torch.Tensor:
-    """Attention of this rank's queries over every rank's keys and values, (B, H, T, E) each."""
-    if dropout_p:
-        raise ValueError(f"attention dropout {dropout_p} under context parallelism; valid: 0")
+    """Attention of this rank's queries over every rank's keys and values, (B, H, T, E) each; no
+    attention dropout (shoal.rules refuses cp with it)."""
+    assert not dropout_p, f"attention dropout {dropout_p} under context parallelism"
     return _Ring.apply(q, k, v, split, causal)
 
 
@@ -287,11 +286,10 @@ def _pass_on(x: torch.Tensor, split: ContextSplit):
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *,
                   split: ContextSplit) -> torch.Tensor:
     """Ulysses: (all heads, local tokens) -> (heads / cp, all tokens), whole-sequence causal
-    attention, and back; each all-to-all is differentiable (torch's functional collectives)."""
+    attention, and back; each all-to-all is differentiable (torch's functional collectives). cp divides
+    the heads (shoal.rules refuses cp_mode=a2a otherwise)."""
     cp = split.cp
-    if q.shape[1] % cp:
-        raise ValueError(f"cp_mode=a2a scatters heads: {q.shape[1]} heads over cp={cp}; valid: a cp that "
-                         "divides the number of heads, or cp_mode=ring")
+    assert q.shape[1] % cp == 0, f"cp_mode=a2a scatters {q.shape[1]} heads over cp={cp}"
     seq_len = q.shape[2] * cp
     order = split.rank_order(seq_len, q.device)
     to_global = torch.argsort(order)  # gathered (rank-major) order -> position order

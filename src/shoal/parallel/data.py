@@ -7,7 +7,7 @@ docstring, the one place that says it):
 - zero: shoal's own small ZeRO-1/2 engine, `shoal.parallel.zero.ZeroDataParallel` (full
   parameters kept as plain tensors, float32 row shards for the optimizer, one reduce-scatter per
   bucket in backward, one all-gather per bucket after the step). Its module docstring says why
-  FSDP2 was not good enough there.
+  it runs there instead of FSDP2.
 - autocast: one data rank in bf16 or fp16 with nothing else split: the module under torch.autocast
   (`shoal.parallel.precision.Autocast`), its fp32 parameters the master weights.
 - fsdp2: FSDP2 `fully_shard`, one parameter group per unit of `bucket` consecutive transformer
@@ -148,8 +148,6 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan, choic
     precision = PrecisionPolicy.from_name(plan.precision or "fp32", reduce=plan.reduce)
     blocks = blocks_of(model)
     choice = choice or choose_engine(plan, num_layers=len(blocks))
-    if plan.offload and mesh["fsdp"].size() == 1:
-        raise ValueError(f"offload=on needs fsdp > 1 (plan {plan}); valid: add fsdpN, or offload=off")
     if choice.kind == "none":
         return TorchDataEngine(model, model)  # a tp-only model stays as tensor parallel left it
     if choice.kind == "autocast":

@@ -98,8 +98,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, shard_replicas:
         if not isinstance(layer, MoELayer):
             continue
         experts = layer.experts
-        if layer.num_experts % ep:
-            raise ValueError(f"ep={ep} does not divide num_experts={layer.num_experts}")
+        assert layer.num_experts % ep == 0, f"ep={ep} does not divide num_experts={layer.num_experts} (shoal.rules)"
         for name in EXPERT_WEIGHTS:
             param = getattr(experts, name, None)
             if param is None:

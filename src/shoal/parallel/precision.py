@@ -11,7 +11,8 @@ reduced in, and whether the loss is scaled.
 Who casts: FSDP2's `MixedPrecisionPolicy` where a data engine runs (data.py applies it; replicated
 data parallelism uses FSDP2 with a shard degree of 1 for it, since DDP has no parameter-dtype
 policy), and torch.autocast (`Autocast`) for one data rank with nothing else split, where FSDP2
-of degree 1 would cast them at 1.5-1.8x autocast's host time (shoal.rules says where measured).
+of degree 1 would cast them at a higher host time per step than autocast (bench/engine_overhead.py
+measures both; docs/measurements.md).
 """
 
 from __future__ import annotations

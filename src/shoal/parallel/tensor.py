@@ -25,7 +25,7 @@ the data-parallel wrappers see one kind of tensor.
 
 No hand-written collectives are needed here: every piece (Colwise/Rowwise, SequenceParallel,
 PrepareModuleInput, the vocab-parallel embedding's masked partial sum, loss_parallel) runs on
-gloo, so there is no shoal.parallel.comm for tensor parallelism. Not covered by tests: dropout > 0.
+gloo, so this module writes no collective of its own. Not covered by tests: dropout > 0.
 Every tp rank draws from the same generator state (same seed, same call order): that keeps the
 replicated regions of sp=off consistent, but gives sequence or head shards correlated masks;
 DTensor's RNG tracker, which would offset them, is CUDA-only.

@@ -2,8 +2,8 @@
 
 Why not FSDP2 here: FSDP2 is a ZeRO-3 engine. Run as ZeRO-1/2 it still gathers every unit's
 parameters inside every forward, copies them in and out per unit, runs hooks per unit, and lets
-the optimizer see parameters it re-registers per forward, which made it slower than DeepSpeed's
-ZeRO-1/2 on gloo (bench/zero_vs_peers.py). ZeRO-1/2 keep the full parameters anyway, so this
+the optimizer see parameters it re-registers per forward, which makes it slower than DeepSpeed's
+ZeRO-1/2 on gloo (bench/zero_vs_peers.py measures both). ZeRO-1/2 keep the full parameters anyway, so this
 module keeps them as ordinary tensors the model computes with, and shards only what the stages
 shard:
 

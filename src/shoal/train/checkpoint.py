@@ -23,8 +23,8 @@ new one, never a half-written folder under a `step_N` name.
 
 Why corruption is caught before any worker starts: the manifest holds every file's size and
 CRC-32 (each rank checksums the files it wrote while they are still in the page cache), and
-`verify` re-reads them: a checkpoint with a zeroed block fails in the time a good one passes
-(~1 GB/s), with one line naming the file, instead of deep inside DCP's reader. A corrupt
+`newest_good_checkpoint` and `read_trainer_state(checksums=True)` re-read them: a checkpoint with a
+zeroed block fails with one line naming the file, instead of deep inside DCP's reader. A corrupt
 `latest` makes `newest_good_checkpoint` fall back to the newest checkpoint that verifies.
 """
 
@@ -347,7 +347,7 @@ def _check_files(path: Path, *, checksums: bool = False) -> str | None:
         return f"is corrupt: {TRAINER_STATE} is missing"
     if hashlib.sha256(state).hexdigest() != manifest.get("trainer_state_sha256"):
         return f"is corrupt: {TRAINER_STATE} checksum mismatch"
-    if checksums:  # checkpoints written before checksums existed have none: sizes only
+    if checksums:  # a manifest without file_crc32 lists none: sizes only
         for name, crc in manifest.get("file_crc32", {}).items():
             if not (path / name).is_file():
                 return f"is corrupt: {name} is missing"
