@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from bench.common import measure_pair, report
 from shoal import rules
 from shoal.calibration.counts import host_ops
+from shoal.infra.launch import free_port
 
 LAYERS, TOKENS = 12, 8
 
@@ -79,9 +79,7 @@ def contenders(device: str) -> dict[str, Callable[[], Any]]:
 
 def run(device: str, repeats: int) -> list[dict[str, Any]]:
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         if device == "cuda":
             torch.cuda.set_device(0)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",

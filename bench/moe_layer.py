@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.common import launch, report, summarize
+from shoal.infra.launch import free_port
 from shoal.moe.dispatch import capacity
 from shoal.moe.layer import MoELayer
 
@@ -112,7 +113,7 @@ def _peers(num_experts: int) -> dict[str, nn.Module]:
 def throughput(tokens: int, experts: list[int], repeats: int) -> list[dict]:
     torch.set_num_threads(1)
     if not dist.is_initialized():  # DeepSpeed and fairscale ask for a process group even alone
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     rows = []
     for E in experts:
         torch.manual_seed(0)

@@ -10,7 +10,6 @@ so a kernel that merely rounds in another order passes and a wrong one (error ~1
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,11 +133,10 @@ def _init_group(backend: str) -> None:
         return
     if backend == "nccl":  # NCCL and DeviceMesh take the process's device as it is set, not a guess
         torch.cuda.set_device(0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from shoal.infra.launch import free_port
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def attention(ctx: Context) -> None:
