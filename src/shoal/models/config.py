@@ -251,7 +251,7 @@ def unknown_field(key: str, fields: list[str], where: str) -> str:
 
 _COMMON_FIELDS = ("num_layers", "dim", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "norm",
                   "activation", "pos_emb", "num_experts", "top_k", "patch_size", "image_size", "num_classes")
-"""The fields an unknown one's refusal names first (a transformer's or an image Mixer's shape)."""
+"""The fields an unknown one's refusal names first (a transformer's shape's, or an image classifier's)."""
 
 
 def _split_pair(pair: str) -> tuple[str, str]:
