@@ -57,7 +57,8 @@ VARIANTS: dict[str, MixerConfig] = {
 
 @torch.no_grad()
 def held_out_accuracy(runtime: Runtime, held_out: HeldOutImages, batch: int) -> tuple[float, float]:
-    """(accuracy, loss) over every held-out image, as the trainer's evaluate_images takes them."""
+    """(accuracy, loss) over every held-out image, as the image task's evaluation takes them
+    (shoal.experiments.mixer.task.ImageTask.evaluate)."""
     runtime.eval()
     totals = torch.zeros(3)
     for i in range(held_out.num_batches(batch)):

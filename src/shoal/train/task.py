@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,8 +30,8 @@ from shoal.models.adapter import ModelShape, family_of_config
 from shoal.models.config import ModelConfig
 
 if TYPE_CHECKING:
+    from shoal.runtime import Runtime
     from shoal.train.config import LoopConfig, RunConfig
-    from shoal.train.loop import Trainer
 
 TEXT_ONLY: Mapping[str, str] = MappingProxyType({
     "doc_mask": "--doc-mask on marks documents of text; this model has none; valid: --doc-mask off",
@@ -62,6 +62,28 @@ class TaskData:
     """Held-out samples."""
     held_out_sources: dict[str, Batches] | None = None
     """A mixture's held-out batches per source (each drawn from that source alone), by short name."""
+
+
+class TrainerView(Protocol):
+    """What a task reads of the trainer that runs it (shoal.train.loop.Trainer)."""
+
+    cfg: RunConfig
+    loop: LoopConfig
+    model_cfg: ModelShape
+    device: torch.device
+    runtime: Runtime
+    held_out: Any
+    """The held-out batches the task's `load_data` gave."""
+    part: tuple[int, int]
+    """This rank's slice of every global batch: (index, count) over the data ranks."""
+    local_batch: int
+    num_micro: int
+    num_train: int
+    num_held_out: int
+
+    def evaluate(self, held_out: Any) -> float:
+        """The mean loss per target over held-out batches."""
+        ...
 
 
 class Task:
@@ -137,14 +159,14 @@ class Task:
     def prepare(self) -> None:
         """Once this rank has joined the process group, before the trainer builds anything."""
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: TrainerView) -> None:
         """Once the trainer is built (model, optimizer, data), before its first step."""
 
-    def step_targets(self, trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step_targets(self, trainer: TrainerView, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """What this rank's batch gives the loss as targets: the batch's own here."""
         return targets
 
-    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+    def evaluate(self, trainer: TrainerView) -> dict[str, float]:
         """An evaluation's record: the mean held-out loss per target."""
         return {"eval_loss": trainer.evaluate(trainer.held_out)}
 
@@ -152,7 +174,7 @@ class Task:
         """An evaluation's line under the progress bar."""
         return f"held-out loss {record['eval_loss']:.4f}"
 
-    def describe(self, trainer: Trainer) -> list[str]:
+    def describe(self, trainer: TrainerView) -> list[str]:
         """The start of a run's description: the model, the data, the batch."""
         m, cfg, loop = _text(trainer.model_cfg), trainer.cfg, trainer.loop
         data = cfg.data.path or "built-in corpus (Python's pydoc topics)"
@@ -163,7 +185,7 @@ class Task:
                 f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {trainer.local_batch} per "
                 f"data rank in {trainer.num_micro} micro-batch(es) of {trainer.local_batch // trainer.num_micro}"]
 
-    def notes(self, trainer: Trainer) -> list[str]:
+    def notes(self, trainer: TrainerView) -> list[str]:
         """The end of a run's description (after the plan and the run folder)."""
         return []
 

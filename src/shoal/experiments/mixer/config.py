@@ -160,10 +160,14 @@ class MixerConfig:
         for key, raw in items:
             if key not in types:
                 where = "[model_config]" if isinstance(pairs, dict) else "--set"
-                raise ValueError(unknown_field(key, list(types), f"{where} for a Mixer"))
+                raise ValueError(unknown_field(key, list(types), f"{where} for a Mixer", common=COMMON_FIELDS,
+                                               home="shoal/experiments/mixer/config.py"))
             values[key] = _convert(key, str(raw), str(types[key]))
         return self.replace(**values)
 
+
+COMMON_FIELDS = ("num_layers", "dim", "num_experts", "top_k", "patch_size", "image_size", "num_classes")
+"""The fields an unknown one's refusal names first."""
 
 MIXER_PRESETS: dict[str, MixerConfig] = {
     # 8x8 digits in 2x2 patches: S = 16 patches of C = 64 channels, 4 blocks.

@@ -23,12 +23,11 @@ from shoal.experiments.mixer.images import (
     split_images,
 )
 from shoal.runtime import cross_entropy_sum
-from shoal.train.task import Task, TaskData
+from shoal.train.task import Task, TaskData, TrainerView
 
 if TYPE_CHECKING:
     from shoal.models import ModelShape
     from shoal.train.config import LoopConfig, RunConfig
-    from shoal.train.loop import Trainer
 
 
 class ImageTask(Task):
@@ -76,7 +75,7 @@ class ImageTask(Task):
         return _mixer(model).flops_per_image()
 
     @torch.no_grad()
-    def evaluate(self, trainer: Trainer) -> dict[str, float]:
+    def evaluate(self, trainer: TrainerView) -> dict[str, float]:
         """Held-out loss and accuracy over every held-out image."""
         held_out, loop, runtime = trainer.held_out, trainer.loop, trainer.runtime
         assert isinstance(held_out, HeldOutImages)
@@ -93,7 +92,7 @@ class ImageTask(Task):
     def eval_words(self, record: dict[str, Any]) -> str:
         return f"held-out accuracy {record['eval_accuracy']:.2%} (loss {record['eval_loss']:.4f})"
 
-    def describe(self, trainer: Trainer) -> list[str]:
+    def describe(self, trainer: TrainerView) -> list[str]:
         m, cfg, loop = _mixer(trainer.model_cfg), trainer.cfg, trainer.loop
         kind = f"Sparse-MLP, {m.num_moe_layers} sparse block(s) of {m.num_experts} experts" if m.num_experts \
             else "dense Mixer"

@@ -22,7 +22,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,10 +39,7 @@ from shoal.runtime import Runtime
 from shoal.train.checkpoint import good_checkpoint, load_checkpoint
 from shoal.train.config import RunConfig, from_flat, resolve_model
 from shoal.train.job import Job, check_fresh_out, default_run_dir, read_run_config
-from shoal.train.task import Task, task_for
-
-if TYPE_CHECKING:
-    from shoal.train.loop import Trainer
+from shoal.train.task import Task, TrainerView, task_for
 
 DISTILL_FILE = "distill.json"
 """The distillation settings in a student's run folder (`--resume` reads them)."""
@@ -202,7 +199,7 @@ class DistillTask(Task):
         if dist.is_initialized():  # under torchrun rank 0 wrote the student's start as it joined: wait for it
             dist.barrier()
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: TrainerView) -> None:
         checkpoint = Path(self.spec.checkpoint)
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         self.teacher_model = _text_model(resolve_model(from_flat(state["config"])), checkpoint)
@@ -211,14 +208,14 @@ class DistillTask(Task):
     def loss_fn(self) -> LossFn | None:
         return kd_loss(self.spec.temperature, self.spec.alpha)
 
-    def step_targets(self, trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step_targets(self, trainer: TrainerView, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The targets with the teacher's logits packed in, computed micro-batch by micro-batch."""
         assert self.teacher is not None, "attach loads the teacher before the first step"
         with torch.no_grad():
             logits = torch.cat([self.teacher(x) for x in inputs.chunk(trainer.num_micro)])
         return pack_targets(targets, logits)
 
-    def notes(self, trainer: Trainer) -> list[str]:
+    def notes(self, trainer: TrainerView) -> list[str]:
         t, spec = self.teacher_model, self.spec
         assert t is not None, "attach reads the teacher's shape"
         gathered = "random initialisation (--gather none)" if spec.gather == "none" else \
