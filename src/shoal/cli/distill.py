@@ -66,7 +66,7 @@ def prepare_distill(args: argparse.Namespace) -> Any:
     into its run folder; returns the Job the workers run (ValueError, nothing written, if wrong).
     Under torchrun every rank validates and rank 0 alone writes (the workers wait for it: see
     DistillTask.prepare); the run folder must then be named (--out), as the ranks share it."""
-    from shoal.experiments.ones.distill import DistillTask, plan_student, write_student
+    from shoal.experiments.ones.distill import DistillTask, student_for, write_student
     from shoal.infra.launch import resolve_device, under_torchrun
     from shoal.train.job import Job, check_fresh_out
 
@@ -80,8 +80,8 @@ def prepare_distill(args: argparse.Namespace) -> Any:
         raise UserError("--teacher RUN_DIR is required: the trained MoE run to distil (or --resume DIR)")
     if under_torchrun() and flags.get("out") is None:
         raise UserError("shoal distill under torchrun needs --out DIR: every rank must name the same run folder")
-    student = plan_student(args.teacher, gather=args.gather, gather_k=args.gather_k, temperature=args.kd_temperature,
-                           alpha=args.kd_alpha, student_set=getattr(args, "set", []), flags=flags)
+    student = student_for(args.teacher, gather=args.gather, gather_k=args.gather_k, temperature=args.kd_temperature,
+                          alpha=args.kd_alpha, student_set=getattr(args, "set", []), flags=flags)
     cfg, run_dir = student.config, student.run_dir
     device = resolve_device(cfg.device)
     if cfg.plan is not None and cfg.plan.strip() == "auto":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from shoal.models.adapter import Family, ModelShape, families, family_named, family_of_config
+from shoal.models.adapter import ModelShape, families, family_named, require_family
 from shoal.models.config import PRESETS, ModelConfig, get_preset, parameters_text
 
 if TYPE_CHECKING:
@@ -32,11 +32,7 @@ def preset(name: str) -> ModelShape:
 
 def build_model(cfg: ModelShape) -> nn.Module:
     """The module of a shape: its family's module class (a Transformer for a ModelConfig)."""
-    family = family_of_config(cfg)
-    if family is None:
-        raise ValueError(f"{type(cfg).__name__} is no registered model family's shape; valid: "
-                         f"{', '.join(f.config.__name__ for f in families())}")
-    module: nn.Module = family.model()(cfg)
+    module: nn.Module = require_family(cfg).model()(cfg)
     return module
 
 
@@ -44,7 +40,7 @@ def shape_to_dict(cfg: ModelShape) -> dict[str, Any]:
     """The stored form of a shape (a run folder's [model_config]): its fields, and the `family` key of a family
     other than the transformer's (what `shape_from_dict` reads back)."""
     table = dataclasses.asdict(cfg)
-    return table if isinstance(cfg, ModelConfig) else {"family": _family(cfg).name, **table}
+    return table if isinstance(cfg, ModelConfig) else {"family": require_family(cfg).name, **table}
 
 
 def shape_from_dict(table: dict[str, Any]) -> ModelShape:
@@ -54,12 +50,6 @@ def shape_from_dict(table: dict[str, Any]) -> ModelShape:
         return ModelConfig().with_overrides(fields)
     shape: ModelShape = family_named(str(table["family"])).config().with_overrides(fields)
     return shape
-
-
-def _family(cfg: ModelShape) -> Family:
-    family = family_of_config(cfg)
-    assert family is not None, f"{type(cfg).__name__} is no registered family's shape"
-    return family
 
 
 def __getattr__(name: str) -> Any:

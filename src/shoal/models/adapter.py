@@ -231,7 +231,7 @@ def register_family(family: Family) -> None:
     if family.name in known:
         assert known[family.name] == family, f"two families named {family.name!r}"
         return
-    clash = set(family.presets).intersection(*(f.presets for f in _FAMILIES))
+    clash = set(family.presets) & {name for f in _FAMILIES for name in f.presets}
     assert not clash, f"{family.name}: presets {sorted(clash)} are another family's"
     _FAMILIES.append(family)
 
@@ -244,6 +244,15 @@ def families() -> tuple[Family, ...]:
 def family_of_config(config: Any) -> Family | None:
     """The family whose shapes are of `config`'s class; None for an object of no registered family."""
     return next((f for f in _FAMILIES if type(config) is f.config), None)
+
+
+def require_family(config: Any) -> Family:
+    """The family whose shapes are of `config`'s class; a one-line ValueError for an object of no family."""
+    family = family_of_config(config)
+    if family is None:
+        raise ValueError(f"{type(config).__name__} is no registered model family's shape; valid: "
+                         f"{', '.join(f.config.__name__ for f in _FAMILIES)}")
+    return family
 
 
 def family_named(name: str) -> Family:
@@ -266,11 +275,7 @@ def adapter_for(model: nn.Module) -> ModelAdapter | None:
 
 def adapter_of_config(config: Any) -> ModelAdapter:
     """The adapter of the family a model config builds; a one-line ValueError for a config of no family."""
-    family = family_of_config(config)
-    if family is None:
-        raise ValueError(f"{type(config).__name__} is no registered model family's shape; valid: "
-                         f"{', '.join(f.config.__name__ for f in _FAMILIES)}")
-    return family.adapter
+    return require_family(config).adapter
 
 
 def adapter_with(model: nn.Module, axis: str) -> ModelAdapter:

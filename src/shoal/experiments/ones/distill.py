@@ -1,7 +1,7 @@
 """OneS distillation (Xue et al. 2022, arXiv 2201.10890): a trained MoE run -> a dense student
 run that learns from the MoE's logits.
 
-Two halves. Before any worker starts (`plan_student`, then `write_student`, one process): the teacher's
+Two halves. Before any worker starts (`student_for`, then `write_student`, one process): the teacher's
 newest checkpoint is read under whatever plan wrote it (the trainer's own checkpoint loading, which
 reshards), its experts are gathered into one dense FFN per layer (shoal.experiments.ones.gather), and
 the student's starting weights are written to its run folder as a safetensors file that the run's
@@ -32,6 +32,7 @@ from shoal.apply_plan import parallelize
 from shoal.data.text import open_data
 from shoal.experiments.ones.gather import check_fits, default_k, student_config, student_weights
 from shoal.experiments.ones.kd import DistillConfig, kd_loss, pack_targets
+from shoal.infra.launch import resolve_device
 from shoal.loss import LossFn
 from shoal.models import ModelConfig, ModelShape, Transformer
 from shoal.moe.layer import MoELayer
@@ -39,7 +40,9 @@ from shoal.runtime import Runtime
 from shoal.train.checkpoint import good_checkpoint, load_checkpoint
 from shoal.train.config import RunConfig, from_flat, resolve_model
 from shoal.train.job import Job, check_fresh_out, default_run_dir, read_run_config
+from shoal.train.preempt import STOPPED
 from shoal.train.task import Task, TrainerView, task_for
+from shoal.train.worker import run_job
 
 DISTILL_FILE = "distill.json"
 """The distillation settings in a student's run folder (`--resume` reads them)."""
@@ -128,7 +131,7 @@ def student_run_config(teacher_cfg: RunConfig, student: ModelConfig, flags: dict
 
 @dataclass(frozen=True, kw_only=True)
 class Student:
-    """A distillation planned before anything is written: the student's run, its settings, its teacher."""
+    """A distillation as it is checked before anything is written: the student's run, its settings, its teacher."""
 
     config: RunConfig
     """The student's run config (`init`: its gathered start in its run folder, unless --gather none)."""
@@ -138,8 +141,8 @@ class Student:
     """The teacher's shape."""
 
 
-def plan_student(teacher: str | Path, *, gather: str = "svd", gather_k: int | None = None, temperature: float = 1.0,
-                 alpha: float = 0.5, student_set: Sequence[str] = (), flags: dict[str, Any] | None = None) -> Student:
+def student_for(teacher: str | Path, *, gather: str = "svd", gather_k: int | None = None, temperature: float = 1.0,
+                alpha: float = 0.5, student_set: Sequence[str] = (), flags: dict[str, Any] | None = None) -> Student:
     """The student of the MoE run in folder `teacher`, checked (a one-line ValueError; nothing written): its
     shape (the teacher's, each MoE layer one dense FFN, then `student_set`), the gathering and the loss, and its
     run config from `shoal train`'s `flags` by their config keys (out="runs/s", steps=100, plan="fsdp2")."""
@@ -160,17 +163,13 @@ def plan_student(teacher: str | Path, *, gather: str = "svd", gather_k: int | No
 def distill(teacher: str | Path, *, out: str | Path, gather: str = "svd", gather_k: int | None = None,
             kd_temperature: float = 1.0, kd_alpha: float = 0.5, student_set: Sequence[str] = (),
             **train_flags: Any) -> int:
-    """`shoal distill` from Python: the student planned and written, then trained on its workers (as `shoal
+    """`shoal distill` from Python: the student checked and written, then trained on its workers (as `shoal
     train` starts them: shoal.train.worker.run_job). `train_flags` are `shoal train`'s flags by their config keys
     (steps=100, plan="fsdp2", nproc=2, global_batch=8). Returns 0, or shoal.train.preempt.STOPPED when a signal
     stopped the run after a checkpoint; a mistake is a one-line ValueError (found before anything is written,
     or by the workers)."""
-    from shoal.infra.launch import resolve_device
-    from shoal.train.preempt import STOPPED
-    from shoal.train.worker import run_job
-
-    student = plan_student(teacher, gather=gather, gather_k=gather_k, temperature=kd_temperature, alpha=kd_alpha,
-                           student_set=student_set, flags={**train_flags, "out": str(out)})
+    student = student_for(teacher, gather=gather, gather_k=gather_k, temperature=kd_temperature, alpha=kd_alpha,
+                          student_set=student_set, flags={**train_flags, "out": str(out)})
     device = resolve_device(student.config.device)
     check_fresh_out(student.run_dir)
     if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 writes, the workers wait for it (prepare)
