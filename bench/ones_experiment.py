@@ -39,10 +39,10 @@ import torch.nn.functional as F
 
 from bench.common import RESULTS, RUN_RECORD, measure_pair, report, train_run
 from shoal.data.text import open_data
+from shoal.experiments.ones.distill import STUDENT_INIT, load_teacher
+from shoal.experiments.ones.gather import GATHERS, student_config
 from shoal.models import ModelConfig, Transformer, get_preset
-from shoal.moe.gather import GATHERS, student_config
 from shoal.train.config import RunConfig
-from shoal.train.distill import STUDENT_INIT, load_teacher
 from shoal.train.metrics import read_metrics
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -4,10 +4,10 @@ inside Sparse-MLP, on the 8x8 digits (Lou et al. 2021, arXiv 2109.02008, at toy 
 Every variant trains in this process, one after the other, through the trainer's own pieces at
 world size 1: `parallelize(model)` (the runtime), `train_step`, the trainer's AdamW and
 warm-up + cosine schedule (shoal.optim.builder defaults), the image batches of `shoal train`
-(shoal.train.images, a pure function of seed and step) and its held-out accuracy. No launcher:
+(shoal.experiments.mixer.images, a pure function of seed and step) and its held-out accuracy. No launcher:
 on a loaded 2-core machine a subprocess per run would cost more than the training.
 
-Variants (the presets of shoal.models.mixer_config, 4 blocks, C = 64, S = 16 patches of 2x2):
+Variants (the presets of shoal.experiments.mixer.config, 4 blocks, C = 64, S = 16 patches of 2x2):
 - mixer: dense, channel MLP width 154, chosen so that its training FLOPs per image equal
   sparse-mlp's (9.17 MFLOP);
 - sparse-mlp: blocks 2 and 4 sparse (MoE_S and MoE_C, 4 experts each, top-1, capacity 1.25,
@@ -34,12 +34,13 @@ import torch
 
 from bench.common import report
 from shoal.apply_plan import parallelize
-from shoal.models import MIXER_PRESETS, Mixer, MixerConfig
+from shoal.experiments.mixer import MIXER_PRESETS, MixerConfig
+from shoal.experiments.mixer.images import HeldOutImages, ImageBatches, correct_and_count, load_digits, split_images
+from shoal.experiments.mixer.model import Mixer
 from shoal.moe.collect import records as moe_records
 from shoal.optim.builder import OptimConfig, build_optimizer, build_scheduler
 from shoal.parallel.loss import cross_entropy_sum
 from shoal.runtime import Runtime
-from shoal.train.images import HeldOutImages, ImageBatches, correct_and_count, load_digits, split_images
 from shoal.train.step import train_step
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -56,7 +57,8 @@ VARIANTS: dict[str, MixerConfig] = {
 
 @torch.no_grad()
 def held_out_accuracy(runtime: Runtime, held_out: HeldOutImages, batch: int) -> tuple[float, float]:
-    """(accuracy, loss) over every held-out image, as the trainer's evaluate_images takes them."""
+    """(accuracy, loss) over every held-out image, as the image task's evaluation takes them
+    (shoal.experiments.mixer.task.ImageTask.evaluate)."""
     runtime.eval()
     totals = torch.zeros(3)
     for i in range(held_out.num_batches(batch)):

@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from shoal.models import Mixer, MixerConfig, ModelConfig, Transformer
+from shoal.experiments.mixer import MIXER, MixerConfig
+from shoal.experiments.mixer.model import Mixer
+from shoal.models import ModelConfig, Transformer
 from shoal.models.adapter import (
     FAMILY_AXES,
-    MIXER,
     TP_STYLES,
     TRANSFORMER,
     adapter_for,
@@ -141,7 +142,8 @@ def test_the_adapters_import_neither_torch_nor_the_parallel_layer():
     code = "import sys, shoal.models.adapter; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-    for source in (SRC / "models").glob("*.py"):  # nor does any model: they import nothing distributed
+    mixer = [SRC / "experiments" / "mixer" / name for name in ("config.py", "model.py")]
+    for source in [*(SRC / "models").glob("*.py"), *mixer]:  # nor does any model: they import nothing distributed
         for node in ast.walk(ast.parse(source.read_text())):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
@@ -171,7 +173,8 @@ def test_the_parallel_layer_names_no_attribute_of_a_model_family(path):
         named = {part for part in re.split(r"[^A-Za-z0-9_]+", text) if part} & FAMILY_NAMES
         assert not (named and re.fullmatch(r"[A-Za-z0-9_.*]+", text)), f"{path.name} names {text!r}"
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module in ("shoal.models.transformer", "shoal.models.mixer"):
+        if isinstance(node, ast.ImportFrom) and node.module in ("shoal.models.transformer",
+                                                                "shoal.experiments.mixer.model"):
             # the plain causal kernel is a kernel (a2a attention runs it on whole sequences), not a seam
             assert [a.name for a in node.names] == ["causal_attention"], f"{path.name} imports {node.module}"
 

@@ -1,4 +1,4 @@
-"""OneS distillation (shoal.train.kd, shoal.train.distill, `shoal distill`): the loss against its
+"""OneS distillation (shoal.experiments.ones: kd, distill; `shoal distill`): the loss against its
 formula, its parity under fsdp2 and tp2 with one process, and the command's refusals.
 
 Parity tolerance: `assert_rounding_close` (shoal/testing/parity.py), the harness's own. The distillation
@@ -25,12 +25,12 @@ import torch.nn.functional as F
 
 from shoal import rules
 from shoal.apply_plan import parallelize
+from shoal.experiments.ones.gather import student_config, student_weights
+from shoal.experiments.ones.kd import kd_loss, pack_targets, unpack_targets
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
-from shoal.moe.gather import student_config, student_weights
 from shoal.plan import Plan
 from shoal.testing.asserts import assert_rounding_close, assert_user_error
-from shoal.train.kd import kd_loss, pack_targets, unpack_targets
 from shoal.train.step import split_micro, train_step
 
 TEACHER = ModelConfig(num_layers=2, dim=32, num_heads=4, ffn_dim=48, vocab_size=64, max_seq_len=16,
@@ -169,7 +169,7 @@ def test_distill_under_torchrun_refuses_what_torchrun_decides(tmp_path, capsys, 
 @pytest.mark.slow  # one torchrun launch of 2 workers: about 20 s on a loaded 2-core machine
 def test_distill_runs_under_torchrun(tmp_path):
     """torchrun's ranks each validate, rank 0 alone gathers and writes the student's start, the
-    workers wait for it (DistillTrainer) and train under fsdp2."""
+    workers wait for it (DistillTask.prepare) and train under fsdp2."""
     import os
     import subprocess
     import sys
@@ -193,7 +193,7 @@ def test_distill_writes_a_resumable_run_folder(tmp_path):
     """End to end on one process, from the Python function: gathered start, KD steps, a normal run
     folder, then `shoal distill --resume` and `export`."""
     from shoal import cli
-    from shoal.train.distill import distill
+    from shoal.experiments.ones.distill import distill
     from shoal.train.export import export_checkpoint
 
     teacher = _teacher_run(tmp_path / "teacher", SMALL_MOE)

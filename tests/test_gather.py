@@ -1,4 +1,4 @@
-"""OneS knowledge gathering (shoal.moe.gather): each method against its formula on hand-made
+"""OneS knowledge gathering (shoal.experiments.ones.gather): each method against its formula on hand-made
 experts, the student's weights by name, and the shapes gathering refuses. Pure tensor math:
 the expected values are exact (float64 inside, small integers and diagonal matrices here)."""
 
@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.models import Transformer
-from shoal.models.config import PRESETS, ModelConfig
-from shoal.moe.gather import (
+from shoal.experiments.ones.gather import (
     check_fits,
     default_entries,
     default_k,
@@ -21,6 +19,8 @@ from shoal.moe.gather import (
     top_experts,
     truncated,
 )
+from shoal.models import Transformer
+from shoal.models.config import PRESETS, ModelConfig
 from shoal.testing.asserts import one_line_error
 
 # Three "experts" of a 2x2 matrix each: diagonal, so their singular values are visible.

@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from shoal import rules
-from shoal.models import MIXER_PRESETS, Mixer, MixerConfig, preset
+from shoal.experiments.mixer import MIXER_PRESETS, MixerConfig
+from shoal.experiments.mixer.images import HeldOutImages, ImageBatches, correct_and_count, load_digits
+from shoal.experiments.mixer.model import Mixer
+from shoal.loss import IGNORE
+from shoal.models import preset
 from shoal.moe.layer import MoELayer
 from shoal.plan import Plan
 from shoal.testing.asserts import assert_user_error, one_line_error
-from shoal.train.images import IGNORE, HeldOutImages, ImageBatches, correct_and_count, load_digits
 
 VARIANTS = ([], ["rr_patches=0"], ["rr_channels=0", "rr_patches=0"], ["top_k=2", "num_prototypes=2"],
             ["moe_every=1", "num_experts=2"])

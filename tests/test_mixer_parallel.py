@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.models import MixerConfig
+from shoal.experiments.mixer import MixerConfig
 from shoal.testing.parity import case, check_parity, run_parallel
 
 SPARSE = MixerConfig(num_layers=2, dim=16, token_ffn_dim=16, channel_ffn_dim=32, num_experts=4, moe_every=1,

@@ -6,8 +6,9 @@ The public API, each name imported on first use so that `import shoal` stays lig
 - `build_mesh(plan)`: the named DeviceMesh of a resolved plan; `parallelize(model, plan, mesh)`: the model
   split by the plan, as a `Runtime` (the one object a training loop sees);
 - `train_step(runtime, optimizer, micro_batches)`: one optimizer step, as `shoal train` runs it;
-- `Transformer`, `ModelConfig`, `preset(name)`: shoal's reference model; `from_hf(path)`: a Hugging Face
-  folder as one process's model, equal to transformers' own.
+- `Transformer`, `ModelConfig`, `preset(name)`: shoal's reference model (`preset` also knows the presets of
+  the model families shoal.experiments registers); `from_hf(path)`: a Hugging Face folder as one process's
+  model, equal to transformers' own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and the layer contracts see; at run time __getattr__ imports each
-    from shoal import rules
+    from shoal import experiments, rules  # noqa: F401  (experiments: what `preset` imports first)
     from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models import ModelConfig, Transformer, preset
@@ -47,4 +48,6 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'shoal' has no attribute {name!r}")
     if name == "rules":
         return importlib.import_module("shoal.rules")
+    if name == "preset":  # every family's presets, the experiments' too (their registration imports no torch)
+        importlib.import_module("shoal.experiments")
     return getattr(importlib.import_module(_WHERE[name]), name)

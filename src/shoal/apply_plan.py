@@ -14,8 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shoal import rules
-from shoal.models.config import ModelConfig
-from shoal.models.mixer_config import MixerConfig
+from shoal.models.adapter import family_of_config
 from shoal.moe.layer import MoELayer
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
@@ -52,7 +51,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
         raise ValueError("parallelize needs both a plan and a mesh, or neither (one process)")
     config = getattr(model, "config", None)
     plan = rules.resolve(plan, world_size=mesh.size(), device=mesh.device_type,
-                         model=config if isinstance(config, (ModelConfig, MixerConfig)) else None,
+                         model=config if family_of_config(config) is not None else None,
                          num_layers=len(blocks_of(model)))
     if plan.pp == 1:
         choice = choose_engine(plan, num_layers=len(blocks_of(model)))

@@ -6,10 +6,10 @@ one-line answer: `validate`, `parallelize`, the planner's search, `shoal plan --
 `shoal train` before any worker starts. A rule written in two places drifts; add new ones here.
 
 What a rule may look at: the plan, the world size, the device type ("cpu" or "cuda"), the model's
-config (a `ModelConfig`: shapes, experts, positions, dropout, ties) or, for a model that has none,
-its number of blocks, and the batch (global batch, sequence length, `--micro-batch`). A rule
-whose inputs a caller does not have is not asked (parallelize knows no batch; the trainer
-checks it before start).
+config (a `ModelConfig`: shapes, experts, positions, dropout, ties; another family's shape is judged
+by the axes its adapter takes and the family's own rule), or, for a model that has none, its number
+of blocks, and the batch (global batch, sequence length, `--micro-batch`). A rule whose inputs a
+caller does not have is not asked (parallelize knows no batch; the trainer checks it before start).
 
 Defaults never make a plan invalid: an option left out (micro-batches `mb`, `sp`, `vpp`, `zero`)
 takes its usual value where that is valid and otherwise the valid value nearest it, and
@@ -45,12 +45,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shoal.models.adapter import FAMILY_AXES, MIXER
-from shoal.models.mixer_config import MixerConfig
+from shoal.models.adapter import FAMILY_AXES, family_of_config
+from shoal.models.config import ModelConfig
 from shoal.plan import SCHEDULES, Plan
 
 if TYPE_CHECKING:
-    from shoal.models.config import ModelConfig
+    from shoal.models.adapter import ModelShape
 
 DEFAULT_BUCKET = {1: 2, 2: 2, 3: 1}
 """Transformer blocks per gather/reduce unit unless the plan says `bucket=`: two at ZeRO-1/2
@@ -73,8 +73,9 @@ class Facts:
 
     world_size: int
     device: str = "cpu"
-    model: ModelConfig | MixerConfig | None = None
-    """A text transformer's shape, or an image Mixer's (`_mixer_rule` alone judges the latter)."""
+    model: ModelShape | None = None
+    """A model family's shape (shoal.models.adapter.Family): a text transformer's, which most rules read, or
+    another family's, which `_family_rule` judges by its adapter's axes and the family's own rule."""
     num_layers: int | None = None
     """Blocks of a model without a config (a user's module); the config's num_layers otherwise."""
     global_batch: int | None = None
@@ -89,11 +90,11 @@ class Facts:
     @property
     def text_model(self) -> ModelConfig | None:
         """The model's shape when it is a text transformer's (the rules below ask of those)."""
-        return None if isinstance(self.model, MixerConfig) else self.model
+        return self.model if isinstance(self.model, ModelConfig) else None
 
 
 # ----------------------------------------------------------------------------- the questions callers ask
-def resolve(plan: Plan, *, world_size: int, device: str = "cpu", model: ModelConfig | MixerConfig | None = None,
+def resolve(plan: Plan, *, world_size: int, device: str = "cpu", model: ModelShape | None = None,
             num_layers: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
             micro_batch: int | None = None) -> Plan:
     """The plan with dp and every option left out filled in, checked: ValueError (one line) naming
@@ -120,7 +121,7 @@ def fill(plan: Plan, facts: Facts) -> Plan:
     return _choose_defaults(_resolve_degrees(plan, facts), facts)[0]
 
 
-def validate(plan: Plan, model: ModelConfig | MixerConfig, *, global_batch: int, seq_len: int) -> None:
+def validate(plan: Plan, model: ModelShape, *, global_batch: int, seq_len: int) -> None:
     """Check a resolved plan against a model shape and batch; one-line ValueError if it cannot run."""
     assert plan.dp is not None, "resolve the plan first"
     check(plan, Facts(world_size=plan.world_size, model=model, global_batch=global_batch, seq_len=seq_len))
@@ -279,7 +280,7 @@ def _expert_degree_rule(plan: Plan, facts: Facts) -> str | None:
     data = plan.data_ranks * plan.cp
     if facts.world_size % plan.ep or data % plan.ep:
         return (f"ep={plan.ep} must divide the ranks that see different tokens (dp*fsdp*cp = {data}); "
-                f"valid: {_divisor_list(data)}")
+                f"valid: {divisor_list(data)}")
     return None
 
 
@@ -293,11 +294,11 @@ def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
         common = math.gcd(*(size for _, size in sizes))  # a valid tp divides every one of them
         for what, size in sizes:
             if size % plan.tp:
-                return f"tp={plan.tp} does not divide {size} {what}; valid: tp in {_divisor_list(common)}"
+                return f"tp={plan.tp} does not divide {size} {what}; valid: tp in {divisor_list(common)}"
     seq = facts.seq_len
     if seq is not None and plan.tp > 1 and plan.sp and seq % plan.tp:
         return (f"tp={plan.tp} with sequence parallelism does not divide the sequence length {seq}; "
-                f"valid: tp in {_divisor_list(seq)}, or the plan option sp=off")
+                f"valid: tp in {divisor_list(seq)}, or the plan option sp=off")
     return None
 
 
@@ -335,7 +336,7 @@ def _vocab_refusal(plan: Plan) -> str | None:
 def _vocab_rule(plan: Plan, facts: Facts) -> str | None:
     if plan.vocab != "sharded":
         return None
-    if isinstance(facts.model, MixerConfig):
+    if facts.model is not None and facts.text_model is None:
         return "vocab=sharded is for text transformers' vocabulary tables; valid: vocab=gathered"
     return _vocab_refusal(plan)
 
@@ -360,7 +361,7 @@ def _context_rule(plan: Plan, facts: Facts) -> str | None:
     heads = model.num_heads // plan.tp  # each tp rank's heads
     if plan.cp_mode == "a2a" and heads % plan.cp:
         return (f"cp_mode=a2a scatters the {heads} heads of each tp rank over cp={plan.cp}, which does not divide "
-                f"them; valid: cp in {_divisor_list(heads)}, or cp_mode=ring")
+                f"them; valid: cp in {divisor_list(heads)}, or cp_mode=ring")
     if model.pos_emb != "rope":
         return (f"cp={plan.cp} with pos_emb={model.pos_emb!r}: positions follow the sequence split for RoPE only "
                 "in this version; valid: a RoPE model, or no cp")
@@ -411,45 +412,37 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
                 f"(the experts are sharded outside FSDP2); plan {plan}; valid: offload=off")
     if plan.data_ranks % plan.ep:
         return (f"ep={plan.ep} is carved out of the {plan.data_ranks} data ranks (dp*fsdp) and does not divide "
-                f"them; valid: {_divisor_list(plan.data_ranks)}")
+                f"them; valid: {divisor_list(plan.data_ranks)}")
     if model.num_experts % plan.ep:
         experts = model.num_experts
-        return f"ep={plan.ep} does not divide {experts} experts; valid: ep in {_divisor_list(experts)}"
+        return f"ep={plan.ep} does not divide {experts} experts; valid: ep in {divisor_list(experts)}"
     replicas = plan.data_ranks // plan.ep  # the data ranks outside ep, which shard the experts under fsdp
     if plan.fsdp > 1 and (plan.ep > 1 or plan.tp > 1) and model.dim % replicas:
         return (f"fsdp={plan.fsdp} with ep={plan.ep}, tp={plan.tp} shards every expert's model dim {model.dim} over "
                 f"the {replicas} data ranks outside ep, which do not divide it; valid: (dp*fsdp)/ep in "
-                f"{_divisor_list(model.dim)}")
+                f"{divisor_list(model.dim)}")
     return None
 
 
-def _mixer_rule(plan: Plan, facts: Facts) -> str | None:
-    """An image Mixer (dense or Sparse-MLP) runs under the data axes (dp, fsdp at any zero stage)
-    and the axes its adapter takes (ep; shoal.models.adapter.MIXER says why not tp, pp or cp)."""
-    model = facts.model
-    if not isinstance(model, MixerConfig):
+def _family_rule(plan: Plan, facts: Facts) -> str | None:
+    """A model family runs under the data axes (dp, fsdp at any zero stage) and the axes its adapter takes
+    (shoal.models.adapter), within what its own rule allows (a family an experiment registers may bring one)."""
+    family = family_of_config(facts.model) if facts.model is not None else None
+    if family is None:
         return None
+    adapter = family.adapter
     for axis in FAMILY_AXES:
-        if not MIXER.takes(axis) and getattr(plan, axis) > 1:
-            return (f"{axis}={getattr(plan, axis)} with the image Mixer (Sparse-MLP) is not available: it trains "
-                    "under dp, fsdp and ep; valid: plans such as dp2, fsdp2, ep2 or dp2,ep2")
-    if plan.ep == 1:
-        return None
-    if not model.num_experts:
-        return f"ep={plan.ep} needs a Mixture-of-Experts model; this Mixer has num_experts=0"
-    if plan.offload:
-        return (f"offload=on with an expert-parallel Mixer is not available in this version (the experts are "
-                f"sharded outside FSDP2); plan {plan}; valid: offload=off")
-    if model.num_experts % plan.ep:
-        experts = model.num_experts
-        return f"ep={plan.ep} does not divide {experts} experts; valid: ep in {_divisor_list(experts)}"
-    replicas = plan.data_ranks // plan.ep  # the data ranks outside ep, which shard the experts under fsdp
-    for what, width in (("MoE_S width S'", model.routed_patches), ("MoE_C width C", model.dim)):
-        if plan.fsdp > 1 and width % replicas:
-            return (f"fsdp={plan.fsdp} with ep={plan.ep} shards every expert's {what} = {width} over the "
-                    f"{replicas} data ranks outside ep, which do not divide it; valid: (dp*fsdp)/ep in "
-                    f"{_divisor_list(width)}")
-    return None
+        if not adapter.takes(axis) and getattr(plan, axis) > 1:
+            axes = ["dp", "fsdp", *(a for a in FAMILY_AXES if adapter.takes(a))]
+            examples = [f"{a}2" for a in axes] + ([f"dp2,{axes[-1]}2"] if len(axes) > 2 else [])
+            return (f"{axis}={getattr(plan, axis)} with the {adapter.family} is not available: it trains under "
+                    f"{_listed(axes, 'and')}; valid: plans such as {_listed(examples, 'or')}")
+    return family.plan_rule(plan, facts) if family.plan_rule is not None else None
+
+
+def _listed(words: list[str], last: str) -> str:
+    """"a, b and c" (or "a, b or c")."""
+    return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else words[0]
 
 
 def _batch_rule(plan: Plan, facts: Facts) -> str | None:
@@ -466,7 +459,7 @@ def _batch_rule(plan: Plan, facts: Facts) -> str | None:
                 "micro-batches are the plan option mb=; valid: leave --micro-batch out, or set mb")
     if micro is not None and (micro < 1 or local % micro):
         return (f"--micro-batch {micro} does not divide the {local} sequences each of the {plan.data_ranks} data "
-                f"ranks gets (global batch {batch}); valid: {_divisor_list(local)}")
+                f"ranks gets (global batch {batch}); valid: {divisor_list(local)}")
     return None
 
 
@@ -492,7 +485,7 @@ def _pipeline_rule(plan: Plan, facts: Facts) -> str | None:
         local = facts.global_batch // plan.data_ranks
         if local % plan.micro_batches:
             return (f"mb={plan.micro_batches} does not divide the {local} sequences each pipeline gets per step; "
-                    f"valid: {_divisor_list(local)}")
+                    f"valid: {divisor_list(local)}")
     return _engine_refusal(plan, facts)
 
 
@@ -554,7 +547,7 @@ def _doc_mask_rule(plan: Plan, facts: Facts) -> str | None:
     return None
 
 
-_RULES: tuple[Rule, ...] = (_auto_rule, _expert_degree_rule, _mixer_rule, _tensor_rule, _reduce_rule, _vocab_rule,
+_RULES: tuple[Rule, ...] = (_auto_rule, _expert_degree_rule, _family_rule, _tensor_rule, _reduce_rule, _vocab_rule,
                             _context_rule, _moe_rule, _batch_rule, _pipeline_rule, _doc_mask_rule)
 
 
@@ -562,5 +555,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _divisor_list(n: int) -> str:
+def divisor_list(n: int) -> str:
+    """The divisors of `n`, comma-separated, for a refusal's "valid:" ("none" for n <= 0)."""
     return ", ".join(map(str, _divisors(n))) if n > 0 else "none"

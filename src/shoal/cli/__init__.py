@@ -5,7 +5,8 @@ Every check of the user's input runs in the parent process, before any worker st
 one line `shoal: error: <message>` on stderr and exits with status 2 (shoal.cli.errors), and nothing is
 written. Flags map onto the run config's keys (shoal.train.config): `--global-batch 16` is
 `global_batch = 16` in a `--config` file. A subcommand imports torch only once it runs, so `shoal
---help` answers at once.
+--help` answers at once. Importing this package registers every experiment (shoal.experiments: its presets,
+model family and task) before any flag is read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+import shoal.experiments  # noqa: F401  (registers the experiments' families before any flag is read)
 from shoal.cli import data, distill, export, plan, sample, train
 from shoal.cli.errors import USER_ERROR, fail, warn
 from shoal.cli.parser import Parser

@@ -1,5 +1,6 @@
-"""`shoal distill`: a trained MoE run distilled into a dense student (OneS, arXiv 2201.10890), its command line
-on top of `shoal train`'s (shoal.cli.train): the student is a normal run, trained by the same workers.
+"""`shoal distill`: a trained MoE run distilled into a dense student (OneS, arXiv 2201.10890: the experiment
+shoal.experiments.ones), its command line on top of `shoal train`'s (shoal.cli.train): the student is a normal
+run, trained by the same workers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from shoal.cli.errors import UserError
 from shoal.cli.train import (
     TRAIN_FLAGS,
     auto_plan,
-    check_fresh_out,
     check_resumable,
     check_torchrun_flags,
     resume_config,
@@ -65,15 +65,10 @@ def prepare_distill(args: argparse.Namespace) -> Any:
     """Validate a `shoal distill` command, then write the student's starting weights and settings
     into its run folder; returns the Job the workers run (ValueError, nothing written, if wrong).
     Under torchrun every rank validates and rank 0 alone writes (the workers wait for it: see
-    DistillTrainer); the run folder must then be named (--out), as the ranks share it."""
-    import dataclasses
-
+    DistillTask.prepare); the run folder must then be named (--out), as the ranks share it."""
+    from shoal.experiments.ones.distill import DistillTask, student_for, write_student
     from shoal.infra.launch import resolve_device, under_torchrun
-    from shoal.moe.gather import check_fits, default_k, student_config
-    from shoal.train.checkpoint import good_checkpoint
-    from shoal.train.distill import STUDENT_INIT, student_run_config, teacher_config, write_student
-    from shoal.train.job import Job, default_run_dir
-    from shoal.train.kd import DistillConfig
+    from shoal.train.job import Job, check_fresh_out
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "resume", *_DISTILL_ONLY)}
     check_torchrun_flags(flags)
@@ -85,30 +80,22 @@ def prepare_distill(args: argparse.Namespace) -> Any:
         raise UserError("--teacher RUN_DIR is required: the trained MoE run to distil (or --resume DIR)")
     if under_torchrun() and flags.get("out") is None:
         raise UserError("shoal distill under torchrun needs --out DIR: every rank must name the same run folder")
-    teacher_run, teacher = teacher_config(Path(args.teacher))
-    student = student_config(teacher, getattr(args, "set", []))
-    check_fits(teacher, student, args.gather, args.gather_k)
-    checkpoint = good_checkpoint(args.teacher)
-    k = args.gather_k if args.gather_k is not None else default_k(args.gather, teacher)
-    spec = DistillConfig(teacher=args.teacher, checkpoint=str(checkpoint), gather=args.gather, gather_k=k,
-                         temperature=args.kd_temperature, alpha=args.kd_alpha)
-    cfg = student_run_config(teacher_run, student, flags)
-    run_dir = Path(cfg.out if cfg.out is not None else default_run_dir())
-    if args.gather != "none":
-        cfg = dataclasses.replace(cfg, init=str(run_dir / STUDENT_INIT))
+    student = student_for(args.teacher, gather=args.gather, gather_k=args.gather_k, temperature=args.kd_temperature,
+                          alpha=args.kd_alpha, student_set=getattr(args, "set", []), flags=flags)
+    cfg, run_dir = student.config, student.run_dir
     device = resolve_device(cfg.device)
     if cfg.plan is not None and cfg.plan.strip() == "auto":
         cfg, _ = auto_plan(cfg, device)
     validate(cfg, device)
     check_fresh_out(run_dir)
     if os.environ.get("RANK", "0") == "0":
-        write_student(run_dir, cfg, spec, teacher)  # everything checked: the first write
-    return Job(config=cfg, run_dir=str(run_dir), device=device, distill=spec)
+        write_student(run_dir, cfg, student.spec, student.teacher)  # everything checked: the first write
+    return Job(config=cfg, run_dir=str(run_dir), device=device, task=DistillTask(student.spec))
 
 
 def _resume_distill(args: argparse.Namespace, given: dict[str, Any], flags: dict[str, Any]) -> Any:
+    from shoal.experiments.ones.distill import DistillTask, read_distill_config
     from shoal.infra.launch import resolve_device
-    from shoal.train.distill import read_distill_config
     from shoal.train.job import Job
 
     folder = Path(args.resume)
@@ -128,7 +115,8 @@ def _resume_distill(args: argparse.Namespace, given: dict[str, Any], flags: dict
     device = resolve_device(cfg.device)
     validate(cfg, device)
     resume_from = str(check_resumable(folder, cfg.loop.steps))
-    return Job(config=cfg, run_dir=args.resume, resume=True, resume_from=resume_from, device=device, distill=spec)
+    return Job(config=cfg, run_dir=args.resume, resume=True, resume_from=resume_from, device=device,
+               task=DistillTask(spec))
 
 
 _DISTILL_DEFAULTS: dict[str, Any] = {"teacher": None, "gather": "svd", "gather_k": None, "kd_temperature": 1.0,

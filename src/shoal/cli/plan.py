@@ -69,9 +69,9 @@ def run(args: argparse.Namespace) -> int:
         path = save_profile(calibrate(quick=args.quick))
         print(f"calibration profile written to {path}")
         return 0
-    image = _image_model(args.model, args.set)
-    if image is not None:
-        return _image_plan(args, image)
+    unpriced = _unpriced_model(args.model, args.set)
+    if unpriced is not None:
+        return _check_unpriced(args, unpriced)
     work = workload(args.model, args.set, global_batch=args.global_batch, seq_len=args.seq_len)
     cluster, network = resolve_cluster(args.cluster, args.nproc)
     started = time.perf_counter()
@@ -113,30 +113,34 @@ def workload(model: str, sets: list[str], *, global_batch: int, seq_len: int) ->
         raise ValueError(f"--global-batch {global_batch} and --seq-len {seq_len} must both be >= 1")
     cfg = resolve_model(RunConfig(model=model, set=tuple(sets)))
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"the planner prices transformers; {model!r} is an image model")
+        from shoal.train.task import task_for
+
+        raise ValueError(task_for(cfg).message("planner", model=model))
     if seq_len > cfg.max_seq_len:  # as shoal train refuses it
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; "
                          f"valid: 1..{cfg.max_seq_len} (or --set max_seq_len={seq_len})")
     return Workload(model=cfg, global_batch=global_batch, seq_len=seq_len)
 
 
-def _image_model(model: str, sets: list[str]) -> Any:
-    """The model's shape when it is an image Mixer's (None for a transformer)."""
-    from shoal.models import MixerConfig
+def _unpriced_model(model: str, sets: list[str]) -> Any:
+    """The model's shape when the planner does not price it (another family than the text transformer's);
+    None for a transformer."""
     from shoal.train.config import RunConfig, resolve_model
 
     if model.startswith("hf:"):
         return None
     cfg = resolve_model(RunConfig(model=model, set=tuple(sets)))
-    return cfg if isinstance(cfg, MixerConfig) else None
+    return None if isinstance(cfg, ModelConfig) else cfg
 
 
-def _image_plan(args: argparse.Namespace, model: Any) -> int:
-    """`shoal plan` for an image Mixer: the planner prices transformers only, so it checks one
-    --plan against shoal.rules (the refusal `shoal train` gives) and says whether it runs."""
+def _check_unpriced(args: argparse.Namespace, model: Any) -> int:
+    """`shoal plan` for a model the planner does not price: it checks one --plan against shoal.rules (the
+    refusal `shoal train` gives) and says whether it runs, in the words of the model's task."""
+    from shoal.train.task import task_for
+
+    task = task_for(model)
     if args.plan is None:
-        raise ValueError(f"the planner ranks plans for transformers; the image model {args.model!r} trains under "
-                         "dp, fsdp and ep: check one with --plan, e.g. --plan ep2")
+        raise ValueError(task.message("plan_search", model=args.model))
     if args.cluster == "local":
         world, device = args.nproc or 2, "cpu"
     else:
@@ -145,8 +149,7 @@ def _image_plan(args: argparse.Namespace, model: Any) -> int:
     facts = rules.Facts(world_size=world, device=device, model=model, global_batch=args.global_batch,
                         micro_batch=args.micro_batch)
     plan, _ = rules.resolve_noting(Plan.parse(args.plan), facts)
-    print(f"plan {plan} runs model {args.model} on {world} process(es); the planner does not price image "
-          "models (no time or memory prediction)")
+    print(f"plan {plan} runs model {args.model} on {world} process(es); {task.message('plan_note')}")
     return 0
 
 

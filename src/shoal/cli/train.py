@@ -16,7 +16,7 @@ from shoal.cli.parser import on_off
 # (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
 TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--model", str, "preset (tiny, tiny-gpt, small, gpt3-1.3b..gpt3-175b, llama3-8b/70b/405b, bert-large; "
-     "tiny-moe, mixtral-8x7b; the image models mixer, sparse-mlp) or hf:<dir or config.json> [tiny]"),
+     "tiny-moe, mixtral-8x7b{experiments}) or hf:<dir or config.json> [tiny]"),
     ("--plan", str, "parallel plan: dpN, fsdpN, tpN, cpN, ppN, epN and options, e.g. fsdp2,tp2,zero=1 (see README), "
      "or auto: the planner's fastest plan for this world [dp over all processes]"),
     ("--nproc", int, "local worker processes to start; ignored under torchrun [one per GPU; 2 on CPU]"),
@@ -71,6 +71,7 @@ def add_parser(sub: Any) -> None:
     train = sub.add_parser("train", help="train a model", description="Train a model; with no flags, the "
                            "tiny preset on the built-in corpus on 2 local processes.")
     for flag, type_, help_ in TRAIN_FLAGS:
+        help_ = help_.format(experiments=experiment_presets()) if flag == "--model" else help_
         train.add_argument(flag, type=type_, help=help_, default=argparse.SUPPRESS)
     train.add_argument("--set", action="append", metavar="KEY=VALUE", default=argparse.SUPPRESS,
                        help="override a model field (repeatable), e.g. --set num_layers=2 [the preset's values]")
@@ -94,25 +95,25 @@ def add_parser(sub: Any) -> None:
     train.set_defaults(func=run)
 
 
+def experiment_presets() -> str:
+    """The presets of the families the experiments registered, for --model's help."""
+    from shoal.models.adapter import families
+
+    return "".join(f"; {family.adapter.family}: {', '.join(family.presets)}" for family in families()[1:])
+
+
 def run(args: argparse.Namespace) -> int:
     return run_job(prepare_job(args))
 
 
 def run_job(job: Any) -> int:
     """Run a prepared Job on its workers (or this torchrun rank); returns the exit status."""
-    from shoal.infra import host_memory
-    from shoal.infra.launch import Stopped, WorkerFailed, launch, under_torchrun
+    from shoal.infra.launch import Stopped, WorkerFailed
     from shoal.train.preempt import STOPPED
-    from shoal.train.worker import run_worker
+    from shoal.train.worker import run_job as run_on_workers
 
     try:
-        if under_torchrun():
-            result = run_worker(job) or {}
-        else:
-            with host_memory.for_workers(job.device):
-                results = launch(run_worker, job, nproc=world_size(job.config, job.device),
-                                 max_restarts=job.config.max_restarts)
-            result = results.get(0) or {}
+        result = run_on_workers(job)
     except WorkerFailed as exc:
         return fail(str(exc), RUN_FAILED, job.run_dir)
     except Stopped as exc:  # a second signal: the workers were killed
@@ -142,9 +143,10 @@ def prepare_job(args: argparse.Namespace) -> Any:
     from shoal.data.text import doc_eos_id, resolve_tokenizer
     from shoal.infra import host_memory
     from shoal.infra.launch import resolve_device, under_torchrun
-    from shoal.models import MixerConfig
+    from shoal.models import ModelConfig
     from shoal.train.config import from_flat, load_toml, model_of_init, resolve_model
-    from shoal.train.job import Job, default_run_dir, with_model
+    from shoal.train.job import Job, check_fresh_out, default_run_dir, with_model
+    from shoal.train.task import task_for
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "resume")}
     check_torchrun_flags(flags)
@@ -178,25 +180,25 @@ def prepare_job(args: argparse.Namespace) -> Any:
     if args.resume is None:  # prepared data: the tokenizer is the manifest's
         cfg = dataclasses.replace(cfg, data=resolve_tokenizer(cfg.data, given="tokenizer" in flags))
     model = resolve_model(cfg)
-    if cfg.data.doc_mask and isinstance(model, MixerConfig):
-        raise UserError("--doc-mask on marks documents of text; the image Mixer has none; valid: --doc-mask off")
-    if cfg.data.doc_mask and args.resume is None and not isinstance(model, MixerConfig):  # a resumed run has it
+    task = task_for(model)  # the text transformer's task, or the one its family registered
+    if cfg.data.doc_mask and not isinstance(model, ModelConfig):
+        raise UserError(task.message("doc_mask"))
+    if cfg.data.doc_mask and args.resume is None and isinstance(model, ModelConfig):  # a resumed run has it
         model = dataclasses.replace(model, doc_eos_id=doc_eos_id(cfg.data))
     cfg = with_model(cfg, model)
     device = resolve_device(cfg.device)
     host_memory.worker_env(device)  # SHOAL_ALLOCATOR checked here, before anything starts
     prediction = None
     if args.resume is None and cfg.plan is not None and cfg.plan.strip() == "auto":
-        if isinstance(model, MixerConfig):
-            raise UserError("--plan auto prices transformers; the image Mixer takes a plan of dp, fsdp and ep "
-                            "axes; valid: e.g. --plan dp2, fsdp2 or ep2")
+        if not isinstance(model, ModelConfig):  # the planner prices the text transformer
+            raise UserError(task.message("auto_plan"))
         cfg, prediction = auto_plan(cfg, device)
     validate(cfg, device)
     if args.resume is None and cfg.init is not None:  # the files' headers only: before any worker starts
         from shoal.models.safetensors_io import WeightsMismatch, open_pretrained
 
-        if isinstance(model, MixerConfig):
-            raise UserError("--init loads pretrained transformer weights; the image Mixer starts from the seed's")
+        if not isinstance(model, ModelConfig):
+            raise UserError(task.message("init"))
         try:
             open_pretrained(cfg.init, model, ignore=cfg.init_ignore)
         except WeightsMismatch as exc:
@@ -273,11 +275,9 @@ def _absolute(spec: str | None) -> str | None:
 
 def world_size(cfg: Any, device: str) -> int:
     """The run's number of processes: torchrun's world, --nproc, or one per GPU (2 on CPU)."""
-    from shoal.infra.launch import default_nproc, under_torchrun
+    from shoal.train.worker import world_size as processes
 
-    if under_torchrun():
-        return int(os.environ["WORLD_SIZE"])
-    return cfg.nproc if cfg.nproc is not None else default_nproc(device)
+    return processes(cfg, device)
 
 
 def resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
@@ -346,56 +346,32 @@ def _as_typed(value: Any) -> str:
 
 
 def validate(cfg: Any, device: str) -> None:
-    """Model, plan, batch and data against each other, for the world the run will have on `device`."""
+    """Model, plan, batch and data against each other, for the world the run will have on `device`: the model
+    builds, its task's checks (shoal.train.task), the plan runs it (shoal.rules), and a text transformer's plan
+    fits this machine's memory as the planner prices it."""
     import torch
 
     from shoal import rules
-    from shoal.data.text import load_tokenizer, open_data
     from shoal.infra.launch import under_torchrun
-    from shoal.models import MixerConfig, Transformer
+    from shoal.models import ModelConfig, build_model
     from shoal.train.config import parse_plan
+    from shoal.train.task import task_for
 
     model, loop = cfg.model_config, cfg.loop
     world = world_size(cfg, device)
     if device == "cuda" and not under_torchrun() and world > torch.cuda.device_count():
         raise UserError(f"--nproc {world} exceeds the {torch.cuda.device_count()} GPU(s) of this machine (one "
                         f"process per GPU); valid: 1..{torch.cuda.device_count()}, or --device cpu")
-    if isinstance(model, MixerConfig):
-        _validate_images(cfg, model, world, device)
-        return
+    task = task_for(model)
     with torch.device("meta"):  # builds no weights: catches what the model itself refuses
-        Transformer(model)
-    if loop.seq_len > model.max_seq_len:
-        raise UserError(f"--seq-len {loop.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
-                        f"valid: 1..{model.max_seq_len} (or --set max_seq_len={loop.seq_len})")
+        build_model(model)
+    task.check_model(cfg, model)
     plan = rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
-                         global_batch=loop.global_batch, seq_len=loop.seq_len, micro_batch=loop.micro_batch)
-    _check_memory(cfg, plan, device)
-    top = open_data(cfg.data, seq_len=loop.seq_len, seed=loop.seed, max_id=True, held_out=loop.eval_every > 0).max_id
-    if top >= model.vocab_size:
-        vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
-        raise UserError(f"the data holds token id {top} but the model's vocab_size is {model.vocab_size}; "
-                        f"use --set vocab_size={max(top + 1, vocab)}")
-
-
-def _validate_images(cfg: Any, model: Any, world: int, device: str) -> None:
-    """An image Mixer's run: the model builds, the plan runs it (shoal.rules), the image set is
-    there and fits the model. The planner prices transformers only: no memory check."""
-    import torch
-
-    from shoal import rules
-    from shoal.models import Mixer
-    from shoal.train.config import parse_plan
-    from shoal.train.images import check_shape, load_image_set
-
-    with torch.device("meta"):
-        Mixer(model)
-    loop = cfg.loop
-    rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
-                  global_batch=loop.global_batch, micro_batch=loop.micro_batch)
-    images, labels = load_image_set(cfg.data.path)
-    check_shape(images, labels, channels=model.channels, image_size=model.image_size,
-                num_classes=model.num_classes, data=cfg.data.path or "digits")
+                         global_batch=loop.global_batch, seq_len=task.sequence_length(loop),
+                         micro_batch=loop.micro_batch)
+    if isinstance(model, ModelConfig):  # the planner prices the text transformer
+        _check_memory(cfg, plan, device)
+    task.check_data(cfg, model)
 
 
 def _check_memory(cfg: Any, plan: Any, device: str) -> None:
@@ -443,13 +419,3 @@ def check_resumable(folder: Path, steps: int) -> Path:
         raise UserError(f"--steps {steps}: the run in {str(folder)!r} is already at step {done}; "
                         f"give a larger --steps to continue it")
     return path
-
-
-def check_fresh_out(folder: Path) -> None:
-    from shoal.train.checkpoint import latest_checkpoint
-
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"--out {str(folder)!r} is a file, not a folder")
-    if folder.is_dir() and latest_checkpoint(folder) is not None:
-        raise UserError(f"--out {str(folder)!r} already holds a trained run; continue it with --resume "
-                        f"{folder} or choose another --out")

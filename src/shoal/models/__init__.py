@@ -1,47 +1,55 @@
 """Reference models: plain PyTorch, no distributed imports.
 
-`Transformer` (text) and `Mixer` (images: MLP-Mixer and Sparse-MLP) are imported on first use,
-so that the configs (and the planner and shoal.rules, which read only them) import without torch."""
+`Transformer` is imported on first use, so that the configs (and the planner and shoal.rules, which
+read only them) import without torch. A model family an experiment brings (shoal.experiments) is
+found through the families registry (shoal.models.adapter): `preset` and `build_model` ask it."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from shoal.models.adapter import ModelShape, families, family_named, require_family
 from shoal.models.config import PRESETS, ModelConfig, get_preset, parameters_text
-from shoal.models.mixer_config import MIXER_PRESETS, MixerConfig
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from shoal.models.mixer import Mixer
     from shoal.models.transformer import Transformer
 
-__all__ = ["MIXER_PRESETS", "PRESETS", "AnyConfig", "Mixer", "MixerConfig", "ModelConfig", "Transformer",
-           "build_model", "get_preset", "parameters_text", "preset"]
-
-AnyConfig = ModelConfig | MixerConfig
-"""A model shape of either family: a text transformer's or an image Mixer's."""
+__all__ = ["PRESETS", "ModelConfig", "ModelShape", "Transformer", "build_model", "get_preset", "parameters_text",
+           "preset", "shape_from_dict", "shape_to_dict"]
 
 
-def preset(name: str) -> AnyConfig:
-    """The preset called `name`, of either family; ValueError listing every valid name otherwise."""
-    if name in MIXER_PRESETS:
-        return MIXER_PRESETS[name]
-    if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join([*PRESETS, *MIXER_PRESETS])} "
-                         "or hf:<dir or config.json>")
-    return PRESETS[name]
+def preset(name: str) -> ModelShape:
+    """The preset called `name`, of any registered family; ValueError listing every valid name otherwise."""
+    for family in families():
+        if name in family.presets:
+            return family.presets[name]
+    names = [p for family in families() for p in family.presets]
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(names)} or hf:<dir or config.json>")
 
 
-def build_model(cfg: AnyConfig) -> nn.Module:
-    """The module of a shape: a Transformer, or a Mixer for an image shape."""
-    if isinstance(cfg, MixerConfig):
-        from shoal.models.mixer import Mixer
+def build_model(cfg: ModelShape) -> nn.Module:
+    """The module of a shape: its family's module class (a Transformer for a ModelConfig)."""
+    module: nn.Module = require_family(cfg).model()(cfg)
+    return module
 
-        return Mixer(cfg)
-    from shoal.models.transformer import Transformer
 
-    return Transformer(cfg)
+def shape_to_dict(cfg: ModelShape) -> dict[str, Any]:
+    """The stored form of a shape (a run folder's [model_config]): its fields, and the `family` key of a family
+    other than the transformer's (what `shape_from_dict` reads back)."""
+    table = dataclasses.asdict(cfg)
+    return table if isinstance(cfg, ModelConfig) else {"family": require_family(cfg).name, **table}
+
+
+def shape_from_dict(table: dict[str, Any]) -> ModelShape:
+    """The shape `shape_to_dict` stored (values as TOML holds them); a one-line ValueError for a bad field."""
+    fields = {k: str(v) for k, v in table.items() if k != "family"}
+    if "family" not in table:
+        return ModelConfig().with_overrides(fields)
+    shape: ModelShape = family_named(str(table["family"])).config().with_overrides(fields)
+    return shape
 
 
 def __getattr__(name: str) -> Any:
@@ -49,8 +57,4 @@ def __getattr__(name: str) -> Any:
         from shoal.models.transformer import Transformer
 
         return Transformer
-    if name == "Mixer":
-        from shoal.models.mixer import Mixer
-
-        return Mixer
     raise AttributeError(f"module 'shoal.models' has no attribute {name!r}")

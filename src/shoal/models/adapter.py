@@ -7,13 +7,15 @@ attention's core sits, which modules tensor parallelism shards and how), it asks
 model; it attaches nothing to the model and imports neither torch.distributed nor (at import)
 torch, so shoal.rules can ask it which axes a family takes.
 
-Two families today:
+The family defined here:
 - `TRANSFORMER`, shoal's Transformer, and with it every Hugging Face family shoal computes (Llama,
   Mistral, Qwen2/3, Mixtral, Qwen2-MoE, GPT-2): those are the same module tree under different
   config flags, so they share one adapter. Their weight names and layouts to and from Hugging
   Face (one layout per family, chosen by the config: `hf_family(cfg)`) are the adapter's
   `weight_map()`, which export, `--init` and `shoal.from_hf` ask; the parallel layer never does.
-- `MIXER`, the image Mixer and Sparse-MLP: data axes and ep only; no Hugging Face layout.
+A `Family` joins an adapter to its shape's class, its module's class, its presets and its training task;
+`family_of_config(shape)` and `adapter_for(module)` find it. An experiment's family (shoal.experiments)
+brings its own and registers it (`register_family`) when it is imported.
 
 A user's own module has no adapter: it trains under the data axes (dp, fsdp), its blocks found
 by shape (shoal.parallel.data.blocks_of), and an axis that needs an adapter says so in one line.
@@ -21,10 +23,13 @@ by shape (shoal.parallel.data.blocks_of), and an axis that needs an adapter says
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from shoal.models.config import PRESETS, ModelConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -172,37 +177,105 @@ TRANSFORMER = ModelAdapter(
 A pipeline stage boundary carries the residual stream, hidden states (B, T, D): the model takes
 them in place of token ids when it holds no embeddings, and returns them when it holds no head."""
 
-MIXER = ModelAdapter(
-    family="image Mixer (Sparse-MLP)",
-    axes=frozenset({"ep"}),
-    blocks="layers",
-    embeddings=("patch_embed",),
-    head=("norm", "output"),
-    classifier="output",
-    moe_slots=("token_mixing.mlp", "channel_mixing"),
-)
-"""The image Mixer and Sparse-MLP (shoal/models/mixer.py): no tensor-parallel plan for its blocks,
-no pipeline stages (the head pools over all patches), and its patches are not a causal sequence
-to split over cp; its MoE_S and MoE_C layers take ep."""
+# ----------------------------------------------------------------------------- the families
+class ModelShape(Protocol):
+    """What the core reads of any family's shape: a frozen keyword-only dataclass whose fields `--set key=value`
+    overrides, with its count of blocks and of parameters."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def num_params(self, *, active: bool = False) -> int: ...
+
+    def with_overrides(self, pairs: list[str] | dict[str, str]) -> Any: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """A model family shoal trains: its adapter, its shape's class, its module's class, its presets, and what
+    its training and its plans need beyond the text transformer's. Found by its shape (`family_of_config`) or
+    its module (`adapter_for`); an experiment registers its own (`register_family`) when it is imported."""
+
+    name: str
+    """The `family` key of a stored shape (a run folder's config.toml); the transformer's shape is stored
+    without one."""
+    adapter: ModelAdapter
+    config: type
+    """The class of its shapes (a ModelShape)."""
+    model: Callable[[], type]
+    """Its module's class, imported on first use (it needs torch; the registry does not)."""
+    presets: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """`--model NAME` -> a shape of this family."""
+    task: Callable[[], Any] | None = None
+    """Its training task (a shoal.train.task.Task), imported on first use; None: the text language model's."""
+    plan_rule: Callable[[Any, Any], str | None] | None = None
+    """(plan, shoal.rules.Facts) -> why the family cannot run a plan beyond the axes it takes, or None."""
+
+
+def _transformer() -> type:
+    from shoal.models.transformer import Transformer
+
+    return Transformer
+
+
+_FAMILIES: list[Family] = [Family(name="transformer", adapter=TRANSFORMER, config=ModelConfig, model=_transformer,
+                                  presets=PRESETS)]
+"""Every registered family, the transformer first (messages list them in this order)."""
+
+
+def register_family(family: Family) -> None:
+    """Make `family` known to the command line, the trainer, the rules and the parallel layer (idempotent)."""
+    known = {f.name: f for f in _FAMILIES}
+    if family.name in known:
+        assert known[family.name] == family, f"two families named {family.name!r}"
+        return
+    clash = set(family.presets) & {name for f in _FAMILIES for name in f.presets}
+    assert not clash, f"{family.name}: presets {sorted(clash)} are another family's"
+    _FAMILIES.append(family)
+
+
+def families() -> tuple[Family, ...]:
+    """The registered families, the transformer first."""
+    return tuple(_FAMILIES)
+
+
+def family_of_config(config: Any) -> Family | None:
+    """The family whose shapes are of `config`'s class; None for an object of no registered family."""
+    return next((f for f in _FAMILIES if type(config) is f.config), None)
+
+
+def require_family(config: Any) -> Family:
+    """The family whose shapes are of `config`'s class; a one-line ValueError for an object of no family."""
+    family = family_of_config(config)
+    if family is None:
+        raise ValueError(f"{type(config).__name__} is no registered model family's shape; valid: "
+                         f"{', '.join(f.config.__name__ for f in _FAMILIES)}")
+    return family
+
+
+def family_named(name: str) -> Family:
+    """The family a stored shape names; a one-line ValueError naming the known ones otherwise."""
+    for family in _FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"model_config family {name!r} is not known here; valid: "
+                     f"{', '.join(f.name for f in _FAMILIES)} (an experiment registers its family when "
+                     "shoal.experiments is imported)")
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter | None:
     """The adapter of `model`'s family, by its class; None for a module of no known family."""
-    from shoal.models.mixer import Mixer
-    from shoal.models.transformer import Transformer
-
-    if isinstance(model, Transformer):
-        return TRANSFORMER
-    if isinstance(model, Mixer):
-        return MIXER
+    for family in _FAMILIES:
+        if isinstance(model, family.model()):
+            return family.adapter
     return None
 
 
 def adapter_of_config(config: Any) -> ModelAdapter:
-    """The adapter of the family a model config builds (shoal.models ModelConfig or MixerConfig)."""
-    from shoal.models.mixer_config import MixerConfig
-
-    return MIXER if isinstance(config, MixerConfig) else TRANSFORMER
+    """The adapter of the family a model config builds; a one-line ValueError for a config of no family."""
+    return require_family(config).adapter
 
 
 def adapter_with(model: nn.Module, axis: str) -> ModelAdapter:
@@ -211,8 +284,9 @@ def adapter_with(model: nn.Module, axis: str) -> ModelAdapter:
     if adapter is None:
         hf = " (a transformers model: load its folder with shoal.from_hf)" if hasattr(model, "config") and \
             hasattr(model, "generate") else ""
+        known = " or ".join(family.model().__name__ for family in _FAMILIES)
         raise ValueError(f"{axis} needs a model adapter (shoal.models.adapter) and {type(model).__name__} has none; "
-                         f"valid: shoal's Transformer or Mixer{hf}, or the data axes dp and fsdp")
+                         f"valid: shoal's {known}{hf}, or the data axes dp and fsdp")
     if not adapter.takes(axis):
         raise ValueError(f"{axis} is not available for the {adapter.family}; it takes "
                          f"{', '.join(sorted(adapter.axes)) or 'no axis'} besides dp and fsdp")

@@ -237,21 +237,23 @@ class ModelConfig:
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
-def unknown_field(key: str, fields: list[str], where: str) -> str:
-    """The refusal of a model field no config has: the closest names where a typo is likely, else all of them."""
+def unknown_field(key: str, fields: list[str], where: str, *, common: tuple[str, ...] | None = None,
+                  home: str = "shoal/models/") -> str:
+    """The refusal of a model field no config has: the closest names where a typo is likely, else the `common`
+    ones (a transformer's by default) of the config defined in `home`."""
     import difflib
 
     close = difflib.get_close_matches(key, fields, n=3)
     if close:
         return f"unknown model field {key!r} in {where}; valid: {', '.join(close)}, or another field"
-    common = [f for f in _COMMON_FIELDS if f in fields] or sorted(fields)[:10]  # the whole list is ~1,000 characters
-    return (f"unknown model field {key!r} in {where}; valid: {', '.join(common)}, or another of the {len(fields)} "
-            "fields of the model's config (shoal/models/)")
+    named = [f for f in common or _COMMON_FIELDS if f in fields] or sorted(fields)[:10]  # all: ~1,000 characters
+    return (f"unknown model field {key!r} in {where}; valid: {', '.join(named)}, or another of the {len(fields)} "
+            f"fields of the model's config ({home})")
 
 
 _COMMON_FIELDS = ("num_layers", "dim", "num_heads", "num_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "norm",
-                  "activation", "pos_emb", "num_experts", "top_k", "patch_size", "image_size", "num_classes")
-"""The fields an unknown one's refusal names first (a transformer's or an image Mixer's shape)."""
+                  "activation", "pos_emb", "num_experts", "top_k")
+"""The fields of a transformer's shape an unknown one's refusal names first."""
 
 
 def _split_pair(pair: str) -> tuple[str, str]:

@@ -375,7 +375,7 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of `model`, in order: those its family's adapter names (shoal's
-    Transformer and Mixer: `layers`), or for a model of no known family the children of its
+    Transformer: `layers`), or for a model of no known family the children of its
     largest ModuleList/ModuleDict (Hugging Face's `model.layers` or `transformer.h`)."""
     adapter = adapter_for(model)
     if adapter is not None:

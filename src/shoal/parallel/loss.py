@@ -67,7 +67,7 @@ def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.T
 def cross_entropy_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, consume: bool = False) -> torch.Tensor:
     """The sum of the next-token cross-entropies of the targets that are not IGNORE: the runtime
     divides it by the global batch's count of such targets (Runtime.forward_backward). A
-    classifier's logits (B, V) with targets (B,) (an image Mixer) take one target per row.
+    classifier's logits (B, V) with targets (B,) (an image classifier) take one target per row.
 
     consume: the caller will not read the logits again, so the backward may write the gradient
     into them (one (N, V) tensor at the peak instead of two); vocab-sharded logits ignore it."""

@@ -25,12 +25,13 @@ from shoal import rules
 from shoal.apply_plan import parallelize
 from shoal.loss import IGNORE
 from shoal.mesh import build_mesh
-from shoal.models import MixerConfig, ModelConfig, build_model
+from shoal.models import ModelConfig, ModelShape, build_model
 from shoal.moe.collect import MoECollector
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.testing.asserts import FLOOR_ULPS, MOVED, SLACK, U32, assert_rounding_close, full_tensors
 from shoal.train.step import split_micro, train_step
+from shoal.train.task import task_for
 
 SMALL = ModelConfig(num_layers=2, dim=64, num_heads=8, num_kv_heads=4, ffn_dim=128, vocab_size=128, max_seq_len=64)
 
@@ -67,8 +68,9 @@ class ParityCase:
     """One configuration to train in parallel and in a single process from the same start."""
 
     plan: str = "dp2"
-    model: ModelConfig | MixerConfig = SMALL
-    """A transformer's shape (random token sequences), or an image Mixer's (random images and labels)."""
+    model: ModelShape = SMALL
+    """A model family's shape (shoal.models.adapter.Family): a transformer's (random token sequences), or another
+    family's (the random samples of its task: shoal.train.task.Task.random_batches)."""
     steps: int = 4
     global_batch: int = 8
     seq_len: int = 16
@@ -82,16 +84,11 @@ class ParityCase:
     """Free-form knobs for cases that later parallelisms add."""
 
     def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The global batches of every step: seeded random tokens (images and labels for a Mixer),
-        the same in every process."""
+        """The global batches of every step: seeded random samples of the model's task (token sequences for a
+        transformer), the same in every process."""
         gen = torch.Generator().manual_seed(self.seed + 1)
-        if isinstance(self.model, MixerConfig):
-            m = self.model
-            images = torch.rand((self.steps, self.global_batch, m.channels, m.image_size, m.image_size), generator=gen)
-            labels = torch.randint(0, m.num_classes, (self.steps, self.global_batch), generator=gen)
-            return list(zip(images, labels))
-        seq = torch.randint(0, self.model.vocab_size, (self.steps, self.global_batch, self.seq_len + 1), generator=gen)
-        return [(s[:, :-1], s[:, 1:]) for s in seq]
+        return task_for(self.model).random_batches(self.model, steps=self.steps, global_batch=self.global_batch,
+                                                   seq_len=self.seq_len, generator=gen)
 
     def build_model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -111,7 +108,7 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
     torch.set_num_threads(1)
     model = case.build_model(dtype)
     optimizer = case.optimizer_for(model)
-    # images (a Mixer case) in the run's dtype; token ids stay integers
+    # float inputs (images) in the run's dtype; token ids stay integers
     batches = [(x.to(dtype) if x.is_floating_point() else x, y) for x, y in case.batches()]
     result: dict[str, Any] = {"losses": [], "init_params": full_tensors(model)}
     moe = MoECollector(model)  # an MoE model's auxiliary losses join the training loss

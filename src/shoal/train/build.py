@@ -1,28 +1,27 @@
 """One rank's set-up for training: the plan resolved and checked, the model built and
-parallelized, the token data, and where a resumed or restarted run
-continues from. `shoal.train.loop.Trainer` is made of these pieces."""
+parallelized, its pretrained weights, and where a resumed or restarted run continues from.
+`shoal.train.loop.Trainer` is made of these pieces and of its task's data (shoal.train.task)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shoal import rules
 from shoal.apply_plan import parallelize
-from shoal.data.text import Batches, open_data
 from shoal.infra import faults
 from shoal.infra.world import broadcast_from_rank0
 from shoal.mesh import build_mesh
-from shoal.models import AnyConfig, MixerConfig, ModelConfig, build_model
+from shoal.models import ModelConfig, ModelShape, build_model
 from shoal.models.safetensors_io import Pretrained, open_pretrained
 from shoal.optim.builder import WarmupCosine
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint
 from shoal.train.config import RunConfig, parse_plan
+from shoal.train.task import task_for
 
 
 def restart_count() -> int:
@@ -37,7 +36,7 @@ def set_matmul_precision(device: torch.device, *, tf32: bool) -> None:
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
 
 
-def resolve_plan(cfg: RunConfig, model: AnyConfig, world: int, device: torch.device) -> tuple[Plan, list[str]]:
+def resolve_plan(cfg: RunConfig, model: ModelShape, world: int, device: torch.device) -> tuple[Plan, list[str]]:
     """The config's plan for this world size and device, checked against the model and the batch
     (shoal.rules), and the notes on the options it chose where the plan left them out."""
     return rules.resolve_noting(parse_plan(cfg.plan), rules.Facts(
@@ -45,7 +44,7 @@ def resolve_plan(cfg: RunConfig, model: AnyConfig, world: int, device: torch.dev
         seq_len=cfg.loop.seq_len, micro_batch=cfg.loop.micro_batch))
 
 
-def build_runtime(model_cfg: AnyConfig, plan: Plan, device: torch.device, *, seed: int,
+def build_runtime(model_cfg: ModelShape, plan: Plan, device: torch.device, *, seed: int,
                   weights: Pretrained | None = None) -> Runtime:
     """The model parallelized by `plan`: built on the meta device (shapes only), each rank then
     allocating and initialising its own shards, the same full weights under every plan (the
@@ -61,47 +60,13 @@ def build_runtime(model_cfg: AnyConfig, plan: Plan, device: torch.device, *, see
             weights.close()
 
 
-def pretrained_weights(cfg: RunConfig, model_cfg: AnyConfig, checkpoint: Path | None) -> Pretrained | None:
+def pretrained_weights(cfg: RunConfig, model_cfg: ModelShape, checkpoint: Path | None) -> Pretrained | None:
     """The run's --init weights (headers checked), unless it continues from a checkpoint."""
     if cfg.init is None or checkpoint is not None:
         return None
     if not isinstance(model_cfg, ModelConfig):
-        raise ValueError("--init loads transformer weights; the image Mixer starts from the seed's weights")
+        raise ValueError(task_for(model_cfg).message("init"))
     return open_pretrained(cfg.init, model_cfg, ignore=cfg.init_ignore)
-
-
-@dataclass(frozen=True)
-class TokenData:
-    """The run's tokens (or images, for an image model), split into training and held-out batches
-    (each batch a pure function of (seed, step))."""
-
-    train: Batches
-    held_out: Batches
-    num_train: int
-    """Training tokens (images)."""
-    num_held_out: int
-    """Held-out tokens (images)."""
-    held_out_sources: dict[str, Batches] | None = None
-    """A mixture's held-out batches per source (each drawn from that source alone), by short name."""
-
-
-def load_data(cfg: RunConfig) -> TokenData:
-    """Prepared datasets and mixtures through memory maps, other inputs whole (train.data.open_data)."""
-    data = open_data(cfg.data, seq_len=cfg.loop.seq_len, seed=cfg.loop.seed, held_out=cfg.loop.eval_every > 0)
-    return TokenData(data.train, data.held_out, data.num_train, data.num_held_out, data.held_out_sources)
-
-
-def load_image_data(cfg: RunConfig, model: MixerConfig) -> TokenData:
-    """The image set `--data` names (the built-in digits by default), checked against the model,
-    split into training and held-out images (shoal.train.images)."""
-    from shoal.train.images import HeldOutImages, ImageBatches, check_shape, load_image_set, split_images
-
-    images, labels = load_image_set(cfg.data.path)
-    check_shape(images, labels, channels=model.channels, image_size=model.image_size,
-                num_classes=model.num_classes, data=cfg.data.path or "digits")
-    (train_x, train_y), (val_x, val_y) = split_images(images, labels, cfg.data.val_fraction)
-    return TokenData(ImageBatches(train_x, train_y, seed=cfg.loop.seed), HeldOutImages(val_x, val_y),
-                     len(train_y), len(val_y))
 
 
 def checkpoint_to_continue(run_dir: Path, *, restart: int, resume: bool, resume_from: str | None,

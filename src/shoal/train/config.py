@@ -21,8 +21,7 @@ from typing import Any
 import tomllib
 
 from shoal.data.text import DataConfig
-from shoal.models import AnyConfig, MixerConfig, ModelConfig, preset
-from shoal.models.mixer_config import FAMILY as MIXER
+from shoal.models import ModelShape, preset, shape_from_dict, shape_to_dict
 from shoal.optim.builder import OptimConfig
 from shoal.plan import Plan
 
@@ -73,9 +72,9 @@ class RunConfig:
     """A preset name or hf:<dir or config.json>."""
     set: tuple[str, ...] = ()
     """Model field overrides, key=value."""
-    model_config: AnyConfig | None = None
-    """The resolved model shape (a transformer's, or an image Mixer's); when given it wins over
-    `model` and `set` (run folders store it)."""
+    model_config: ModelShape | None = None
+    """The resolved model shape (a transformer's, or another family's: shoal.models.adapter.Family); when
+    given it wins over `model` and `set` (run folders store it)."""
     plan: str | None = None
     """A plan string (see DESIGN.md); None: data parallel over every process."""
     nproc: int | None = None
@@ -183,8 +182,7 @@ def to_flat(cfg: RunConfig) -> dict[str, Any]:
             out[key] = list(value) if isinstance(value, tuple) else value
     model = cfg.model_config
     if model is not None:
-        table = model.to_dict() if isinstance(model, MixerConfig) else dataclasses.asdict(model)
-        out["model_config"] = {k: v for k, v in table.items() if v is not None}
+        out["model_config"] = {k: v for k, v in shape_to_dict(model).items() if v is not None}
     return out
 
 
@@ -211,14 +209,14 @@ def dump_toml(values: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def resolve_model(cfg: RunConfig) -> AnyConfig:
+def resolve_model(cfg: RunConfig) -> ModelShape:
     """The model shape a run trains: the stored shape, or the preset / hf: config with --set."""
     if cfg.model_config is not None:
         return cfg.model_config
     if cfg.model.startswith("hf:"):
         from shoal.models.hf.families import config_from_hf
 
-        base: AnyConfig = config_from_hf(cfg.model.removeprefix("hf:"))
+        base: ModelShape = config_from_hf(cfg.model.removeprefix("hf:"))
     else:
         base = preset(cfg.model)
     return base.with_overrides(list(cfg.set))
@@ -249,13 +247,10 @@ def _at_least(name: str, value: int, low: int) -> None:
         raise ValueError(f"--{name.replace('_', '-')} {value} is not valid; it must be >= {low}")
 
 
-def _model_config(value: Any) -> AnyConfig:
+def _model_config(value: Any) -> ModelShape:
     if not isinstance(value, dict):
         raise ValueError(f"model_config must be a table of model fields, got {value!r}")
-    fields = {k: str(v) for k, v in value.items()}
-    if value.get("family") == MIXER:
-        return MixerConfig().with_overrides(fields)
-    return ModelConfig().with_overrides(fields)
+    return shape_from_dict(value)
 
 
 def _field_type(cls: type, name: str) -> str:

@@ -92,9 +92,9 @@ _COLUMNS = ("parameters_mb", "gradients_mb", "optimizer_mb", "baseline_mb", "set
 
 def memory_prediction(trainer: Any, *, compiled: bool | None = None) -> dict[str, float] | None:
     """The planner's memory terms per device for this run (MB), as the memory check priced them
-    (the interpreter and libraries not included); None where the planner has no spec for the GPU,
-    and for an image Mixer, which the planner does not price. `compiled`: price the blocks compiled or
-    not, whatever the plan says (None: as it says)."""
+    (the interpreter and libraries not included); None where the planner has no spec for the GPU, and
+    for a model of another family than the text transformer's, which the planner does not price.
+    `compiled`: price the blocks compiled or not, whatever the plan says (None: as it says)."""
     from shoal.calibration.auto_plan import memory_cluster
     from shoal.models import ModelConfig
     from shoal.planner.estimate import Workload, estimate

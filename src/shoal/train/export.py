@@ -201,8 +201,9 @@ def _checkpoint_model_config(checkpoint: Path) -> ModelConfig:
                          "by `shoal train`?); give the model shape as export_checkpoint(..., config=ModelConfig)")
     model = resolve_model(from_flat(state["config"]))
     if not isinstance(model, ModelConfig):
-        raise ValueError(f"checkpoint {checkpoint} holds an image Mixer; --hf writes transformers' language models "
-                         "only; valid: the plain export (one safetensors file)")
+        from shoal.train.task import task_for
+
+        raise ValueError(task_for(model).message("export_hf", checkpoint=checkpoint))
     return model
 
 

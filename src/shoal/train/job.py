@@ -1,5 +1,5 @@
 """A training run as the launcher hands it to each worker (`Job`), and its run folder's name and
-config file: what `shoal train`, `--resume` and `shoal sample` share."""
+config file: what `shoal train`, `--resume` and `shoal sample` share, and whether a new run may take a folder."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from shoal.models import AnyConfig
+from shoal.models import ModelShape
+from shoal.train.checkpoint import latest_checkpoint
 from shoal.train.config import RunConfig, dump_toml, from_flat, load_toml, to_flat
-from shoal.train.kd import DistillConfig
+from shoal.train.task import Task
 
 CONFIG_FILE = "config.toml"
 
@@ -33,11 +34,13 @@ class Job:
     prediction: dict[str, Any] | None = None
     """The planner's prediction for the plan `--plan auto` chose; summary.json keeps it beside the
     measurement."""
-    distill: DistillConfig | None = None
-    """`shoal distill`: the teacher and the distillation loss (shoal.train.distill); None: train."""
+    task: Task | None = None
+    """The run's task (shoal.train.task), when it is not its model's own (a distillation, which changes the
+    loss); pickled by reference to its class, so a worker imports the module that defines it. None: the
+    model's task (`task_for`)."""
 
 
-def with_model(cfg: RunConfig, model: AnyConfig) -> RunConfig:
+def with_model(cfg: RunConfig, model: ModelShape) -> RunConfig:
     """`cfg` with its model shape resolved (what a `Job` needs)."""
     return dataclasses.replace(cfg, model_config=model)
 
@@ -63,3 +66,12 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
     if not path.is_file():
         raise ValueError(f"{str(run_dir)!r} is not a shoal run folder: it has no {CONFIG_FILE}")
     return from_flat(load_toml(path))
+
+
+def check_fresh_out(folder: Path) -> None:
+    """A new run's folder holds no trained run (a one-line ValueError naming --resume otherwise)."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {str(folder)!r} is a file, not a folder")
+    if folder.is_dir() and latest_checkpoint(folder) is not None:
+        raise ValueError(f"--out {str(folder)!r} already holds a trained run; continue it with --resume "
+                         f"{folder} or choose another --out")

@@ -25,7 +25,6 @@ from shoal.infra import faults, host_memory
 from shoal.infra.watchdog import Watchdog
 from shoal.infra.world import broadcast_from_rank0
 from shoal.loss import LossFn
-from shoal.models import MixerConfig
 from shoal.moe.collect import records as moe_records
 from shoal.optim.builder import build_optimizer, build_scheduler
 from shoal.optim.large_batch import gather_trust, trust_summary
@@ -34,8 +33,6 @@ from shoal.train import memory
 from shoal.train.build import (
     build_runtime,
     checkpoint_to_continue,
-    load_data,
-    load_image_data,
     pretrained_weights,
     resolve_plan,
     restart_count,
@@ -49,6 +46,7 @@ from shoal.train.job import Job, default_run_dir, write_run_config
 from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
 from shoal.train.preempt import StopSignals
 from shoal.train.step import StepResult, split_micro, train_step
+from shoal.train.task import Task, task_for
 
 Window = list[tuple[float, StepResult, float]]
 """Steps run since the numbers were last read from the device: (learning rate, result, seconds
@@ -56,19 +54,14 @@ spent getting the step's batch) each."""
 
 
 class Trainer:
-    """One rank's model, optimizer, data and run folder."""
-
-    loss_fn: LossFn | None = None
-    """The loss of a micro-batch (Runtime.forward_backward); None: next-token cross-entropy.
-    A subclass that sets one prepares its targets in `step_targets` (shoal.train.distill)."""
-
-    command = "train"
-    """The `shoal` command that continues a stopped run of this trainer."""
+    """One rank's model, optimizer, data and run folder, for the run's task (shoal.train.task)."""
 
     def __init__(self, job: Job, device: torch.device) -> None:
         cfg = job.config
         self.prediction = job.prediction
         assert cfg.model_config is not None, "the CLI resolves the model before launching"
+        self.task: Task = job.task if job.task is not None else task_for(cfg.model_config)
+        self.task.prepare()
         self.cfg, self.loop, self.model_cfg, self.device = cfg, cfg.loop, cfg.model_config, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.run_dir = Path(broadcast_from_rank0(job.run_dir or default_run_dir()))
@@ -89,16 +82,17 @@ class Trainer:
         self.optimizer = build_optimizer(self.runtime, cfg.optim, global_batch=batch)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.loop.steps, global_batch=batch)
 
-        self.images = isinstance(self.model_cfg, MixerConfig)
-        """Image classification (a Mixer): accuracy and images/s where text has held-out loss and tokens/s."""
-        data = load_image_data(cfg, self.model_cfg) if isinstance(self.model_cfg, MixerConfig) else load_data(cfg)
+        data = self.task.load_data(cfg, self.model_cfg)
         self.batches, self.held_out, self.held_out_sources = data.train, data.held_out, data.held_out_sources
         self.fetch_s = 0.0  # the last step's time getting its batch (host, before the device sees it)
-        self.num_train_tokens, self.num_held_out = data.num_train, data.num_held_out
+        self.num_train, self.num_held_out = data.num_train, data.num_held_out
+        self.loss_fn: LossFn | None = self.task.loss_fn()
+        """The loss of a micro-batch (Runtime.forward_backward); None: cross-entropy on the targets."""
 
         self.stopped_by: str | None = None
         if path is not None:
             self.start = restore(path, self.runtime, self.optimizer, self.scheduler)
+        self.task.attach(self)
 
     # ------------------------------------------------------------------ the run
     def run(self, signals: StopSignals | None = None) -> dict[str, Any] | None:
@@ -154,15 +148,12 @@ class Trainer:
             window = []
             if eval_due:
                 mark("evaluation", n)
-                if self.images:
-                    records[-1].update(self.evaluate_images())
-                else:
-                    records[-1]["eval_loss"] = self.evaluate(self.held_out)
+                records[-1].update(self.task.evaluate(self))
                 if self.held_out_sources:
                     records[-1]["eval_loss_by_source"] = {name: self.evaluate(batches)
                                                           for name, batches in self.held_out_sources.items()}
             if writer is not None and bar is not None:
-                _log(writer, bar, records, eval_due)
+                _log(writer, bar, records, eval_due, self.task)
             if ckpt_due:
                 mark("checkpoint write", n)
                 self._checkpoint(n, writer, bar)
@@ -202,10 +193,10 @@ class Trainer:
         bar.close()
         writer.plot()
         writer.close()
-        flops = (self.model_cfg.flops_per_image() if isinstance(self.model_cfg, MixerConfig)
-                 else self.model_cfg.flops_per_token(self.loop.seq_len))
+        flops = self.task.flops_per_sample(self.model_cfg, self.loop)
         summary = summarize(writer.records, flops_per_sample=flops, peak=peak, wall_s=seconds,
-                            warmup=self.loop.log_every, start=self.start, total=self.loop.steps)
+                            warmup=self.loop.log_every, start=self.start, total=self.loop.steps,
+                            rate_key=self.task.rate_key, final=self.task.eval_metrics)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
         if self.plan.precision == "fp16":
@@ -227,7 +218,7 @@ class Trainer:
         print(format_summary(summary) + f"\n  run folder {self.run_dir}", flush=True)
         if self.stopped_by:
             print(f"shoal: stopped by {self.stopped_by} after step {last}, with its checkpoint; "
-                  f"continue with: shoal {self.command} --resume {self.run_dir}", flush=True)
+                  f"continue with: shoal {self.task.command} --resume {self.run_dir}", flush=True)
         return summary
 
     def train_one(self, s: int) -> StepResult:
@@ -237,13 +228,9 @@ class Trainer:
         inputs, targets = self.batches.batch(s, self.loop.global_batch, self.part)
         self.fetch_s = time.perf_counter() - started
         inputs, targets = self._to_device(inputs), self._to_device(targets)
-        micro = split_micro(inputs, self.step_targets(inputs, targets), self.num_micro)
+        micro = split_micro(inputs, self.task.step_targets(self, inputs, targets), self.num_micro)
         return train_step(self.runtime, self.optimizer, micro, grad_clip=self.cfg.optim.grad_clip or None,
                           scheduler=self.scheduler, loss_fn=self.loss_fn)
-
-    def step_targets(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """What this rank's batch gives `loss_fn` as targets: the next tokens themselves here."""
-        return targets
 
     def _read(self, window: Window, *, first_step: int, seconds: float) -> list[dict[str, Any]]:
         """The metrics records of a window of steps, read from the device in one synchronisation;
@@ -253,8 +240,7 @@ class Trainer:
         mem = torch.tensor([memory.peak_mb()], device=self.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         step_time = seconds / len(window)
-        rate = ({"images_per_s": self.loop.global_batch / step_time} if self.images
-                else {"tokens_per_s": self.loop.global_batch * self.loop.seq_len / step_time})
+        rate = {self.task.rate_key: self.task.samples_per_step(self.loop) / step_time}
         records = [{"step": first_step + i, "loss": loss, "lr": lr, **rate, "step_time_s": step_time,
                     "data_time_s": fetch, "mem_peak_mb": float(mem.item()),
                     "grad_norm": norm, **({} if result.stepped else {"skipped": True})}  # fp16: overflowed
@@ -297,54 +283,18 @@ class Trainer:
         weighted, counted = total.tolist()
         return weighted / counted if counted > 0 else float("nan")
 
-    @torch.no_grad()
-    def evaluate_images(self) -> dict[str, float]:
-        """Held-out loss and accuracy over every held-out image (an image model)."""
-        from shoal.runtime import cross_entropy_sum
-        from shoal.train.images import HeldOutImages, correct_and_count
-
-        assert isinstance(self.held_out, HeldOutImages)
-        self.runtime.eval()
-        totals = torch.zeros(3, device=self.device)  # summed loss, right, counted
-        for i in range(self.held_out.num_batches(self.loop.global_batch)):
-            images, labels = (t.to(self.device) for t in self.held_out.batch(i, self.loop.global_batch, self.part))
-            logits = self.runtime(images)
-            totals += torch.stack([cross_entropy_sum(logits, labels), *correct_and_count(logits, labels)])
-        self.runtime.train()
-        loss, right, counted = self.runtime.global_mean(totals).tolist()  # a mean over ranks: the ratios hold
-        return {"eval_loss": loss / counted, "eval_accuracy": right / counted}
-
     # ------------------------------------------------------------------ the run folder
     def _open_run_folder(self) -> MetricsWriter:
         """Rank 0: create the folder, write the resolved config, say what will happen."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_run_config(self.run_dir, self.cfg)
         print(self._describe(), flush=True)
-        return MetricsWriter(self.run_dir, start_step=self.start)
+        return MetricsWriter(self.run_dir, start_step=self.start, sample=self.task.sample)
 
     def _describe(self) -> str:
-        m, loop = self.model_cfg, self.loop
-        n = m.num_params()
-        if isinstance(m, MixerConfig):
-            kind = f"Sparse-MLP, {m.num_moe_layers} sparse block(s) of {m.num_experts} experts" if m.num_experts \
-                else "dense Mixer"
-            head = [f"shoal: model {self.cfg.model}: {n / 1e6:.2f}M parameters ({kind}), {m.num_layers} blocks, "
-                    f"{m.num_patches} patches of {m.patch_size}x{m.patch_size}, dim {m.dim}, {m.num_classes} classes",
-                    f"data: image set {self.cfg.data.path or 'digits (scikit-learn, built in)'}: "
-                    f"{self.num_train_tokens:,} training images, {self.num_held_out:,} held out",
-                    f"batch: {loop.global_batch} images per step; {self.local_batch} per data rank in "
-                    f"{self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}"]
-        else:
-            data = self.cfg.data.path or "built-in corpus (Python's pydoc topics)"
-            head = [
-                f"shoal: model {self.cfg.model}: {n / 1e6:.2f}M parameters, {m.num_layers} layers, dim {m.dim}, "
-                f"{m.num_heads} heads, vocab {m.vocab_size}",
-                f"data: {data}, tokenizer {self.cfg.data.tokenizer}: {self.num_train_tokens:,} training tokens, "
-                f"{self.num_held_out:,} held out",
-                f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {self.local_batch} per data "
-                f"rank in {self.num_micro} micro-batch(es) of {self.local_batch // self.num_micro}"]
+        loop = self.loop
         lines = [
-            *head,
+            *self.task.describe(self),
             self.runtime.describe(),
             *([f"  host memory allocator: {host_memory.describe()}"] if self.device.type == "cpu" else []),
             *self._pooling_note(),
@@ -353,6 +303,7 @@ class Trainer:
             f"run folder: {self.run_dir}"
             + (f" (resuming at step {self.start} of {loop.steps})" if self.start else f" ({loop.steps} steps)")
             + (f"; restart {self.restart} after a failure" if self.restart else ""),
+            *self.task.notes(self),
         ]
         return "\n".join(lines)
 
@@ -398,21 +349,16 @@ def _precision_words(plan: Plan) -> str:
     return f"{plan.precision} compute, fp32 master weights, gradients reduced in {plan.reduce}"
 
 
-def _log(writer: MetricsWriter, bar: Any, records: list[dict[str, Any]], eval_due: bool) -> None:
+def _log(writer: MetricsWriter, bar: Any, records: list[dict[str, Any]], eval_due: bool, task: Task) -> None:
     """Rank 0: the records into metrics.jsonl, the latest on the progress bar."""
     for record in records:
         writer.log(record)
     last = records[-1]
-    if "images_per_s" in last:
-        bar.set_postfix(loss=f"{last['loss']:.3f}", img_s=f"{last['images_per_s']:,.0f}", refresh=False)
-    else:
-        bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:,.0f}", refresh=False)
+    bar.set_postfix(loss=f"{last['loss']:.3f}", **{task.rate_label: f"{last[task.rate_key]:,.0f}"}, refresh=False)
     bar.update(len(records))
     skipped = [r["step"] for r in records if r.get("skipped")]
     if skipped:
         bar.write(f"step{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))}: skipped, the fp16 gradients "
                   "overflowed (the loss scale halves at each; a few in the first steps are usual)")
-    if eval_due and "eval_accuracy" in last:
-        bar.write(f"step {last['step']}: held-out accuracy {last['eval_accuracy']:.2%} (loss {last['eval_loss']:.4f})")
-    elif eval_due:
-        bar.write(f"step {last['step']}: held-out loss {last['eval_loss']:.4f}")
+    if eval_due:
+        bar.write(f"step {last['step']}: {task.eval_words(last)}")

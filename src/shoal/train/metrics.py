@@ -2,9 +2,9 @@
 
 metrics.jsonl holds one JSON object per optimizer step: step, loss, lr, tokens_per_s,
 step_time_s, data_time_s (the host's time getting the step's batch), mem_peak_mb, grad_norm, and
-eval_loss on evaluation steps (with eval_loss_by_source, {source: loss}, for a mixture). An image
-classifier (the Mixer presets) records images_per_s instead of tokens_per_s, and eval_accuracy
-beside eval_loss; its plot and summary show the held-out accuracy. A resumed run first
+eval_loss on evaluation steps (with eval_loss_by_source, {source: loss}, for a mixture). Another task
+(shoal.train.task) counts its own samples (images_per_s instead of tokens_per_s) and may record more
+beside eval_loss (eval_accuracy: the plot and the summary show it). A resumed run first
 drops the lines after its checkpoint (they belong to the lost tail of the earlier attempt), so
 the file always reads as one unbroken run.
 """
@@ -31,10 +31,10 @@ SUMMARY = "summary.json"
 class MetricsWriter:
     """Appends step records to the run folder's metrics.jsonl and TensorBoard events."""
 
-    def __init__(self, run_dir: Path, *, start_step: int) -> None:
+    def __init__(self, run_dir: Path, *, start_step: int, sample: str = "token") -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: rank 0 only
 
-        self.run_dir = run_dir
+        self.run_dir, self.sample = run_dir, sample
         self.path = run_dir / METRICS
         self.records = [r for r in read_metrics(self.path) if r["step"] <= start_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
@@ -56,7 +56,7 @@ class MetricsWriter:
         also moe_load.png, each expert's share of the kept tokens per step."""
         if any("moe_load" in r for r in self.records):
             plot_expert_load(self.records, self.run_dir / MOE_PLOT)
-        return plot_losses(self.records, self.run_dir / PLOT)
+        return plot_losses(self.records, self.run_dir / PLOT, sample=self.sample)
 
     def close(self) -> None:
         self._file.close()
@@ -70,7 +70,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_losses(records: list[dict[str, Any]], path: Path) -> Path:
+def plot_losses(records: list[dict[str, Any]], path: Path, *, sample: str = "token") -> Path:
+    """Training loss per step and held-out loss where measured (nats per `sample`), beside the held-out accuracy
+    where an evaluation measured one."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write files only
@@ -88,10 +90,10 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> Path:
                   if source in r.get("eval_loss_by_source", {})]
         ax.plot(*zip(*points), ".--", lw=0.8, label=f"held-out: {source}")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/image)" if accuracy else "cross-entropy (nats/token)")
+    ax.set_ylabel(f"cross-entropy (nats/{sample})")
     ax.grid(alpha=0.3)
     ax.legend()
-    if accuracy:  # an image classifier: the held-out accuracy beside the losses
+    if accuracy:  # a classifier: the held-out accuracy beside the losses
         acc = axes[0][1]
         acc.plot([r["step"] for r in accuracy], [100 * r["eval_accuracy"] for r in accuracy], "o-", color="C2")
         acc.set_xlabel("step")
@@ -144,10 +146,11 @@ def peak_flops(device: torch.device, world_size: int) -> tuple[float, str]:
 
 
 def summarize(records: list[dict[str, Any]], *, flops_per_sample: float, peak: tuple[float, str],
-              wall_s: float, warmup: int = 1, start: int = 0, total: int | None = None) -> dict[str, Any]:
-    """The end-of-run summary: final losses, median tokens/s, MFU estimate, peak memory; for an
-    image classifier median images/s and the final held-out accuracy. `flops_per_sample`: training
-    FLOPs per token (text) or per image.
+              wall_s: float, warmup: int = 1, start: int = 0, total: int | None = None,
+              rate_key: str = "tokens_per_s", final: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The end-of-run summary: final losses, the median of the throughput `rate_key` (tokens/s, images/s), MFU
+    estimate, peak memory, and the last value of each held-out metric in `final` (final_<name>, None if never
+    measured). `flops_per_sample`: training FLOPs per sample the throughput counts (token, image).
 
     `records` cover the whole run; this invocation ran the steps after `start` (a resumed run)
     and its throughput and memory are taken from those alone, leaving out the first `warmup`
@@ -156,10 +159,9 @@ def summarize(records: list[dict[str, Any]], *, flops_per_sample: float, peak: t
     ran = [r for r in records if r["step"] > start]
     if not ran:
         return {"steps": records[-1]["step"] if records else 0, "steps_run": 0, "wall_s": round(wall_s, 1)}
-    rate_key = "images_per_s" if "images_per_s" in ran[0] else "tokens_per_s"
     rate = statistics.median(r[rate_key] for r in ran[warmup:] or ran)
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    accuracy = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
+    finals = {name: [r[name] for r in records if name in r] for name in final}
     return {
         "steps": records[-1]["step"],
         "steps_run": len(ran),
@@ -169,7 +171,7 @@ def summarize(records: list[dict[str, Any]], *, flops_per_sample: float, peak: t
         "final_eval_loss": evals[-1] if evals else None,
         "first_loss": records[0]["loss"],
         rate_key: rate,
-        **({"final_eval_accuracy": accuracy[-1] if accuracy else None} if rate_key == "images_per_s" else {}),
+        **{f"final_{name}": values[-1] if values else None for name, values in finals.items()},
         "mfu": flops_per_sample * rate / peak[0],
         "peak_flops": peak[0],
         "peak_flops_source": peak[1],
@@ -182,6 +184,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     if not summary.get("steps_run"):
         return "no steps were run"
     resumed = summary["first_step_run"] > 1
+    rate = next(key for key in summary if key.endswith("_per_s"))  # the throughput: tokens_per_s, images_per_s
     lines = [
         f"done: {summary['steps_run']} steps in {summary['wall_s']:.0f} s"
         + (f" (steps {summary['first_step_run']}-{summary['steps']}; the run is at step {summary['steps']} of "
@@ -195,8 +198,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         + (f" (held-out {summary['final_eval_loss']:.3f})" if summary["final_eval_loss"] is not None else ""),
         *([f"  held-out accuracy {summary['final_eval_accuracy']:.2%}"]
           if summary.get("final_eval_accuracy") is not None else []),
-        f"  throughput {summary['images_per_s']:,.0f} images/s (median over steps)" if "images_per_s" in summary
-        else f"  throughput {summary['tokens_per_s']:,.0f} tokens/s (median over steps)",
+        f"  throughput {summary[rate]:,.0f} {rate.removesuffix('_per_s')}/s (median over steps)",
         f"  model FLOPs utilisation {100 * summary['mfu']:.1f}% of {summary['peak_flops'] / 1e9:,.1f} GFLOP/s "
         f"({summary['peak_flops_source']})",
         f"  peak memory {summary['mem_peak_mb']:,.0f} MiB per process (highest rank)",

@@ -18,6 +18,7 @@ from shoal.models import ModelConfig, Transformer
 from shoal.train.checkpoint import good_checkpoint, load_checkpoint
 from shoal.train.config import resolve_model
 from shoal.train.job import read_run_config
+from shoal.train.task import task_for
 
 
 def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -34,7 +35,7 @@ def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature
     path = good_checkpoint(run_dir)
     shape = resolve_model(cfg)
     if not isinstance(shape, ModelConfig):
-        raise ValueError(f"run {str(run_dir)!r} trained an image classifier; shoal sample generates text")
+        raise ValueError(task_for(shape).message("sample", run_dir=str(run_dir)))
     model = Transformer(shape)
     load_checkpoint(path, runtime=parallelize(model), optimizer=None)
     model.eval()

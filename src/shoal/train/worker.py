@@ -1,4 +1,5 @@
-"""The entry point of every worker process: join the process group, train, leave it.
+"""The workers of a run: `run_job(job)` starts them (or runs this torchrun rank), and `run_worker(job)`, the
+entry point of every worker process, joins the process group, trains, and leaves it.
 
 `run_worker(job)` runs in each worker, whether `shoal train --nproc N` started it through
 torch's elastic launcher or `torchrun` did. It always joins a process group (gloo on CPU, NCCL
@@ -16,13 +17,35 @@ import torch
 import torch.distributed as dist
 
 from shoal.infra import host_memory
+from shoal.infra.launch import default_nproc, launch, under_torchrun
 from shoal.infra.world import first_error, threads_per_rank
 from shoal.train import memory
 from shoal.train.build import restart_count
+from shoal.train.config import RunConfig
 from shoal.train.dry_run import dry_run
 from shoal.train.job import Job
 from shoal.train.loop import Trainer
 from shoal.train.preempt import StopSignals
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Run `job` on its workers and return rank 0's result: its summary, {"error": message} for a mistake the
+    workers found, "stopped" set after a signal stopped it with a checkpoint. Under torchrun this process is
+    one rank; otherwise it starts `world_size` local worker processes (shoal.infra.launch, which raises
+    WorkerFailed when one fails and Stopped when a second signal killed them)."""
+    if under_torchrun():
+        return run_worker(job) or {}
+    with host_memory.for_workers(job.device):
+        results = launch(run_worker, job, nproc=world_size(job.config, job.device),
+                         max_restarts=job.config.max_restarts)
+    return results.get(0) or {}
+
+
+def world_size(cfg: RunConfig, device: str) -> int:
+    """The run's number of processes: torchrun's world, --nproc, or one per GPU (2 on CPU)."""
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.nproc if cfg.nproc is not None else default_nproc(device)
 
 
 def run_worker(job: Job) -> dict[str, Any] | None:
@@ -53,12 +76,7 @@ def _train(job: Job, device: torch.device, signals: StopSignals, baseline_mb: fl
     trainer: Trainer | None = None
     error = None
     try:
-        if job.distill is not None:
-            from shoal.train.distill import DistillTrainer
-
-            trainer = DistillTrainer(job, device)
-        else:
-            trainer = Trainer(job, device)
+        trainer = Trainer(job, device)
     except ValueError as exc:  # a user's mistake found only here (a corrupt checkpoint, ...)
         error = str(exc)
     error = first_error(error)

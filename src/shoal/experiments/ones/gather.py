@@ -25,11 +25,10 @@ Sources: the paper's abstract and public summaries of it, which say that OneS pr
 knowledge gathering methods: summation, averaging, Top-K Knowledge Gathering (Top-KG) and SVD
 Knowledge Gathering (SVD-KG)", that "Top-KG and SVD-KG aim to select the most crucial knowledge
 from each expert", and that "the latter two methods extract the important parameters as far as
-possible". The paper's method section itself could not be read when this was written, so topk and
-svd follow that description: select within each expert, then merge as summation does. Both reduce
-to the paper's summation exactly when nothing is dropped (K = F D, r = min(F, D)). Bias vectors
-have no singular values and their selection is not described: topk and svd sum them (as `sum`
-does); top-experts averages the chosen experts' biases.
+possible". topk and svd follow that description: select within each expert, then merge as
+summation does. Both reduce to the paper's summation exactly when nothing is dropped (K = F D,
+r = min(F, D)). Bias vectors have no singular values and their selection is not described: topk
+and svd sum them (as `sum` does); top-experts averages the chosen experts' biases.
 
 Every method fills exactly an expert's shape: the student's ffn_dim must be the experts' (and
 its other shapes the teacher's), or `check_fits` refuses it. `none` gathers nothing: the student

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.experiments.mixer.config import MixerConfig
 from shoal.models.init import InitSpec
-from shoal.models.mixer_config import MixerConfig
 from shoal.moe.layer import MoELayer
 
 

@@ -1,6 +1,6 @@
 """The shape of an MLP-Mixer image classifier, dense or Sparse-MLP, as data: the fields `--set
 key=value` overrides, the `mixer` and `sparse-mlp` presets, and the parameter and FLOP counts.
-No torch: the CLI and shoal.rules read it before any worker starts.
+No torch: the command line and shoal.rules read it before any worker starts.
 
 Sparse-MLP (Lou et al. 2021, arXiv 2109.02008) turns a Mixer block's two MLPs into
 Mixture-of-Experts layers: the token-mixing MLP (which mixes along the patch dimension, one
@@ -14,12 +14,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 from shoal.models.config import ModelWarning, _convert, _split_pair, unknown_field
-
-FAMILY = "mixer"
-"""The `family` key that marks a stored Mixer shape (a run folder's config.toml)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,18 +158,16 @@ class MixerConfig:
         types = {f.name: f.type for f in dataclasses.fields(self)}
         values: dict[str, object] = {}
         for key, raw in items:
-            if key == "family":
-                continue
             if key not in types:
                 where = "[model_config]" if isinstance(pairs, dict) else "--set"
-                raise ValueError(unknown_field(key, list(types), f"{where} for a Mixer"))
+                raise ValueError(unknown_field(key, list(types), f"{where} for a Mixer", common=COMMON_FIELDS,
+                                               home="shoal/experiments/mixer/config.py"))
             values[key] = _convert(key, str(raw), str(types[key]))
         return self.replace(**values)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The stored form: every field, and `family` (what `from_dict` reads back)."""
-        return {"family": FAMILY, **dataclasses.asdict(self)}
 
+COMMON_FIELDS = ("num_layers", "dim", "num_experts", "top_k", "patch_size", "image_size", "num_classes")
+"""The fields an unknown one's refusal names first."""
 
 MIXER_PRESETS: dict[str, MixerConfig] = {
     # 8x8 digits in 2x2 patches: S = 16 patches of C = 64 channels, 4 blocks.

@@ -29,7 +29,7 @@ class DistillConfig:
     checkpoint: str
     """The teacher checkpoint folder the run distils from."""
     gather: str
-    """How the student started (shoal.moe.gather.GATHERS)."""
+    """How the student started (shoal.experiments.ones.gather.GATHERS)."""
     gather_k: int | None = None
     """topk: entries kept per expert matrix; svd: singular components kept per expert; top-experts:
     experts kept; None for the others."""
