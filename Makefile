@@ -2,8 +2,9 @@
 # and rebuilt when pyproject.toml changes.
 #
 #   make train   install, then train the default model (shoal train)
-#   make lint    install, then check the code: ruff (style, imports, likely bugs) and mypy (types);
-#                both read their settings from pyproject.toml
+#   make lint    install, then check the code: ruff (style, imports, likely bugs), mypy (types) and
+#                lint-imports (the layers: import-linter contracts), all reading pyproject.toml; and
+#                tools/check-comments (no dates in src/ comments: measurements live in docs/)
 #   make test    install, then run the test suite, less the sweeps marked slow
 #   make test-slow  the sweeps marked slow (many plans or CLI runs each; run before a release)
 #
@@ -37,6 +38,8 @@ train: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/python tools/check-comments
 
 test: $(STAMP)
 	$(RUN_ENV) $(VENV)/bin/python -m pytest -q -m "not slow" tests

@@ -11,7 +11,7 @@ import shoal
 
 def test_every_public_name_is_its_home_modules_object():
     from shoal import apply_plan, mesh, models, plan, rules, runtime
-    from shoal.models.hf import model as hf_model
+    from shoal.models import hf_folder as hf_model
     from shoal.train import step
 
     home = {"Plan": plan.Plan, "rules": rules, "build_mesh": mesh.build_mesh, "parallelize": apply_plan.parallelize,

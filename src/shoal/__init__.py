@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # what type checkers and the layer contracts see; at run time
     from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
     from shoal.models import ModelConfig, Transformer, preset
-    from shoal.models.hf.model import from_hf
+    from shoal.models.hf_folder import from_hf
     from shoal.plan import Plan
     from shoal.runtime import Runtime
     from shoal.train.step import train_step
@@ -36,7 +36,7 @@ _WHERE = {
     "Transformer": "shoal.models",
     "ModelConfig": "shoal.models",
     "preset": "shoal.models",
-    "from_hf": "shoal.models.hf.model",
+    "from_hf": "shoal.models.hf_folder",
 }
 
 __all__ = ["ModelConfig", "Plan", "Runtime", "Transformer", "build_mesh", "from_hf", "parallelize", "preset", "rules",

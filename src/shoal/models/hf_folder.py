@@ -21,7 +21,7 @@ from shoal.models.transformer import Transformer
 def from_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transformer:
     """shoal's Transformer for the Hugging Face model folder `path`, its weights loaded, for one
     process: forward(input_ids) returns the logits transformers' own model gives, and
-    `shoal.apply_plan` takes it like any model."""
+    `shoal.parallelize` takes it like any model."""
     cfg = config_from_hf(path)
     model = Transformer(cfg)
     model.load_state_dict(TRANSFORMER.weight_map().hf_to_shoal(load_hf_state(path), cfg))
