@@ -92,7 +92,7 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def optim_config(recipe: str, args: argparse.Namespace) -> Any:
-    from shoal.optim.builder import OptimConfig
+    from shoal.optim.config import OptimConfig
 
     common = dict(lr=args.lr, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8, grad_clip=0.0,
                   base_batch=args.base_batch, min_lr=args.lr / 10, warmup_steps=args.warmup_steps)
@@ -107,7 +107,8 @@ def train(recipe: str, batch: int, data: tuple[torch.Tensor, ...], args: argpars
     """One recipe at one global batch on this rank (every rank calls it); the test AUC and loss."""
     from shoal.apply_plan import parallelize
     from shoal.mesh import build_mesh
-    from shoal.optim.builder import build_optimizer, build_scheduler
+    from shoal.optim.builder import build_optimizer
+    from shoal.optim.schedule import build_scheduler
     from shoal.plan import Plan
     from shoal.train.step import train_step
 

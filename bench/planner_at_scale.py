@@ -44,7 +44,7 @@ def predict(run: PublishedRun, *, rails: bool = True, a100_square: bool = True, 
                                      unsharded_accumulation=run.unsharded_accumulation, fused_qkv=run.fused_qkv,
                                      pipe_scatter=run.pipe_scatter)
     # Priced as it ran, also where shoal's runtime would refuse the layout (tests/test_planner.py names it).
-    plan = rules.fill(Plan.parse(run.plan), rules.Facts(world_size=cluster.world_size, device="cuda",
+    plan = rules.fill(Plan.parse(run.plan), rules.RunFacts(world_size=cluster.world_size, device="cuda",
                                                         model=run.model, global_batch=run.global_batch,
                                                         seq_len=run.seq_len))
     micro = run.micro_batch_size if plan.pp == 1 else None

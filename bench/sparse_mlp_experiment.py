@@ -38,7 +38,9 @@ from shoal.experiments.mixer import MIXER_PRESETS, MixerConfig
 from shoal.experiments.mixer.images import HeldOutImages, ImageBatches, correct_and_count, load_digits, split_images
 from shoal.experiments.mixer.model import Mixer
 from shoal.moe.collect import records as moe_records
-from shoal.optim.builder import OptimConfig, build_optimizer, build_scheduler
+from shoal.optim.builder import build_optimizer
+from shoal.optim.config import OptimConfig
+from shoal.optim.schedule import build_scheduler
 from shoal.parallel.loss import cross_entropy_sum
 from shoal.runtime import Runtime
 from shoal.train.step import train_step

@@ -107,7 +107,8 @@ def test_a_gpu_step_does_not_synchronise():
     """On a GPU, torch itself checks: sync debug mode "error" raises at any synchronising call."""
     from shoal.apply_plan import parallelize
     from shoal.models import Transformer
-    from shoal.optim.builder import OptimConfig, build_optimizer
+    from shoal.optim.builder import build_optimizer
+    from shoal.optim.config import OptimConfig
 
     runtime = parallelize(Transformer(SMALL).cuda())
     optimizer = build_optimizer(runtime.parameters(), OptimConfig())

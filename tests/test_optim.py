@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from shoal.optim.builder import OptimConfig, Schedule, build_optimizer, build_scheduler
+from shoal.optim.builder import build_optimizer
+from shoal.optim.config import OptimConfig
+from shoal.optim.schedule import Schedule, build_scheduler
 
 
 def test_schedule_hand_computed():

@@ -17,8 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from shoal.optim.builder import OptimConfig, Schedule, build_optimizer, build_scheduler, scale_for_batch
-from shoal.optim.large_batch import LAMB, LARS, CowClip
+from shoal.optim.builder import build_optimizer
+from shoal.optim.config import OptimConfig
+from shoal.optim.cowclip import CowClip
+from shoal.optim.lamb_lars import LAMB, LARS
+from shoal.optim.schedule import Schedule, build_scheduler, scale_for_batch
 from shoal.testing.asserts import assert_rounding_close, assert_user_error, one_line_error
 from shoal.testing.parity import ParityCase, assert_trained_close, references, run_parallel
 
@@ -428,7 +431,7 @@ def _trust_after_steps(case):
     """The case trained through parallelize and train_step on this rank (one process when no
     process group is up: the reference), then every trust ratio of its last step, gathered."""
     from shoal.apply_plan import parallelize
-    from shoal.optim.large_batch import gather_trust
+    from shoal.optim.lamb_lars import gather_trust
     from shoal.testing.parity import parallel_setup
     from shoal.train.step import split_micro, train_step
 
@@ -457,7 +460,7 @@ def test_trust_ratios_gathered_over_every_plan(pools):
     equals the single-process run's, tensor by tensor: under dp2 and fsdp2 (one copy each, global
     norms), tp2, pp2 (each stage's own tensors) and ep2 (each rank's own experts). Tolerance: the
     float32 single-process run's own distance from float64 (assert_rounding_close)."""
-    from shoal.optim.large_batch import trust_summary
+    from shoal.optim.lamb_lars import trust_summary
 
     results = pools(2).run(_trust_cases, TRUST)
     for c in TRUST:
@@ -477,7 +480,7 @@ def test_trust_ratios_gathered_over_every_plan(pools):
 
 
 def test_trust_summary_hand_computed():
-    from shoal.optim.large_batch import trust_summary
+    from shoal.optim.lamb_lars import trust_summary
 
     assert trust_summary({}) == {}
     stats = trust_summary({("a", -1): 0.5, ("b", 0): 2.0, ("b", 1): 1.0, ("c", -1): 4.0})

@@ -503,7 +503,7 @@ def test_every_published_run_is_a_plan_shoal_accepts():
     assert len(not_run) == 5
     for run in PUBLISHED:
         cluster = parse_cluster(run.cluster)
-        facts = rules.Facts(world_size=cluster.world_size, device="cuda", model=run.model,
+        facts = rules.RunFacts(world_size=cluster.world_size, device="cuda", model=run.model,
                             global_batch=run.global_batch, seq_len=run.seq_len)
         plan = rules.fill(Plan.parse(run.plan), facts)
         reason = rules.refusal(plan, facts)

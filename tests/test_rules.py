@@ -22,12 +22,12 @@ MOE = get_preset("tiny-moe")  # 4 experts
 
 
 def facts(world: int, model=TINY, *, batch: int = 8, seq: int = 32, micro: int | None = None,
-          device: str = "cpu") -> rules.Facts:
-    return rules.Facts(world_size=world, device=device, model=model, global_batch=batch, seq_len=seq,
+          device: str = "cpu") -> rules.RunFacts:
+    return rules.RunFacts(world_size=world, device=device, model=model, global_batch=batch, seq_len=seq,
                        micro_batch=micro)
 
 
-def resolve(text: str, f: rules.Facts) -> tuple[Plan, list[str]]:
+def resolve(text: str, f: rules.RunFacts) -> tuple[Plan, list[str]]:
     return rules.resolve_noting(Plan.parse(text), f)
 
 

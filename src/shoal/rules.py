@@ -19,9 +19,8 @@ The data-parallel engines (shoal/parallel/data.py builds them; `choose_engine` p
 - none: one data rank in full precision; the model is left as the other axes made it.
 - autocast: one data rank, nothing else split, in bf16 or fp16: the fp32 parameters are the master
   weights and torch.autocast casts them for each product (shoal/parallel/precision.py). FSDP2 of
-  degree 1 would cast them too, but its hooks cost a step 1.5-1.8x autocast's host time
-  (bench/engine_overhead.py: 54 against 37 ms on an H200's host, 53 against 30 ms on a 2-core
-  CPU), and on an H200 the 85M shape trained faster in fp32 than in bf16 under it (docs/gpu_check/).
+  degree 1 would cast them too, at a higher host cost per step (bench/engine_overhead.py measures
+  both; docs/measurements.md holds the figures).
 - ddp: torch's DistributedDataParallel (replicated, full precision, no tensor parallel).
 - zero: shoal's ZeRO-1/2 engine (shoal/parallel/zero.py): fsdp > 1 at stage 1 or 2, on a model
   without tensor parallelism and without offload. Under pp it also runs replicated data
@@ -68,7 +67,7 @@ and eager on either device; --compile-on-cpu on a CPU)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Facts:
+class RunFacts:
     """What the rules are told about one run; None: not known to this caller, its rules not asked."""
 
     world_size: int
@@ -99,12 +98,12 @@ def resolve(plan: Plan, *, world_size: int, device: str = "cpu", model: ModelSha
             micro_batch: int | None = None) -> Plan:
     """The plan with dp and every option left out filled in, checked: ValueError (one line) naming
     the first reason it cannot run with what the caller knows."""
-    facts = Facts(world_size=world_size, device=device, model=model, num_layers=num_layers,
+    facts = RunFacts(world_size=world_size, device=device, model=model, num_layers=num_layers,
                   global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     return resolve_noting(plan, facts)[0]
 
 
-def resolve_noting(plan: Plan, facts: Facts) -> tuple[Plan, list[str]]:
+def resolve_noting(plan: Plan, facts: RunFacts) -> tuple[Plan, list[str]]:
     """`resolve`, and one line per option whose usual default was not valid here (which value it
     took instead, and why)."""
     resolved = _resolve_degrees(plan, facts)
@@ -115,7 +114,7 @@ def resolve_noting(plan: Plan, facts: Facts) -> tuple[Plan, list[str]]:
     return resolved, notes
 
 
-def fill(plan: Plan, facts: Facts) -> Plan:
+def fill(plan: Plan, facts: RunFacts) -> Plan:
     """dp and the options left out filled in, without asking whether shoal can run the plan: for
     pricing a layout another system ran (the planner's published runs), never for a run."""
     return _choose_defaults(_resolve_degrees(plan, facts), facts)[0]
@@ -124,17 +123,17 @@ def fill(plan: Plan, facts: Facts) -> Plan:
 def validate(plan: Plan, model: ModelShape, *, global_batch: int, seq_len: int) -> None:
     """Check a resolved plan against a model shape and batch; one-line ValueError if it cannot run."""
     assert plan.dp is not None, "resolve the plan first"
-    check(plan, Facts(world_size=plan.world_size, model=model, global_batch=global_batch, seq_len=seq_len))
+    check(plan, RunFacts(world_size=plan.world_size, model=model, global_batch=global_batch, seq_len=seq_len))
 
 
-def check(plan: Plan, facts: Facts) -> None:
+def check(plan: Plan, facts: RunFacts) -> None:
     """ValueError (one line) for the first reason a resolved plan cannot run."""
     reason = refusal(plan, facts)
     if reason is not None:
         raise ValueError(reason)
 
 
-def refusal(plan: Plan, facts: Facts) -> str | None:
+def refusal(plan: Plan, facts: RunFacts) -> str | None:
     """The first reason a resolved plan cannot run, or None (the planner's search asks this for
     every candidate it prices)."""
     assert plan.dp is not None and plan.zero is not None and plan.sp is not None and plan.vpp is not None, \
@@ -205,7 +204,7 @@ def choose_engine(plan: Plan, *, num_layers: int) -> EngineChoice:
 
 
 # ----------------------------------------------------------------------------- degrees and defaults
-def _resolve_degrees(plan: Plan, facts: Facts) -> Plan:
+def _resolve_degrees(plan: Plan, facts: RunFacts) -> Plan:
     """dp from the world size, the device's defaults for precision and compile."""
     world = facts.world_size
     if facts.device not in DEVICES:
@@ -229,7 +228,7 @@ def _resolve_degrees(plan: Plan, facts: Facts) -> Plan:
     return dataclasses.replace(plan, **unset) if unset else plan
 
 
-def _choose_defaults(plan: Plan, facts: Facts) -> tuple[Plan, list[str]]:
+def _choose_defaults(plan: Plan, facts: RunFacts) -> tuple[Plan, list[str]]:
     """Options left out (None) take their usual value where valid, else the nearest valid one
     (micro-batches: at least pp where possible, and of two equally near, the fewer)."""
     notes: list[str] = []
@@ -266,17 +265,17 @@ def _choose_defaults(plan: Plan, facts: Facts) -> tuple[Plan, list[str]]:
 
 
 # ----------------------------------------------------------------------------- the rules
-Rule = Callable[[Plan, Facts], "str | None"]
+Rule = Callable[[Plan, RunFacts], "str | None"]
 
 
-def _auto_rule(plan: Plan, facts: Facts) -> str | None:
+def _auto_rule(plan: Plan, facts: RunFacts) -> str | None:
     if plan.auto:
         return ("plan 'auto' is chosen before the model is parallelized: `shoal train --plan auto` does it, "
                 "or in Python shoal.calibration.auto_plan.choose(...); valid: the chosen plan, e.g. dp2 or fsdp2,tp2")
     return None
 
 
-def _expert_degree_rule(plan: Plan, facts: Facts) -> str | None:
+def _expert_degree_rule(plan: Plan, facts: RunFacts) -> str | None:
     data = plan.data_ranks * plan.cp
     if facts.world_size % plan.ep or data % plan.ep:
         return (f"ep={plan.ep} must divide the ranks that see different tokens (dp*fsdp*cp = {data}); "
@@ -284,7 +283,7 @@ def _expert_degree_rule(plan: Plan, facts: Facts) -> str | None:
     return None
 
 
-def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
+def _tensor_rule(plan: Plan, facts: RunFacts) -> str | None:
     model = facts.text_model
     if model is not None and plan.tp > 1:
         sizes = [("attention heads", model.num_heads), ("KV heads", model.kv_heads),
@@ -302,13 +301,13 @@ def _tensor_rule(plan: Plan, facts: Facts) -> str | None:
     return None
 
 
-def default_vocab(plan: Plan, facts: Facts) -> str:
+def default_vocab(plan: Plan, facts: RunFacts) -> str:
     """What a plan that leaves `vocab` out takes: sharded where `_sharded_vocab_pays`, else gathered (the
     planner's search asks it again for each ZeRO stage and micro-batch size it prices)."""
     return "sharded" if _sharded_vocab_pays(plan, facts) else "gathered"
 
 
-def _sharded_vocab_pays(plan: Plan, facts: Facts) -> bool:
+def _sharded_vocab_pays(plan: Plan, facts: RunFacts) -> bool:
     """The vocabulary tables sharded by rows (shoal/parallel/sharded_vocab.py) where that can run and a
     table (V x D) is at least a micro-batch's logits on one rank (T x V), i.e. D >= T: then a rank holds
     the tables' shards instead of three gathered tables for one more logits buffer, and moves fewer bytes
@@ -333,7 +332,7 @@ def _vocab_refusal(plan: Plan) -> str | None:
     return None
 
 
-def _vocab_rule(plan: Plan, facts: Facts) -> str | None:
+def _vocab_rule(plan: Plan, facts: RunFacts) -> str | None:
     if plan.vocab != "sharded":
         return None
     if facts.model is not None and facts.text_model is None:
@@ -341,14 +340,14 @@ def _vocab_rule(plan: Plan, facts: Facts) -> str | None:
     return _vocab_refusal(plan)
 
 
-def _reduce_rule(plan: Plan, facts: Facts) -> str | None:
+def _reduce_rule(plan: Plan, facts: RunFacts) -> str | None:
     if plan.reduce != "fp32" and plan.data_ranks == 1:
         return (f"plan option reduce={plan.reduce} sets the dtype gradients are reduced in over the data ranks, "
                 f"and plan {plan} has one; valid: more processes for dp or fsdp, or leave reduce out")
     return None
 
 
-def _context_rule(plan: Plan, facts: Facts) -> str | None:
+def _context_rule(plan: Plan, facts: RunFacts) -> str | None:
     if plan.cp == 1:
         return None
     seq, model = facts.seq_len, facts.text_model
@@ -377,7 +376,7 @@ def _context_rule(plan: Plan, facts: Facts) -> str | None:
     return None
 
 
-def _moe_rule(plan: Plan, facts: Facts) -> str | None:
+def _moe_rule(plan: Plan, facts: RunFacts) -> str | None:
     model = facts.text_model
     if model is None:
         return None
@@ -424,7 +423,7 @@ def _moe_rule(plan: Plan, facts: Facts) -> str | None:
     return None
 
 
-def _family_rule(plan: Plan, facts: Facts) -> str | None:
+def _family_rule(plan: Plan, facts: RunFacts) -> str | None:
     """A model family runs under the data axes (dp, fsdp at any zero stage) and the axes its adapter takes
     (shoal.models.adapter), within what its own rule allows (a family an experiment registers may bring one)."""
     family = family_of_config(facts.model) if facts.model is not None else None
@@ -445,7 +444,7 @@ def _listed(words: list[str], last: str) -> str:
     return f"{', '.join(words[:-1])} {last} {words[-1]}" if len(words) > 1 else words[0]
 
 
-def _batch_rule(plan: Plan, facts: Facts) -> str | None:
+def _batch_rule(plan: Plan, facts: RunFacts) -> str | None:
     batch = facts.global_batch
     if batch is None:
         return None
@@ -463,7 +462,7 @@ def _batch_rule(plan: Plan, facts: Facts) -> str | None:
     return None
 
 
-def _pipeline_rule(plan: Plan, facts: Facts) -> str | None:
+def _pipeline_rule(plan: Plan, facts: RunFacts) -> str | None:
     if plan.pp == 1:
         return None
     assert plan.vpp is not None, "the rules see plans whose options are chosen"
@@ -489,7 +488,7 @@ def _pipeline_rule(plan: Plan, facts: Facts) -> str | None:
     return _engine_refusal(plan, facts)
 
 
-def _engine_refusal(plan: Plan, facts: Facts) -> str | None:
+def _engine_refusal(plan: Plan, facts: RunFacts) -> str | None:
     """A pipeline schedule the plan's data engine cannot run (the module docstring says why)."""
     if plan.pp == 1:
         return None
@@ -532,7 +531,7 @@ def split_refusal(points: Sequence[int], *, num_layers: int, num_stages: int) ->
     return None
 
 
-def _doc_mask_rule(plan: Plan, facts: Facts) -> str | None:
+def _doc_mask_rule(plan: Plan, facts: RunFacts) -> str | None:
     """--doc-mask on (the model's doc_eos_id) runs where attention is SDPA over whole sequences
     and the model sees the token ids that end documents: dp, fsdp, tp, ep, recompute, compile."""
     model = facts.text_model

@@ -146,7 +146,7 @@ def _check_unpriced(args: argparse.Namespace, model: Any) -> int:
     else:
         cluster = resolve_cluster(args.cluster, args.nproc)[0]
         world, device = cluster.world_size, cluster.device_type
-    facts = rules.Facts(world_size=world, device=device, model=model, global_batch=args.global_batch,
+    facts = rules.RunFacts(world_size=world, device=device, model=model, global_batch=args.global_batch,
                         micro_batch=args.micro_batch)
     plan, _ = rules.resolve_noting(Plan.parse(args.plan), facts)
     print(f"plan {plan} runs model {args.model} on {world} process(es); {task.message('plan_note')}")
@@ -175,7 +175,7 @@ def price(text: str, work: Workload, cluster: Cluster, network: Network | None, 
           micro_batch: int | None = None) -> Estimate:
     """One plan's estimate, after the checks `shoal train` runs (shoal.rules: the same one-line
     refusal), with the defaults it chose said on stderr."""
-    facts = rules.Facts(world_size=cluster.world_size, device=cluster.device_type, model=work.model,
+    facts = rules.RunFacts(world_size=cluster.world_size, device=cluster.device_type, model=work.model,
                         global_batch=work.global_batch, seq_len=work.seq_len, micro_batch=micro_batch)
     plan, notes = rules.resolve_noting(Plan.parse(text), facts)
     for note in notes:

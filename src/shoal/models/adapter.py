@@ -211,7 +211,7 @@ class Family:
     task: Callable[[], Any] | None = None
     """Its training task (a shoal.train.task.Task), imported on first use; None: the text language model's."""
     plan_rule: Callable[[Any, Any], str | None] | None = None
-    """(plan, shoal.rules.Facts) -> why the family cannot run a plan beyond the axes it takes, or None."""
+    """(plan, shoal.rules.RunFacts) -> why the family cannot run a plan beyond the axes it takes, or None."""
 
 
 def _transformer() -> type:

@@ -1,2 +1,3 @@
-"""Optimizers of `shoal train`: the builder and learning-rate schedule (builder), and the large-batch
-optimizers LAMB, LARS and CowClip that stay correct on sharded parameters (large_batch)."""
+"""Optimizers of `shoal train`: the config (config), the builder (builder), the learning-rate schedule (schedule),
+and the large-batch optimizers LAMB, LARS (lamb_lars) and CowClip (cowclip), whose norms are whole parameters'
+under every sharding (sharded_norms)."""

@@ -81,7 +81,7 @@ def smallest_need(work: Workload, cluster: Cluster) -> Estimate | None:
     for skeleton in structures(work, cluster):
         for plan, micro in variants(skeleton, work):
             candidate = dataclasses.replace(plan, ac="full")
-            facts = rules.Facts(world_size=cluster.world_size, device=cluster.device_type, model=work.model,
+            facts = rules.RunFacts(world_size=cluster.world_size, device=cluster.device_type, model=work.model,
                                 global_batch=work.global_batch, seq_len=work.seq_len, micro_batch=micro)
             if rules.refusal(candidate, facts) is not None:
                 continue
@@ -103,7 +103,7 @@ def devices_needed(work: Workload, cluster: Cluster, *, limit: int = 65536) -> t
         bigger = dataclasses.replace(cluster, num_nodes=n // per_node, per_node=per_node)
         for tp in (t for t in (1, 2, 4, 8) if t <= per_node and n % t == 0):
             batch = n // tp
-            facts = rules.Facts(world_size=n, device=cluster.device_type, model=work.model, global_batch=batch,
+            facts = rules.RunFacts(world_size=n, device=cluster.device_type, model=work.model, global_batch=batch,
                                 seq_len=work.seq_len)
             plan = rules.fill(Plan(fsdp=batch, tp=tp, ac="full"), facts)
             if rules.refusal(plan, facts) is None:

@@ -44,8 +44,8 @@ def _tp_degrees(cluster: Cluster) -> list[int]:
     return [t for t in divisors(cluster.world_size) if t <= cluster.per_node]
 
 
-def _facts(work: Workload, cluster: Cluster, micro_batch: int | None = None) -> rules.Facts:
-    return rules.Facts(world_size=cluster.world_size, device=cluster.device_type, model=work.model,
+def _facts(work: Workload, cluster: Cluster, micro_batch: int | None = None) -> rules.RunFacts:
+    return rules.RunFacts(world_size=cluster.world_size, device=cluster.device_type, model=work.model,
                        global_batch=work.global_batch, seq_len=work.seq_len, micro_batch=micro_batch)
 
 

@@ -16,7 +16,7 @@ from shoal.infra.world import broadcast_from_rank0
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, ModelShape, build_model
 from shoal.models.safetensors_io import Pretrained, open_pretrained
-from shoal.optim.builder import WarmupCosine
+from shoal.optim.schedule import WarmupCosine
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint
@@ -39,7 +39,7 @@ def set_matmul_precision(device: torch.device, *, tf32: bool) -> None:
 def resolve_plan(cfg: RunConfig, model: ModelShape, world: int, device: torch.device) -> tuple[Plan, list[str]]:
     """The config's plan for this world size and device, checked against the model and the batch
     (shoal.rules), and the notes on the options it chose where the plan left them out."""
-    return rules.resolve_noting(parse_plan(cfg.plan), rules.Facts(
+    return rules.resolve_noting(parse_plan(cfg.plan), rules.RunFacts(
         world_size=world, device=device.type, model=model, global_batch=cfg.loop.global_batch,
         seq_len=cfg.loop.seq_len, micro_batch=cfg.loop.micro_batch))
 

@@ -22,7 +22,7 @@ import tomllib
 
 from shoal.data.text import DataConfig
 from shoal.models import ModelShape, preset, shape_from_dict, shape_to_dict
-from shoal.optim.builder import OptimConfig
+from shoal.optim.config import OptimConfig
 from shoal.plan import Plan
 
 

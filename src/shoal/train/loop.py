@@ -26,8 +26,9 @@ from shoal.infra.watchdog import Watchdog
 from shoal.infra.world import broadcast_from_rank0
 from shoal.loss import LossFn
 from shoal.moe.collect import records as moe_records
-from shoal.optim.builder import build_optimizer, build_scheduler
-from shoal.optim.large_batch import gather_trust, trust_summary
+from shoal.optim.builder import build_optimizer
+from shoal.optim.lamb_lars import gather_trust, trust_summary
+from shoal.optim.schedule import build_scheduler
 from shoal.plan import Plan
 from shoal.train import memory
 from shoal.train.build import (

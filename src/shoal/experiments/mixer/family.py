@@ -11,7 +11,7 @@ from shoal.rules import divisor_list
 
 if TYPE_CHECKING:
     from shoal.plan import Plan
-    from shoal.rules import Facts
+    from shoal.rules import RunFacts
 
 MIXER = ModelAdapter(
     family="image Mixer (Sparse-MLP)",
@@ -27,7 +27,7 @@ no pipeline stages (the head pools over all patches), and its patches are not a 
 to split over cp; its MoE_S and MoE_C layers take ep."""
 
 
-def plan_refusal(plan: Plan, facts: Facts) -> str | None:
+def plan_refusal(plan: Plan, facts: RunFacts) -> str | None:
     """Why a Mixer (dense or Sparse-MLP) cannot run a plan of the data axes (dp, fsdp at any zero stage) and ep:
     ep needs experts that ep divides, no offload, and expert widths the data ranks outside ep divide under fsdp."""
     model = facts.model
