@@ -59,7 +59,7 @@ def test_sp_vpp_and_zero_defaults_follow_the_plan():
 
 
 def test_vocab_is_sharded_where_the_table_outweighs_a_micro_batchs_logits():
-    """vocab=sharded (shoal/parallel/sharded_head.py) by default on fsdp-alone ZeRO-3 plans whose
+    """vocab=sharded (shoal/parallel/sharded_vocab.py) by default on fsdp-alone ZeRO-3 plans whose
     classifier table (V x D) is at least one rank's micro-batch logits (T x V): D >= T."""
     wide = TINY.replace(vocab_size=500_000, dim=512)
     assert resolve("fsdp4", facts(4, wide, batch=4, seq=256))[0].vocab == "sharded"  # D 512 >= T 256

@@ -84,7 +84,7 @@ class ModelAdapter:
     classifier: str | None = None
     """The module of `head` whose weight matrix costs FLOPs (the last pipeline stage's extra cost)."""
     moe_slots: tuple[str, ...] = ()
-    """Paths inside a block where a Mixture-of-Experts layer may sit (shoal.moe.MoELayer)."""
+    """Paths inside a block where a Mixture-of-Experts layer may sit (shoal.moe.layer.MoELayer)."""
     attention: AttentionSeam | None = None
     """The seam context parallelism replaces (None: the family has no causal attention to split)."""
     tp_plan: Callable[[Any], dict[str, str]] | None = None

@@ -4,7 +4,7 @@ A Mixer (Tolstikhin et al. 2021) cuts an image into S patches, embeds each into 
 and runs blocks of two residual MLPs: token mixing (along the patches, for each channel) and
 channel mixing (along the channels, for each patch); then a norm, a mean over the patches and a
 linear classifier. A Sparse-MLP block (Lou et al. 2021, arXiv 2109.02008) makes both MLPs
-Mixture-of-Experts layers (shoal.moe.MoELayer, so routers, capacity, prototyping, the auxiliary
+Mixture-of-Experts layers (shoal.moe.layer.MoELayer, so routers, capacity, prototyping, the auxiliary
 losses and expert parallelism come with them):
 - MoE_S (token mixing): the vectors routed are the channels, each of width S; re-represent
   layers first map (S, C) to (S', C') by two linear maps, one along the channels and one along
