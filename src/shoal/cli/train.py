@@ -6,12 +6,20 @@ A mistake is a UserError (one line, exit 2, nothing written; shoal.cli prints it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
+from shoal import rules
+from shoal.calibration.auto_plan import choose, memory_cluster
 from shoal.cli.errors import RUN_FAILED, USER_ERROR, UserError, fail, warn
 from shoal.cli.parser import on_off
+from shoal.infra.launch import Stopped, WorkerFailed, resolve_device, under_torchrun
+from shoal.models import ModelConfig, build_model
+from shoal.planner.estimate import Workload
+from shoal.planner.fit import memory_refusal
+from shoal.rules import DEVICE_DEFAULTS
 
 # (flag, type, help); the key in the run config is the flag without dashes, '-' -> '_'.
 TRAIN_FLAGS: list[tuple[str, Any, str]] = [
@@ -108,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
 
 def run_job(job: Any) -> int:
     """Run a prepared Job on its workers (or this torchrun rank); returns the exit status."""
-    from shoal.infra.launch import Stopped, WorkerFailed
     from shoal.train.preempt import STOPPED
     from shoal.train.worker import run_job as run_on_workers
 
@@ -138,12 +145,8 @@ def _stopped(signal_name: str, run_dir: str | None) -> int:
 
 def prepare_job(args: argparse.Namespace) -> Any:
     """Validate everything the user gave and return the Job the workers run (ValueError if wrong)."""
-    import dataclasses
-
     from shoal.data.text import doc_eos_id, resolve_tokenizer
     from shoal.infra import host_memory
-    from shoal.infra.launch import resolve_device, under_torchrun
-    from shoal.models import ModelConfig
     from shoal.train.config import from_flat, load_toml, model_of_init, resolve_model
     from shoal.train.job import Job, check_fresh_out, default_run_dir, with_model
     from shoal.train.task import task_for
@@ -219,8 +222,6 @@ def prepare_job(args: argparse.Namespace) -> Any:
 
 def check_torchrun_flags(flags: dict[str, Any]) -> None:
     """Under torchrun, refuse the flags that torchrun's own settings replace."""
-    from shoal.infra.launch import under_torchrun
-
     if under_torchrun() and flags.get("max_restarts"):
         raise UserError("--max-restarts under torchrun: give torchrun --max-restarts N (and shoal --out DIR), "
                         "torchrun restarts the workers")
@@ -231,9 +232,7 @@ def check_torchrun_flags(flags: dict[str, Any]) -> None:
 
 def auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
     """The run config with `--plan auto` replaced by the planner's choice, and its prediction."""
-    import dataclasses
 
-    from shoal.calibration.auto_plan import choose
 
     if cfg.loop.micro_batch is not None:
         raise UserError(f"--micro-batch {cfg.loop.micro_batch} with --plan auto: the planner chooses the "
@@ -252,8 +251,6 @@ def auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
 def _absolute_paths(data: Any) -> Any:
     """The data config with --data's folders or files and a tokenizer folder made absolute (a mixture's each,
     its weights kept); a path that does not exist is left as given, to be refused in the user's own words."""
-    import dataclasses
-
     tokenizer = data.tokenizer if data.tokenizer == "byte" else _absolute(data.tokenizer)
     return dataclasses.replace(data, path=_absolute(data.path), tokenizer=tokenizer)
 
@@ -311,8 +308,6 @@ def resume_config(args: argparse.Namespace, flags: dict[str, Any]) -> Any:
 def _say_a_precision_change(folder: Path, stored: Any, resumed: Any) -> None:
     """A resumed run whose --plan (or device) changes its precision goes on from the same weights at another one: a
     warning, not a refusal (the flag is the user's choice), since the loss curve then moves beyond rounding."""
-    from shoal.infra.launch import resolve_device
-    from shoal.rules import DEVICE_DEFAULTS
     from shoal.train.config import parse_plan
 
     try:
@@ -351,9 +346,6 @@ def validate(cfg: Any, device: str) -> None:
     fits this machine's memory as the planner prices it."""
     import torch
 
-    from shoal import rules
-    from shoal.infra.launch import under_torchrun
-    from shoal.models import ModelConfig, build_model
     from shoal.train.config import parse_plan
     from shoal.train.task import task_for
 
@@ -376,10 +368,6 @@ def validate(cfg: Any, device: str) -> None:
 
 def _check_memory(cfg: Any, plan: Any, device: str) -> None:
     """Refuse (one line) a plan the planner predicts won't fit this machine (shoal.planner.fit)."""
-    from shoal.calibration.auto_plan import memory_cluster
-    from shoal.planner.estimate import Workload
-    from shoal.planner.fit import memory_refusal
-
     if not cfg.memory_check:
         warn("--no-memory-check: the plan is not priced against this machine's memory before it starts")
         return
@@ -400,7 +388,6 @@ def check_resumable(folder: Path, steps: int) -> Path:
     scheduler has nobody to answer a question, and losing the steps since the previous
     checkpoint beats not training. Under torchrun every rank decides alone, from file sizes only
     (re-reading the whole checkpoint on every rank costs too much); DCP's own errors remain."""
-    from shoal.infra.launch import under_torchrun
     from shoal.train.checkpoint import TRAINER_STATE, good_checkpoint, latest_checkpoint, read_trainer_state
 
     if under_torchrun():

@@ -6,8 +6,6 @@ import math
 from dataclasses import dataclass, fields
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "cowclip")
-
-
 LR_SCALING = ("none", "linear", "sqrt")
 
 
