@@ -1,14 +1,14 @@
 """CowClip at small scale: a CTR-style model trained at batch 1K to 64K, with and without CowClip
 (Zheng et al. 2022, arXiv 2204.06240).
 
-The model is what a user would write: one embedding table per categorical field, the fields'
-vectors concatenated into a small MLP, one logit; it is handed to `shoal.apply_plan` with a `dpN`
-plan and trained through `shoal.train.step.train_step` with a binary cross-entropy loss, like any
-user's model (`--plan dp` or `--plan fsdp`: replicated or sharded data parallelism over all the
-processes). The data is synthetic with a planted signal: every (field, id) has a true weight, two
-fields interact through true latent vectors, ids are Zipf-distributed (a few ids are frequent, most
-are rare, as in click logs), and the label is drawn from sigmoid(true logit). The AUC of the true
-logit on the test set is the ceiling any model can reach.
+The model (shoal.experiments.cowclip.ctr) is what a user would write: one embedding table per categorical
+field, the fields' vectors concatenated into a small MLP, one logit; it is handed to `shoal.parallelize` with
+a `dpN` plan and trained through `shoal.train.step.train_step` with a binary cross-entropy loss, like any
+user's model (`--plan dp` or `--plan fsdp`: replicated or sharded data parallelism over all the processes).
+The data is synthetic with a planted signal: every (field, id) has a true weight, two fields interact through
+true latent vectors, ids are Zipf-distributed (a few ids are frequent, most are rare, as in click logs), and
+the label is drawn from sigmoid(true logit). The AUC of the true logit on the test set is the ceiling any
+model can reach.
 
 Three recipes at each batch, all trained for the same number of epochs from the same start, with
 the learning rates set at `--base-batch`:
@@ -35,60 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.common import launch, report
+from shoal.experiments.cowclip.ctr import CTRModel, auc, click_data
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 RECIPES = ("adam-sqrt", "cowclip-rules", "cowclip")
-
-
-class CTRModel(nn.Module):
-    """An embedding table per categorical field, concatenated into an MLP with one logit."""
-
-    def __init__(self, num_fields: int, vocab: int, dim: int, hidden: tuple[int, ...]) -> None:
-        super().__init__()
-        self.embeddings = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_fields))
-        for table in self.embeddings:
-            nn.init.normal_(table.weight, std=0.01)
-        layers: list[nn.Module] = []
-        width = num_fields * dim
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        self.mlp = nn.Sequential(*layers, nn.Linear(width, 1))
-
-    def forward(self, ids_BF: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([table(ids_BF[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
-        return self.mlp(x).squeeze(1)
-
-
-def make_data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """(train ids, train labels, test ids, test labels, the true logit's test AUC): Zipf ids, a
-    planted additive signal per (field, id) plus one pairwise interaction of fields 0 and 1."""
-    gen = torch.Generator().manual_seed(args.seed)
-    n = args.samples + args.test_samples
-    zipf = 1.0 / torch.arange(1, args.vocab + 1, dtype=torch.float64) ** args.zipf
-    ids = torch.stack([torch.multinomial(zipf, n, replacement=True, generator=gen)
-                       for _ in range(args.fields)], dim=1)
-    perm = torch.stack([torch.randperm(args.vocab, generator=gen) for _ in range(args.fields)])
-    ids = torch.gather(perm.T, 0, ids)  # frequent ids are not the low ones
-    weights = torch.randn(args.fields, args.vocab, generator=gen) * 0.6
-    latent = torch.randn(2, args.vocab, 4, generator=gen) * 0.6
-    logit = weights[torch.arange(args.fields), ids].sum(1) + (latent[0, ids[:, 0]] * latent[1, ids[:, 1]]).sum(1) - 1.0
-    labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
-    s = args.samples
-    return ids[:s], labels[:s], ids[s:], labels[s:], auc(logit[s:], labels[s:])
-
-
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve: the Mann-Whitney statistic, ties counted half."""
-    order = torch.argsort(scores.double())
-    ranks = torch.empty_like(order, dtype=torch.float64)
-    sorted_scores = scores.double()[order]
-    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    ranks[order] = (ends - (counts.double() - 1) / 2)[inverse]  # average rank of each tie group, 1-based
-    pos = labels.bool()
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
 def optim_config(recipe: str, args: argparse.Namespace) -> Any:
@@ -152,7 +102,8 @@ def train(recipe: str, batch: int, data: tuple[torch.Tensor, ...], args: argpars
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (batch, recipe) on this rank, data made once per process (the same on every rank)."""
-    *data, best = make_data(args)
+    *data, best = click_data(fields=args.fields, vocab=args.vocab, samples=args.samples,
+                             test_samples=args.test_samples, zipf=args.zipf, seed=args.seed)
     out = []
     for batch in args.batches:
         for recipe in args.recipes:

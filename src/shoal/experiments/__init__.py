@@ -7,8 +7,9 @@ core named after it:
 - ones: OneS distillation of a trained MoE run into a dense student (`shoal distill`): a text task with a
   teacher and a distillation loss, carried by the run's Job.
 
-CowClip is an optimizer (shoal.optim); its CTR experiment trains a user's module through the public API
-(bench/cowclip_ctr.py) and needs no extension point.
+- cowclip: CowClip's click-through-rate experiment: a CTR model as a user writes it, its synthetic click data
+  and AUC (the optimizer itself is shoal.optim.cowclip); it trains through the public API like any user's
+  module (bench/cowclip_ctr.py) and needs no extension point.
 
 Importing this package registers every experiment's family; it imports no torch. The command line imports it
 before it reads a flag, so that every preset and family is known.
