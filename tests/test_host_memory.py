@@ -104,7 +104,7 @@ def test_kept_small_blocks_and_returned_large_ones():
     """Under KEEP_FREED, once return_large_blocks has run, freeing 16 MiB blocks gives their memory back to the
     kernel at once and freeing 1 MiB blocks does not (the resident set falls by the one and not the other: 320
     and 200 MB, far beyond what the interpreter's own allocations move); under glibc it does nothing."""
-    code = ("import torch; from shoal import host_memory as h; from shoal.train import memory as m; "
+    code = ("import torch; from shoal.infra import host_memory as h; from shoal.train import memory as m; "
             "print(h.return_large_blocks()); large = [torch.ones(2**22) for _ in range(20)]; "
             "small = [torch.ones(2**18) for _ in range(200)]; r0 = m.current_mb(); del large; r1 = m.current_mb(); "
             "del small; print(r0 - r1, r1 - m.current_mb())")
@@ -113,7 +113,7 @@ def test_kept_small_blocks_and_returned_large_ones():
     was_set, large, small = done.stdout.split()
     assert was_set == "True" and float(large) >= 0.9 * 320 and float(small) <= 0.1 * 200
     glibc = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
-    done = subprocess.run([sys.executable, "-c", "from shoal import host_memory as h; print(h.return_large_blocks())"],
+    done = subprocess.run([sys.executable, "-c", "from shoal.infra import host_memory as h; print(h.return_large_blocks())"],
                           env=glibc, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False"]
 
