@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from shoal.infra import host_memory
 from shoal.infra.launch import default_nproc, launch, under_torchrun
-from shoal.infra.world import first_error, threads_per_rank
+from shoal.infra.world import first_error, threads_per_rank, use_threads
 from shoal.train import memory
 from shoal.train.build import restart_count
 from shoal.train.config import RunConfig
@@ -95,7 +95,7 @@ def init_distributed(device: str) -> torch.device:
     """Join the process group the launcher described in the environment, on "cpu" (gloo) or
     "cuda" (this local rank's GPU, NCCL); share the machine's cores among its ranks."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    use_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if device == "cuda":
         where = torch.device("cuda", local_rank)
         torch.cuda.set_device(where)
