@@ -113,8 +113,8 @@ def test_kept_small_blocks_and_returned_large_ones():
     was_set, large, small = done.stdout.split()
     assert was_set == "True" and float(large) >= 0.9 * 320 and float(small) <= 0.1 * 200
     glibc = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
-    done = subprocess.run([sys.executable, "-c", "from shoal.infra import host_memory as h; print(h.return_large_blocks())"],
-                          env=glibc, capture_output=True, text=True, check=True)
+    code = "from shoal.infra import host_memory as h; print(h.return_large_blocks())"
+    done = subprocess.run([sys.executable, "-c", code], env=glibc, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False"]
 
 
