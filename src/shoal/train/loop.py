@@ -224,7 +224,7 @@ class Trainer:
 
     def train_one(self, s: int) -> StepResult:
         """Optimizer step `s` (0-based). Queues the work without waiting for the device."""
-        _seed_step(self.loop.seed, s, self.part[0])  # dropout masks: resumable, per data rank
+        _seed_step(self.loop.seed, s, self.part[0], self.device)  # dropout masks: resumable, per data rank
         started = time.perf_counter()
         inputs, targets = self.batches.batch(s, self.loop.global_batch, self.part)
         self.fetch_s = time.perf_counter() - started
@@ -338,8 +338,14 @@ def _due(n: int, every: int, last: int) -> bool:
     return n == last or (every > 0 and n % every == 0)
 
 
-def _seed_step(seed: int, step: int, index: int) -> None:
-    torch.manual_seed(int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0]))
+def _seed_step(seed: int, step: int, index: int, device: torch.device) -> None:
+    """Seed the generators a step draws from (the CPU's, and on a GPU this rank's device's) by (seed, step, data
+    rank). Those two alone: torch.manual_seed also seeds every other device type, queueing each with a captured
+    stack trace, which costs a small model's step a share of its host time."""
+    value = int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
+    torch.default_generator.manual_seed(value)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(value)  # the current device: this rank's (shoal.train.worker.init_distributed)
 
 
 def _precision_words(plan: Plan) -> str:
