@@ -194,6 +194,7 @@ class TorchDataEngine:
         self._toggle = gradient_sync_toggle  # FSDP2 at ZeRO-1: reduce on the last micro-batch only
         # DCP names parameters through DDP and FSDP2 as the module does, but not through a wrapper of ours.
         self._named = module if isinstance(model, Autocast) else model
+        self._trained: list[nn.Parameter] | None = None  # what _grads reads, found at its first call
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for name, param in self.module.named_parameters():
@@ -208,7 +209,12 @@ class TorchDataEngine:
         return contextlib.nullcontext()
 
     def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for _, p in self.named_parameters() if p.grad is not None]
+        """The gradients of the trainable parameters. The parameters are looked up once, at the first
+        step's call: from then on they are the objects the optimizer updates too, and walking the module
+        tree twice a step (the norm, the clipping) would cost a deep model's step a share of its host time."""
+        if self._trained is None:
+            self._trained = [p for _, p in self.named_parameters()]
+        return [p.grad for p in self._trained if p.grad is not None]
 
     def grad_norm(self) -> torch.Tensor:
         grads = self._grads()
