@@ -203,6 +203,15 @@ def choose_engine(plan: Plan, *, num_layers: int) -> EngineChoice:
     return EngineChoice(kind=kind, zero=zero, bucket=bucket, units=units)
 
 
+def compile_unit(plan: Plan) -> str:
+    """What `compile=on` compiles in a (resolved) plan: "model", the whole model as one graph, where the plan
+    splits nothing (one process: no engine hooks a block, and a forward or backward is one compiled region, as
+    in the plain compiled loop); "block" otherwise, each block on its own (torchtitan's way: FSDP2, DDP, the
+    ZeRO engine and the other axes act on blocks from outside the compiled code)."""
+    assert plan.dp is not None, "resolve the plan first"
+    return "model" if plan.world_size == 1 and plan.ep == 1 else "block"
+
+
 # ----------------------------------------------------------------------------- degrees and defaults
 def _resolve_degrees(plan: Plan, facts: RunFacts) -> Plan:
     """dp from the world size, the device's defaults for precision and compile."""

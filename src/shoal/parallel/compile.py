@@ -1,10 +1,14 @@
-"""torch.compile per transformer block (the plan option `compile=on`, the default on GPUs).
+"""torch.compile of the model (the plan option `compile=on`, the default on GPUs), by the unit
+shoal.rules.compile_unit names.
 
-Each block is compiled on its own, as torchtitan does, rather than the whole model: every block
+Under a plan that splits anything, each block is compiled on its own, as torchtitan does: every block
 runs the same code, so one compiled graph serves them all (parameters are graph inputs), a cold
 compile costs one block's worth, and the data-parallel engines applied afterwards keep their
 hooks on the block *outside* the compiled code (FSDP2 gathers and reduces per block in eager
 Python, DDP and the ZeRO engine hook the gradients), so compile composes with every engine.
+In one process nothing hooks a block, and the whole model is one compiled graph (nn.Module.compile,
+in place: names unchanged), as in the plain compiled loop: a forward and a backward each launch one
+compiled region instead of one per block, which is what a small model's host time is made of.
 
 Order in `parallelize`: tensor parallel -> recompute -> compile -> data parallel. Compiling a
 recompute-wrapped block lets inductor apply the selective policy at compile time: the ops it
@@ -23,14 +27,19 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from shoal import rules
 from shoal.parallel.data import wrap_blocks
 from shoal.plan import Plan
 
 
 def apply_compile(model: nn.Module, *, plan: Plan) -> nn.Module:
-    """Compile every transformer block of `model` when `plan.compile` (in place); no-op otherwise.
-    Parameter names gain `_orig_mod.`, which `clean_name` and DCP's state dicts strip."""
+    """Compile `model` when `plan.compile` (in place), whole or block by block (see the module docstring);
+    no-op otherwise. A compiled block's parameter names gain `_orig_mod.`, which `clean_name` and DCP's state
+    dicts strip."""
     if not plan.compile:
+        return model
+    if rules.compile_unit(plan) == "model":
+        model.compile()
         return model
     blocks = wrap_blocks(model, torch.compile)  # type: ignore[arg-type]  # overloaded; a Module in, a Module out
     if not blocks:
