@@ -449,7 +449,8 @@ def test_compiled_activation_count(model, autocast):
 
     def saved_bytes(layers: int) -> float:
         torch.manual_seed(0)
-        net: nn.Module = apply_compile(Transformer(cfg.replace(num_layers=layers)), plan=Plan(compile=True))
+        per_block = rules.resolve(Plan.parse("dp2,compile=on"), world_size=2)  # each block compiled on its own
+        net: nn.Module = apply_compile(Transformer(cfg.replace(num_layers=layers)), plan=per_block)
         if autocast:
             net = Autocast(net, dtype=torch.bfloat16, device_type="cpu")
         net(inputs).float().sum().backward()  # compiled, forward and backward
