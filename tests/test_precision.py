@@ -1,6 +1,8 @@
 """Mixed precision: bf16/fp16 compute with fp32 master weights tracks the fp32 run.
 
-Tolerance: the loss of every step within 0.1% of the fp32 reference. bf16 rounds each value to 8
+Tolerance: the loss of every step within 0.1% of the fp32 reference, and the first step's gradient norm within
+GRAD_NORM_ROUNDINGS roundings of the compute dtype (losses alone cannot see a gradient scaled by a constant:
+AdamW and clipping undo it). bf16 rounds each value to 8
 significant bits (relative error up to 2^-9 = 0.2%), but matmuls accumulate in fp32 and the loss is
 a mean over 128 positions whose rounding errors mostly cancel; the fp32 master weights keep the
 updates themselves exact, so the curves do not drift apart over a few steps. A difference of exactly
@@ -28,21 +30,36 @@ CASES = [case(plan="fsdp2,precision=bf16", steps=6), case(plan="dp2,precision=bf
          case(plan="fsdp2,zero=2,precision=bf16,reduce=bf16", steps=6), case(plan="fsdp2,reduce=bf16", steps=6),
          # What a GPU runs by default: bf16 with compiled blocks (inductor keeps fused intermediates
          # in fp32, so its rounding is no worse than eager bf16's).
-         case(plan="dp2,precision=bf16,compile=on", steps=6)]
+         case(plan="dp2,precision=bf16,compile=on", steps=6),
+         # DDP under autocast: gradients reduced in bf16 by its compression hook, and fp16 with loss scaling.
+         case(plan="dp2,precision=bf16,reduce=bf16", steps=6), case(plan="dp2,precision=fp16", steps=6)]
+
+
+GRAD_NORM_ROUNDINGS = 8
+"""The first step's gradient norm (before clipping) against the fp32 reference's, in units of u, the unit
+roundoff of the compute dtype (2^-8 for bf16, 2^-11 for fp16) or of the reduction's where that is coarser: each
+gradient element passes through a few 16-bit roundings on its way back through the two blocks (the products'
+inputs, weights and results, the cast back to fp32, the reduction) and the norm, a root of a weighted mean of
+squares, errs by no more than its elements' largest relative error; 8 u bounds that path. A gradient summed
+instead of averaged over the 2 ranks errs by 100%."""
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
 def train_losses(cases):
-    """Worker: train each case with train_step; losses, and the dtypes the model computed in."""
+    """Worker: train each case with train_step; losses, the first step's gradient norm, and the dtypes the
+    model computed in."""
     out = []
     for c in cases:
         runtime, optimizer, batches = parallel_setup(c)
-        losses = [train_step(runtime, optimizer, split_micro(x, y, c.num_micro), grad_clip=c.grad_clip).loss.item()
-                  for x, y in batches]
+        steps = [train_step(runtime, optimizer, split_micro(x, y, c.num_micro), grad_clip=c.grad_clip)
+                 for x, y in batches]
+        losses = [s.loss.item() for s in steps]
         master = {p.dtype for p in runtime.parameters()}  # between steps: the sharded fp32 master weights
         with torch.no_grad():
             logits_dtype = runtime(c.batches()[0][0][:1]).dtype
         scaler = runtime.loss_scaler
-        out.append({"losses": losses, "logits_dtype": logits_dtype, "master": master,
+        out.append({"losses": losses, "grad_norm": steps[0].grad_norm.item(), "logits_dtype": logits_dtype,
+                    "master": master,
                     "scale": scaler.scale_value if scaler is not None else None})
     return out
 
@@ -50,13 +67,18 @@ def train_losses(cases):
 def test_mixed_precision_tracks_fp32(pools):
     results = pools(2).run(train_losses, CASES)
     for i, c in enumerate(CASES):
-        reference = run_reference(c)["losses"]
+        truth = run_reference(c)
+        reference = truth["losses"]
         for rank_result in (r[i] for r in results):
-            compute = PrecisionPolicy.from_name(rules.resolve(Plan.parse(c.plan), world_size=2).precision).param_dtype
+            plan = rules.resolve(Plan.parse(c.plan), world_size=2)
+            policy = PrecisionPolicy.from_name(plan.precision, reduce=plan.reduce)
+            compute, u = policy.param_dtype, max(UNIT_ROUNDOFF[policy.param_dtype], UNIT_ROUNDOFF[policy.reduce_dtype])
             assert rank_result["logits_dtype"] == compute, c.plan
             assert rank_result["master"] == {torch.float32}, c.plan  # the optimizer updates fp32 weights
             assert_close(rank_result["losses"], reference, rtol=1e-3, atol=0, what=f"{c.plan} losses")
             assert rank_result["losses"] != pytest.approx(reference, rel=1e-7), f"{c.plan}: no cast happened"
+            assert_close(rank_result["grad_norm"], truth["grad_norm"], rtol=GRAD_NORM_ROUNDINGS * u, atol=0,
+                         what=f"{c.plan} first gradient norm")
     assert results[0][2]["scale"] == 2.0**16  # fp16: no overflow at this scale on this model
 
 

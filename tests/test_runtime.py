@@ -32,7 +32,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "shoal"
 @pytest.mark.parametrize("text, world, device, expected", [
     ("dp1", 1, "cpu", ("none", 0, 0, 0)),
     ("dp2", 2, "cpu", ("ddp", 0, 0, 0)),
-    ("dp2", 2, "cuda", ("fsdp2", 2, 2, 2)),  # bf16 by default on GPUs: DDP has no parameter-dtype policy
+    ("dp2", 2, "cuda", ("ddp", 0, 0, 0)),  # bf16 by default on GPUs: DDP under torch.autocast
+    ("dp2,reduce=bf16", 2, "cpu", ("ddp", 0, 0, 0)),  # DDP's compression hook reduces in bf16
     ("dp1", 1, "cuda", ("autocast", 0, 0, 0)),  # one data rank in bf16: torch.autocast, no FSDP2 hooks
     ("dp1,precision=fp16", 1, "cpu", ("autocast", 0, 0, 0)),
     ("tp2", 2, "cuda", ("fsdp2", 2, 2, 2)),  # bf16 over a tensor-parallel model: FSDP2 casts its DTensors
@@ -127,7 +128,7 @@ def test_parallelize_runs_the_chosen_engine(pools):
     expected = [("ddp", "TorchDataEngine", "DistributedDataParallel", True),
                 ("zero", "ZeroDataParallel", "ZeroDataParallel", True),
                 ("fsdp2", "TorchDataEngine", "FSDPTransformer", True),
-                ("fsdp2", "TorchDataEngine", "FSDPTransformer", True),
+                ("ddp", "TorchDataEngine", "Autocast", True),  # DDP under torch.autocast
                 ("none", "TorchDataEngine", "Transformer", True)]
     assert pools(2).run(_engines, plans) == [expected] * 2
 

@@ -21,15 +21,17 @@ The data-parallel engines (shoal/parallel/data.py builds them; `choose_engine` p
   weights and torch.autocast casts them for each product (shoal/parallel/precision.py). FSDP2 of
   degree 1 would cast them too, at a higher host cost per step (bench/engine_overhead.py measures
   both; docs/measurements.md holds the figures).
-- ddp: torch's DistributedDataParallel (replicated, full precision, no tensor parallel).
+- ddp: torch's DistributedDataParallel (replicated, no tensor parallel); in bf16 or fp16 under
+  torch.autocast, as for one data rank (fp32 master weights, gradients reduced in `reduce`'s dtype
+  by DDP's compression hook): the plain loop's step, where FSDP2 of shard degree 1 would add its
+  per-block hooks and copies (bench/host_overhead.py measures both).
 - zero: shoal's ZeRO-1/2 engine (shoal/parallel/zero.py): fsdp > 1 at stage 1 or 2, on a model
   without tensor parallelism and without offload. Under pp it also runs replicated data
   parallelism (fsdp = 1, at ZeRO-1: gradients accumulate over the micro-batches and are
   all-reduced after the last one's backward): DDP prepares its reduction in forward, and a
   pipeline runs later forwards before earlier backwards.
-- fsdp2: torch's FSDP2 `fully_shard` for everything else: ZeRO-3, offload, data parallel over a
-  tensor-parallel model, and replicated mixed precision over two or more data ranks (a shard degree
-  of 1, since DDP has no parameter-dtype policy).
+- fsdp2: torch's FSDP2 `fully_shard` for everything else: ZeRO-3, offload, and data parallel over a
+  tensor-parallel model (a shard degree of 1 when only replicated).
 Two pipeline schedules need more of the engine than some engines give: zero-bubble's weight
 passes assign gradients no FSDP2 hook sees (zb runs without an engine or on shoal's ZeRO-1/2
 engine), and interleaved chunks would each need an engine of their own (interleaved runs with
@@ -174,7 +176,7 @@ class EngineChoice:
         if self.kind == "autocast":
             return "one data rank: fp32 master weights, cast for each product by torch.autocast"
         if self.kind == "ddp":
-            return "torch DDP (bucketed all-reduce overlapped with backward)"
+            return "torch DDP (bucketed all-reduce overlapped with backward; 16-bit products under torch.autocast)"
         engine = "shoal's ZeRO-1/2 engine" if self.kind == "zero" else "torch FSDP2"
         return f"{engine} at ZeRO-{self.zero}, {self.units} unit(s) of {self.bucket} block(s) plus the rest"
 
@@ -193,7 +195,7 @@ def choose_engine(plan: Plan, *, num_layers: int) -> EngineChoice:
         zero = 1 if plan.fsdp == 1 else plan.zero
         bucket = plan.bucket if plan.bucket is not None else DEFAULT_BUCKET[zero]
         return EngineChoice(kind="zero", zero=zero, bucket=bucket, units=-(-num_layers // bucket))
-    if plan.fsdp == 1 and plan.tp == 1 and full_precision:
+    if plan.fsdp == 1 and plan.tp == 1 and not plan.offload:
         return EngineChoice(kind="ddp", zero=0, bucket=0, units=0)
     # Replicated only (fsdp1): nothing to free after forward, so the gathered copy is kept (zero=2).
     zero = plan.zero if plan.fsdp > 1 else 2
@@ -201,6 +203,12 @@ def choose_engine(plan: Plan, *, num_layers: int) -> EngineChoice:
     units = -(-num_layers // bucket)
     kind = "zero" if zero < 3 and plan.fsdp > 1 and plan.tp == 1 and not plan.offload else "fsdp2"
     return EngineChoice(kind=kind, zero=zero, bucket=bucket, units=units)
+
+
+def under_autocast(kind: str, precision: str) -> bool:
+    """Whether engine `kind` runs a plan of `precision` under torch.autocast (fp32 master weights and
+    gradients, a 16-bit copy of each weight cast for its products): one data rank, and DDP, in bf16 or fp16."""
+    return kind == "autocast" or (kind == "ddp" and precision in ("bf16", "fp16"))
 
 
 def compile_unit(plan: Plan) -> str:

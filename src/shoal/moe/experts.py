@@ -94,7 +94,7 @@ class Experts(nn.Module):
         path pads to it instead of reading the largest count back from the device)."""
         assert tokens_per_expert.shape == (self.num_experts,), tokens_per_expert.shape
         device = tokens_MD.device.type
-        if torch.is_autocast_enabled(device):  # one process in 16 bits (shoal.parallel.precision.Autocast): the
+        if torch.is_autocast_enabled(device):  # 16 bits without FSDP2 (shoal.parallel.precision.Autocast): the
             tokens_MD = tokens_MD.to(torch.get_autocast_dtype(device))  # products' dtype, so the grouped kernel runs
         path = self.choose_path(tokens_MD) if self.path == "auto" else self.path
         if path == "grouped":

@@ -3,7 +3,9 @@
 The engines this module builds (which one runs a plan, and why, is `shoal.rules.choose_engine`'s
 docstring, the one place that says it):
 - ddp: torch's DistributedDataParallel on the dp sub-mesh's process group (bucketed gradient
-  all-reduce overlapped with backward, the well-kept replicated path).
+  all-reduce overlapped with backward, the well-kept replicated path); in bf16 or fp16 under
+  `shoal.parallel.precision.Autocast` (fp32 master weights, as for one data rank), the gradients
+  reduced in 16 bits by DDP's compression hook where `reduce` asks for it.
 - zero: shoal's own small ZeRO-1/2 engine, `shoal.parallel.zero.ZeroDataParallel` (full
   parameters kept as plain tensors, float32 row shards for the optimizer, one reduce-scatter per
   bucket in backward, one all-gather per bucket after the step). Its module docstring says why
@@ -61,6 +63,7 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -156,7 +159,10 @@ def apply_data_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan, choic
     if choice.kind == "ddp":
         names = [name for name, p in model.named_parameters() if id(p) in ignored]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-        return TorchDataEngine(_ddp(model, replica_mesh(mesh)), model)
+        ddp = _ddp(model, replica_mesh(mesh), reduce_dtype=precision.reduce_dtype)
+        if precision.param_dtype == torch.float32:
+            return TorchDataEngine(ddp, model)
+        return TorchDataEngine(Autocast(ddp, dtype=precision.param_dtype, device_type=mesh.device_type), model)
     if choice.kind == "zero":
         return ZeroDataParallel(model, mesh=mesh, zero=choice.zero, bucket=choice.bucket, precision=precision,
                                 blocks=blocks, ignore=ignored)
@@ -202,8 +208,9 @@ class TorchDataEngine:
                 yield clean_name(name), param
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        if isinstance(self.model, DistributedDataParallel):
-            return self.model.no_sync()
+        ddp = self.model.module if isinstance(self.model, Autocast) else self.model
+        if isinstance(ddp, DistributedDataParallel):
+            return ddp.no_sync()
         if self._toggle:
             return _no_gradient_sync(self.model)
         return contextlib.nullcontext()
@@ -268,17 +275,42 @@ def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _ddp(model: nn.Module, replicas: DeviceMesh) -> nn.Module:
+def _ddp(model: nn.Module, replicas: DeviceMesh, *, reduce_dtype: torch.dtype) -> nn.Module:
     """torch DDP over the replica group (dp, or dp x cp). Buffers (the RoPE tables) are the same
     on every rank by construction, so they are not re-broadcast before each forward; gradients
-    live in the all-reduce buckets (gradient_as_bucket_view) instead of being copied into them."""
+    live in the all-reduce buckets (gradient_as_bucket_view) instead of being copied into them.
+    A 16-bit `reduce_dtype` all-reduces each bucket in it (`_reduce_in`)."""
     no_buffer_sync: dict[str, Any] = (  # torch 2.13 renamed the option; older releases only know the old name
         {"forward_sync_buffers": False}
         if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         else {"broadcast_buffers": False}
     )
-    return DistributedDataParallel(model, process_group=replicas.get_group(), gradient_as_bucket_view=True,
-                                   **no_buffer_sync)
+    ddp = DistributedDataParallel(model, process_group=replicas.get_group(), gradient_as_bucket_view=True,
+                                  **no_buffer_sync)
+    if reduce_dtype != torch.float32:
+        ddp.register_comm_hook(replicas.get_group(), _reduce_in(reduce_dtype))
+    return ddp
+
+
+def _reduce_in(dtype: torch.dtype) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+    """A DDP communication hook that averages each gradient bucket in `dtype`: divided by the world size, cast,
+    all-reduced, cast back into the fp32 bucket. torch's own (default_hooks.bf16_compress_hook) does this but
+    refuses any backend other than NCCL or XCCL, and shoal's CPU runs are on gloo."""
+
+    def hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        fp32 = bucket.buffer()
+        sent = fp32.div(group.size()).to(dtype)
+        future = dist.all_reduce(sent, group=group, async_op=True).get_future()
+
+        def back(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            return fp32.copy_(done.value()[0])
+
+        return future.then(back)
+
+    # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation).
+    hook.__annotations__ = {"group": dist.ProcessGroup, "bucket": dist.GradBucket,
+                            "return": torch.futures.Future[torch.Tensor]}
+    return hook
 
 
 def _data_mesh(mesh: DeviceMesh) -> DeviceMesh:

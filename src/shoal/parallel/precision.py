@@ -8,11 +8,10 @@ reduced in, and whether the loss is scaled.
 - fp16: as bf16 with float16 compute, plus dynamic loss scaling (`LossScaler`): float16's small
   range underflows small gradients unless the loss is multiplied up before backward.
 
-Who casts: FSDP2's `MixedPrecisionPolicy` where a data engine runs (data.py applies it; replicated
-data parallelism uses FSDP2 with a shard degree of 1 for it, since DDP has no parameter-dtype
-policy), and torch.autocast (`Autocast`) for one data rank with nothing else split, where FSDP2
-of degree 1 would cast them at a higher host time per step than autocast (bench/engine_overhead.py
-measures both; docs/measurements.md).
+Who casts: FSDP2's `MixedPrecisionPolicy` where FSDP2 runs (data.py applies it), and torch.autocast
+(`Autocast`) where no engine shards: one data rank with nothing else split, and DDP. FSDP2 of shard
+degree 1 would cast them at a higher host time per step than autocast (bench/engine_overhead.py and
+bench/host_overhead.py measure both; docs/measurements.md).
 """
 
 from __future__ import annotations

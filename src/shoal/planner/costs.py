@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from shoal import rules
 from shoal.models.config import ModelConfig
 from shoal.plan import Plan
 from shoal.planner import compute, memory
@@ -350,7 +351,8 @@ class Costs:
         accumulated = micro * gradients.accumulation_bytes + gradients.reduction_copy_bytes
         if accumulated:
             terms["fp32_accumulation"] = accumulated * (params + experts) / self.mem_bw
-        if kind == "autocast":  # each micro-batch casts every weight for its products and each gradient back,
+        # Under autocast each micro-batch casts every weight for its products and each gradient back,
+        if rules.under_autocast(kind, p.precision or "fp32"):
             recast = 4 + 2 if p.ac != "none" else 0  # and a recomputed block its weights once more
             terms["autocast_casts"] = micro * (params + experts) * (AUTOCAST_CAST_BYTES + recast) / self.mem_bw
         # Unsharded FSDP2 is priced as DDP is: one reduction, in the last micro-batch's backward (the traffic

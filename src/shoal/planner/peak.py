@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from shoal import rules
 from shoal.models.config import ModelConfig
 from shoal.plan import Plan
 from shoal.planner import compute, memory
@@ -66,7 +67,8 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     buffer of the rank's whole gradients beside them, the whole step (shoal.planner.costs.GradientReduction)."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     pe = pb  # an expert's parameter bytes
-    if kind == "autocast":  # fp32 parameters (the master weights) and gradients, and the 16-bit casts of the
+    casts = rules.under_autocast(kind, plan.precision or "fp32")
+    if casts:  # fp32 parameters (the master weights) and gradients, and the 16-bit casts of the
         # products' weights (every expert's too: shoal.moe.experts), kept from each product's forward to its backward.
         pe, gb, ob = 4.0 + pb, 4.0, 8.0
         pb = 4.0 + pb * (memory.cast_parameters(cfg, params) / params if params else 1.0)
@@ -89,12 +91,12 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     # loss's logits are freed, so a stage holds the larger of the two, not both.
     table = cfg.vocab_size * cfg.dim / plan.tp * gb if micro > 1 and kind in ("none", "autocast") else 0.0
     worst: dict[str, float] = {}
-    # Under autocast (one process in 16 bits) the norms and the residual stream stay fp32 and each product casts
+    # Under autocast (16 bits without FSDP2) the norms and the residual stream stay fp32 and each product casts
     # its own copy of its input: more than a 16-bit run keeps (memory.autocast_extra_elements).
     def kept(moe: bool) -> float:
         index = compute.block_index(cfg, moe=moe)
         extra = (memory.autocast_extra_elements(cfg, index, ac=plan.ac, compiled=bool(plan.compile))
-                 if kind == "autocast" else 0.0)
+                 if casts else 0.0)
         return extra + memory.activation_elements(cfg, index, seq_len=cost.seq_len, tp=plan.tp, sp=bool(plan.sp),
                                                   ac=plan.ac, fused_attention=cost.fused, policy=cost.recompute,
                                                   sp_layout=cost.sp_layout, on_cpu=cost.on_cpu,
