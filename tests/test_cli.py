@@ -397,3 +397,12 @@ def test_resuming_at_another_precision_says_so(good_run, capsys):
     said = resume("--plan", "precision=bf16")
     assert said.count("shoal: warning:") == 1 and "trained in fp32 and goes on in bf16" in said
     assert "warning" not in resume("--plan", "precision=fp32") and "warning" not in resume()
+
+
+def test_final_checkpoint_off_keeps_the_periodic_ones_only(tmp_path):
+    """--final-ckpt off: the periodic checkpoints are written, the one at the last step is not (3 steps, every 2:
+    step 2 only); on (the default) the last step's is written too."""
+    run = tmp_path / "no-final"
+    assert cli.main(["train", "--out", str(run), "--nproc", "1", "--steps", "3", "--ckpt-every", "2",
+                     "--final-ckpt", "off", *SMALL]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step")) == ["step_00000002"]

@@ -55,6 +55,7 @@ TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--seed", int, "seed of weights, data order and dropout [0]"),
     ("--out", str, "run folder [runs/<timestamp>]"),
     ("--ckpt-every", int, "checkpoint every K steps, and at the end [100]"),
+    ("--final-ckpt", on_off, "checkpoint at the end; off: nothing to resume from (for benchmarks) [on]"),
     ("--keep", int, "keep only the K most recent checkpoints; 0: all [0]"),
     ("--eval-every", int, "held-out loss every K steps, and at the end [50]"),
     ("--eval-batches", int, "global batches per held-out evaluation [4]"),

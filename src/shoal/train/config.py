@@ -39,7 +39,11 @@ class LoopConfig:
     seq_len: int = 128
     seed: int = 0
     ckpt_every: int = 100
-    """Save a checkpoint every K steps (and always at the end); 0: only at the end."""
+    """Save a checkpoint every K steps (and at the end, unless `final_ckpt` is off); 0: only at the end."""
+    final_ckpt: bool = True
+    """Save a checkpoint at the last step. Off: a run that leaves nothing to resume from at its end, for
+    benchmarks that time the steps (a large model's last checkpoint takes longer to write than its steps run);
+    a run stopped by a signal still saves."""
     keep: int = 0
     """Keep only the K most recent checkpoints (older ones are deleted after each save); 0: all."""
     eval_every: int = 50
@@ -135,8 +139,8 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),
     "doc_mask": ("data", "doc_mask"),
 }
-RESUMABLE = ("steps", "plan", "nproc", "device", "tf32", "ckpt_every", "keep", "eval_every", "log_every",
-             "micro_batch", "hang_timeout", "max_restarts", "memory_check", "dry_run")
+RESUMABLE = ("steps", "plan", "nproc", "device", "tf32", "ckpt_every", "final_ckpt", "keep", "eval_every",
+             "log_every", "micro_batch", "hang_timeout", "max_restarts", "memory_check", "dry_run")
 """Keys a resumed run may change: none of them changes the loss curve beyond rounding (the plan's
 precision aside, which the user then chose)."""
 DEVICES = ("auto", "cpu", "cuda")

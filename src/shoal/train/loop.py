@@ -136,7 +136,7 @@ class Trainer:
                     bar.write(f"step {s + 1}: source {source} starts epoch {epoch} (a new order of its sequences)")
             n = s + 1
             eval_due = _due(n, self.loop.eval_every, self.loop.steps) and self.held_out is not None
-            ckpt_due = _due(n, self.loop.ckpt_every, self.loop.steps)
+            ckpt_due = _due(n, self.loop.ckpt_every, self.loop.steps) and (n < self.loop.steps or self.loop.final_ckpt)
             self.stopped_by = signals.agreed() if signals is not None else None  # every rank, the same step
             ckpt_due = ckpt_due or self.stopped_by is not None
             if not (eval_due or ckpt_due or _due(n, self.loop.log_every, self.loop.steps)):
