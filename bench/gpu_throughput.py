@@ -15,9 +15,9 @@ contestant), peak allocated memory over the timed steps (after warm-up, as the t
 On a CPU (`--device cpu --quick`, a smoke run) the compiled contestants are skipped unless
 --compile-on-cpu, and the peak is a measured fp32 matmul rate.
 
-Goals on one H100 (989 TFLOP/s dense bf16): shoal >= 1.0x the compiled loop's tokens/s at both
-shapes; MFU >= 55% at 1.9b; shoal's peak memory <= the compiled loop's + 5%; ac=selective >= 0.8x
-ac=none.
+Goals on one H100 or H200 (989 TFLOP/s dense bf16): shoal >= 1.0x the compiled loop's tokens/s at 85m
+and >= 1.05x at 1.9b; MFU >= 55% at 1.9b; shoal's peak memory <= the compiled loop's + 5%;
+ac=selective >= 0.85x ac=none.
 
     pip install --no-deps --no-build-isolation -e .
     python bench/gpu_throughput.py [--shapes 85m,1.9b] [--only shoal,loop-compiled] [--steps 10] [--repeats 5]
@@ -64,9 +64,6 @@ class Shape:
         return get_preset(self.preset).with_overrides(list(self.overrides))
 
 
-# The trainer always saves a checkpoint at its last step (`--ckpt-every 0` only stops the periodic ones):
-# at 1.9b that is ~23 GB of weights and AdamW state written to a temporary folder after the timed
-# steps. It costs the bench wall time, not a figure, and needs that much free disk.
 SHAPES = {
     "85m": Shape("tiny", ("num_layers=12", "dim=768", "num_heads=12", "num_kv_heads=12", "ffn_dim=2048",
                           "vocab_size=256", "max_seq_len=1024"), batch=16, seq_len=1024),
@@ -88,10 +85,11 @@ RATIOS = {  # key -> (numerator, denominator, quantity)
     "compile=on / compile=off tokens/s": ("shoal", "shoal-compile-off", "tokens_per_s"),
 }
 GOALS = [  # (figure: a ratio key or "shoal MFU", bound, True: at least / False: at most, shapes or None: all)
-    ("shoal / loop-compiled tokens/s", 1.0, True, None),
+    ("shoal / loop-compiled tokens/s", 1.0, True, ("85m", "quick")),
+    ("shoal / loop-compiled tokens/s", 1.05, True, ("1.9b",)),
     ("shoal MFU", 0.55, True, ("1.9b",)),
     ("shoal / loop-compiled peak memory", 1.05, False, None),
-    ("ac=selective / ac=none tokens/s", 0.8, True, None),
+    ("ac=selective / ac=none tokens/s", 0.85, True, None),
 ]
 
 
@@ -163,7 +161,8 @@ def trainer(name: str, shape: Shape, device: str, steps: int, repeats: int) -> d
         _run([sys.executable, "-m", "shoal", "train", "--nproc", "1", "--device", device, "--model", shape.preset,
               *sets, "--global-batch", str(shape.batch), "--seq-len", str(shape.seq_len),
               "--steps", str((warm_windows + repeats) * steps), "--log-every", str(steps), "--eval-every", "0",
-              "--eval-batches", "1", "--ckpt-every", "0", "--out", out, "--plan", SHOAL_PLANS[name]])
+              "--eval-batches", "1", "--ckpt-every", "0", "--final-ckpt", "off", "--out", out,
+              "--plan", SHOAL_PLANS[name]])
         records = read_metrics(Path(out) / METRICS)[warm_windows * steps:]
     return {"tokens_per_s": [r["tokens_per_s"] for r in records[::steps]],
             "peak_mb": max(r["mem_peak_mb"] for r in records)}

@@ -50,10 +50,10 @@ PARTS = [  # most likely to fail first (GPU code paths that have never run), the
     Part("calibrate", 170, "CUDA calibration (GEMMs and attention of training shapes, memory bandwidth) written "
          "as a cluster profile for this device kind; one-GPU predictions against measured runs",
          "calibrate_cuda:part"),
-    Part("throughput-85m", 300, "bench/gpu_throughput.py at the 85M shape with its goals",
+    Part("throughput-85m", 240, "bench/gpu_throughput.py at the 85M shape with its goals",
          "parts_train:throughput:85m"),
-    Part("throughput-1.9b", 470, "bench/gpu_throughput.py at the 1.9B shape with its goals (a call of its own)",
-         "parts_train:throughput:1.9b"),
+    Part("throughput-1.9b", 240, "bench/gpu_throughput.py at the 1.9B shape with its goals (both throughput parts "
+         "fit one call's --budget)", "parts_train:throughput:1.9b"),
 ]
 BY_NAME = {p.name: p for p in PARTS}
 CALL_BUDGET_S = 480
