@@ -161,6 +161,8 @@ def block_compute(seq_len: int, *, cp: int = 2, heads: int, head_dim: int, dtype
     q, k, v, do = (torch.randn(batch, heads, seq_len, head_dim, dtype=dtype, device=device) for _ in range(4))
     local = [positions(seq_len, r, cp).to(device) for r in range(cp)]
     parts = {r: [t[:, :, local[r]].contiguous() for t in (q, k, v, do)] for r in range(cp)}
+    rank_major = torch.cat([positions(2 * cp, r, cp) for r in range(cp)]).to(device)  # ContextSplit.chunk_orders
+    orders = (rank_major, torch.argsort(rank_major))
 
     def sdpa(rank: int) -> None:
         qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
@@ -172,7 +174,7 @@ def block_compute(seq_len: int, *, cp: int = 2, heads: int, head_dim: int, dtype
 
     def a2a(rank: int) -> None:
         ql, kl, vl = (t.detach().requires_grad_() for t in parts[rank][:3])
-        head_scatter_attention(ql, kl, vl, cp=cp, balanced=True, exchange=lambda x: x).backward(parts[rank][3])
+        head_scatter_attention(ql, kl, vl, cp=cp, orders=orders, exchange=lambda x: x).backward(parts[rank][3])
 
     def sync() -> None:
         if device == "cuda":

@@ -11,12 +11,13 @@ sequence and nothing else.
   block to the next rank and receives the previous one's, P-1 times, merging the partial results
   with an online (log-sum-exp) softmax: no rank holds the full K/V or any T x T scores. Backward
   passes K/V around the ring again, with their gradients travelling along. Chunk pairs that the
-  causal mask hides entirely are skipped. On CPU each block runs torch's flash kernel (which
-  returns the log-sum-exp the merge needs, and whose backward given the merged statistics is
-  exactly the block's share); elsewhere the plain formulas, with C x C scores per block. torch's
-  experimental `context_parallel` does not run
-  on CPU (no sharding strategy for the CPU attention kernel), hence this small autograd function
-  over point-to-point sends.
+  causal mask hides are skipped, and the visible ones of a held block go to one kernel call (a
+  causal one on the rank's own block, an unmasked rectangle on the others). Each call is one of
+  torch's fused kernels that return the log-sum-exp the merge needs (CPU flash; CUDA flash or
+  memory-efficient), forward and backward, in the inputs' dtype: the backward given the merged
+  statistics is exactly the block's share. The merge and the gradient sums are fp32. torch's
+  experimental `context_parallel` does not run on CPU (no sharding strategy for the CPU attention
+  kernel), hence this small autograd function over point-to-point sends.
 - cp_mode=a2a (DeepSpeed-Ulysses): an all-to-all turns (all heads, T/P tokens) into (H/P heads,
   all T tokens), attention runs on whole sequences, and a second all-to-all turns it back.
 
@@ -73,6 +74,12 @@ class ContextSplit:
         """Every rank's positions, rank after rank: the global position of each gathered token."""
         return self._cached("order", seq_len, device)
 
+    def chunk_orders(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sequence's chunks in rank-major order, its inverse permutation), on `device`: the
+        positions of a sequence one token per chunk long."""
+        chunks = 2 * self.cp if self.balanced else self.cp
+        return self._cached("order", chunks, device), self._cached("inverse", chunks, device)
+
     def _cached(self, kind: str, seq_len: int, device: torch.device) -> torch.Tensor:
         # Built once per length and device: the RoPE hook asks in every layer of every forward,
         # and a fresh host-to-device copy there would make the host wait for the GPU.
@@ -80,7 +87,7 @@ class ContextSplit:
         if key not in self._indices:
             ranks = [self.rank] if kind == "mine" else range(self.cp)
             index = torch.cat([positions(seq_len, r, self.cp, balanced=self.balanced) for r in ranks])
-            self._indices[key] = index.to(device)
+            self._indices[key] = (torch.argsort(index) if kind == "inverse" else index).to(device)
         return self._indices[key]
 
     def split(self, x_BT: torch.Tensor) -> torch.Tensor:
@@ -358,26 +365,28 @@ def _pass_on(x: torch.Tensor, split: ContextSplit):
 # ----------------------------------------------------------------------------- head scatter
 
 
-@torch._dynamo.disable
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *,
                   split: ContextSplit) -> torch.Tensor:
     """Ulysses: (all heads, local tokens) -> (heads / cp, all tokens), whole-sequence causal
     attention, and back; each all-to-all is differentiable (torch's functional collectives). cp divides
-    the heads (shoal.rules refuses cp_mode=a2a otherwise). At cp=1 it is SDPA itself."""
+    the heads (shoal.rules refuses cp_mode=a2a otherwise). At cp=1 it is SDPA itself. It compiles
+    into a block's graph (torch's functional collectives trace)."""
     if split.cp == 1:
         return causal_attention(q, k, v, dropout_p)
-    return head_scatter_attention(q, k, v, dropout_p, cp=split.cp, balanced=split.balanced,
+    return head_scatter_attention(q, k, v, dropout_p, cp=split.cp, orders=split.chunk_orders(q.device),
                                   exchange=functools.partial(_all_to_all, group=split.group))
 
 
 def head_scatter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *, cp: int,
-                           balanced: bool, exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """a2a attention with `exchange` as the all-to-all (over dim 0, one slice per rank): q, k and v
-    travel in one all-to-all; each side of it costs one copy, forward and backward."""
+                           orders: tuple[torch.Tensor, torch.Tensor],
+                           exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """a2a attention with `exchange` as the all-to-all (over dim 0, one slice per rank) and `orders`
+    ContextSplit.chunk_orders: q, k and v travel in one all-to-all; each side of it costs one copy,
+    forward and backward."""
     B, H, T, E = q.shape
     assert H % cp == 0, f"cp_mode=a2a scatters {H} heads over cp={cp}"
-    n = len(chunks_of(0, cp, balanced=balanced))
-    rank_major, in_order = _chunk_orders(cp, balanced, q.device)
+    rank_major, in_order = orders
+    n = len(rank_major) // cp  # chunks per rank
     # (B, H, T, E) -> (cp, n, 3, B, H/cp, C, E): [r] goes to rank r (its heads), [., j] is local chunk j.
     send = torch.stack([t.unflatten(1, (cp, H // cp)).unflatten(3, (n, T // n)).permute(1, 3, 0, 2, 4, 5)
                         for t in (q, k, v)], dim=2)
@@ -389,14 +398,6 @@ def head_scatter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dr
     back = exchange(_MoveAndReorder.apply(y.unflatten(2, (cp * n, T // n)), 2, 0, rank_major, in_order))
     # (cp, n, B, H/cp, C, E) -> (B, T, H, E) in memory, returned as (B, H, T, E): the layout SDPA gives.
     return back.unflatten(0, (cp, n)).permute(2, 1, 4, 0, 3, 5).reshape(B, T, H, E).transpose(1, 2)
-
-
-@functools.cache
-def _chunk_orders(cp: int, balanced: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the sequence's chunks in rank-major order, the inverse permutation: rank_major[in_order[c]] == c),
-    built once per device (a host-to-device copy per call would make the host wait for the GPU)."""
-    rank_major = torch.tensor([c for r in range(cp) for c in chunks_of(r, cp, balanced=balanced)])
-    return rank_major.to(device), torch.argsort(rank_major).to(device)
 
 
 def _all_to_all(x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
