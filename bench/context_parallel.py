@@ -152,11 +152,14 @@ def balance(seq_len: int, cp: int, balanced: bool, repeats: int = 5) -> dict[str
 
 
 def block_compute(seq_len: int, *, cp: int = 2, heads: int, head_dim: int, dtype: torch.dtype, repeats: int,
-                  batch: int = 1, device: str = "cpu") -> dict[str, dict[str, float]]:
+                  batch: int = 1, device: str = "cpu",
+                  clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[str, float]]:
     """Forward + backward seconds of SDPA over whole sequences against the same work split cp ways
     without communication: the ring's blocks (`ring_rank`) and a2a's local work (the layout copies
     and SDPA over heads / cp, the all-to-all an identity), each summed over the cp ranks; interleaved
-    repeat by repeat (SDPA, ring, a2a, ...), one warm-up round."""
+    repeat by repeat (SDPA, ring, a2a, ...), one warm-up round. `clock`: wall time, or
+    time.thread_time (this thread's CPU time: one thread does all the work, and other processes'
+    load does not count)."""
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(batch, heads, seq_len, head_dim, dtype=dtype, device=device) for _ in range(4))
     local = [positions(seq_len, r, cp).to(device) for r in range(cp)]
@@ -186,22 +189,22 @@ def block_compute(seq_len: int, *, cp: int = 2, heads: int, head_dim: int, dtype
             total = 0.0
             for rank in range(1 if name == "sdpa" else cp):
                 sync()
-                start = time.perf_counter()
+                start = clock()
                 fn(rank)
                 sync()
-                total += time.perf_counter() - start
+                total += clock() - start
             if i:
                 samples[name].append(total)
     return {name: summarize(s) for name, s in samples.items()}
 
 
-def block_rows(seq_len: int, repeats: int) -> list[dict]:
+def block_rows(seq_len: int, repeats: int, clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     """`block_compute` at cp=2 in fp32 and bf16, at the bench model's head shape and at head dim 64."""
     rows = []
     for heads, head_dim in ((MODEL.num_heads, MODEL.head_dim), (8, 64)):
         for dtype in (torch.float32, torch.bfloat16):
             print(f"blocks: H={heads} E={head_dim} {dtype} ...", flush=True)
-            t = block_compute(seq_len, heads=heads, head_dim=head_dim, dtype=dtype, repeats=repeats)
+            t = block_compute(seq_len, heads=heads, head_dim=head_dim, dtype=dtype, repeats=repeats, clock=clock)
             row: dict = {"config": f"cp2 blocks / SDPA, T={seq_len} H={heads} E={head_dim} {str(dtype)[6:]}"}
             for name in ("ring", "a2a"):
                 row[f"{name} / sdpa"] = t[name]["median"] / t["sdpa"]["median"]
@@ -229,13 +232,17 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,2048,4096,8192")
     parser.add_argument("--budget-mib", type=float, default=48.0)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--blocks-only", action="store_true", help="only part 4 (one process, a minute or two)")
+    parser.add_argument("--blocks-only", action="store_true", help="only part 4 (one process, a few minutes)")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="part 4 timed in this thread's CPU time rather than wall time (a loaded machine)")
     args = parser.parse_args()
     lengths = [int(t) for t in args.lengths.split(",")]
     torch.set_num_threads(1)  # as every rank of the launched parts runs
+    clock = time.thread_time if args.cpu_clock else time.perf_counter
     if args.blocks_only:
-        report("context_parallel_blocks", block_rows(lengths[-2], args.repeats),
-               notes="sums over the cp ranks of each rank's time, one thread; ratio of medians")
+        report("context_parallel_blocks", block_rows(lengths[-2], args.repeats, clock),
+               notes=f"sums over the cp ranks of each rank's time ({'thread CPU' if args.cpu_clock else 'wall'}), "
+                     "one thread; ratio of medians")
         return
 
     rows = memory_table(lengths, args.budget_mib)
@@ -253,7 +260,7 @@ def main() -> None:
                  "ratio": modes["ring"]["median"] / modes["a2a"]["median"],
                  **{f"{m} s [min-max]": f"{modes[m]['median']:.3f} [{modes[m]['min']:.3f}-{modes[m]['max']:.3f}]"
                     for m in ("ring", "a2a")}})
-    rows += block_rows(lengths[-2], args.repeats)
+    rows += block_rows(lengths[-2], args.repeats, clock)
     report("context_parallel", rows, notes="kept bytes are exact; transient is the resident-set peak above the "
            "level before the step (machine-dependent); the highest rank counts")
 
