@@ -279,8 +279,8 @@ def _pair(q_chunk: int, k_chunk: int, causal: bool) -> str:
 def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
     """Which kernel a block runs: "cpu" (torch's CPU flash kernel), "flash" or "efficient" (torch's CUDA
     kernels, in SDPA's order of preference, where they take the shape and dtype), else "plain" (the
-    formulas, C x C scores). cuDNN's kernel is not asked: its log-sum-exp layout differs between
-    its forward and backward ops across torch versions."""
+    formulas, C x C scores). cuDNN's kernel is not asked: the layout of the log-sum-exp its
+    backward takes has changed between torch versions."""
     if not FUSED:
         return "plain"
     if q.device.type == "cpu":
