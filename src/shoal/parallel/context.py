@@ -11,12 +11,13 @@ sequence and nothing else.
   block to the next rank and receives the previous one's, P-1 times, merging the partial results
   with an online (log-sum-exp) softmax: no rank holds the full K/V or any T x T scores. Backward
   passes K/V around the ring again, with their gradients travelling along. Chunk pairs that the
-  causal mask hides entirely are skipped. On CPU each block runs torch's flash kernel (which
-  returns the log-sum-exp the merge needs, and whose backward given the merged statistics is
-  exactly the block's share); elsewhere the plain formulas, with C x C scores per block. torch's
-  experimental `context_parallel` does not run
-  on CPU (no sharding strategy for the CPU attention kernel), hence this small autograd function
-  over point-to-point sends.
+  causal mask hides are skipped, and the visible ones of a held block go to one kernel call (a
+  causal one on the rank's own block, an unmasked rectangle on the others). Each call is one of
+  torch's fused kernels that return the log-sum-exp the merge needs (CPU flash; CUDA flash or
+  memory-efficient), forward and backward, in the inputs' dtype: the backward given the merged
+  statistics is exactly the block's share. The merge and the gradient sums are fp32. torch's
+  experimental `context_parallel` does not run on CPU (no sharding strategy for the CPU attention
+  kernel), hence this small autograd function over point-to-point sends.
 - cp_mode=a2a (DeepSpeed-Ulysses): an all-to-all turns (all heads, T/P tokens) into (H/P heads,
   all T tokens), attention runs on whole sequences, and a second all-to-all turns it back.
 
@@ -26,10 +27,12 @@ Shape legend: B batch, H heads, T tokens (local unless said), E head dim, C chun
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -37,8 +40,10 @@ from torch.distributed.tensor import DTensor
 from shoal.models.adapter import adapter_with
 from shoal.models.transformer import causal_attention
 
-CPU_FLASH = True
-"""Blocks on CPU through torch's flash kernel (False: the plain formulas GPUs use here; tests run both)."""
+FUSED = True
+"""The ring's blocks through torch's fused kernels (False: the plain formulas, C x C scores; tests run both)."""
+
+aten = torch.ops.aten
 
 
 def chunks_of(rank: int, cp: int, *, balanced: bool = True) -> list[int]:
@@ -69,6 +74,12 @@ class ContextSplit:
         """Every rank's positions, rank after rank: the global position of each gathered token."""
         return self._cached("order", seq_len, device)
 
+    def chunk_orders(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sequence's chunks in rank-major order, its inverse permutation), on `device`: the
+        positions of a sequence one token per chunk long."""
+        chunks = 2 * self.cp if self.balanced else self.cp
+        return self._cached("order", chunks, device), self._cached("inverse", chunks, device)
+
     def _cached(self, kind: str, seq_len: int, device: torch.device) -> torch.Tensor:
         # Built once per length and device: the RoPE hook asks in every layer of every forward,
         # and a fresh host-to-device copy there would make the host wait for the GPU.
@@ -76,7 +87,7 @@ class ContextSplit:
         if key not in self._indices:
             ranks = [self.rank] if kind == "mine" else range(self.cp)
             index = torch.cat([positions(seq_len, r, self.cp, balanced=self.balanced) for r in ranks])
-            self._indices[key] = index.to(device)
+            self._indices[key] = (torch.argsort(index) if kind == "inverse" else index).to(device)
         return self._indices[key]
 
     def split(self, x_BT: torch.Tensor) -> torch.Tensor:
@@ -134,9 +145,12 @@ def _rope_at_positions(module: nn.Module, args: tuple, *, split: ContextSplit, a
 @torch._dynamo.disable  # point-to-point sends inside: never traced into a compiled block
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *,
                    split: ContextSplit, causal: bool = True) -> torch.Tensor:
-    """Attention of this rank's queries over every rank's keys and values, (B, H, T, E) each; no
-    attention dropout (shoal.rules refuses cp with it)."""
+    """Attention of this rank's queries over every rank's keys and values, (B, H, T, E) each, in
+    their dtype (the merge of partial results in fp32); no attention dropout (shoal.rules refuses cp
+    with it). At cp=1 it is SDPA itself."""
     assert not dropout_p, f"attention dropout {dropout_p} under context parallelism"
+    if split.cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return _Ring.apply(q, k, v, split, causal)
 
 
@@ -145,22 +159,19 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, split: ContextSplit, causal: bool):
         scale = q.shape[-1] ** -0.5
         mine = chunks_of(split.rank, split.cp, balanced=split.balanced)
-        qs = _chunks(q.float(), len(mine))
-        out = [torch.zeros_like(c) for c in qs]
-        lse = [torch.full(c.shape[:-1], -torch.inf, dtype=c.dtype, device=c.device) for c in qs]
-        kv = torch.stack((k, v))
+        out = lse = None
+        kv = torch.stack((k, v))  # one buffer travels the ring
         for step in range(split.cp):
-            source = (split.rank - step) % split.cp
             pending = _pass_on(kv, split) if step < split.cp - 1 else None  # overlaps the blocks below
-            ks, vs = _chunks(kv[0].float(), len(mine)), _chunks(kv[1].float(), len(mine))
-            theirs = chunks_of(source, split.cp, balanced=split.balanced)
-            attend_blocks(qs, ks, vs, mine, theirs, out, lse, causal=causal, scale=scale)
+            theirs = chunks_of((split.rank - step) % split.cp, split.cp, balanced=split.balanced)
+            out, lse = attend_blocks(q, kv[0], kv[1], mine, theirs, out, lse, causal=causal, scale=scale)
             if pending is not None:
                 kv = pending()
-        out_t, lse_t = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out_t, lse_t)
+        assert out is not None and lse is not None
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.split, ctx.causal = split, causal
-        return out_t.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -168,61 +179,94 @@ class _Ring(torch.autograd.Function):
         split, causal = ctx.split, ctx.causal
         scale = q.shape[-1] ** -0.5
         mine = chunks_of(split.rank, split.cp, balanced=split.balanced)
-        n = len(mine)
-        qs, dos, lses, outs = _chunks(q.float(), n), _chunks(grad_out.float(), n), _chunks(lse, n), _chunks(out, n)
-        deltas = _chunks((grad_out.float() * out).sum(-1), n)  # rowsum(dO * O), per query
-        dq = [torch.zeros_like(c) for c in qs]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         # K and V travel around the ring as in forward, the next block on its way while this one's
-        # gradients are computed. The gradient accumulator of the block held travels one step
+        # gradients are computed. The fp32 gradient accumulator of the block held travels one step
         # behind: it arrives from the previous rank (its share added) while this rank computes its
         # own share, is added to, and sent on; after P steps one more pass brings it home.
-        kv = torch.stack((k, v)).float()
-        acc_pending = None
+        kv = torch.stack((k, v))
+        held = None
         for step in range(split.cp):
-            source = (split.rank - step) % split.cp
             kv_pending = _pass_on(kv, split) if step < split.cp - 1 else None
-            ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
-            mine_grads = torch.zeros_like(kv)  # this rank's share of the held block's dK, dV
-            dks, dvs = _chunks(mine_grads[0], n), _chunks(mine_grads[1], n)
-            theirs = chunks_of(source, split.cp, balanced=split.balanced)
-            for a, qa in enumerate(qs):
-                for b, kb in enumerate(ks):
-                    pair = _pair(mine[a], theirs[b], causal)
-                    if pair == "hidden":
-                        continue
-                    g = _block_backward(dos[a], qa, kb, vs[b], outs[a], lses[a], deltas[a],
-                                        diagonal=pair == "diagonal", scale=scale)
-                    dq[a] += g[0]
-                    dks[b] += g[1]
-                    dvs[b] += g[2]
-            acc = mine_grads if acc_pending is None else acc_pending().add_(mine_grads)
-            acc_pending = _pass_on(acc, split)
+            theirs = chunks_of((split.rank - step) % split.cp, split.cp, balanced=split.balanced)
+            parts = block_grads(grad_out, q, kv[0], kv[1], out, lse, mine, theirs, causal=causal, scale=scale)
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if held is None else held()
+            add_grads(parts, dq, dkv[0], dkv[1])
+            held = _pass_on(dkv, split)
             if kv_pending is not None:
                 kv = kv_pending()
-        assert acc_pending is not None
-        dk, dv = acc_pending()
-        return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        assert held is not None
+        dk, dv = held()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def attend_blocks(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], mine: list[int],
-                  theirs: list[int], out: list[torch.Tensor], lse: list[torch.Tensor], *, causal: bool,
-                  scale: float) -> None:
-    """Merge one key/value block (chunks `theirs`) into the running outputs and log-sum-exps of
-    the query chunks `mine`, in place (online softmax); chunk pairs the causal mask hides are skipped."""
-    for a, qa in enumerate(qs):
-        for b, kb in enumerate(ks):
-            pair = _pair(mine[a], theirs[b], causal)
-            if pair == "hidden":
-                continue
-            block_out, block_lse = _block_forward(qa, kb, vs[b], diagonal=pair == "diagonal", scale=scale)
-            new = torch.logaddexp(lse[a], block_lse)
-            out[a] = out[a] * torch.exp(lse[a] - new)[..., None] + block_out * torch.exp(block_lse - new)[..., None]
-            lse[a] = new
+Part = tuple[slice, slice, torch.Tensor, torch.Tensor, torch.Tensor]
+"""One kernel call's gradients: (query rows, key rows, dq, dk, dv) of those rows."""
 
 
-def _chunks(x: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """Views of the sequence dimension (2) in `n` equal chunks (the chunks this rank holds)."""
-    return list(x.chunk(n, dim=2))
+def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mine: list[int], theirs: list[int],
+                  out: torch.Tensor | None, lse: torch.Tensor | None, *, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge one key/value block (chunks `theirs`) into the running output and log-sum-exp of the
+    queries (chunks `mine`): (out, lse), both None before the first block, which must reach every
+    query (a rank's own block does). The kernels run in the inputs' dtype; the merge is in fp32."""
+    for rows, cols, diagonal in _calls(mine, theirs, causal, q.shape[2] // len(mine)):
+        block_out, block_lse = _block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal=diagonal,
+                                              scale=scale)
+        if out is None or lse is None:
+            assert rows == slice(0, q.shape[2]), "the first block reaches every query"
+            out, lse = block_out, block_lse.float()
+            continue
+        out = out.float()  # a no-op after the first merge
+        # The block's weight in the merged softmax is sigmoid(block_lse - lse); logaddexp as lse - logsigmoid.
+        out[:, :, rows].lerp_(block_out.float(), torch.sigmoid(block_lse - lse[:, :, rows])[..., None])
+        lse[:, :, rows] -= F.logsigmoid(lse[:, :, rows] - block_lse)
+    assert out is not None and lse is not None
+    return out, lse
+
+
+def block_grads(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, mine: list[int], theirs: list[int], *, causal: bool, scale: float) -> list[Part]:
+    """The gradients of the queries (chunks `mine`) and of one key/value block (chunks `theirs`),
+    given the merged output and log-sum-exp: the fused backward with the global softmax statistics
+    gives exactly the block's share."""
+    parts = []
+    for rows, cols, diagonal in _calls(mine, theirs, causal, q.shape[2] // len(mine)):
+        grads = _block_backward(do[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
+                                lse[:, :, rows].contiguous(), causal=diagonal, scale=scale)
+        parts.append((rows, cols, *grads))
+    return parts
+
+
+def add_grads(parts: list[Part], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Add `parts` into the fp32 accumulators, in place."""
+    for rows, cols, gq, gk, gv in parts:
+        dq[:, :, rows] += gq
+        dk[:, :, cols] += gk
+        dv[:, :, cols] += gv
+
+
+def _calls(mine: list[int], theirs: list[int], causal: bool, chunk: int) -> list[tuple[slice, slice, bool]]:
+    """The kernel calls one key/value block takes: (query rows, key rows, causal), in local token
+    order. The chunk pairs the mask leaves visible go in one call wherever they can, as they always
+    do for the zig-zag and plain splits: a causal call when both sides hold the same ascending
+    chunks (the mask over their concatenation is the causal one), else one unmasked rectangle; any
+    other pattern takes a call per pair."""
+    def span(c: int, n: int = 1) -> slice:
+        return slice(c * chunk, (c + n) * chunk)
+
+    if causal and mine == theirs == sorted(mine):
+        return [(span(0, len(mine)), span(0, len(mine)), True)]
+    seen = [(a, b, _pair(ca, cb, causal)) for a, ca in enumerate(mine) for b, cb in enumerate(theirs)
+            if _pair(ca, cb, causal) != "hidden"]
+    if not seen:
+        return []
+    rows, cols = sorted({a for a, _, _ in seen}), sorted({b for _, b, _ in seen})
+    rectangle = (len(seen) == len(rows) * len(cols) and all(p == "visible" for _, _, p in seen)
+                 and rows == list(range(rows[0], rows[-1] + 1)) and cols == list(range(cols[0], cols[-1] + 1)))
+    if rectangle:
+        return [(span(rows[0], len(rows)), span(cols[0], len(cols)), False)]
+    return [(span(a), span(b), p == "diagonal") for a, b, p in seen]
 
 
 def _pair(q_chunk: int, k_chunk: int, causal: bool) -> str:
@@ -232,33 +276,72 @@ def _pair(q_chunk: int, k_chunk: int, causal: bool) -> str:
     return "hidden" if k_chunk > q_chunk else "diagonal"
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, diagonal: bool,
+def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
+    """Which kernel a block runs: "cpu" (torch's CPU flash kernel), "flash" or "efficient" (torch's CUDA
+    kernels, in SDPA's order of preference, where they take the shape and dtype), else "plain" (the
+    formulas, C x C scores). cuDNN's kernel is not asked: the layout of the log-sum-exp its
+    backward takes has changed between torch versions."""
+    if not FUSED:
+        return "plain"
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type == "cuda":
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, False)
+        if torch.backends.cuda.can_use_flash_attention(params):
+            return "flash"
+        if torch.backends.cuda.can_use_efficient_attention(params):
+            return "efficient"
+    return "plain"
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, log-sum-exp) of one block. On CPU torch's flash kernel, which returns the
-    log-sum-exp (never a C x C score matrix); elsewhere the plain formulas (C x C scores)."""
-    if q.device.type == "cpu" and CPU_FLASH:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, scale=scale)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if diagonal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), -torch.inf)
+    """(output, fp32 log-sum-exp (B, H, Tq)) of one block; `causal` only on a square block."""
+    kernel = _kernel(q, k, v, causal)
+    if kernel == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if kernel == "flash":
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    if kernel == "efficient":  # its log-sum-exp comes padded to a multiple of 32 queries
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        return out, lse[..., :q.shape[2]]
+    s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse[..., None]) @ v, lse
+    return torch.exp(s - lse[..., None]) @ v.float(), lse
 
 
 def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, *, diagonal: bool,
+                    lse: torch.Tensor, *, causal: bool,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's (dq, dk, dv) given the *merged* output and log-sum-exp of the queries: the
-    flash backward with the global softmax statistics gives exactly this block's share."""
-    if q.device.type == "cpu" and CPU_FLASH:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, diagonal, scale=scale)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if diagonal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), -torch.inf)
+    """One block's (dq, dk, dv) given the merged output and log-sum-exp of its queries."""
+    kernel = _kernel(q, k, v, causal)
+    if kernel == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, causal,
+                                                                        scale=scale)
+    # No dropout: the kernels never read their random-number state.
+    no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
+    if kernel == "flash":
+        return aten._scaled_dot_product_flash_attention_backward(do, q, k, v, out, lse, None, None, q.shape[2],
+                                                                 k.shape[2], 0.0, causal, no_rng, no_rng,
+                                                                 scale=scale)
+    if kernel == "efficient":  # reads the log-sum-exp through its strides: unpadded is fine
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale)
+        return dq, dk, dv
+    s = _scores(q, k, causal, scale)
+    do = do.float()
     p = torch.exp(s - lse[..., None])
-    ds = p * (do @ v.transpose(-1, -2) - delta[..., None])
-    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ do
+    ds = p * (do @ v.float().transpose(-1, -2) - (do * out.float()).sum(-1, keepdim=True))
+    return (ds @ k.float()) * scale, (ds.transpose(-1, -2) @ q.float()) * scale, p.transpose(-1, -2) @ do
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """The plain formulas' fp32 scores of one block, the causal mask applied."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), -torch.inf)
+    return s
 
 
 def _pass_on(x: torch.Tensor, split: ContextSplit):
@@ -282,35 +365,55 @@ def _pass_on(x: torch.Tensor, split: ContextSplit):
 # ----------------------------------------------------------------------------- head scatter
 
 
-@torch._dynamo.disable
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *,
                   split: ContextSplit) -> torch.Tensor:
     """Ulysses: (all heads, local tokens) -> (heads / cp, all tokens), whole-sequence causal
     attention, and back; each all-to-all is differentiable (torch's functional collectives). cp divides
-    the heads (shoal.rules refuses cp_mode=a2a otherwise)."""
-    cp = split.cp
-    assert q.shape[1] % cp == 0, f"cp_mode=a2a scatters {q.shape[1]} heads over cp={cp}"
-    seq_len = q.shape[2] * cp
-    order = split.rank_order(seq_len, q.device)
-    to_global = torch.argsort(order)  # gathered (rank-major) order -> position order
-    qh, kh, vh = (_heads_to_sequence(t, split, to_global) for t in (q, k, v))
-    y = causal_attention(qh, kh, vh, dropout_p)
-    return _sequence_to_heads(y, split, order)
+    the heads (shoal.rules refuses cp_mode=a2a otherwise). At cp=1 it is SDPA itself. It compiles
+    into a block's graph (torch's functional collectives trace)."""
+    if split.cp == 1:
+        return causal_attention(q, k, v, dropout_p)
+    return head_scatter_attention(q, k, v, dropout_p, cp=split.cp, orders=split.chunk_orders(q.device),
+                                  exchange=functools.partial(_all_to_all, group=split.group))
 
 
-def _heads_to_sequence(x_BHTE: torch.Tensor, split: ContextSplit, to_global: torch.Tensor) -> torch.Tensor:
-    B, H, T, E = x_BHTE.shape
-    cp = split.cp
-    send = x_BHTE.reshape(B, cp, H // cp, T, E).transpose(0, 1).contiguous()  # (cp, B, H/cp, T, E)
-    got = funcol.all_to_all_single_autograd(send, None, None, split.group)  # [r]: rank r's tokens
-    whole = got.permute(1, 2, 0, 3, 4).reshape(B, H // cp, cp * T, E)  # rank-major token order
-    return whole.index_select(2, to_global)
+def head_scatter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *, cp: int,
+                           orders: tuple[torch.Tensor, torch.Tensor],
+                           exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """a2a attention with `exchange` as the all-to-all (over dim 0, one slice per rank) and `orders`
+    ContextSplit.chunk_orders: q, k and v travel in one all-to-all; each side of it costs one copy,
+    forward and backward."""
+    B, H, T, E = q.shape
+    assert H % cp == 0, f"cp_mode=a2a scatters {H} heads over cp={cp}"
+    rank_major, in_order = orders
+    n = len(rank_major) // cp  # chunks per rank
+    # (B, H, T, E) -> (cp, n, 3, B, H/cp, C, E): [r] goes to rank r (its heads), [., j] is local chunk j.
+    send = torch.stack([t.unflatten(1, (cp, H // cp)).unflatten(3, (n, T // n)).permute(1, 3, 0, 2, 4, 5)
+                        for t in (q, k, v)], dim=2)
+    got = exchange(send).flatten(0, 1)  # (cp * n, 3, B, H/cp, C, E), chunks in rank-major order
+    whole = _MoveAndReorder.apply(got, 0, 3, in_order, rank_major)  # (3, B, H/cp, 2P chunks, C, E)
+    qh, kh, vh = whole.flatten(3, 4).unbind(0)
+    y = causal_attention(qh, kh, vh, dropout_p)  # (B, H/cp, T * cp, E)
+    # Back: (cp * n, B, H/cp, C, E) in rank-major chunk order, [r] to rank r; from rank r come its heads.
+    back = exchange(_MoveAndReorder.apply(y.unflatten(2, (cp * n, T // n)), 2, 0, rank_major, in_order))
+    # (cp, n, B, H/cp, C, E) -> (B, T, H, E) in memory, returned as (B, H, T, E): the layout SDPA gives.
+    return back.unflatten(0, (cp, n)).permute(2, 1, 4, 0, 3, 5).reshape(B, T, H, E).transpose(1, 2)
 
 
-def _sequence_to_heads(y_BHTE: torch.Tensor, split: ContextSplit, order: torch.Tensor) -> torch.Tensor:
-    B, Hc, T, E = y_BHTE.shape
-    cp = split.cp
-    ranked = y_BHTE.index_select(2, order).reshape(B, Hc, cp, T // cp, E)
-    send = ranked.permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, H/cp, T/cp, E): [r] goes to rank r
-    got = funcol.all_to_all_single_autograd(send, None, None, split.group)  # [r]: heads of rank r
-    return got.permute(1, 0, 2, 3, 4).reshape(B, cp * Hc, T // cp, E)
+def _all_to_all(x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    return funcol.all_to_all_single_autograd(x, None, None, group)
+
+
+class _MoveAndReorder(torch.autograd.Function):
+    """x with dimension `src` moved to `dst` and its entries taken in `order`
+    (y.select(dst, i) == x.select(src, order[i])), one copy forward and one backward (index_select's
+    own backward adds into zeros); `inverse` is order's inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, x, src: int, dst: int, order: torch.Tensor, inverse: torch.Tensor):
+        ctx.src, ctx.dst, ctx.inverse = src, dst, inverse
+        return x.movedim(src, dst).index_select(dst, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.movedim(ctx.dst, ctx.src).index_select(ctx.src, ctx.inverse), None, None, None, None
