@@ -5,8 +5,9 @@ The planner prices a GPU from a DeviceSpec (shoal.planner.hardware): a matmul ef
 attention efficiency and a memory bandwidth. Here they are measured on this GPU at the shapes a
 training step runs (the projections and FFN of the 85M and 1.9B shapes of bench/gpu_throughput.py,
 forward and the two backward products, each beside what the planner's square-GEMM model says for it;
-square GEMMs give the model's table and its large-GEMM efficiency) and written as a cluster file that
-`shoal plan --cluster FILE.toml` reads: a profile for this device kind only.
+square GEMMs give the model's table and its large-GEMM efficiency), with the host's seconds per op
+(`measure_host`, which the planner compares with the device's time phase by phase), and written as a cluster
+file that `shoal plan --cluster FILE.toml` reads: a profile for this device kind, on a host like this one.
 It is kept out of shoal.calibration.calibrate (the CPU calibration) on purpose: it is a bench-side
 measurement until a GPU run has shown its figures.
 """
@@ -26,6 +27,7 @@ from bench.gpu_check.context import Context
 from bench.gpu_check.parts_kernels import _median_time
 from bench.gpu_check.parts_train import DEFAULT_PLAN, PLAN_MODEL, PLAN_STEPS, planner_cluster, train_plan
 from bench.gpu_check.report import safe_name
+from shoal.planner.hardware import Cluster
 
 # (name, tokens per step, dim, heads, kv heads, head dim, ffn, vocab, batch, seq): the training shapes
 SHAPES = {"85m": (16 * 1024, 768, 12, 12, 64, 2048, 256, 16, 1024),
@@ -73,23 +75,70 @@ def measure_bandwidth(device: str, nbytes: int, repeats: int) -> float:
     return 2 * nbytes / _median_time(lambda: y.copy_(x), device, repeats)
 
 
-HOST_CHAIN = 2000
-"""Ops in the chain that times the host's cost per op: each a kernel on a one-element tensor, so the device waits
-on the host and the chain's time over its length is what one dispatched op costs the host."""
+HOST_LAYERS, HOST_TOKENS = 12, 8
+"""The model whose forward and backward time the host's cost per op: bench/engine_overhead.py's (the tiny preset at
+12 blocks, 8 tokens), whose arithmetic is negligible on any device, so its time is the host's."""
 
 
-def measure_op_overhead(device: str, repeats: int) -> float:
-    """Seconds the host spends per dispatched op (an add on one element, its kernel launch included). Recorded in
-    the profile's JSON, not priced: the planner charges host time on CPUs only (shoal.planner.costs), and whether
-    a GPU's step is host-bound is what this figure and the engine part are to tell."""
-    x = torch.zeros(1, device=device)
+def measure_host(device: str, repeats: int) -> dict[str, float]:
+    """The host's cost per op in the planner's unit (shoal.planner.costs: an op of a block's forward with its
+    backward, OPS_PER_BLOCK of them a block): the median host time of an eager fp32 forward and backward of a deep
+    tiny model over its planner ops (model_ops), and the forward's share of that time (HOST_FORWARD_SHARE's
+    figure). Timing a real model rather than a chain of one op charges what a step's ops cost with the Python
+    around them (module calls, autograd's graph)."""
+    import statistics
+    import time
 
-    def chain() -> None:
-        y = x
-        for _ in range(HOST_CHAIN):
-            y = y + 1
+    from shoal.models import PRESETS, Transformer
+    from shoal.planner.costs import model_ops
 
-    return _median_time(chain, device, repeats) / HOST_CHAIN
+    cfg = PRESETS["tiny"].replace(num_layers=HOST_LAYERS, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (1, HOST_TOKENS), device=device)
+    forward, backward = [], []
+    for i in range(repeats + 2):  # two warm-up passes
+        start = time.perf_counter()
+        loss = model(tokens).float().sum()
+        _sync(device)
+        middle = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        if i >= 2:
+            forward.append(middle - start)
+            backward.append(time.perf_counter() - middle)
+    fwd, bwd = statistics.median(forward), statistics.median(backward)
+    return {"op_overhead": (fwd + bwd) / model_ops(HOST_LAYERS), "forward_share": fwd / (fwd + bwd)}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def calibrated_cluster(base: Cluster, *, device_name: str | None, square: tuple[tuple[int, float], ...],
+                       matmul_efficiency: float, attention_efficiency: float, memory_bw: float,
+                       op_overhead: float) -> Cluster:
+    """`base` with its device's figures replaced by the measured ones (pure: the profile the TOML holds)."""
+    device = dataclasses.replace(base.device, name=f"{base.device.name}-calibrated",
+                                 matmul_efficiency=matmul_efficiency, gemm_square=square,
+                                 sustained_clock=1.0,  # measured: whatever clock it held
+                                 attention_efficiency=attention_efficiency, attention_table=None,  # measured here
+                                 memory_bw=memory_bw, op_overhead=op_overhead,
+                                 source=f"bench.gpu_check calibrate on {device_name or 'cpu (dry run)'}, "
+                                        f"{datetime.date.today().isoformat()}")
+    return dataclasses.replace(base, device=device, intra=device.intra, inter=device.inter)
+
+
+def write_profile(out: Path, stem: str, cluster: Cluster, record: dict[str, Any]) -> tuple[Path, Path]:
+    """Write the cluster TOML the planner reads (`shoal plan --cluster FILE.toml`) and the JSON record beside it."""
+    from shoal.planner.cluster_file import dump_cluster
+
+    toml_path, json_path = out / f"{stem}.toml", out / f"{stem}.json"
+    out.mkdir(parents=True, exist_ok=True)
+    toml_path.write_text(dump_cluster(cluster))
+    json_path.write_text(json.dumps(record, indent=1))
+    return toml_path, json_path
 
 
 def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
@@ -123,33 +172,28 @@ def calibrate(ctx: Context, device_name: str | None) -> dict[str, Any]:
         attn_flops += 3 * fwd_flops
         attn_time += 3.5 * fwd_flops / rates["forward_backward"]
     bandwidth = measure_bandwidth(dev, 2**24 if ctx.dry else 2**31, repeats)
-    op_overhead = measure_op_overhead(dev, repeats)
+    host = measure_host(dev, repeats)
     matmul_eff = min(1.0, large / peak)
     attention_eff = min(1.0, attn_flops / attn_time / peak)
-    device = dataclasses.replace(base.device, name=f"{base.device.name}-calibrated", matmul_efficiency=matmul_eff,
-                                 gemm_square=square, sustained_clock=1.0,  # measured: whatever clock it held
-                                 attention_efficiency=attention_eff, attention_table=None,  # measured here
-                                 memory_bw=bandwidth,
-                                 source=f"bench.gpu_check calibrate on {device_name or 'cpu (dry run)'}, "
-                                        f"{datetime.date.today().isoformat()}")
-    cluster = dataclasses.replace(base, device=device, intra=device.intra, inter=device.inter)
+    cluster = calibrated_cluster(base, device_name=device_name, square=square, matmul_efficiency=matmul_eff,
+                                 attention_efficiency=attention_eff, memory_bw=bandwidth,
+                                 op_overhead=host["op_overhead"])
     stem = safe_name(f"cuda-profile-{base.device.name}" + ("-dry-run" if ctx.dry else ""))
-    toml_path, json_path = ctx.out / f"{stem}.toml", ctx.out / f"{stem}.json"
-    ctx.out.mkdir(parents=True, exist_ok=True)
-    toml_path.write_text(dump_cluster(cluster))
     profile = {"device_name": device_name, "device_kind": base.device.name, "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "dry_run": ctx.dry, "matmul_efficiency": matmul_eff, "attention_efficiency": attention_eff,
-               "memory_bw_gbs": bandwidth / 1e9, "host_us_per_op": op_overhead * 1e6,
+               "memory_bw_gbs": bandwidth / 1e9, "host_us_per_op": host["op_overhead"] * 1e6,
+               "host_forward_share": host["forward_share"],
                "gemm_square_tflops": [[s, r / 1e12] for s, r in square],
                "gemms": gemm_rows, "attention": attn_rows}
-    json_path.write_text(json.dumps(profile, indent=1))
+    toml_path, _ = write_profile(ctx.out, stem, cluster, profile)
     ctx.tables["square GEMMs"] = [{"size": size, "tflops": rate / 1e12, "efficiency": rate / peak}
                                   for size, rate in square]
     ctx.tables["GEMMs of training shapes"] = gemm_rows
     ctx.tables["causal attention (SDPA)"] = attn_rows
     ctx.figures.update(matmul_efficiency=matmul_eff, attention_efficiency=attention_eff,
-                       memory_bw_gbs=bandwidth / 1e9, host_us_per_op=op_overhead * 1e6, data_sheet={
+                       memory_bw_gbs=bandwidth / 1e9, host_us_per_op=host["op_overhead"] * 1e6,
+                       host_forward_share=host["forward_share"], data_sheet={
                            "matmul_efficiency": base.device.matmul_efficiency,
                            "attention_efficiency": base.device.attention_efficiency,
                            "memory_bw_gbs": base.device.memory_bw / 1e9}, profile=toml_path.name)

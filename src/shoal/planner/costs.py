@@ -29,6 +29,8 @@ into the dispatcher, views at half (the norms, attention with RoPE and grouped-q
 FFN, the residual adds and dropouts); compiled, the graph's fused kernels and the matmul and
 attention kernels it calls. Counted by shoal.calibration.counts.block_ops on the tiny preset;
 tests/test_planner_counts.py recounts them."""
+HEAD_OPS = 10
+"""Host ops of the embedding, final norm, head and loss, forward with backward, counted as OPS_PER_BLOCK is."""
 DTENSOR_DISPATCHES = {"block": 144, "head": 56}
 """DTensor dispatches of one block's forward and backward under tensor parallelism, and of the
 vocabulary-parallel embedding, head and loss: shoal.calibration.counts.dtensor_dispatches on the tiny
@@ -45,6 +47,16 @@ pairs' attention, the log-sum-exp merge and the exchange, forward and hand-writt
 (shoal.parallel.context), counted as OPS_PER_BLOCK is by shoal.calibration.counts.ring_ops_per_hop at
 cp2, the smallest ring (a larger one runs fewer per step: the causal mask hides more of its chunk
 pairs); tests/test_planner_counts.py recounts it."""
+HOST_FORWARD_SHARE = 0.4
+"""The forward's share of the host's work in an eager forward and backward (the rest is backward: autograd's
+engine runs each forward op's gradient ops), by which a GPU step's host time is split between the phases it is
+compared with the device's in (shoal.planner.estimate). Measured as bench/gpu_check/calibrate_cuda.measure_host
+times it (a deep tiny model, host-bound on any device); docs/measurements.md records the figures."""
+STEP_HOST_OPS = 10
+"""Host ops a GPU step runs for the gradient norm, clipping and optimizer, whatever the number of parameters: the
+norm over all gradients (torch's foreach norm, the stack of the per-tensor norms, their norm), clipping (the
+coefficient, its clamp, one foreach multiply), fused AdamW (the step counters' foreach add and the one fused
+kernel) and the loss kept for the metrics (shoal.train.step, shoal.optim.builder: fused AdamW on GPUs)."""
 OVERLAP_SLOWDOWN = 0.189
 """How much longer a GPU's compute takes while a collective runs beside it (NCCL's kernels hold SMs and
 memory bandwidth): the mean slowdown measured over GPT and Llama layers on A100 and H100 in Tatikonda
@@ -120,9 +132,12 @@ class Costs:
         on_cpu = self.on_cpu = cluster.device_type == "cpu"
         # Collectives on a CPU share its cores with compute (gloo's threads): little of them hides.
         self.overlap = 0.0 if on_cpu else 1.0
-        # A GPU's host queues kernels ahead of the device (hidden); a CPU's cores run both.
-        self.op_overhead = cluster.device.op_overhead if on_cpu else 0.0
-        self.dtensor_overhead = cluster.device.dtensor_overhead if on_cpu else 0.0
+        # A CPU's cores run the ops and their arithmetic, so its host time adds to the compute (op_overhead); a GPU's
+        # host queues kernels ahead of the device, so its host time (host_op) bounds each phase from below instead
+        # (shoal.planner.estimate takes the larger of the two).
+        self.host_op, self.host_dtensor = cluster.device.op_overhead, cluster.device.dtensor_overhead
+        self.op_overhead = self.host_op if on_cpu else 0.0
+        self.dtensor_overhead = self.host_dtensor if on_cpu else 0.0
         self.stride = {"tp": 1, "cp": plan.tp, "fsdp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.fsdp,
                        "pp": plan.tp * plan.cp * plan.fsdp * (plan.dp or 1), "ep": plan.tp}
         # Small products run below the large-GEMM rate (hardware.DeviceSpec.gemm_factor), and on a GPU skinny ones
@@ -181,13 +196,7 @@ class Costs:
                                            fused_attention=self.fused)
         if self.on_cpu and p.ac == "selective":  # the calibrated CPU model keeps the accounting it was checked with
             recompute = attn
-        ops: float = (hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1) + (10 if head else 0)
-        if p.cp > 1:
-            ops += (hi - lo) * RING_OPS_PER_HOP * p.cp if p.cp_mode == "ring" else 0
-        host = ops * self.op_overhead
-        if tp > 1:
-            dispatches = (hi - lo) * DTENSOR_DISPATCHES["block"] + (DTENSOR_DISPATCHES["head"] if head else 0)
-            host += dispatches / DTENSOR_DISPATCHES_PER_OP * self.dtensor_overhead
+        host = self.stage_host(lo, hi, head=head) if self.on_cpu else 0.0
         n = hi - lo
         act = T * self.cfg.dim * self.bytes
         sp = tp > 1 and p.sp
@@ -218,6 +227,21 @@ class Costs:
                  "pp_p2p": 2 * p2p, "host_overhead": host}
         fwd = mm + attn + elem + n * tp_fwd + cp_comm / 3 + ep_comm / 2 + p2p + host / 3
         return fwd, sum(terms.values()) - fwd, terms
+
+    def stage_host(self, lo: int, hi: int, *, head: bool) -> float:
+        """Host seconds of one micro-batch's forward and backward of blocks lo..hi-1 (and the head): its ops
+        (OPS_PER_BLOCK eager, or the compiled block's kernel calls; twice the blocks' under full recompute; the ring's
+        per hop) at the device's seconds per op, and under tensor parallelism its DTensor dispatches at theirs."""
+        p = self.plan
+        ops: float = ((hi - lo) * OPS_PER_BLOCK[bool(p.compile)] * (2 if p.ac == "full" else 1)
+                      + (HEAD_OPS if head else 0))
+        if p.cp > 1:
+            ops += (hi - lo) * RING_OPS_PER_HOP * p.cp if p.cp_mode == "ring" else 0
+        host = ops * self.host_op
+        if p.tp > 1:
+            dispatches = (hi - lo) * DTENSOR_DISPATCHES["block"] + (DTENSOR_DISPATCHES["head"] if head else 0)
+            host += dispatches / DTENSOR_DISPATCHES_PER_OP * self.host_dtensor
+        return host
 
     def _sp_collectives(self, act: float) -> tuple[float, float]:
         """(all-gather, reduce-scatter) seconds of one sequence-parallel collective of an activation of `act` bytes
@@ -463,3 +487,9 @@ def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: b
     whole = compute.block_work(cfg, compute.block_index(cfg, moe=moe), seq_len=1, causal_skip=True,
                                fused_attention=True).matmul
     return (whole - listed + slow) / whole
+
+
+def model_ops(num_layers: int, *, compiled: bool = False) -> float:
+    """Host ops of one forward and backward of a dense model of `num_layers` blocks, eager or compiled
+    (OPS_PER_BLOCK, HEAD_OPS): what the host time of such a model is divided by to give seconds per op."""
+    return num_layers * OPS_PER_BLOCK[compiled] + HEAD_OPS

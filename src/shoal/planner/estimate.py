@@ -21,7 +21,11 @@ so what is priced is what will run. Times are per step on the busiest rank:
   (shoal.planner.costs.data_schedule, overlap_exposed), then the optimizer step, which
   is memory-bound (Adam reads and writes 28 bytes per parameter, the norm for clipping 4 more);
 - the step's own small collectives (loss, gradient norm, stop signals), each a latency;
-- on CPUs, where the host runs the ops, each op's dispatch (DTensor's under tensor parallelism).
+- the host's work: each op's dispatch (DTensor's under tensor parallelism), the data engine's per-parameter
+  ops and the optimizer's. On a CPU the same cores run the ops, so it adds to the step; on a GPU the host
+  queues kernels ahead of the device, so each phase (forward, backward, optimizer) takes the larger of its
+  host and device time (`host_phases`): a small model's step is predicted host-bound, a large one's
+  device-bound.
 
 Memory is the busiest device's peak (shoal.planner.peak) with the fragmentation margin. The terms
 of one micro-batch on a rank are priced in shoal.planner.costs; this module adds them up per step.
@@ -39,7 +43,14 @@ from shoal.models.config import ModelConfig
 from shoal.plan import Plan
 from shoal.planner import compute, memory, peak
 from shoal.planner.comm import Network, RingNetwork
-from shoal.planner.costs import SHOAL_GRADIENTS, Costs, GradientReduction, matmul_dtype
+from shoal.planner.costs import (
+    HOST_FORWARD_SHARE,
+    SHOAL_GRADIENTS,
+    STEP_HOST_OPS,
+    Costs,
+    GradientReduction,
+    matmul_dtype,
+)
 from shoal.planner.hardware import Cluster
 from shoal.rules import DEVICE_DEFAULTS, choose_engine, micro_batches
 
@@ -134,6 +145,10 @@ class Estimate:
     the peak (less, where the backward's peak comes before most of them exist)."""
     traffic: dict[str, float] = field(default_factory=dict)
     """Seconds of each data-axis collective per step, hidden or not (`time` holds what is exposed)."""
+    host: dict[str, float] = field(default_factory=dict)
+    """The host's seconds per step by phase ("forward", "backward", "optimizer"): on a GPU each phase takes the
+    larger of these and the device's time (`time["host_bound"]` is what the host adds); on a CPU they are part of
+    `time`'s terms."""
 
     @property
     def plan_text(self) -> str:
@@ -174,8 +189,11 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
                  fused_qkv=frame.fused_qkv, pipe_scatter=frame.pipe_scatter)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
     stages = [(0, first, plan.pp == 1), (cfg.num_layers - last, cfg.num_layers, True)]
-    per_stage = [cost.stage(lo, hi, head=head) for lo, hi, head in stages]
-    fwd, bwd, terms = max(per_stage, key=lambda s: s[0] + s[1])
+    tensors = 9 * cfg.num_layers / plan.pp + 3  # parameter tensors on a rank: 9 per block, embeddings, norm, head
+    engine_host = cost.host_op * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors  # a micro-batch's engine hooks
+    per_stage = [host_phases(*cost.stage(lo, hi, head=head), cost.stage_host(lo, hi, head=head) + engine_host,
+                             on_cpu=cost.on_cpu) for lo, hi, head in stages]
+    fwd, bwd, terms, host_fwd, host_bwd = max(per_stage, key=lambda s: s[0] + s[1])
     steady = micro * (fwd + bwd)
     bubble = _bubble(plan, fwd, bwd)
     time = {k: micro * v for k, v in terms.items()}
@@ -192,13 +210,22 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts
-    tensors = 9 * cfg.num_layers / plan.pp + 3  # parameter tensors on a rank: 9 per block, embeddings, norm, head
     # Sharded engines and tensor parallelism hand the optimizer DTensors: each per-tensor op pays DTensor's dispatch.
-    per_op = cost.dtensor_overhead if engine.kind in ("zero", "fsdp2") or plan.tp > 1 else cost.op_overhead
-    time["optimizer"] = stored * OPTIMIZER_BYTES / cluster.device.memory_bw + per_op * OPS_PER_PARAMETER * tensors
+    dtensors = engine.kind in ("zero", "fsdp2") or plan.tp > 1
+    per_op = cost.dtensor_overhead if dtensors else cost.op_overhead
+    optimizer_device = stored * OPTIMIZER_BYTES / cluster.device.memory_bw
+    # A GPU's optimizer runs foreach and fused kernels: a few ops a step (STEP_HOST_OPS), not a few per tensor.
+    optimizer_host = ((cost.host_dtensor if dtensors else cost.host_op) * STEP_HOST_OPS if not cost.on_cpu
+                      else per_op * OPS_PER_PARAMETER * tensors)
+    # the optimizer phase's host time: added on a CPU, the larger of the two on a GPU
+    optimizer_wait = 0.0 if cost.on_cpu else max(0.0, optimizer_host - optimizer_device)
+    time["optimizer"] = optimizer_device + (optimizer_host if cost.on_cpu else 0.0)
+    if not cost.on_cpu:
+        time["host_bound"] += optimizer_wait
     time["engine_overhead"] = micro * cost.op_overhead * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors
     time["step_sync"] = cost.step_sync(engine.kind)
-    step = steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
+    step = (steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
+            + optimizer_wait)
     mem, gradient_bytes = peak.peak_terms(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts,
                                           micro, stages, unsharded_accumulation=gradients.unsharded_accumulation,
                                           fp32_gradient_buffer=gradients.fp32_buffer)
@@ -211,7 +238,23 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step,
                     tokens_per_s=tokens / step, tflops_per_device=flops / 1e12, mfu=flops / peak_rate,
                     mem_per_device_bytes=need, fits=need <= usable, time=time, memory=mem, traffic=sync,
-                    gradient_bytes=gradient_bytes)
+                    gradient_bytes=gradient_bytes,
+                    host={"forward": micro * host_fwd, "backward": micro * host_bwd, "optimizer": optimizer_host})
+
+
+def host_phases(fwd: float, bwd: float, terms: dict[str, float], host: float, *, on_cpu: bool
+                ) -> tuple[float, float, dict[str, float], float, float]:
+    """(forward, backward, terms, host forward, host backward) of one micro-batch on a stage, given the device's
+    forward and backward seconds and terms (Costs.stage) and the host's seconds for both passes (`host`, split by
+    HOST_FORWARD_SHARE). On a GPU the host queues the kernels ahead of the device, so each pass lasts the longer of
+    the two (a pass whose host is slower leaves the device waiting for work), and terms["host_bound"] holds what the
+    host adds. On a CPU the cores run both, and Costs.stage's "host_overhead" term already adds it."""
+    host_fwd, host_bwd = HOST_FORWARD_SHARE * host, (1 - HOST_FORWARD_SHARE) * host
+    if on_cpu:
+        return fwd, bwd, terms, host_fwd, host_bwd
+    bound_fwd, bound_bwd = max(fwd, host_fwd), max(bwd, host_bwd)
+    terms = {**terms, "host_bound": (bound_fwd - fwd) + (bound_bwd - bwd)}
+    return bound_fwd, bound_bwd, terms, host_fwd, host_bwd
 
 
 @functools.lru_cache(maxsize=256)
