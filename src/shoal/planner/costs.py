@@ -41,12 +41,11 @@ DTENSOR_DISPATCHES_PER_OP = 25 / 17
 """What the calibration's DTensor chain (measure._measure_dtensor_dispatch, whose figure is per op of
 the chain, its backward included) runs per op: 25 dispatches for its 16 ops and the final sum
 (shoal.calibration.counts.dtensor_dispatches_per_chain_op; tests/test_planner_counts.py recounts it)."""
-RING_OPS_PER_HOP = 61.5
-"""Host ops of one block's ring attention per ring step (context parallelism): the zig-zag chunk
-pairs' attention, the log-sum-exp merge and the exchange, forward and hand-written backward
+RING_OPS_PER_HOP = 34.25
+"""Host ops of one block's ring attention per ring step (context parallelism): one fused-kernel call per
+held block, the log-sum-exp merge and the exchange, forward and hand-written backward
 (shoal.parallel.context), counted as OPS_PER_BLOCK is by shoal.calibration.counts.ring_ops_per_hop at
-cp2, the smallest ring (a larger one runs fewer per step: the causal mask hides more of its chunk
-pairs); tests/test_planner_counts.py recounts it."""
+cp2, the smallest ring; tests/test_planner_counts.py recounts it."""
 HOST_FORWARD_SHARE = 0.4
 """The forward's share of the host's work in an eager forward and backward (the rest is backward: autograd's
 engine runs each forward op's gradient ops), by which a GPU step's host time is split between the phases it is
