@@ -69,6 +69,12 @@ def apply_float8(model: nn.Module, *, plan: Plan, device_type: str, fsdp_float8_
         raise ValueError(f"fp8={plan.fp8} trains through torchao's float8 training, which is not installed "
                          f"({err}); valid: pip install 'shoal[fp8]', or leave fp8 out") from None
     config = float8_config(plan.fp8, fsdp_float8_gather=fsdp_float8_gather)
+    if plan.fp8 == "rowwise" and plan.compile:
+        # Compiled rowwise training can reach NaN losses unless inductor rounds low-precision intermediates as
+        # eager does (pytorch issue 150859; torchtitan sets the same for its rowwise recipe).
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
     for block in blocks_of(model):
         skipped = {id(m) for moe in block.modules() if isinstance(moe, MoELayer) for m in moe.modules()}
         convert_to_float8_training(block, config=config, module_filter_fn=lambda m, _name, skipped=skipped:
