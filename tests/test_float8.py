@@ -23,8 +23,10 @@ Tolerances, per step's loss (absolute), from the formats' unit roundoffs: e4m3 k
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,3 +226,24 @@ def test_planner_prices_fp8_as_bf16_where_no_float8_rate():
             bf16 = _priced("fsdp2,precision=bf16" if "cpu" in cluster else "fsdp8", cluster, model)
             fp8 = _priced("fsdp2,fp8=rowwise" if "cpu" in cluster else "fsdp8,fp8=rowwise", cluster, model)
             assert fp8 == bf16, (cluster, model)
+
+
+# ----------------------------------------------------------------------------- the GPU check's install step
+def test_gpu_check_installs_the_carried_torchao_wheel_without_deps(monkeypatch, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` is a folder beside `src`
+    from bench.gpu_check import parts_fp8
+    from bench.gpu_check.context import Context
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    monkeypatch.setattr(parts_fp8, "REPO", tmp_path)
+    ctx = Context(dry=True, out=tmp_path)
+    assert not parts_fp8.ensure_torchao(ctx)
+    assert "no wheel in" in ctx.checks[-1]["detail"] and ".whl" in ctx.checks[-1]["detail"]
+    (tmp_path / ".whl").mkdir()
+    wheel = tmp_path / ".whl" / "torchao-0.18.0-cp310-abi3-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    ran = []
+    monkeypatch.setattr(parts_fp8, "run_command", lambda cmd, **kw: ran.append(cmd) or (0, "installed"))
+    parts_fp8.ensure_torchao(ctx)
+    assert ran == [[sys.executable, "-m", "pip", "install", "--no-deps", str(wheel)]]

@@ -12,6 +12,7 @@ session carried into the repository's ignored `.whl/` folder, with `pip install 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import math
@@ -30,7 +31,7 @@ SHAPE = ("llama3-8b", ("num_layers=4",), 8, 2048)
 DRY_SHAPE = ("tiny", ("num_layers=2", "dim=64", "num_heads=4", "num_kv_heads=4", "ffn_dim=128", "vocab_size=256",
                       "max_seq_len=64"), 4, 64)
 STEPS, DRY_STEPS = 120, 30
-"""Steps per run. On the H100 the 1.9B shape's bf16 step took ~0.3 s (README, "Benchmarks"), so both runs' steps
+"""Steps per run: at the 1.9B shape's bf16 step time on an H100 (docs/measurements.md: ~0.35 s), both runs' steps
 take ~70 s and their compiles ~30-45 s each, inside the part's 240 s."""
 WINDOW = 10
 """Steps per timing window (one device sync each); the first two windows (compile, warm-up) are not timed."""
@@ -103,7 +104,9 @@ def train(plan_text: str, shape: tuple, steps: int, device: str) -> dict[str, An
                 rates.append(batch * seq_len * WINDOW / (now - start))
             start = now
     float8 = sum(is_float8(m) for part in runtime.parts for m in part.modules())
-    del runtime, optimizer
+    del runtime, optimizer, model
+    torch._dynamo.reset()  # its caches hold the compiled model, and with it the first run's ~30 GB of state
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"losses": [float(v) for v in losses], "rates": rates, "float8_modules": float8, "layers": cfg.num_layers}
