@@ -9,15 +9,16 @@ Tolerances, per step's loss (absolute), from the formats' unit roundoffs: e4m3 k
   2 max|dz| (the softmax's gradient has an l1 norm <= 2), and the loss is a mean over N positions whose rounding
   errors are independent with mean zero, so it moves by about 2 * 2 U8 * max|z| / sqrt(N) (the worst case, every
   error aligned, is sqrt(N) = 11 times that). max|z| is measured on the reference model's first batch in bf16.
-  Measured differences are 15-20 times below the bound; six steps of AdamW at lr 1e-3 move the loss by under
+  Measured differences are 15-21 times below the bound; six steps of AdamW at lr 1e-3 move the loss by under
   0.03, so the updates' own differences (gradients in float8 too; e5m2, U = 2^-3, under tensorwise) add a
   fraction of that. A difference of exactly zero would mean nothing ran in float8, which is ruled out too.
 - fp8 under a parallel plan against fp8 in one process: both round the same values to float8; they differ
-  where a bf16 value differs by a reduction order (at most 2 U16 relative), which moves a float8 rounding
-  only where that value lies within 2 U16 of a rounding midpoint, one value in U8 / (2 U16), by 2 U8: about
-  4 U16 per operand on average, 8 U16 per product instead of 2 U8 (four times tighter): 2 * 8 U16 * max|z| /
-  sqrt(N). The engines also round different values to bf16 (autocast in one process keeps the residual stream in
-  fp32, FSDP2 casts the parameters), which the same 2 U16 per value covers; measured: 2.6-6 times below.
+  where a bf16 value differs by a reduction order (at most 2 U16 relative), which moves its float8 rounding
+  only where it lies within 2 U16 of a rounding midpoint (midpoints are 2 U8 apart: one value in U8 / U16 = 16),
+  by 2 U8: 2 U16 per operand on average. The engines also round different values to bf16 (autocast in one
+  process keeps the residual stream in fp32, FSDP2 casts the parameters): another 2 U16. So 4 U16 per operand,
+  8 U16 per product instead of 2 U8 (four times tighter): 2 * 8 U16 * max|z| / sqrt(N). Measured: 2.6-8 times
+  below.
 """
 
 from __future__ import annotations
