@@ -55,8 +55,8 @@ ONE_MOE = [case(plan=p, model=MOE, steps=STEPS) for p in ("precision=bf16", "fp8
 TWO = [case(plan=p, steps=STEPS) for p in (
     "dp2,precision=bf16", "dp2,fp8=rowwise", "fsdp2,precision=bf16", "fsdp2,fp8=rowwise", "fsdp2,fp8=tensorwise",
     "tp2,precision=bf16", "tp2,fp8=rowwise", "tp2,fp8=tensorwise", "fsdp2,zero=1,fp8=rowwise", "cp2,fp8=rowwise",
-    "fsdp2,fp8=tensorwise,compile=on")] + [case(plan="pp2,fp8=rowwise", steps=STEPS, num_micro=4),
-                                           case(plan="ep2,fp8=rowwise", model=MOE, steps=STEPS)]
+    "fsdp2,fp8=tensorwise,compile=on", "fsdp2,offload=on,fp8=tensorwise")] + [
+    case(plan="pp2,fp8=rowwise", steps=STEPS, num_micro=4), case(plan="ep2,fp8=rowwise", model=MOE, steps=STEPS)]
 
 
 def train_losses(cases: list[ParityCase]) -> list[dict]:
@@ -120,6 +120,7 @@ def test_recipe_and_fsdp_float8_gather(runs):
     for plan, scaling, gather in (
             ("fp8=rowwise", "axiswise", False), ("fp8=tensorwise", "tensorwise", False),
             ("fsdp2,fp8=rowwise", "axiswise", False), ("fsdp2,fp8=tensorwise", "tensorwise", True),
+            ("fsdp2,offload=on,fp8=tensorwise", "tensorwise", True),
             ("tp2,fp8=tensorwise", "tensorwise", False), ("fsdp2,zero=1,fp8=rowwise", "axiswise", False)):
         assert runs[plan]["scaling"] == {scaling}, plan
         assert runs[plan]["gather"] == {gather}, plan
@@ -141,7 +142,8 @@ def test_parallel_fp8_matches_one_process(runs):
     for plan in ("dp2,fp8=rowwise", "fsdp2,fp8=rowwise", "tp2,fp8=rowwise", "fsdp2,zero=1,fp8=rowwise",
                  "cp2,fp8=rowwise", "pp2,fp8=rowwise", "fp8=rowwise,compile=on"):
         close(runs[plan]["losses"], runs["fp8=rowwise"]["losses"], tight, f"{plan} against fp8=rowwise")
-    for plan in ("fsdp2,fp8=tensorwise", "tp2,fp8=tensorwise", "fsdp2,fp8=tensorwise,compile=on"):
+    for plan in ("fsdp2,fp8=tensorwise", "tp2,fp8=tensorwise", "fsdp2,fp8=tensorwise,compile=on",
+                 "fsdp2,offload=on,fp8=tensorwise"):
         close(runs[plan]["losses"], runs["fp8=tensorwise"]["losses"], tight, f"{plan} against fp8=tensorwise")
     loose, tight = bounds(MOE)
     close(runs["ep2,fp8=rowwise"]["losses"], runs["moe:fp8=rowwise"]["losses"], tight, "ep2,fp8=rowwise")
