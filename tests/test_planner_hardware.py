@@ -114,7 +114,7 @@ def test_bad_cluster_strings(text, names):
 def test_bad_device_values():
     assert "in (0, 1]" in one_line_error(Link, bandwidth=1e9, efficiency=1.5, latency=0.0, name="x")
     assert "fp32, bf16, fp16" in one_line_error(
-        dataclasses.replace, DEVICES["cpu"], peak_flops={"fp8": 1e12})
+        dataclasses.replace, DEVICES["cpu"], peak_flops={"int4": 1e12})
     assert "num_nodes" in one_line_error(dataclasses.replace, parse_cluster("8xcpu"), num_nodes=0)
 
 

@@ -40,6 +40,9 @@ PARTS = [  # most likely to fail first (GPU code paths that have never run), the
          "parts_train:plans"),
     Part("moe", 60, "MoE experts: grouped matmul and padded paths against the loop (values, gradients); "
          "one layer's speed per path and bench/moe_layer.py's naive loop", "parts_kernels:moe"),
+    Part("fp8", 240, "bf16 against fp8=rowwise (torchao's float8 training, installed from a carried wheel where "
+         "missing) at the 1.9B shape, compiled: tokens/s and the loss after the same steps, with their goals",
+         "parts_fp8:fp8"),
     Part("attention", 60, "ring and a2a attention against SDPA and torch's context_parallel at cp=1 (values, "
          "gradients); the ring's blocks at cp=2, 4 rank by rank", "parts_kernels:attention"),
     Part("engine", 60, "what a one-process bf16 run pays for its parameter cast (autocast; FSDP2 of degree 1 before) "

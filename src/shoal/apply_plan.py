@@ -1,8 +1,8 @@
 """parallelize(model, plan, mesh): apply the plan's parallelisms to an unmodified model and return
 the runtime (shoal/runtime.py) that trains it.
 
-The order is fixed (as in torchtitan): pipeline split -> tensor -> context -> activation
-recompute -> compile -> data/sharded data, the later ones applied to each stage a rank runs.
+The order is fixed (as in torchtitan): pipeline split -> float8 conversion -> tensor -> context ->
+activation recompute -> compile -> data/sharded data, the later ones applied to each stage a rank runs.
 Each step is a no-op when its axis has degree 1. Whether the plan runs at all is asked of
 shoal.rules first, the same question `shoal plan` and `shoal train` ask.
 """
@@ -20,6 +20,7 @@ from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
 from shoal.parallel.data import DataEngine, TorchDataEngine, apply_data_parallel, blocks_of
 from shoal.parallel.expert import ExpertGrads, apply_expert_parallel, ep_mesh
+from shoal.parallel.float8 import apply_float8
 from shoal.parallel.materialize import WeightSource, materialize, on_meta
 from shoal.parallel.pipeline import Pipeline, build_stages, merged_view, tied_embeddings
 from shoal.parallel.recompute import apply_recompute
@@ -55,7 +56,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
                          num_layers=len(blocks_of(model)))
     if plan.pp == 1:
         choice = choose_engine(plan, num_layers=len(blocks_of(model)))
-        model, context = _within_stage(model, mesh, plan)
+        model, context = _within_stage(model, mesh, plan, choice)
         experts = _experts([model], mesh, plan)
         engine = _data_parallel(model, mesh, plan, choice, experts, seed, weights)
         return Runtime(engine, plan=plan, mesh=mesh, choice=choice, context=context, experts=experts)
@@ -66,7 +67,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
                           split=plan.split)
     choice = choose_engine(plan, num_layers=max(len(blocks_of(m)) for m in stages.values()))
     for s, stage in stages.items():
-        stages[s], context = _within_stage(stage, mesh, plan)
+        stages[s], context = _within_stage(stage, mesh, plan, choice)
     experts = _experts(list(stages.values()), mesh, plan)
     modules = dict(stages)
     if len(stages) == 1:
@@ -140,8 +141,11 @@ def _experts(parts: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> ExpertGrad
     return ExpertGrads(params, emesh, plan.data_ranks)
 
 
-def _within_stage(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> tuple[nn.Module, ContextSplit | None]:
-    """The parallelisms inside one model part, in order: tensor, context, recompute, compile."""
+def _within_stage(model: nn.Module, mesh: DeviceMesh, plan: Plan,
+                  choice: EngineChoice) -> tuple[nn.Module, ContextSplit | None]:
+    """The parallelisms inside one model part, in order: float8, tensor, context, recompute, compile."""
+    model = apply_float8(model, plan=plan, device_type=mesh.device_type,
+                         fsdp_float8_gather=plan.fsdp > 1 and choice.kind == "fsdp2")
     model = apply_tensor_parallel(model, mesh=mesh, plan=plan)
     context = apply_context_parallel(model, mesh=mesh, mode=plan.cp_mode)
     model = apply_recompute(model, plan=plan)

@@ -18,12 +18,15 @@ AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
 MESH_AXES = ("pp", "dp", "fsdp", "cp", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 """The pipeline schedules (shoal.parallel.schedules builds each one's table)."""
+FP8_RECIPES = ("rowwise", "tensorwise")
+"""torchao's float8 training recipes a plan can name (`fp8=`; shoal.parallel.float8 applies them)."""
 
 _CHOICES = {
     "sched": SCHEDULES,
     "cp_mode": ("ring", "a2a"),
     "ac": ("none", "selective", "full"),
     "precision": ("fp32", "bf16", "fp16"),
+    "fp8": FP8_RECIPES,
     "reduce": ("fp32", "bf16", "fp16"),
     "sp": ("on", "off"),
     "zero": ("1", "2", "3"),
@@ -90,6 +93,10 @@ class Plan:
     precision: str | None = None
     """Parameter/compute precision: fp32, bf16 (fp32 master weights) or fp16 (loss scaling).
     None: the device's default (shoal.rules.DEVICE_DEFAULTS)."""
+    fp8: str | None = None
+    """Float8 training of the transformer blocks' linear layers (torchao's float8 training, shoal/parallel/float8.py)
+    with the named scaling recipe: rowwise (a scale per row: the accurate one) or tensorwise (a scale per tensor: the
+    one FSDP2 gathers in float8). The rest runs in bf16 (`precision` bf16, its default with fp8). None: no float8."""
     reduce: str = "fp32"
     """Dtype gradients are reduced (all-reduced / reduce-scattered) in: fp32 (exact sums, the
     default), or bf16/fp16 (half the gradient traffic, rounded sums)."""
@@ -112,7 +119,7 @@ class Plan:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"plan option {key}={value} needs a whole number >= 1")
-        for key in ("sched", "cp_mode", "ac", "precision", "reduce", "vocab"):
+        for key in ("sched", "cp_mode", "ac", "precision", "fp8", "reduce", "vocab"):
             value = getattr(self, key)
             if value is not None and value not in _CHOICES[key]:
                 raise ValueError(f"plan option {key}={value!r} is not valid; valid: {', '.join(_CHOICES[key])}")
@@ -180,7 +187,7 @@ class Plan:
             if degree is not None and (degree != 1 or (axis == "dp" and not parts and self._only_dp())):
                 parts.append(f"{axis}{degree}")
         for key in ("zero", "bucket", "offload", "vocab", "mb", "sched", "vpp", "split", "cp_mode", "sp", "ac",
-                    "precision", "reduce", "compile"):
+                    "precision", "fp8", "reduce", "compile"):
             value = getattr(self, key)
             if value is None or value == _USUAL.get(key, getattr(_DEFAULT, key)):
                 continue
@@ -257,7 +264,8 @@ class Plan:
         if self.ac != "none":
             lines.append(f"  recompute: {self.ac} activation checkpointing")
         reduce = f", gradients reduced in {self.reduce}" if self.reduce != "fp32" else ""
-        lines.append(f"  precision: {self.precision}{reduce}")
+        fp8 = f", the blocks' linear layers in float8 ({self.fp8} scaling)" if self.fp8 else ""
+        lines.append(f"  precision: {self.precision}{fp8}{reduce}")
         if self.compile:
             lines.append("  compile: each transformer block compiled with torch.compile (the first steps pay for it)")
         return "\n".join(lines)

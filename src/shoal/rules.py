@@ -241,7 +241,8 @@ def _resolve_degrees(plan: Plan, facts: RunFacts) -> Plan:
             f"plan {plan} uses dp*fsdp*tp*pp*cp = {plan.dp * others} processes but the world size is "
             f"{world}; leave dp out to let it take what the other axes leave"
         )
-    unset: dict[str, Any] = {k: v for k, v in DEVICE_DEFAULTS[facts.device].items() if getattr(plan, k) is None}
+    defaults = DEVICE_DEFAULTS[facts.device] | ({"precision": "bf16"} if plan.fp8 else {})  # fp8: bf16 around it
+    unset: dict[str, Any] = {k: v for k, v in defaults.items() if getattr(plan, k) is None}
     return dataclasses.replace(plan, **unset) if unset else plan
 
 
@@ -548,6 +549,15 @@ def split_refusal(points: Sequence[int], *, num_layers: int, num_stages: int) ->
     return None
 
 
+def _fp8_rule(plan: Plan, facts: RunFacts) -> str | None:
+    """fp8= runs the blocks' linear layers in float8 inside a bf16 run (shoal/parallel/float8.py); the GPU's
+    compute capability is checked where the device is known (a CUDA GPU below 8.9 has no float8 matmul)."""
+    if plan.fp8 is None or plan.precision == "bf16":
+        return None
+    return (f"fp8={plan.fp8} with precision={plan.precision}: float8 training computes the blocks' linear layers "
+            "in float8 and everything else in bf16; valid: precision=bf16, or leave precision out")
+
+
 def _doc_mask_rule(plan: Plan, facts: RunFacts) -> str | None:
     """--doc-mask on (the model's doc_eos_id) runs where attention is SDPA over whole sequences
     and the model sees the token ids that end documents: dp, fsdp, tp, ep, recompute, compile."""
@@ -564,7 +574,7 @@ def _doc_mask_rule(plan: Plan, facts: RunFacts) -> str | None:
 
 
 _RULES: tuple[Rule, ...] = (_auto_rule, _expert_degree_rule, _family_rule, _tensor_rule, _reduce_rule, _vocab_rule,
-                            _context_rule, _moe_rule, _batch_rule, _pipeline_rule, _doc_mask_rule)
+                            _context_rule, _moe_rule, _batch_rule, _pipeline_rule, _doc_mask_rule, _fp8_rule)
 
 
 def _divisors(n: int) -> list[int]:

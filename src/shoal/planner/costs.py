@@ -116,6 +116,8 @@ class Costs:
         self.fused, self.recompute, self.sp_layout, self.pipe_scatter = fused, recompute, sp_layout, pipe_scatter
         self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
         self.rate = cluster.device.flops(matmul_dtype(plan, cluster, tf32=tf32))
+        # fp8: the dense blocks' linear layers at the float8 rate; the head, attention's products, MoE blocks: bf16.
+        self.block_rate = (cluster.device.fp8_flops(plan.fp8) if plan.fp8 else None) or self.rate
         # unfused attention runs QK^T and AV as batched GEMMs, at the matmul rate; a fused kernel at its published
         # rate for the model's head dimension and each kernel's sequence (a cp chunk; the ring's chunk pairs mostly
         # unmasked), forward and backward apart (hardware.DeviceSpec.attention_rates).
@@ -172,7 +174,7 @@ class Costs:
         moe = self.moe_count(lo, hi)
         blocks = [(self.work[True], moe), (self.work[False], hi - lo - moe)]
         mm_moe = self.mm_scale[True] * blocks[0][0].matmul * moe * T / tp / self.rate
-        mm_dense = self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe) * T / tp / self.rate
+        mm_dense = self.mm_scale[False] * blocks[1][0].matmul * (hi - lo - moe) * T / tp / self.block_rate
         mm = mm_moe + mm_dense
         selective_mm = self.selective_share[True] * mm_moe + self.selective_share[False] * mm_dense
         attn = sum(w.attention * n for w, n in blocks) * T / tp / self.attention_rate

@@ -23,9 +23,19 @@ TERA = 1e12  # FLOP/s per TFLOP/s
 GB = 1e9  # bytes per GB: data sheets quote bandwidth in decimal gigabytes
 GiB = 2**30  # bytes per GiB: device memory is sized in binary gibibytes
 US = 1e-6  # seconds per microsecond
-DTYPES = ("fp32", "bf16", "fp16", "tf32")
+DTYPES = ("fp32", "bf16", "fp16", "tf32", "fp8")
 """Matmul rates a device may list; "tf32" is fp32 matmuls on TF32 tensor cores (torch's float32 matmul precision
-"high", which `shoal train` sets by default: --tf32 on), priced for fp32 runs on GPUs that list it."""
+"high", which `shoal train` sets by default: --tf32 on), priced for fp32 runs on GPUs that list it; "fp8" is e4m3
+products on float8 tensor cores, the bound of a plan's `fp8=` blocks (`DeviceSpec.fp8_flops`)."""
+FP8_BLOCK_SPEEDUP = {"tensorwise": 1.64, "rowwise": 1.22}
+"""bf16 time over float8 time of the transformer blocks' linear layers under torchao's float8 training (their casts
+and scales included), by recipe. From torchao's published end-to-end measurement (github.com/pytorch/ao,
+docs/source/workflows/training.md, "e2e training benchmarks", NVIDIA H100: Llama3-8B on 8 H100s, FSDP2, compile,
+per-op selective recompute, sequence 8192, torchtitan): 6150 tokens/s in bf16, 7689.5 tensorwise with float8
+all-gather (1.2503x), 6768 rowwise (1.1005x). Only the blocks' linear layers change, so by Amdahl's law their speedup
+is r = f / (1/s - (1 - f)), f their share of the bf16 step: 0.515 as this planner prices that run (`shoal plan
+--model llama3-8b --cluster 8xH100-80GB --global-batch 8 --seq-len 8192 --plan fsdp8,ac=selective`: block matmuls
+0.466 s less the head's 7% of a 0.841 s step). tensorwise's share of the float8 all-gather's saving is in its figure."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +131,15 @@ class DeviceSpec:
             valid = [d for d in DTYPES if d in self.peak_flops or (d == "bf16" and "fp16" in self.peak_flops)]
             raise ValueError(f"{self.name} has no {dtype!r} matmul rate; valid: {', '.join(valid)}")
         return self.peak_flops[key] * self.matmul_efficiency * self.sustained_clock
+
+    def fp8_flops(self, recipe: str) -> float | None:
+        """Achievable FLOP/s of the blocks' linear layers under a plan's `fp8=recipe`: the bf16 rate times the
+        recipe's measured speedup (FP8_BLOCK_SPEEDUP), at most the float8 peak at the bf16 products' efficiency;
+        None on a device that lists no float8 rate (its fp8 runs are priced at bf16: a CPU emulates float8)."""
+        if "fp8" not in self.peak_flops:
+            return None
+        peak = self.peak_flops["fp8"] * self.matmul_efficiency * self.sustained_clock
+        return min(self.flops("bf16") * FP8_BLOCK_SPEEDUP[recipe], peak)
 
     def gemm_factor(self, m: float, n: float, k: float) -> float:
         """The rate of an (m x k) @ (k x n) product relative to a large one: the measured square GEMM of
@@ -255,8 +274,10 @@ _A100: dict[str, Any] = dict(peak_flops={"fp32": 19.5 * TERA, "bf16": 312 * TERA
                              matmul_efficiency=_MAMF_A100, sustained_clock=_A100_SUSTAINED,
                              attention_efficiency=_FA2_A100, gemm_square=_A100_SQUARE, sm_count=108,
                              intra=_nvlink(3, 600, 0.78, _A100_ALLREDUCE), inter=_DGX_A100_IB)
+# FP8 (e4m3/e5m2) tensor-core peak, dense: 1,979 TFLOP/s for the H100 SXM and the H200 SXM alike (NVIDIA H100 Tensor
+# Core GPU data sheet and NVIDIA H200 data sheet: "FP8 Tensor Core 3,958 teraFLOPS" with sparsity, twice the dense).
 _H100: dict[str, Any] = dict(peak_flops={"fp32": 67 * TERA, "bf16": 989 * TERA, "fp16": 989 * TERA,
-                                         "tf32": 494.5 * TERA},
+                                         "tf32": 494.5 * TERA, "fp8": 1979 * TERA},
                              matmul_efficiency=_MAMF_H100, gemm_square=_H100_SQUARE, attention_efficiency=0.35,
                              attention_table="FA2-H100", sm_count=132,
                              intra=_nvlink(4, 900, _NVLINK4_RING, _H100_NVLS_ALLREDUCE),
