@@ -208,6 +208,9 @@ CASES = [
     Row("shard cut short", lambda c: c.train("--data", str(c.dataset(_truncate))),
         (SHARD, "holds 28,505 bytes", "manifest.json's 28,505 uint16 tokens take 57,010", "cut short",
          "valid: the files as shoal data prepare wrote them")),
+    Row("shard cut to whole tokens", lambda c: c.train("--data", str(c.dataset(
+        lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes()[:1000])))),  # read as 500 tokens before
+        (SHARD, "holds 1,000 bytes", "take 57,010", "cut short")),
     Row("shard missing", lambda c: c.train("--data", str(c.dataset(lambda f: (f / SHARD).unlink()))),
         (SHARD, "which manifest.json lists, is missing", "valid:")),
     Row("manifest counts other tokens", lambda c: c.train("--data", str(c.dataset(_edit_manifest(_more_tokens)))),
