@@ -7,7 +7,6 @@ Checks that stop in the parent process run in-process (cli.main); two run as rea
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -20,7 +19,7 @@ import pytest
 from shoal import cli, rules
 from shoal.cli import errors
 from shoal.cli import train as train_cli
-from shoal.testing.asserts import assert_user_error
+from shoal.testing.asserts import assert_user_error, file_digests
 
 # These tests mean CPU/gloo with 2 processes, also on a machine with GPUs.
 SMALL = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch", "8",
@@ -121,13 +120,8 @@ def good_run(tmp_path_factory) -> Path:
     return run
 
 
-def _digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def test_a_good_run_is_never_overwritten(capsys, good_run):
-    before = _digest(good_run / "checkpoints")
+    before = file_digests(good_run / "checkpoints")
     assert_user_error(capsys, ["train", "--out", str(good_run), *SMALL], str(good_run), "--resume")
     assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "2", "--device", "cpu"],
                       "already at step 2")
@@ -137,7 +131,7 @@ def test_a_good_run_is_never_overwritten(capsys, good_run):
                       "--doc-mask cannot change", "(it was off)")  # as the flag is typed, not False
     assert_user_error(capsys, ["train", "--resume", str(good_run), "--steps", "4", "--out", str(good_run) + "x"],
                       "--out", "its own folder", "valid: leave --out out")
-    assert _digest(good_run / "checkpoints") == before
+    assert file_digests(good_run / "checkpoints") == before
 
 
 def _run_shoal(*args: str) -> subprocess.CompletedProcess:
@@ -171,13 +165,13 @@ def test_corrupt_checkpoints(capsys, good_run, tmp_path):
     truncated, ckpt = broken("truncated")
     data = sorted(ckpt.glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    before = _digest(truncated)
+    before = file_digests(truncated)
     proc = _run_shoal("train", "--resume", str(truncated), "--steps", "3", "--device", "cpu")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("shoal: error: run folder ") and data.name in proc.stderr
     assert "truncated" in proc.stderr and "no complete checkpoint that verifies" in proc.stderr
-    assert _digest(truncated) == before  # nothing written
+    assert file_digests(truncated) == before  # nothing written
 
     zeroed, ckpt = broken("zeroed")
     data = sorted(ckpt.glob("*.distcp"))[0]
@@ -195,10 +189,10 @@ def test_corrupt_checkpoints(capsys, good_run, tmp_path):
     index, ckpt = broken("index")
     meta = ckpt / ".metadata"
     meta.write_bytes(bytes(b ^ 0x5A for b in meta.read_bytes()))  # same size, garbage content
-    before = _digest(index)
+    before = file_digests(index)
     assert_user_error(capsys, ["train", "--resume", str(index), "--steps", "3", "--nproc", "1", "--device", "cpu"],
                       ".metadata", "fails its checksum")
-    assert _digest(index) == before
+    assert file_digests(index) == before
     assert_user_error(capsys, ["export", "--run", str(index), "--out", str(tmp_path / "w.safetensors")], ".metadata")
 
 

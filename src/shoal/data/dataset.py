@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shoal.data.prepare import FORMAT, MANIFEST, PROGRESS
+from shoal.data.prepare import FORMAT, MANIFEST, PROGRESS, manifest_problem
 from shoal.loss import IGNORE
 
 BLOCK = 4096
@@ -39,17 +39,27 @@ def is_prepared(path: str | Path) -> bool:
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:
-    """The manifest of a prepared dataset; ValueError in one line when it is not one."""
+    """The manifest of a prepared dataset; ValueError in one line when it is not one, or when its shard
+    files disagree with it (prepare.manifest_problem)."""
     path = Path(folder) / MANIFEST
+    if not Path(folder).exists():
+        raise ValueError(f"--data source {str(folder)!r} does not exist; valid: folders made by shoal data prepare, "
+                         "as DIR or DIR_A:0.7,DIR_B:0.3 (items separated by commas, each weight after a colon)")
     if not path.is_file():
         raise ValueError(f"{str(folder)!r} is not a prepared dataset (no {MANIFEST}: not made by "
-                         "`shoal data prepare`, or its preparation did not finish)")
+                         "`shoal data prepare`, or its preparation did not finish); valid: a folder shoal data "
+                         "prepare finished (the same command again finishes an interrupted one)")
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} cannot be read ({type(exc).__name__}); prepare the dataset again") from None
+        raise ValueError(f"{path} cannot be read ({type(exc).__name__}); valid: the manifest shoal data prepare "
+                         "wrote (prepare the inputs again into a new --out)") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{path} is not a {FORMAT} manifest; prepare the dataset again")
+    problem = manifest_problem(Path(folder), manifest)
+    if problem is not None:
+        raise ValueError(f"prepared dataset {str(folder)!r}: {problem}; valid: the files as shoal data prepare wrote "
+                         "them (prepare the inputs again into a new --out)")
     return manifest
 
 

@@ -70,8 +70,10 @@ def validate(fmt: str, value: Any, where: Callable[[], str]) -> Any:
             _check_message(message, index, where)
         return value
     if fmt == "completion":
-        if not all(isinstance(v, str) for v in value):
-            raise ValueError(f"{where()}: 'prompt' and 'completion' must hold text")
+        wrong = [(name, v) for name, v in zip(COMPLETION_FIELDS, value) if not isinstance(v, str)]
+        if wrong:
+            raise ValueError(f"{where()}: {wrong[0][0]!r} holds {type(wrong[0][1]).__name__}, not text; valid: "
+                             "{\"prompt\": str, \"completion\": str}")
         return tuple(value)
     if not isinstance(value, str):
         raise ValueError(f"{where()}: holds {type(value).__name__}, not text")

@@ -46,6 +46,10 @@ BYTE_EOS = 0
 _GOLDEN = (math.sqrt(5) - 1) / 2
 _SHARD_FILE = re.compile(r"\.?\d{3}-\d{6}\.")
 """A file of a shard (kkk-ssssss.*, or its temporary .kkk-ssssss.*.tmp-pid)."""
+SHARD_NAME = re.compile(r"\d{3}-\d{6}\.(train|eval)")
+"""A shard split's name in a manifest: its files are NAME.bin, NAME.idx and NAME.mask."""
+DTYPES = ("uint16", "uint32")
+"""The token dtypes a prepared folder holds (token_dtype)."""
 SKEW = 3
 """A source whose held-out share of tokens exceeds SKEW x --holdout is warned about: its documents
 are too few or too uneven for the share asked (the golden-ratio spacing alone keeps a source of
@@ -122,6 +126,67 @@ def _encoder(name: str) -> Callable[[list[str]], list[list[int]]]:
 
 def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def manifest_problem(folder: Path, manifest: dict[str, Any]) -> str | None:
+    """What is wrong with a prepared folder's manifest, or with the shard files it lists, in a few words;
+    None when nothing is. Each file that a reader maps (a split's .bin, and .mask for fine-tuning data)
+    is checked by its size against the manifest's token count, a stat each and no data read: a shard
+    cut short, missing or replaced, or a manifest of other files, is found before anything trains on it."""
+    try:
+        files = _listed_files(manifest)
+    except KeyError as exc:
+        return f"{MANIFEST} is not a whole {FORMAT} manifest: it has no {exc.args[0]!r}"
+    except (TypeError, AttributeError, ValueError) as exc:
+        return f"{MANIFEST} is not a whole {FORMAT} manifest: {exc}"
+    for name, size, what in files:
+        try:
+            found = (folder / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name}, which {MANIFEST} lists, is missing"
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror})"
+        if found != size:
+            how = "cut short" if found < size else "longer than written"
+            return f"{name} holds {found:,} bytes where {MANIFEST}'s {what} take {size:,} ({how})"
+    return None
+
+
+def _listed_files(manifest: dict[str, Any]) -> list[tuple[str, int, str]]:
+    """(file name, size in bytes, what the size stands for) of each non-empty shard file a manifest
+    lists; KeyError, TypeError or ValueError where the manifest is malformed or disagrees with itself."""
+    dtype = manifest["dtype"]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not {' or '.join(DTYPES)}")
+    itemsize = np.dtype(dtype).itemsize
+    files = []
+    for split in ("train", "eval"):
+        total = 0
+        for source in manifest["sources"]:
+            counts = [_count(shard) for shard in source[split]["shards"]]
+            if sum(counts) != source[split]["tokens"]:
+                raise ValueError(f"the {split} shards of source {source['input']!r} hold {sum(counts):,} tokens, its "
+                                 f"{split} total says {source[split]['tokens']}")
+            total += sum(counts)
+            for shard, tokens in zip(source[split]["shards"], counts):
+                if tokens:
+                    files.append((f"{shard['name']}.bin", tokens * itemsize, f"{tokens:,} {dtype} tokens"))
+                if tokens and manifest.get("loss_mask"):
+                    files.append((f"{shard['name']}.mask", tokens, f"{tokens:,} mask bytes"))
+        if total != manifest["splits"][split]["tokens"]:
+            raise ValueError(f"its sources hold {total:,} {split} tokens, its {split} total says "
+                             f"{manifest['splits'][split]['tokens']}")
+    return files
+
+
+def _count(shard: dict[str, Any]) -> int:
+    """A manifest shard's token count, its name checked (a plain NNN-NNNNNN.split: no path elsewhere)."""
+    name, tokens = shard["name"], shard["tokens"]
+    if not (isinstance(name, str) and SHARD_NAME.fullmatch(name)):
+        raise ValueError(f"shard name {name!r} is not NNN-NNNNNN.train or NNN-NNNNNN.eval")
+    if not (isinstance(tokens, int) and tokens >= 0):
+        raise ValueError(f"shard {name} has {tokens!r} tokens, not a count")
+    return tokens
 
 
 # ----------------------------------------------------------------------------- one shard (in a worker)
@@ -279,8 +344,17 @@ def _existing(out: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     for name in (MANIFEST, PROGRESS):
         path = out / name
         if path.is_file():
-            stored = json.loads(path.read_text())
-            if stored.get("settings", stored) == settings:
+            try:
+                stored = json.loads(path.read_text())
+                same = stored.get("settings", stored) == settings
+            except (OSError, ValueError, AttributeError) as exc:
+                raise ValueError(f"--out {str(out)!r}: its {name} cannot be read ({type(exc).__name__}); valid: a new "
+                                 "or empty folder") from None
+            problem = manifest_problem(out, stored) if same and name == MANIFEST else None
+            if problem is not None:  # the same command again would say "nothing to do"
+                raise ValueError(f"--out {str(out)!r} holds this preparation, but {problem}; valid: remove the folder, "
+                                 "then the same command prepares it again")
+            if same:
                 return stored if name == MANIFEST else None
             raise ValueError(f"--out {str(out)!r} holds a {'prepared' if name == MANIFEST else 'half-prepared'} "
                              "dataset of other inputs or settings; valid: a new or empty folder, or the same command")

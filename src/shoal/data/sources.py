@@ -240,7 +240,8 @@ def documents(chunk: Chunk, field: str, fmt: str = "text") -> list[Any]:
             record = json.loads(line)
         except ValueError as exc:
             where = _line(chunk, first, index)
-            raise ValueError(f"{where}: not a JSON line ({getattr(exc, 'msg', exc)})") from None
+            raise ValueError(f"{where}: not a JSON line ({getattr(exc, 'msg', exc)}); valid: one JSON "
+                             "object per line") from None
         missing = [f for f in fields if not isinstance(record, dict) or f not in record]
         if missing:
             has = ", ".join(record) if isinstance(record, dict) else type(record).__name__

@@ -292,7 +292,8 @@ def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
                          "them (sharded with model.safetensors.index.json, as Hugging Face writes them) or a "
                          "shoal export") from None
     if 8 + length + end > size:
-        raise ValueError(f"--init: {file} is cut short ({size} bytes; its header lists {8 + length + end})")
+        raise ValueError(f"--init: {file} is cut short ({size:,} bytes; its header lists {8 + length + end:,}); "
+                         "valid: the whole file (a download or copy that finished)")
     return entries
 
 

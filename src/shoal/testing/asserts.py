@@ -1,10 +1,12 @@
 """Comparisons for tests, each tolerance derived from the arithmetic it checks: `assert_rounding_close` holds a
 parallel float32 result to the single process's own float32 error; `one_line_error` and `assert_user_error` check
-that a mistake is reported in one line."""
+that a mistake is reported in one line, `file_digests` that it lost nothing."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,6 +99,13 @@ def assert_user_error(capsys: Any, argv: list[str], *names: str) -> str:
     for name in names:
         assert name in lines[0], (name, lines[0])
     return lines[0]
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file under `folder`, by relative path: equal before and after a refused command
+    when that command lost nothing there."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def one_line_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:

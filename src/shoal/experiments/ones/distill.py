@@ -37,9 +37,9 @@ from shoal.loss import LossFn
 from shoal.models import ModelConfig, ModelShape, Transformer
 from shoal.moe.layer import MoELayer
 from shoal.runtime import Runtime
-from shoal.train.checkpoint import good_checkpoint, load_checkpoint
+from shoal.train.checkpoint import checkpoint_dir, good_checkpoint, load_checkpoint
 from shoal.train.config import RunConfig, from_flat, resolve_model
-from shoal.train.job import Job, check_fresh_out, default_run_dir, read_run_config
+from shoal.train.job import CONFIG_FILE, Job, check_fresh_out, default_run_dir, read_run_config
 from shoal.train.preempt import STOPPED
 from shoal.train.task import Task, TrainerView, task_for
 from shoal.train.worker import run_job
@@ -105,12 +105,32 @@ def read_distill_config(run_dir: str | Path) -> DistillConfig:
     return DistillConfig(**json.loads(path.read_text()))
 
 
+TEACHER_VALID = "the --out folder of a shoal train run of an MoE model, once it has written a checkpoint"
+"""What --teacher takes, for its refusals."""
+
+
 def teacher_config(teacher_dir: Path) -> tuple[RunConfig, ModelConfig]:
     """The teacher run's config and its model shape (ValueError if it is no run folder of a transformer)."""
     if not teacher_dir.is_dir():
-        raise ValueError(f"--teacher {str(teacher_dir)!r}: no such run folder")
+        what = "is a file, not a run folder" if teacher_dir.exists() else "no such run folder"
+        raise ValueError(f"--teacher {str(teacher_dir)!r}: {what}; valid: {TEACHER_VALID}")
+    if not (teacher_dir / CONFIG_FILE).is_file():
+        raise ValueError(f"--teacher {str(teacher_dir)!r} is not a shoal run folder: it has no {CONFIG_FILE}; valid: "
+                         f"{TEACHER_VALID}")
     cfg = read_run_config(teacher_dir)
     return cfg, _text_model(resolve_model(cfg), teacher_dir)
+
+
+def teacher_checkpoint(teacher_dir: Path) -> Path:
+    """The teacher run's newest checkpoint that verifies; a one-line ValueError when it holds none, saying
+    whether one is still being written (a teacher that is still training before its first checkpoint)."""
+    try:
+        return good_checkpoint(teacher_dir)
+    except ValueError as exc:
+        writing = any(".tmp-" in p.name for p in checkpoint_dir(teacher_dir).glob("step_*"))
+        still = " (a checkpoint is still being written: the run is training, or stopped while saving)" \
+            if writing else ""
+        raise ValueError(f"--teacher: {exc}{still}; valid: {TEACHER_VALID}") from None
 
 
 def _text_model(model: ModelShape, teacher_dir: Path) -> ModelConfig:
@@ -149,7 +169,7 @@ def student_for(teacher: str | Path, *, gather: str = "svd", gather_k: int | Non
     teacher_run, teacher_model = teacher_config(Path(teacher))
     student = student_config(teacher_model, student_set)
     check_fits(teacher_model, student, gather, gather_k)
-    checkpoint = good_checkpoint(teacher)
+    checkpoint = teacher_checkpoint(Path(teacher))
     k = gather_k if gather_k is not None else default_k(gather, teacher_model)
     spec = DistillConfig(teacher=str(teacher), checkpoint=str(checkpoint), gather=gather, gather_k=k,
                          temperature=temperature, alpha=alpha)

@@ -83,9 +83,11 @@ def _read(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"hf config {str(file)!r} is not valid JSON ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"hf config {str(file)!r} is not valid JSON ({type(exc).__name__}: {exc}); valid: the "
+                         "config.json a Hugging Face model folder holds (save_pretrained writes it)") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"hf config {str(file)!r} holds a JSON {type(raw).__name__}, not an object")
+        raise ValueError(f"hf config {str(file)!r} holds a JSON {type(raw).__name__}, not an object; valid: the "
+                         "config.json a Hugging Face model folder holds (save_pretrained writes it)")
     return raw
 
 
