@@ -146,7 +146,7 @@ def _reruns(output: str) -> list[str]:
     if RERUN_SECTION not in output:
         return []
     section = output.split(RERUN_SECTION, 1)[1]
-    return [line.strip() for line in section.splitlines()[1:] if line.strip() and not line.startswith("=")][:20]
+    return [line.strip() for line in section.splitlines() if "was killed by SIG" in line]
 
 
 def _first_lines(tail: str, n: int = 12) -> str:

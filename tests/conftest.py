@@ -60,6 +60,8 @@ def pools():
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Every task rerun after a worker's C-level crash, named (see CRASH)."""
     if _RERUNS:
-        terminalreporter.section("tasks rerun after a worker crashed in C")
+        terminalreporter.section("tasks rerun after a worker crashed in C", sep="!", red=True, bold=True)
         for line in _RERUNS:
-            terminalreporter.line(line)
+            terminalreporter.line(line, red=True, bold=True)
+        terminalreporter.line(f"{len(_RERUNS)} task(s) passed only on a fresh pool: a crash in C happened (its signal "
+                              "above); bench/soak.py --tests counts them", red=True, bold=True)
