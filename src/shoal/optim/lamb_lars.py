@@ -59,7 +59,7 @@ def _select(ok: torch.Tensor | None, tensors: Sequence[torch.Tensor], new: Seque
     """tensors[i] <- new[i] where `ok` (0-d bool on the device; None: always), else left as they are,
     bit for bit (torch.where picks, computing nothing on the kept values)."""
     if ok is None:
-        torch._foreach_copy_(tensors, new)
+        torch._foreach_copy_(list(tensors), list(new))
         return
     for t, n in zip(tensors, new):
         t.copy_(torch.where(ok.to(t.device), n, t))
