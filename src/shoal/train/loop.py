@@ -212,10 +212,11 @@ class Trainer:
         """The one line a run stopped on a non-finite state ends with: what, the newest checkpoint, the command."""
         newest = latest_checkpoint(self.run_dir)
         lr = self.cfg.optim.lr
-        return (f"non-finite training state at {what}; stopped without a checkpoint of it (--on-nonfinite "
-                f"{self.loop.on_nonfinite}); newest checkpoint: {newest if newest is not None else 'none written'}; "
-                f"continue from it with a lower lr: shoal {self.task.command} --resume {self.run_dir} --lr {lr / 10:g}"
-                + ("" if newest is not None else " (or start anew with it)"))
+        if newest is None:
+            return (f"{what}; no checkpoint of it (--on-nonfinite {self.loop.on_nonfinite}), none written before it; "
+                    f"start again with a lower lr, e.g. --lr {lr / 10:g}")
+        return (f"{what}; no checkpoint of it (--on-nonfinite {self.loop.on_nonfinite}); newest checkpoint {newest}; "
+                f"continue with a lower lr: shoal {self.task.command} --resume {self.run_dir} --lr {lr / 10:g}")
 
     def _finish(self, writer: MetricsWriter | None, bar: Any, *, peak: tuple[float, str], seconds: float,
                 last: int) -> dict[str, Any] | None:

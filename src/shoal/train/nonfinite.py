@@ -63,10 +63,10 @@ class Guard:
                 self.bad_in_a_row += 1
                 words = _words(what, r)
                 if stop is None and self.mode == "stop":
-                    stop = f"step {r['step']}: {words}; the update was not applied"
+                    stop = f"step {r['step']}: {words}, not applied"
                 elif stop is None and self.bad_in_a_row >= self.max_bad_steps:
-                    stop = (f"step {r['step']}: {words}, the {self.bad_in_a_row}th bad step in a row "
-                            f"(--max-bad-steps {self.max_bad_steps}); none of them was applied")
+                    stop = (f"step {r['step']}: {words}, {self.bad_in_a_row} bad steps in a row "
+                            f"(--max-bad-steps {self.max_bad_steps}), none applied")
                 continue
             self.bad_in_a_row = 0
             self._spike(r)
@@ -92,7 +92,7 @@ class Guard:
 
 def _words(what: list[str], r: dict[str, Any]) -> str:
     if not what:
-        return "the weights' update was refused on the device"
+        return "the update was refused on the device"
     names = {"loss": "the loss", "grad_norm": "the gradient norm"}
     return " and ".join(f"{names[k]} went non-finite ({r[k]})" for k in what)
 
