@@ -200,11 +200,10 @@ def test_the_summary_names_a_reduction_only_where_gradients_are_reduced(plan, wo
 
 def test_the_trainer_says_which_fp16_steps_overflowed(tmp_path, capfd):
     """fp16's first steps overflow at the initial loss scale of 2**16 on the image Mixer: metrics.jsonl marks each
-    skipped step (exactly those whose gradient norm is not finite), the progress bar says so, the summary counts
+    skipped step (exactly those whose gradient norm is not finite: null), as loss-scale overflows that stop nothing, the progress bar says so, the summary counts
     them, and torch's warning about a scheduler stepping before its optimizer (true of a skipped first step, and
     misleading) is not printed."""
     import json
-    import math
 
     from shoal import cli
 
@@ -213,8 +212,11 @@ def test_the_trainer_says_which_fp16_steps_overflowed(tmp_path, capfd):
                      "--log-every", "2", "--eval-every", "0", "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["step"] for r in records if r.get("skipped")]
-    assert skipped and skipped == [r["step"] for r in records if not math.isfinite(r["grad_norm"])]
-    assert json.loads((out / "summary.json").read_text())["skipped_steps"] == len(skipped)
+    assert skipped and skipped == [r["step"] for r in records if r["grad_norm"] is None]  # strict JSON: null
+    assert skipped == [r["step"] for r in records if r.get("loss_scale_overflow")]  # the scale's, not counted
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_steps"] == summary["loss_scale_overflows"] == len(skipped)
+    assert summary["nonfinite_steps"] == []
     said = "".join(capfd.readouterr())
     assert "skipped, the fp16 gradients overflowed" in said and f"{len(skipped)} step(s) skipped" in said
     assert "lr_scheduler.step()" not in said
