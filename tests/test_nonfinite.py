@@ -176,6 +176,11 @@ def test_a_diverging_run_stops_with_one_line_and_a_finite_latest(tmp_path):
     assert records[-1]["step"] == bad["step"]  # stopped at the bad step's read
     assert int(latest.rsplit("_", 1)[1]) < bad["step"]  # latest names a checkpoint from before it
     _assert_checkpoint_finite(run / "checkpoints" / latest)
+    # the command the line gives is accepted (a resumed run may change --lr): the step-1 weights of lr 5e24
+    # diverge again, and the new stop line's hint is a tenth of the new lr
+    resumed = _shoal("train", "--resume", str(run), "--lr", "1e-3")
+    [again] = _error_lines(resumed.stderr)
+    assert resumed.returncode == 1 and again.endswith(f"--resume {run} --lr 0.0001"), again
 
 
 def _assert_checkpoint_finite(path: Path) -> None:

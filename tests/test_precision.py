@@ -200,7 +200,8 @@ def test_the_summary_names_a_reduction_only_where_gradients_are_reduced(plan, wo
 
 def test_the_trainer_says_which_fp16_steps_overflowed(tmp_path, capfd):
     """fp16's first steps overflow at the initial loss scale of 2**16 on the image Mixer: metrics.jsonl marks each
-    skipped step (exactly those whose gradient norm is not finite: null), as loss-scale overflows that stop nothing, the progress bar says so, the summary counts
+    skipped step (exactly those whose gradient norm is not finite: null), as loss-scale overflows that stop
+    nothing, the progress bar says so, the summary counts
     them, and torch's warning about a scheduler stepping before its optimizer (true of a skipped first step, and
     misleading) is not printed."""
     import json
