@@ -105,10 +105,14 @@ def test_one_process_mixed_precision_tracks_fp32(pools):
 
 def test_loss_scaler_skips_overflowing_steps():
     scaler = LossScaler(init_scale=8.0, growth_interval=2)
-    assert scaler.unscale_factor(torch.tensor(float("inf"))) is None and scaler.scale_value == 4.0
-    assert scaler.unscale_factor(torch.tensor(8.0)) == 0.25 and scaler.scale_value == 4.0
-    assert scaler.unscale_factor(torch.tensor(1.0)) == 0.25
+    factor, overflow = scaler.unscale(torch.tensor(float("inf")))
+    assert float(factor) == 0.125 and bool(overflow) and scaler.scale_value == 4.0
+    factor, overflow = scaler.unscale(torch.tensor(8.0))
+    assert float(factor) == 0.25 and not bool(overflow) and scaler.scale_value == 4.0
+    assert float(scaler.unscale(torch.tensor(1.0))[0]) == 0.25
     assert scaler.scale_value == 8.0  # two good steps: the scale doubles (after unscaling by the old one)
+    scaler.scale_value = 1.0  # at 1 the scaled gradients are the true ones: their overflow is not the scale's
+    assert not bool(scaler.unscale(torch.tensor(float("nan")))[1]) and scaler.scale_value == 0.5
 
 
 def test_fp16_overflow_skips_the_step_through_the_runtime():
@@ -125,16 +129,16 @@ def test_fp16_overflow_skips_the_step_through_the_runtime():
     before = [p.detach().clone() for p in model.parameters()]
     batch = [(torch.ones(1, 2), torch.zeros(1, 1))]
     mse = torch.nn.functional.mse_loss
-    runtime.loss_scaler.scale_value = 1e38  # x 2 overflows float32
+    runtime.loss_scaler.scale_value = 2.0**126  # times the loss overflows float32
     result = train_step(runtime, optimizer, batch, loss_fn=lambda out, y: mse(out, y) * 2.0 ** 20)
-    assert not result.stepped and runtime.loss_scaler.scale_value == 5e37
+    assert not result.applied and result.overflow and runtime.loss_scaler.scale_value == 2.0**125
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     runtime.loss_scaler.scale_value = 1024.0
     seen = {}
     result = train_step(runtime, optimizer, batch, loss_fn=mse,
                         before_update=lambda rt: seen.update(g=[p.grad.clone() for p in rt.parameters()]))
     out = before[0].sum() + before[1]  # w . (1, 1) + b; d(out^2)/dw = 2 out, d/db = 2 out
-    assert result.stepped and torch.allclose(seen["g"][0], 2 * out.expand(1, 2), rtol=1e-6)
+    assert result.applied and torch.allclose(seen["g"][0], 2 * out.expand(1, 2), rtol=1e-6)
     assert float(result.grad_norm) == pytest.approx(float(2 * out.abs() * 3 ** 0.5), rel=1e-6)
 
 
@@ -196,11 +200,11 @@ def test_the_summary_names_a_reduction_only_where_gradients_are_reduced(plan, wo
 
 def test_the_trainer_says_which_fp16_steps_overflowed(tmp_path, capfd):
     """fp16's first steps overflow at the initial loss scale of 2**16 on the image Mixer: metrics.jsonl marks each
-    skipped step (exactly those whose gradient norm is not finite), the progress bar says so, the summary counts
+    skipped step (exactly those whose gradient norm is not finite: null), as loss-scale overflows that stop
+    nothing, the progress bar says so, the summary counts
     them, and torch's warning about a scheduler stepping before its optimizer (true of a skipped first step, and
     misleading) is not printed."""
     import json
-    import math
 
     from shoal import cli
 
@@ -209,8 +213,11 @@ def test_the_trainer_says_which_fp16_steps_overflowed(tmp_path, capfd):
                      "--log-every", "2", "--eval-every", "0", "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["step"] for r in records if r.get("skipped")]
-    assert skipped and skipped == [r["step"] for r in records if not math.isfinite(r["grad_norm"])]
-    assert json.loads((out / "summary.json").read_text())["skipped_steps"] == len(skipped)
+    assert skipped and skipped == [r["step"] for r in records if r["grad_norm"] is None]  # strict JSON: null
+    assert skipped == [r["step"] for r in records if r.get("loss_scale_overflow")]  # the scale's, not counted
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_steps"] == summary["loss_scale_overflows"] == len(skipped)
+    assert summary["nonfinite_steps"] == []
     said = "".join(capfd.readouterr())
     assert "skipped, the fp16 gradients overflowed" in said and f"{len(skipped)} step(s) skipped" in said
     assert "lr_scheduler.step()" not in said

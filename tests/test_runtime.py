@@ -97,7 +97,7 @@ def test_runtime_in_one_process_is_the_plain_loop():
     seen = {}
     result = train_step(runtime, opt, [(x, y)], grad_clip=0.5,
                         before_update=lambda rt: seen.update(full_tensors(rt, grads=True)))
-    assert result.loss.item() == loss.item() and result.grad_norm.item() == norm.item() and result.stepped
+    assert result.loss.item() == loss.item() and result.grad_norm.item() == norm.item() and result.applied
     assert all(torch.equal(seen[n], g) for n, g in grads.items())
     after = full_tensors(runtime)
     assert all(torch.equal(after[n], p) for n, p in plain.named_parameters())

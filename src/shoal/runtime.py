@@ -21,8 +21,8 @@ private, and attaches nothing to the user's modules.
   (`local_batches`), the MoE layers' auxiliary losses (a loss pooled over the forward's tokens,
   `aux_loss_pooled`, pooled over the data ranks and the pipeline's stages; their load figures in
   `moe_stats`), then tensor parallelism's partial gradients and the expert gradients reduced
-  once. `eval_loss` is its forward-only twin. `grad_norm()` (fp16: unscales first, reports an
-  overflow) and `clip_grads_(max_norm, norm)` work on the engine's shards; `global_mean(value)`
+  once. `eval_loss` is its forward-only twin. `grad_norm()` (fp16: unscales first, flags an
+  overflow on the device) and `clip_grads_(max_norm, norm)` work on the engine's shards; `global_mean(value)`
   averages over the data ranks; `data_rank` says which slice of each global batch is this rank's.
 - State: `state_dict(optimizer)` / `load_state_dict(...)` in DCP's format, so checkpoints
   reshard; `full_weights()` / `load_full_weights(...)` for export and import; `loss_scaler`,
@@ -281,9 +281,10 @@ class Runtime:
             return micro_batches
         return [(self._context.split(x), self._context.split(y)) for x, y in micro_batches]
 
-    def grad_norm(self) -> tuple[torch.Tensor, bool]:
-        """(global L2 norm of the true gradients, take the step?). Under fp16 the gradients are
-        first divided by the loss scale; an overflow returns False (skip the step; the scale halves)."""
+    def grad_norm(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(global L2 norm of the true gradients, fp16's overflow flag), on the device. Under fp16 the
+        gradients are first divided by the loss scale and the flag (a 0-d bool) says whether the scaled
+        ones overflowed while the scale was above 1 (the scale halves; LossScaler); None otherwise."""
         norm = self._engine.grad_norm()
         if self._pp_group is not None:  # each stage's norm over its own parameters, a tied table's once
             squares = norm.pow(2)
@@ -291,12 +292,10 @@ class Runtime:
                 squares = squares - self._tied.duplicate_square(squares.device)
             norm = self._pp_sum(squares).sqrt()
         if self.loss_scaler is None:
-            return norm, True
-        factor = self.loss_scaler.unscale_factor(norm)
-        if factor is None:
-            return norm, False
-        self._engine.scale_grads_(torch.tensor(factor, device=norm.device))
-        return norm * factor, True
+            return norm, None
+        factor, overflow = self.loss_scaler.unscale(norm)
+        self._engine.scale_grads_(factor)
+        return norm * factor, overflow
 
     def clip_grads_(self, max_norm: float | None, norm: torch.Tensor) -> None:
         """Scale the gradients so that their global norm `norm` is at most `max_norm` (torch's

@@ -64,6 +64,9 @@ TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--max-restarts", int, "restart the workers this many times after a failure, from the newest good "
      "checkpoint; under torchrun use torchrun's --max-restarts [0]"),
     ("--log-every", int, "read loss and memory from the device every K steps (one sync per K) [10]"),
+    ("--on-nonfinite", str, "a step whose loss or gradient is NaN/inf is never applied; stop: stop at the next log "
+     "step (exit 1) naming it and the newest checkpoint; skip: skip and count such steps [stop]"),
+    ("--max-bad-steps", int, "--on-nonfinite skip: stop after K non-finite steps in a row [10]"),
     ("--tf32", on_off, "fp32 matmuls on TF32 tensor cores on GPUs that have them [on]"),
     ("--memory-check", on_off, "refuse before start a plan predicted not to fit this machine's memory, naming "
      "plans that fit; --no-memory-check: off [on]"),
@@ -128,6 +131,8 @@ def run_job(job: Any) -> int:
         return _stopped(exc.signal_name, job.run_dir)
     if "error" in result:
         return fail(result["error"], USER_ERROR, job.run_dir)
+    if "nonfinite" in result:
+        return fail(result["nonfinite"], RUN_FAILED, job.run_dir)
     return STOPPED if "stopped" in result else 0
 
 

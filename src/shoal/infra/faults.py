@@ -3,7 +3,9 @@
     SHOAL_FAULT="<action>@<point>:rank=<r>:step=<s>[:attempt=<a>]"
 
 actions: kill (SIGKILL itself), stop (SIGSTOP itself: frozen), term (SIGTERM itself: preempted),
-raise (a RuntimeError: a crash), enospc (the checkpoint write fails: disk full).
+raise (a RuntimeError: a crash), enospc (the checkpoint write fails: disk full), nan and inf (at
+forward: the model's output times NaN or inf, so the loss goes non-finite; at backward: the
+gradient reaching the output times it, so the gradients go non-finite while the loss stays finite).
 points: forward (inside the model's forward), backward (inside backward), collective (while
 its peers wait in the gradient-norm all-reduce: it starts its part, then the fault), step (between
 steps), checkpoint (after the checkpoint's files are written, before the checkpoint is complete).
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 
 ENV = "SHOAL_FAULT"
-ACTIONS = ("kill", "stop", "term", "raise", "enospc")
+ACTIONS = ("kill", "stop", "term", "raise", "enospc", "nan", "inf")
+POISONS = {"nan": float("nan"), "inf": float("inf")}
 POINTS = ("forward", "backward", "collective", "step", "checkpoint")
 
 
@@ -92,7 +95,9 @@ def arm(model: torch.nn.Module) -> None:
     f = _FAULT
     if f is None:
         return
-    if f.point == "forward":
+    if f.action in POISONS:
+        _arm_poison(model, f)
+    elif f.point == "forward":
         model.register_forward_pre_hook(lambda module, args: point("forward"))
     elif f.point == "backward":
         def grad_hook(grad: torch.Tensor) -> None:
@@ -104,6 +109,26 @@ def arm(model: torch.nn.Module) -> None:
         model.register_forward_hook(forward_hook)
     elif f.point == "collective":
         _arm_collective()
+
+
+def _arm_poison(model: torch.nn.Module, f: Fault) -> None:
+    """nan/inf at forward (the output) or backward (the output's gradient), at the fault's rank and step."""
+    value = POISONS[f.action]
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t * value if _here(f, _STEP) else t
+
+    def forward_hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
+        if not isinstance(out, torch.Tensor):
+            return out
+        if f.point == "forward":
+            return poison(out)
+        if out.requires_grad:
+            out.register_hook(poison)
+        return out
+
+    if f.point in ("forward", "backward"):
+        model.register_forward_hook(forward_hook)
 
 
 def _arm_collective() -> None:

@@ -62,11 +62,13 @@ class CowClip(LAMB):
         return count
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None, *, ok: torch.Tensor | None = None) -> None:  # type: ignore[override]
+        """Clip the embedding rows' gradients, then LAMB's step gated by `ok` (the clipping changes only
+        gradients; the counts restart from zero after every step, taken or not)."""
         tables = [(w, c) for w, c in self._tables if w.grad is not None]
         if tables:
             self._clip(tables)
-        super().step()
+        super().step(ok=ok)
         for _, counts in self._tables:
             counts.zero_()
 

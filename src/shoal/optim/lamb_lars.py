@@ -9,7 +9,7 @@ tensor of every rank, each counted once, into metrics.jsonl).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -55,8 +55,22 @@ def trust_summary(trust: dict[tuple[str, int], float]) -> dict[str, float]:
     return {"trust_min": float(t[0]), "trust_median": float(t[(len(t) - 1) // 2]), "trust_max": float(t[-1])}
 
 
+def _select(ok: torch.Tensor | None, tensors: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
+    """tensors[i] <- new[i] where `ok` (0-d bool on the device; None: always), else left as they are,
+    bit for bit (torch.where picks, computing nothing on the kept values)."""
+    if ok is None:
+        torch._foreach_copy_(list(tensors), list(new))
+        return
+    for t, n in zip(tensors, new):
+        t.copy_(torch.where(ok.to(t.device), n, t))
+
+
 class _Layerwise(torch.optim.Optimizer):
-    """What LAMB, LARS and CowClip share: groups with an `adapt` flag, the rows rule, trust ratios."""
+    """What LAMB, LARS and CowClip share: groups with an `adapt` flag, the rows rule, trust ratios, and
+    a step gated on the device: `step(ok=flag)` with `flag` a 0-d bool tensor updates nothing where it
+    is false (weights, moments, momentum buffers and step counters keep their exact bits: each new
+    value is computed beside the old one and torch.where picks; shoal.optim.gate). The step counter
+    is a tensor on the parameter's device, so the bias corrections never read it on the host."""
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, per_expert: bool = True) -> None:
         super().__init__(params, defaults)
@@ -107,7 +121,7 @@ class LAMB(_Layerwise):
                                   "adapt": adapt}, per_expert=per_expert)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None, *, ok: torch.Tensor | None = None) -> None:  # type: ignore[override]
         norms, jobs = ShardedNorms(), []
         owners: list[tuple[torch.Tensor, bool]] = []
         for group in self.param_groups:
@@ -116,18 +130,22 @@ class LAMB(_Layerwise):
                 continue
             b1, b2 = group["betas"]
             w, g = [local_tensor(p) for p in params], [local_grad(p) for p in params]
-            states = [self._state(p) for p in params]
+            states = [self._state(p, ok) for p in params]
             m, v = [local_tensor(st[0]) for st in states], [local_tensor(st[1]) for st in states]
-            torch._foreach_lerp_(m, g, 1 - b1)
-            torch._foreach_mul_(v, b2)
-            torch._foreach_addcmul_(v, g, g, 1 - b2)
+            m_new = torch._foreach_lerp(m, g, 1 - b1)
+            v_new = torch._foreach_mul(v, b2)
+            torch._foreach_addcmul_(v_new, g, g, 1 - b2)
             step = states[0][2]  # every parameter of a group steps together
             bc1, bc2 = 1 - b1**step, 1 - b2**step
-            denom = torch._foreach_div(v, bc2)
+            denom = torch._foreach_div(v_new, bc2)
             torch._foreach_sqrt_(denom)
             torch._foreach_add_(denom, group["eps"])
-            u = torch._foreach_div(m, denom)
+            u = torch._foreach_div(m_new, denom)
+            del denom
             torch._foreach_div_(u, bc1)
+            _select(ok, m, m_new)
+            _select(ok, v, v_new)
+            del m_new, v_new
             if group["weight_decay"]:
                 torch._foreach_add_(u, w, alpha=group["weight_decay"])
             ids = None
@@ -146,17 +164,22 @@ class LAMB(_Layerwise):
                     trust = trust_ratio(reduced[wi], reduced[ui])
                     trusts.append(trust)
                     u[i].mul_(per_row(trust, u[i]))
-            torch._foreach_add_(w, u, alpha=-group["lr"])
+            _select(ok, w, torch._foreach_add(w, u, alpha=-group["lr"]))
         self.last_trust = torch.cat(trusts) if trusts else torch.ones(0)
 
-    def _state(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def _state(self, p: torch.Tensor, ok: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq, step): the step counted on the device (float64, as the host's
+        float the bias corrections were taken in), by one where `ok` holds."""
         state = self.state[p]
+        device = local_tensor(p).device
         if not state:
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.tensor(0.0, dtype=torch.float64, device=device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1  # a CPU scalar, as torch's Adam keeps it: reading it syncs no device
-        return state["exp_avg"], state["exp_avg_sq"], float(state["step"])
+        elif state["step"].device != device or state["step"].dtype != torch.float64:  # a checkpoint's host counter
+            state["step"] = state["step"].to(device, torch.float64)
+        state["step"] += 1 if ok is None else ok.to(device)
+        return state["exp_avg"], state["exp_avg_sq"], state["step"]
 
 
 class LARS(_Layerwise):
@@ -178,7 +201,7 @@ class LARS(_Layerwise):
                                   "adapt": adapt}, per_expert=per_expert)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None, *, ok: torch.Tensor | None = None) -> None:  # type: ignore[override]
         norms, jobs = ShardedNorms(), []
         owners: list[tuple[torch.Tensor, bool]] = []
         for group in self.param_groups:
@@ -208,9 +231,10 @@ class LARS(_Layerwise):
                     trusts.append(local_lr)
                     d[i].mul_(per_row(local_lr, d[i]))
             bufs = [local_tensor(self._buffer(p)) for p in params]
-            torch._foreach_mul_(bufs, group["momentum"])
-            torch._foreach_add_(bufs, d, alpha=group["lr"])
-            torch._foreach_sub_(w, bufs)
+            bufs_new = torch._foreach_mul(bufs, group["momentum"])
+            torch._foreach_add_(bufs_new, d, alpha=group["lr"])
+            _select(ok, w, torch._foreach_sub(w, bufs_new))
+            _select(ok, bufs, bufs_new)
         self.last_trust = torch.cat(trusts) if trusts else torch.ones(0)
 
     def _buffer(self, p: torch.Tensor) -> torch.Tensor:

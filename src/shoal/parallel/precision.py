@@ -16,12 +16,12 @@ bench/host_overhead.py measure both; docs/measurements.md).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,35 +75,63 @@ class Autocast(nn.Module):
 
 
 class LossScaler:
-    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, "Mixed Precision Training").
+    """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, "Mixed Precision Training"), kept on
+    the device: the scale and the count of good steps are 0-d tensors, so a step never reads them on
+    the host (the trainer reads them at its logging and checkpoint steps).
 
-    `scale(loss)` before backward; after it, `unscale_factor(norm of the scaled gradients)` says
-    what to multiply the gradients by (1/scale), or None when they overflowed: the step is then
-    skipped and the scale halves. After `growth_interval` good steps in a row the scale doubles.
-    The overflow check uses the *global* gradient norm the step computes anyway (every rank
-    agrees on it), so it needs no collective of its own.
+    `scale(loss)` before backward; after it, `unscale(norm of the scaled gradients)` returns the
+    factor to multiply the gradients by (1/scale) and whether the scaled gradients overflowed while
+    the scale was above 1, and updates the scale: halved after a non-finite norm, doubled after
+    `growth_interval` finite ones in a row. The check uses the *global* gradient norm the step
+    computes anyway (every rank agrees on it), so it needs no collective of its own.
+
+    An overflow with the scale at 1 or below is not the scale's doing (the scaled gradients are no
+    larger than the true ones): it is reported as no overflow, and the step counts as a non-finite
+    gradient (shoal.train.step).
     """
 
     def __init__(self, *, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
-        self.scale_value, self.growth_interval, self._good_steps = init_scale, growth_interval, 0
+        self.growth_interval = growth_interval
+        self._scale = torch.tensor(init_scale, dtype=torch.float32)
+        self._good = torch.tensor(0, dtype=torch.int64)
+
+    def _on(self, device: torch.device) -> torch.Tensor:
+        """The scale tensor, moved once to where the step computes (the loss's device)."""
+        if self._scale.device != device:
+            self._scale, self._good = self._scale.to(device), self._good.to(device)
+        return self._scale
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale_value
+        scale = self._on(loss.device)
+        if isinstance(loss, DTensor):  # tp: a replicated loss; the scale joins it as a replicated DTensor
+            scale = DTensor.from_local(scale, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim,
+                                       run_check=False)
+        return loss * scale
 
-    def unscale_factor(self, scaled_grad_norm: torch.Tensor) -> float | None:
-        """1/scale for gradients whose norm is finite (then counts a good step), else None (and halves the scale)."""
-        if not math.isfinite(float(scaled_grad_norm)):
-            self.scale_value /= 2
-            self._good_steps = 0
-            return None
-        factor = 1.0 / self.scale_value
-        self._good_steps += 1
-        if self._good_steps % self.growth_interval == 0:
-            self.scale_value *= 2
-        return factor
+    def unscale(self, scaled_grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1/scale, overflow): the factor that unscales the gradients and a 0-d bool, true when the
+        scaled norm is non-finite while the scale is above 1; then updates the scale. On the device."""
+        scale = self._on(scaled_grad_norm.device)
+        finite = torch.isfinite(scaled_grad_norm)
+        factor, overflow = scale.reciprocal(), ~finite & (scale > 1)
+        good = torch.where(finite, self._good + 1, 0)
+        grown = torch.where(good % self.growth_interval == 0, scale * 2, scale)
+        self._scale.copy_(torch.where(finite, grown, scale / 2))
+        self._good.copy_(good)
+        return factor, overflow
+
+    @property
+    def scale_value(self) -> float:
+        """The scale, read on the host (a synchronisation: for checkpoints, logs and tests)."""
+        return float(self._scale)
+
+    @scale_value.setter
+    def scale_value(self, value: float) -> None:
+        self._scale.fill_(value)
 
     def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale_value, "good_steps": self._good_steps}
+        return {"scale": self.scale_value, "good_steps": int(self._good)}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        self.scale_value, self._good_steps = float(state["scale"]), int(state["good_steps"])
+        self._scale.fill_(float(state["scale"]))
+        self._good.fill_(int(state["good_steps"]))

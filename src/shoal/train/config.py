@@ -58,9 +58,18 @@ class LoopConfig:
     """Read the step's numbers (loss, gradient norm, memory) from the device every K steps, in one
     synchronisation: between reads the host queues work ahead of the GPU. metrics.jsonl still gets
     one record per step; a window's time is shared equally among its steps."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is not finite is never applied (the update is gated on the
+    device). stop: at the next step the figures are read, the run stops (exit 1) naming the step and
+    the newest checkpoint; skip: it goes on, counting such steps, and stops after `max_bad_steps` in a
+    row. fp16 loss-scale overflows are skipped and not counted under both (shoal.train.nonfinite)."""
+    max_bad_steps: int = 10
+    """--on-nonfinite skip: stop after this many non-finite steps in a row."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every"):
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"--on-nonfinite {self.on_nonfinite!r} is not valid; valid: stop, skip")
+        for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every", "max_bad_steps"):
             _at_least(name, getattr(self, name), 1)
         for name in ("ckpt_every", "eval_every", "seed", "keep", "hang_timeout"):
             _at_least(name, getattr(self, name), 0)
@@ -140,7 +149,8 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "doc_mask": ("data", "doc_mask"),
 }
 RESUMABLE = ("steps", "plan", "nproc", "device", "tf32", "ckpt_every", "final_ckpt", "keep", "eval_every",
-             "log_every", "micro_batch", "hang_timeout", "max_restarts", "memory_check", "dry_run")
+             "log_every", "micro_batch", "hang_timeout", "max_restarts", "memory_check", "dry_run", "on_nonfinite",
+             "max_bad_steps", "lr", "min_lr", "grad_clip")
 """Keys a resumed run may change: none of them changes the loss curve beyond rounding (the plan's
 precision aside, which the user then chose)."""
 DEVICES = ("auto", "cpu", "cuda")

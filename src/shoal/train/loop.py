@@ -29,6 +29,7 @@ from shoal.moe.collect import records as moe_records
 from shoal.optim.builder import build_optimizer
 from shoal.optim.lamb_lars import gather_trust, trust_summary
 from shoal.optim.schedule import build_scheduler
+from shoal.optim.sharded_norms import local_tensor
 from shoal.plan import Plan
 from shoal.train import memory
 from shoal.train.build import (
@@ -40,11 +41,12 @@ from shoal.train.build import (
     restore,
     set_matmul_precision,
 )
-from shoal.train.checkpoint import prune, save_checkpoint
+from shoal.train.checkpoint import latest_checkpoint, prune, save_checkpoint
 from shoal.train.config import to_flat
 from shoal.train.dry_run import memory_prediction
 from shoal.train.job import Job, default_run_dir, write_run_config
 from shoal.train.metrics import MetricsWriter, format_summary, peak_flops, summarize, write_summary
+from shoal.train.nonfinite import SPIKE_K, SPIKE_WINDOW, Guard
 from shoal.train.preempt import StopSignals
 from shoal.train.step import StepResult, split_micro, train_step
 from shoal.train.task import Task, task_for
@@ -91,6 +93,9 @@ class Trainer:
         """The loss of a micro-batch (Runtime.forward_backward); None: cross-entropy on the targets."""
 
         self.stopped_by: str | None = None
+        self.guard = Guard(mode=self.loop.on_nonfinite, max_bad_steps=self.loop.max_bad_steps)
+        self.nonfinite: str | None = None
+        """Why the run stopped on a non-finite step, in one line (shoal.train.nonfinite); None: it did not."""
         if path is not None:
             self.start = restore(path, self.runtime, self.optimizer, self.scheduler)
         self.task.attach(self)
@@ -147,6 +152,12 @@ class Trainer:
             if self.restart and records[0]["step"] == self.start + 1:
                 records[0]["restart"] = self.restart  # metrics.jsonl shows where a restarted run took over
             window = []
+            stop = self.guard.check(records)  # every rank: the figures are global
+            if stop is not None:
+                self.nonfinite = self._stop_line(stop)
+                if writer is not None and bar is not None:
+                    _log(writer, bar, records, False, self.task)
+                break  # no evaluation, no checkpoint of this state
             if eval_due:
                 mark("evaluation", n)
                 records[-1].update(self.task.evaluate(self))
@@ -157,7 +168,8 @@ class Trainer:
                 _log(writer, bar, records, eval_due, self.task)
             if ckpt_due:
                 mark("checkpoint write", n)
-                self._checkpoint(n, writer, bar)
+                if not self._checkpoint(n, writer, bar):
+                    break
             t_window = time.perf_counter()  # evaluation and checkpoints are not step time
             memory.reset_peak()
             if self.stopped_by:
@@ -172,8 +184,13 @@ class Trainer:
                     dynamic_ncols=True,
                     mininterval=0.5 if sys.stderr.isatty() else 15.0)  # a log file: a line every 15 s
 
-    def _checkpoint(self, n: int, writer: MetricsWriter | None, bar: Any) -> None:
-        """Save the checkpoint after step `n` (collective); rank 0 prunes old ones and redraws the plot."""
+    def _checkpoint(self, n: int, writer: MetricsWriter | None, bar: Any) -> bool:
+        """Save the checkpoint after step `n` (collective); rank 0 prunes old ones and redraws the plot.
+        Refused (False, the run stops) when a weight is not finite: an update whose loss and gradient
+        were finite can still overflow the weights, and no checkpoint (nor `latest`) may hold that."""
+        if not self._weights_finite():
+            self.nonfinite = self._stop_line(f"after step {n}: a weight went non-finite (an update overflowed it)")
+            return False
         extra = self._trainer_state(n) | ({"stopped_by": self.stopped_by} if self.stopped_by else {})
         path = save_checkpoint(self.run_dir, n, runtime=self.runtime, optimizer=self.optimizer, extra=extra)
         if writer is not None and bar is not None:
@@ -181,12 +198,32 @@ class Trainer:
                 prune(self.run_dir, self.loop.keep)
             writer.plot()
             bar.write(f"step {n}: checkpoint {path}")
+        return True
+
+    def _weights_finite(self) -> bool:
+        """Every rank's weights finite: one flag all-reduced over the world (a checkpoint step syncs anyway)."""
+        flags = [torch.isfinite(local_tensor(p).detach()).all() for p in self.runtime.parameters()]
+        ok = torch.stack(flags).all().to(self.device, torch.int32) if flags else torch.ones((), dtype=torch.int32,
+                                                                                              device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def _stop_line(self, what: str) -> str:
+        """The one line a run stopped on a non-finite state ends with: what, the newest checkpoint, the command."""
+        newest = latest_checkpoint(self.run_dir)
+        lr = self.cfg.optim.lr
+        if newest is None:
+            return (f"{what}; no checkpoint of it (--on-nonfinite {self.loop.on_nonfinite}), none written before it; "
+                    f"start again with a lower lr, e.g. --lr {lr / 10:g}")
+        return (f"{what}; no checkpoint of it (--on-nonfinite {self.loop.on_nonfinite}); newest checkpoint {newest}; "
+                f"continue with a lower lr: shoal {self.task.command} --resume {self.run_dir} --lr {lr / 10:g}")
 
     def _finish(self, writer: MetricsWriter | None, bar: Any, *, peak: tuple[float, str], seconds: float,
                 last: int) -> dict[str, Any] | None:
         """After the last step: the pipeline's measured bubble (collective over the stages), then on
         rank 0 the summary, printed and written to the run folder."""
-        last_timed = self.plan.pp > 1 and self.stopped_by is None and self.start < self.loop.steps
+        last_timed = (self.plan.pp > 1 and self.stopped_by is None and self.nonfinite is None
+                      and self.start < self.loop.steps)
         chart = self.run_dir / "pipeline.png" if self.rank == 0 else None
         figures = self.runtime.pipeline_summary(chart) if last_timed else None
         if writer is None or bar is None:
@@ -200,8 +237,8 @@ class Trainer:
                             rate_key=self.task.rate_key, final=self.task.eval_metrics)
         summary.update(run_dir=str(self.run_dir), plan=str(self.plan), device=self.device.type,
                        world_size=self.world, precision=_precision_words(self.plan))
-        if self.plan.precision == "fp16":
-            summary["skipped_steps"] = sum(1 for r in writer.records if r.get("skipped"))
+        summary["skipped_steps"] = sum(1 for r in writer.records if r.get("skipped"))
+        summary.update(self.guard.summary())
         predicted = memory_prediction(self)  # beside mem_peak_mb: every run is a data point on the model's error
         if predicted is not None:
             summary.update(mem_predicted_mb=round(predicted["total"], 1),
@@ -236,7 +273,8 @@ class Trainer:
     def _read(self, window: Window, *, first_step: int, seconds: float) -> list[dict[str, Any]]:
         """The metrics records of a window of steps, read from the device in one synchronisation;
         the window's time is shared equally among its steps, its peak memory is the highest rank's."""
-        values = torch.stack([torch.stack((r.loss.to(self.device).float(), r.grad_norm.to(self.device).float()))
+        values = torch.stack([torch.stack((r.loss.to(self.device).float(), r.grad_norm.to(self.device).float(),
+                                           r.applied.to(self.device).float(), r.overflow.to(self.device).float()))
                               for _, r, _ in window]).tolist()
         mem = torch.tensor([memory.peak_mb()], device=self.device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
@@ -244,8 +282,8 @@ class Trainer:
         rate = {self.task.rate_key: self.task.samples_per_step(self.loop) / step_time}
         records = [{"step": first_step + i, "loss": loss, "lr": lr, **rate, "step_time_s": step_time,
                     "data_time_s": fetch, "mem_peak_mb": float(mem.item()),
-                    "grad_norm": norm, **({} if result.stepped else {"skipped": True})}  # fp16: overflowed
-                   for i, ((lr, result, fetch), (loss, norm)) in enumerate(zip(window, values))]
+                    "grad_norm": norm, "_applied": applied > 0, "_overflow": overflow > 0}  # Guard.check reads these
+                   for i, ((lr, _, fetch), (loss, norm, applied, overflow)) in enumerate(zip(window, values))]
         # the last step's trust ratios (LAMB, LARS), over every rank's tensors: collective, every rank reads
         records[-1].update(trust_summary(gather_trust(self.optimizer, self.runtime.named_parameters())))
         if window[0][1].moe:  # MoE load figures (this rank's), read in one synchronisation
@@ -363,9 +401,17 @@ def _log(writer: MetricsWriter, bar: Any, records: list[dict[str, Any]], eval_du
     last = records[-1]
     bar.set_postfix(loss=f"{last['loss']:.3f}", **{task.rate_label: f"{last[task.rate_key]:,.0f}"}, refresh=False)
     bar.update(len(records))
-    skipped = [r["step"] for r in records if r.get("skipped")]
-    if skipped:
-        bar.write(f"step{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))}: skipped, the fp16 gradients "
-                  "overflowed (the loss scale halves at each; a few in the first steps are usual)")
+    overflows = [r["step"] for r in records if r.get("loss_scale_overflow")]
+    if overflows:
+        bar.write(f"step{'s' if len(overflows) > 1 else ''} {', '.join(map(str, overflows))}: skipped, the fp16 "
+                  "gradients overflowed (the loss scale halves at each; a few in the first steps are usual)")
+    for r in records:
+        if r.get("skipped") and not r.get("loss_scale_overflow"):
+            bar.write(f"step {r['step']}: skipped, non-finite (loss {r['loss']}, gradient norm {r['grad_norm']}); "
+                      "no weight or optimizer state changed")
+        if r.get("loss_spike"):
+            bar.write(f"shoal: warning: step {r['step']}: loss spike, {r['loss']:.4g} above "
+                      f"{r['loss_spike_threshold']:.4g} (median + {SPIKE_K:g} x MAD of the last {SPIKE_WINDOW} steps); "
+                      "a NaN may follow")
     if eval_due:
         bar.write(f"step {last['step']}: {task.eval_words(last)}")

@@ -7,6 +7,12 @@ eval_loss on evaluation steps (with eval_loss_by_source, {source: loss}, for a m
 beside eval_loss (eval_accuracy: the plot and the summary show it). A resumed run first
 drops the lines after its checkpoint (they belong to the lost tail of the earlier attempt), so
 the file always reads as one unbroken run.
+
+metrics.jsonl and summary.json are strict JSON (written with allow_nan=False): a value that is not
+finite (a NaN or infinite loss or gradient norm) is written as null, and the record's `nonfinite`
+lists the keys that held one (shoal.train.nonfinite.strict). A step whose update was not applied
+has `skipped: true`; an fp16 loss-scale overflow also `loss_scale_overflow: true`; a loss spike
+`loss_spike: true` with the `loss_spike_threshold` it rose above (docs/runs.md).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from shoal.calibration.measure import matmul_flops
 from shoal.planner.hardware import gpu_device
+from shoal.train.nonfinite import strict
 
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
@@ -37,17 +44,18 @@ class MetricsWriter:
         self.run_dir, self.sample = run_dir, sample
         self.path = run_dir / METRICS
         self.records = [r for r in read_metrics(self.path) if r["step"] <= start_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        self.path.write_text("".join(dumps(r) + "\n" for r in self.records))
         self._file = self.path.open("a")
         # purge_step drops events the earlier attempt wrote after the checkpoint we resume from.
         self._tb = SummaryWriter(str(run_dir / TB_DIR), purge_step=start_step + 1 if start_step else None)
 
     def log(self, record: dict[str, Any]) -> None:
+        record = strict(record)
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(dumps(record) + "\n")
         self._file.flush()
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 tag = {"eval_loss": "eval/loss", "eval_accuracy": "eval/accuracy"}.get(key, f"train/{key}")
                 self._tb.add_scalar(tag, value, record["step"])
 
@@ -81,7 +89,7 @@ def plot_losses(records: list[dict[str, Any]], path: Path, *, sample: str = "tok
     accuracy = [r for r in records if "eval_accuracy" in r]
     fig, axes = plt.subplots(1, 2 if accuracy else 1, figsize=(11 if accuracy else 7, 4), squeeze=False)
     ax = axes[0][0]
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss", lw=1)
+    ax.plot([r["step"] for r in records], [_num(r["loss"]) for r in records], label="train loss", lw=1)
     evals = [r for r in records if "eval_loss" in r]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out loss")
@@ -103,6 +111,16 @@ def plot_losses(records: list[dict[str, Any]], path: Path, *, sample: str = "tok
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _num(value: float | None) -> float:
+    """A value metrics.jsonl may hold as null (non-finite), as a float to plot (NaN: a gap)."""
+    return float("nan") if value is None else value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """Strict JSON: a non-finite float raises (the writers pass everything through `strict` first)."""
+    return json.dumps(value, allow_nan=False, **kwargs)
 
 
 def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path:
@@ -192,9 +210,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         + (f", plan {summary['plan']} on {summary['world_size']} {summary['device']} process(es)"
            if "plan" in summary else ""),
         *([f"  precision {summary['precision']}"] if "precision" in summary else []),
-        *([f"  {summary['skipped_steps']} step(s) skipped: fp16 gradients overflowed"]
+        *([f"  {summary['skipped_steps']} step(s) skipped: {len(summary.get('nonfinite_steps', []))} non-finite, "
+           f"{summary.get('loss_scale_overflows', 0)} fp16 loss-scale overflow(s)"]
           if summary.get("skipped_steps") else []),
-        f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"
+        *([f"  loss spikes at step(s) {', '.join(map(str, summary['loss_spikes'][:10]))}"]
+          if summary.get("loss_spikes") else []),
+        f"  loss {_num(summary['first_loss']):.3f} -> {_num(summary['final_loss']):.3f}"
         + (f" (held-out {summary['final_eval_loss']:.3f})" if summary["final_eval_loss"] is not None else ""),
         *([f"  held-out accuracy {summary['final_eval_accuracy']:.2%}"]
           if summary.get("final_eval_accuracy") is not None else []),
@@ -213,4 +234,4 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+    (run_dir / SUMMARY).write_text(dumps(strict(summary), indent=1) + "\n")

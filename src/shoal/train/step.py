@@ -9,14 +9,13 @@ count of targets (Runtime.share) and the data-parallel engine averages over rank
 
 from __future__ import annotations
 
-import re
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from shoal.loss import Batch, LossFn
+from shoal.optim.gate import gated_step
 from shoal.runtime import Runtime
 
 
@@ -29,8 +28,12 @@ class StepResult:
     """The global batch's mean loss (every rank has the same)."""
     grad_norm: torch.Tensor
     """The global norm of the true gradients, before clipping."""
-    stepped: bool
-    """False when fp16 gradients overflowed and the optimizer step was skipped."""
+    applied: torch.Tensor
+    """0-d bool: the update was applied (loss and gradient norm finite). Where false, no weight and no
+    optimizer state changed (shoal.optim.gate)."""
+    overflow: torch.Tensor
+    """0-d bool: fp16's scaled gradients overflowed while the loss was finite and the scale above 1: the
+    loss scale's warm-up, skipped and not counted as a non-finite step (shoal.parallel.precision)."""
     moe: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per MoE layer, this rank's load figures of the step (Runtime.moe_stats); {} for dense models."""
 
@@ -45,27 +48,28 @@ def train_step(
     loss_fn: LossFn | None = None,
     before_update: Callable[[Runtime], None] | None = None,
 ) -> StepResult:
-    """Forward and backward, gradient norm (fp16: unscaled, overflow skips the step), clipping,
-    optimizer and scheduler step. `before_update(runtime)` sees the true gradients before they
-    are clipped (the parity harness compares them).
+    """Forward and backward, gradient norm (fp16: unscaled), clipping, optimizer and scheduler step.
+    `before_update(runtime)` sees the true gradients before they are clipped (the parity harness
+    compares them).
 
-    Nothing here synchronises the host with the device except under fp16, whose loss scaler must
-    know whether the gradients overflowed before it decides to step (one read of the norm)."""
+    The update is gated on the device: where the global loss or the global gradient norm is not
+    finite (both are the same on every rank, so the check needs no collective) the optimizer step
+    changes nothing (shoal.optim.gate). The schedule advances either way: it follows the step index.
+    Nothing here synchronises the host with the device, fp16 included."""
     optimizer.zero_grad(set_to_none=True)
     local_loss = runtime.forward_backward(micro_batches, loss_fn)
-    grad_norm, finite = runtime.grad_norm()
+    loss = runtime.global_mean(local_loss)
+    grad_norm, overflow = runtime.grad_norm()
     if before_update is not None:
         before_update(runtime)
-    if finite:
-        runtime.clip_grads_(grad_clip, grad_norm)
-        optimizer.step()
-    if scheduler is not None and finite:
+    loss_ok = torch.isfinite(loss.to(grad_norm.device))
+    applied = loss_ok & torch.isfinite(grad_norm)
+    runtime.clip_grads_(grad_clip, grad_norm)
+    gated_step(optimizer, applied)
+    if scheduler is not None:
         scheduler.step()
-    elif scheduler is not None:  # fp16 overflow: the trainer says so, and torch's warning that no optimizer
-        with warnings.catch_warnings():  # step came first would mislead
-            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
-            scheduler.step()
-    return StepResult(loss=runtime.global_mean(local_loss), grad_norm=grad_norm.detach(), stepped=finite,
+    overflow = overflow & loss_ok if overflow is not None else torch.zeros_like(applied)
+    return StepResult(loss=loss, grad_norm=grad_norm.detach(), applied=applied, overflow=overflow,
                       moe=runtime.moe_stats)
 
 

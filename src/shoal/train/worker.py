@@ -30,9 +30,10 @@ from shoal.train.preempt import StopSignals
 
 def run_job(job: Job) -> dict[str, Any]:
     """Run `job` on its workers and return rank 0's result: its summary, {"error": message} for a mistake the
-    workers found, "stopped" set after a signal stopped it with a checkpoint. Under torchrun this process is
-    one rank; otherwise it starts `world_size` local worker processes (shoal.infra.launch, which raises
-    WorkerFailed when one fails and Stopped when a second signal killed them)."""
+    workers found, "nonfinite" set (one line) when a non-finite step stopped it, "stopped" set after a signal
+    stopped it with a checkpoint. Under torchrun this process is one rank; otherwise it starts `world_size`
+    local worker processes (shoal.infra.launch, which raises WorkerFailed when one fails and Stopped when a
+    second signal killed them)."""
     if under_torchrun():
         return run_worker(job) or {}
     with host_memory.for_workers(job.device):
@@ -86,6 +87,8 @@ def _train(job: Job, device: torch.device, signals: StopSignals, baseline_mb: fl
     if job.config.dry_run:
         return dry_run(trainer, baseline_mb=baseline_mb)
     summary = trainer.run(signals)
+    if trainer.nonfinite:
+        return {**(summary or {}), "nonfinite": trainer.nonfinite}
     if trainer.stopped_by:
         return {**(summary or {}), "stopped": trainer.stopped_by}
     return summary
