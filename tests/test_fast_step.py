@@ -78,11 +78,38 @@ def test_fp16_never_reads_the_device(pools):
     assert pools(2).run(host_reads_in_a_step, "fsdp2,precision=fp16") == [[], []]
 
 
-def test_fused_adamw_on_gpus_only():
+def test_fused_adamw_on_gpus_and_cpus(pools):
+    """torch fuses AdamW on both (offloaded shards on the CPU beside the rest on a GPU included); the trainer's
+    groups hold one layout each, so that a fused call never mixes plain tensors and DTensors of different meshes."""
     from shoal.optim.builder import adamw_kernel
 
-    assert adamw_kernel({"cuda"}) == {"fused": True}
-    assert adamw_kernel({"cpu"}) == {} and adamw_kernel({"cpu", "cuda"}) == {}  # offloaded shards: torch's default
+    assert adamw_kernel({"cuda"}) == adamw_kernel({"cpu"}) == adamw_kernel({"cpu", "cuda"}) == {"fused": True}
+    assert adamw_kernel({"mps"}) == {}
+    for plan in ("ep2", "fsdp2,ep2"):  # experts on the ep mesh beside plain tensors or the data engine's shards
+        layouts = pools(2).run(_group_layouts, plan)[0]
+        assert all(len(kinds) == 1 for kinds in layouts), (plan, layouts)
+        assert len({k for kinds in layouts for k in kinds}) == 2, (plan, layouts)  # both layouts are present
+
+
+def _group_layouts(plan_text: str) -> list[set[str]]:
+    """Worker: the layouts (plain, or DTensor on a mesh's dims) in each of the trainer's AdamW groups."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from shoal import rules
+    from shoal.apply_plan import parallelize
+    from shoal.mesh import build_mesh
+    from shoal.models import Transformer, get_preset
+    from shoal.optim.builder import build_optimizer
+    from shoal.optim.config import OptimConfig
+    from shoal.plan import Plan
+
+    plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
+    cfg = get_preset("tiny-moe" if "ep" in plan_text else "tiny").replace(num_layers=2)
+    runtime = parallelize(Transformer(cfg), plan, build_mesh(plan))
+    optimizer = build_optimizer(runtime, OptimConfig())
+    return [{str(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else "plain" for p in g["params"]}
+            for g in optimizer.param_groups]
 
 
 def test_tf32_is_set_for_gpus_only():

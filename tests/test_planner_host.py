@@ -153,11 +153,12 @@ def _cpu_profile() -> Profile:
 
 
 # Step seconds the planner gave these plans on this profile (the tiny preset, 16 x 128 tokens) before it priced a
-# GPU's host (dp2,cp2 with the ring's fused calls, RING_OPS_PER_HOP): a CPU's host adds to its step as it did.
+# GPU's host (since repriced: the ring's fused calls, RING_OPS_PER_HOP; the fused CPU AdamW, OPS_PER_PARAMETER): a
+# CPU's host adds to its step as it did.
 CPU_STEPS = {
-    (4, "dp4"): 0.1374610784, (4, "fsdp4"): 0.24441315679999998, (4, "dp2,tp2"): 0.276035592,
-    (4, "dp2,cp2"): 0.1793296944, (4, "pp4,mb=8"): 0.210603824, (4, "dp4,ac=full"): 0.1679791968,
-    (4, "dp4,compile=on"): 0.1235018848, (1, "dp1"): 0.1534613824, (1, "dp1,compile=on"): 0.1365504576,
+    (4, "dp4"): 0.1366810784, (4, "fsdp4"): 0.24090315679999996, (4, "dp2,tp2"): 0.272525592,
+    (4, "dp2,cp2"): 0.17854969440000001, (4, "pp4,mb=8"): 0.21036382399999998, (4, "dp4,ac=full"): 0.1671991968,
+    (4, "dp4,compile=on"): 0.1227218848, (1, "dp1"): 0.1529933824, (1, "dp1,compile=on"): 0.13608245759999998,
 }
 
 

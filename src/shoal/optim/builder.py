@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shoal.mesh import reduction_groups
 from shoal.optim.config import OptimConfig
@@ -20,8 +21,8 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
     """The optimizer `cfg` names over `source`: a Runtime (what `shoal train` passes: CowClip finds
     the embedding tables in its model parts and sums id counts over its data ranks) or an iterable
     of parameters. Weight decay and trust ratios on matrices, none on vectors (norms, biases)
-    unless adapt_vectors. AdamW takes torch's fused kernel when every parameter lives on a GPU
-    (see `adamw_kernel`). `global_batch`: apply the batch scaling rule (`scale_for_batch`).
+    unless adapt_vectors. AdamW takes torch's fused kernel where every parameter lives on a GPU or
+    the CPU (see `adamw_kernel`). `global_batch`: apply the batch scaling rule (`scale_for_batch`).
     `embeddings`, `count_groups`: CowClip's tables and the groups its id counts are summed over,
     for a source that is not a Runtime (default: found in the runtime / none)."""
     from shoal.optim.cowclip import CowClip
@@ -44,8 +45,9 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
     if cfg.optimizer == "adamw":
         for g in groups:
             del g["adapt"]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                 eps=cfg.eps, **adamw_kernel({p.device.type for p in params}))
+        kernel = adamw_kernel({p.device.type for p in params})
+        return torch.optim.AdamW(by_layout(groups) if kernel else [g for g in groups if g["params"]], lr=cfg.lr,
+                                 betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
     groups = [g for g in groups if g["params"]]
     if cfg.optimizer == "lars":
         return LARS(groups, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.lars_eta, per_expert=cfg.per_expert)
@@ -65,6 +67,20 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
                               zeta=cfg.cowclip_zeta, **adam)
 
 
+def by_layout(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`groups` split so that each holds parameters of one layout: plain tensors, or DTensors of one mesh. A fused
+    (or foreach) step runs one kernel over a group's tensors, and torch refuses a call that mixes plain tensors and
+    DTensors, or DTensors of two meshes (expert parallelism's experts beside the data engine's shards, tensor
+    parallelism without sequence parallelism beside its plain norms). Empty groups are dropped."""
+    split: list[dict[str, Any]] = []
+    for group in groups:
+        layouts: dict[Any, list[nn.Parameter]] = {}
+        for p in group["params"]:
+            layouts.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        split += [{**group, "params": members} for members in layouts.values()]
+    return split
+
+
 def _embeddings(runtime: Any) -> list[tuple[nn.Embedding, nn.Parameter]]:
     """The embedding tables of a runtime's model parts, each with the parameter the optimizer holds
     for its weight (matched by name: a ZeRO-1/2 engine hands the optimizer shards, not the module's
@@ -80,7 +96,8 @@ def _embeddings(runtime: Any) -> list[tuple[nn.Embedding, nn.Parameter]]:
 
 
 def adamw_kernel(device_types: set[str]) -> dict[str, bool]:
-    """AdamW's implementation for parameters on these device types: fused (one kernel for every
-    parameter, DTensor shards included) when all are on CUDA; otherwise torch's default, which on
-    CPU (and for offloaded shards) is the per-parameter loop the CPU parity tests compare against."""
-    return {"fused": True} if device_types == {"cuda"} else {}
+    """AdamW's implementation for parameters on these device types: torch's fused kernel (one call for every
+    parameter, DTensor shards and offloaded CPU shards included) where all are on CUDA or the CPU, which torch
+    fuses on both: a step's host work is then a few calls however many parameters, and the kernel honours a
+    skipped step's flag (`found_inf`, shoal.optim.gate); elsewhere torch's default."""
+    return {"fused": True} if device_types <= {"cuda", "cpu"} else {}

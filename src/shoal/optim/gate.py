@@ -7,9 +7,10 @@ keeps its exact bits:
 - shoal's LAMB, LARS and CowClip take `ok` themselves (`step(ok=...)`): they compute the new
   moments and weights beside the old ones and select between them with torch.where, and count
   their step on the device (shoal/optim/lamb_lars.py).
-- torch's fused AdamW (Adam) on CUDA takes it as its `found_inf` (1.0: skip): its kernel leaves
-  weights and moments untouched and the step counter is added then taken back.
-- Any other optimizer (torch's foreach or per-parameter AdamW on CPU, offloaded shards, SGD, ...):
+- torch's fused AdamW (Adam), the trainer's on GPUs and CPUs (shoal.optim.builder.adamw_kernel), takes it
+  as its `found_inf` (1.0: skip): its kernel, on CUDA and on the CPU alike, leaves weights and moments
+  untouched and the step counter is added then taken back.
+- Any other optimizer (a user's non-fused AdamW, SGD, ...):
   the parameters with a gradient and their state tensors are copied before the step and selected
   back after it (`torch.where`), which costs one transient copy of them. State a step creates
   lazily (the first step's moments, step 0) is selected against zeros, which the optimizers treat
@@ -30,7 +31,7 @@ def gated_step(optimizer: torch.optim.Optimizer, ok: torch.Tensor) -> None:
 
     if isinstance(optimizer, _Layerwise):
         optimizer.step(ok=ok)  # type: ignore[call-overload]  # shoal's optimizers take the flag
-    elif _fused_on_cuda(optimizer):
+    elif _fused(optimizer):
         optimizer.found_inf = (~ok).float()  # type: ignore[attr-defined]  # torch's Adam reads this attribute
         try:
             optimizer.step()
@@ -40,9 +41,9 @@ def gated_step(optimizer: torch.optim.Optimizer, ok: torch.Tensor) -> None:
         _selected_step(optimizer, ok)
 
 
-def _fused_on_cuda(optimizer: torch.optim.Optimizer) -> bool:
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
-        g.get("fused") and all(p.device.type == "cuda" for p in g["params"]) for g in optimizer.param_groups)
+        g.get("fused") and all(p.device.type in ("cuda", "cpu") for p in g["params"]) for g in optimizer.param_groups)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

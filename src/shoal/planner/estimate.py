@@ -62,9 +62,10 @@ ENGINE_OPS_PER_PARAMETER = {"fsdp2": 6, "zero": 3, "ddp": 1, "autocast": 2, "non
 shard into and out of the gathered buffer in forward and again in backward; shoal's ZeRO engine
 packs and unpacks gradient buckets; DDP marks each gradient ready; autocast casts each weight for
 its products and its gradient back."""
-OPS_PER_PARAMETER = 3
-"""Host ops per parameter tensor per step outside forward and backward: the clipping norm, the
-optimizer's per-tensor update, zeroing the gradient."""
+OPS_PER_PARAMETER = 2
+"""Host ops per parameter tensor per step outside forward and backward on a CPU: the clipping norm and the
+clipping multiply (torch's foreach ops run tensor by tensor there); the fused AdamW update is one call for
+all of them (shoal.optim.builder.adamw_kernel)."""
 RESERVED_BYTES = 2**30
 """Device memory no tensor can use: the CUDA context, cuBLAS workspaces and NCCL buffers (~1 GiB
 on current GPUs; PyTorch "Understanding CUDA memory usage" notes)."""
