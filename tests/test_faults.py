@@ -241,7 +241,7 @@ def test_pipeline_failures_name_the_stage_and_micro_batch(tmp_path):
     assert run.rc == 1 and "rank(s) 1 stopped answering" in line, line
     whole = (tmp_path / "frozen" / "error.log").read_text() if "whole message in" in line else line
     # 1F1B on 2 stages: stage 0 runs F0, F1, then needs micro-batch 0's gradient from stage 1.
-    assert "rank 0 waited 3 s in forward, pipeline stage 0, waiting for the gradient of micro-batch 0 from " \
+    assert "rank 0 waited 3 s in pipeline stage 0, waiting for the gradient of micro-batch 0 from " \
            "stage 1 (rank 1)" in whole, whole
     assert run.exit_after_fault_s < 3 + EXIT_S
     record("stop@forward:rank=1:step=4 under pp2 (--hang-timeout 3)", run, line, lost=None, exact=None)
@@ -252,30 +252,36 @@ def test_pipeline_failures_name_the_stage_and_micro_batch(tmp_path):
     record("kill@forward:rank=1:step=4 under pp2", run, line, lost=None, exact=None)
 
 
-def test_watchdog_reads_a_threads_stack():
-    """The watchdog's view of where a rank is comes from the main thread's stack, read under the
-    interpreter's thread-list lock (sys._current_frames; faulthandler's unlocked walk of every
-    thread crashed on a thread state being created): a thread blocked in a torch.distributed call
-    is named by that call, and one inside torch's backward is in the backward."""
-    import threading
+def test_watchdog_reads_no_threads_stack():
+    """Where a rank is comes from what its main thread reports (Runtime.step_words, read by the beat thread): the
+    watchdog's beat reads no other thread's stack. The collective the failing rank waited in is named from the
+    error's own traceback."""
+    import types
 
     from shoal.infra import watchdog
+    from shoal.runtime import Runtime
 
-    release = threading.Event()
-    fake = {}
-    exec(compile("def all_reduce(ev):\n    ev.wait()\n", "/x/torch/distributed/distributed_c10d.py", "exec"), fake)
-    exec(compile("def backward(fn, ev):\n    fn(ev)\n", os.path.join(watchdog._TORCH_ROOT, "_tensor.py"), "exec"), fake)
-    waiting = threading.Thread(target=fake["backward"], args=(fake["all_reduce"], release))
-    waiting.start()
+    dog = watchdog.Watchdog.__new__(watchdog.Watchdog)  # its report words alone: no store, no thread
+    dog.phase, dog.detail = "step", lambda: None
+    runtime = types.SimpleNamespace(part="backward", where=lambda: None)
+    dog.in_step = lambda: Runtime.step_words(runtime)  # type: ignore[arg-type]
+    assert dog._where() == "backward"
+    runtime.part, runtime.where = "forward", lambda: "pipeline stage 1, forward of micro-batch 2"
+    assert dog._where() == "pipeline stage 1, forward of micro-batch 2"
+    runtime.part = "optimizer"
+    assert dog._where() == "optimizer"
+    dog.phase, dog.detail = "evaluation", lambda: "pipeline stage 0"
+    assert dog._where() == "evaluation, pipeline stage 0"
+
+    fake: dict = {}
+    exec(compile("def all_reduce():\n    raise RuntimeError('timed out')\n", "/x/torch/distributed/distributed_c10d.py",
+                 "exec"), fake)
     try:
-        time.sleep(0.1)
-        stack = watchdog._stack_of(waiting.ident)
-        assert watchdog._collective(stack) == "all_reduce"
-        assert watchdog._step_part(stack) == "backward"
-        mine = watchdog._stack_of(threading.get_ident())
-        assert mine and watchdog._collective(mine) is None
-        assert watchdog._step_part(mine) == "forward"
-        assert watchdog._stack_of(None) == []
-    finally:
-        release.set()
-        waiting.join()
+        fake["all_reduce"]()
+    except RuntimeError as error:
+        assert watchdog._collective(watchdog._traceback_stack(error)) == "all_reduce"
+    try:
+        raise RuntimeError("not a collective")
+    except RuntimeError as error:
+        assert watchdog._collective(watchdog._traceback_stack(error)) is None
+    assert "_current_frames" not in open(watchdog.__file__).read()

@@ -87,6 +87,9 @@ class Runtime:
         self._experts = experts
         """ep > 1: the expert weights, whose gradients the data engine leaves to us."""
         self._tied = tied  # pp with tied embeddings: the first and last stages' copies of the table
+        self.part = "forward"
+        """Where this rank's main thread is within a step: "forward", "backward" or "optimizer", set as it moves on
+        (forward_backward, shoal.train.step.train_step); `step_words` says it to the watchdog."""
         self.moe_stats: dict[str, torch.Tensor] = {}
         """Per MoE layer, the last step's load figures (shoal.moe.collect.FIGURES, then each expert's
         share of the kept tokens), on the device; {} for a dense model."""
@@ -167,6 +170,7 @@ class Runtime:
         local = self.local_batches(micro_batches)
         share = self.share(local, loss_fn)
         if self._pipeline is not None:
+            self.part = "forward"  # the schedule's own words (`where`) say more while it runs
             scale = self.loss_scaler.scale if self.loss_scaler is not None else None
             n = len(micro_batches)
             # Stages start backward from their outputs, so MoE losses ride on the layers' outputs.
@@ -180,6 +184,7 @@ class Runtime:
         for i, (inputs, targets) in enumerate(local):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else self.no_sync():
+                self.part = "forward"
                 output = self._engine.model(inputs)
                 with vocab_parallel_loss(output):  # tp: vocab-sharded logits, softmax across shards
                     loss = share(output, targets)
@@ -189,6 +194,7 @@ class Runtime:
                         added = DTensor.from_local(added, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim,
                                                    run_check=False)
                     trained = loss + added / len(micro_batches) if added is not None else loss
+                    self.part = "backward"
                     (self.loss_scaler.scale(trained) if self.loss_scaler is not None else trained).backward()
             total = total + local_value(loss)
         self._after_backward()
@@ -387,6 +393,14 @@ class Runtime:
     def where(self) -> str | None:
         """Under pp, the stage and micro-batch this rank is at (what it waits for), in words."""
         return self._pipeline.where or None if self._pipeline is not None else None
+
+    def step_words(self) -> str:
+        """Where this rank is within a training step, in words: under pp the stage and micro-batch while its
+        schedule runs (`where`), else the part it last entered (`part`). Reads two attributes: a watchdog's
+        thread calls it on every beat."""
+        if self.part == "optimizer":
+            return self.part
+        return self.where() or self.part
 
     def on_progress(self, callback: Callable[[], None]) -> None:
         """Call `callback` whenever this rank moves on within a step (under pp: each action and

@@ -6,11 +6,13 @@ Two parts, from one setting (`hang_timeout`):
   30 minutes. On NCCL the same timeout makes torch's NCCL watchdog abort the process.
 - Every rank runs a daemon thread that adds one to its counter in a key-value store and writes
   where the rank is: at once when the loop enters a phase (a step, evaluation, a checkpoint
-  write), and every beat (0.25 s, longer in large worlds to spare the store) with the phase
-  refined from the main thread's Python stack (forward, backward, optimizer step, and the
-  torch.distributed collective it waits in). When a collective fails, `diagnose` reads every
+  write), and every beat (0.25 s, longer in large worlds to spare the store). Where the rank is
+  within a step (forward, backward, optimizer; under pp its stage and micro-batch) is what the
+  main thread reports itself as it moves on (`in_step`, shoal.runtime.Runtime.step_words): the
+  beat thread reads no other thread's stack. When a collective fails, `diagnose` reads every
   counter twice, a few beats apart: a counter that did not move belongs to a rank that stopped
-  answering, and its last report says where it was then (within a beat of when it stopped).
+  answering, and its last report says where it was then (within a beat of when it stopped); the
+  failing rank names the collective it waited in from the error's own traceback.
 
 The store is a client of the TCPStore torch's launcher already runs (MASTER_ADDR/MASTER_PORT;
 torchrun and `shoal train` both set them): a second connection, so the thread never shares one
@@ -28,7 +30,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -53,9 +54,6 @@ SLOW_S = 600.0
 WARM_STEPS = 2
 """Steps of each invocation that still count as start-up (the first compiles)."""
 
-_TORCH_DIR = str(Path(dist.__file__).parent)
-_TORCH_ROOT = str(Path(dist.__file__).parents[1])
-
 
 class HangError(RuntimeError):
     """A collective timed out or lost its peer; the message names the ranks and where they were."""
@@ -76,11 +74,12 @@ class Watchdog:
         self.phase, self.step, self.warm_from, self.since = "start-up", 0, 0, time.monotonic()
         self._store = _store(self.world)
         self.beat_s = min(5.0, max(BEAT_S, self.world / 100))
-        self._main = threading.main_thread().ident
         self._stop, self._moved = threading.Event(), threading.Event()
         self._last_where = "start-up"
+        self.in_step: Callable[[], str] = lambda: "forward"
+        """Where the main thread is within a step, in words, as it reports it (read on every beat: cheap)."""
         self.detail: Callable[[], str | None] = lambda: None
-        """More words on where the main thread is (a pipeline stage and micro-batch), or None."""
+        """More words on where the main thread is in an evaluation (a pipeline stage and micro-batch), or None."""
         self._set_timeout(max(self.fixed, SLOW_S))
         self._thread = threading.Thread(target=self._beat, name="shoal-watchdog", daemon=True)
         self._thread.start()
@@ -119,7 +118,9 @@ class Watchdog:
     # ---------------------------------------------------------------- the diagnosis
     def diagnose(self, error: BaseException, waited_s: float) -> HangError:
         """After a failed collective: which ranks stopped answering, and where each rank was."""
-        mine = f"rank {self.rank} waited {waited_s:.0f} s in {self._last_where} at step {self.step}"
+        collective = _collective(_traceback_stack(error))
+        where = f"{self._last_where} ({collective})" if collective else self._last_where
+        mine = f"rank {self.rank} waited {waited_s:.0f} s in {where} at step {self.step}"
         limit = f"(--hang-timeout {self._current:g})"
         if self._store is not None and self._store.check(["hang"]):
             # Another rank found who stopped and woke them: its words, and its report first.
@@ -181,16 +182,11 @@ class Watchdog:
         self._moved.set()
 
     def _where(self) -> str:
-        """The phase refined from the threads' stacks: forward/backward/optimizer, and the collective."""
-        stack = _stack_of(self._main)
-        collective = _collective(stack)
-        phase = self.phase
-        if phase == "step" and stack:
-            phase = _step_part(stack)
-        detail = self.detail() if phase in ("forward", "backward", "evaluation") else None
-        if detail:
-            phase = f"{phase}, {detail}"
-        return f"{phase} ({collective})" if collective else phase
+        """The phase, within a step as the main thread reports it (`in_step`), in an evaluation with its detail."""
+        if self.phase == "step":
+            return self.in_step()
+        detail = self.detail() if self.phase == "evaluation" else None
+        return f"{self.phase}, {detail}" if detail else self.phase
 
     def _counters(self) -> list[int]:
         assert self._store is not None
@@ -254,23 +250,17 @@ def last_words(store: Any, run_id: str, rank: int, attempts: int) -> str | None:
 
 
 Stack = list[tuple[str, str]]
-"""A thread's stack as (file, function) pairs, innermost first."""
+"""A stack as (file, function) pairs, innermost first."""
 
 
-def _stack_of(ident: int | None) -> Stack:
-    """The stack of thread `ident` (innermost 100 frames), empty if it has none.
-
-    Not faulthandler.dump_traceback(all_threads=True): it walks the interpreter's list of thread
-    states without its lock, and a thread state that another thread is creating at that moment (a
-    C++ thread entering Python) is in the list before it is initialised, its frame pointer NULL:
-    reading it crashes the process (SIGSEGV). sys._current_frames() takes that lock, and only the
-    one thread's own frames are read after."""
-    frame = sys._current_frames().get(ident) if ident is not None else None
+def _traceback_stack(error: BaseException) -> Stack:
+    """The frames `error` passed through, innermost first (where the main thread waited when it failed)."""
     stack: Stack = []
-    while frame is not None and len(stack) < 100:
-        stack.append((frame.f_code.co_filename, frame.f_code.co_name))
-        frame = frame.f_back
-    return stack
+    tb = error.__traceback__
+    while tb is not None:
+        stack.append((tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    return stack[::-1]
 
 
 def _collective(stack: Stack) -> str | None:
@@ -279,16 +269,6 @@ def _collective(stack: Stack) -> str | None:
         if path.endswith("distributed_c10d.py") and not name.startswith("_") and name != "wrapper":
             return name
     return None
-
-
-def _step_part(stack: Stack) -> str:
-    """forward, backward or optimizer (its step or zero_grad), from the main thread's stack."""
-    for path, name in stack:
-        if name == "backward" and path.startswith(_TORCH_ROOT) and not path.startswith(_TORCH_DIR):
-            return "backward"
-        if path.startswith(os.path.join(_TORCH_ROOT, "optim")):
-            return "optimizer"
-    return "forward"
 
 
 def _report_words(report: dict[str, Any] | None) -> str:

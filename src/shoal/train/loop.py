@@ -127,7 +127,7 @@ class Trainer:
         mark = watchdog.at if watchdog is not None else (lambda phase, step: None)
         if watchdog is not None:
             watchdog.started(self.start)
-            watchdog.detail = self.runtime.where
+            watchdog.in_step, watchdog.detail = self.runtime.step_words, self.runtime.where
             self.runtime.on_progress(watchdog.poke)
         n = self.start
         for s in range(self.start, self.loop.steps):
