@@ -201,15 +201,18 @@ def _flatten(value: Any) -> list[Any]:
     return [value]
 
 
-def test_skip_mode_counts_and_goes_on_then_stops_after_k_in_a_row(tmp_path):
-    once = tmp_path / "once"
-    done = _shoal("train", *TINY, "--steps", "5", "--on-nonfinite", "skip", "--out", str(once),
-                  fault="nan@forward:rank=0:step=2")
+def _finished(run: Path, *flags: str, fault: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A `shoal train` of TINY with `flags` and `fault` that ends normally: its records and summary."""
+    done = _shoal("train", *TINY, *flags, "--out", str(run), fault=fault)
     assert done.returncode == 0, done.stderr[-2000:]
-    records = _strict_records(once)
+    return _strict_records(run), json.loads((run / "summary.json").read_text())
+
+
+def test_skip_mode_counts_and_goes_on_then_stops_after_k_in_a_row(tmp_path):
+    records, summary = _finished(tmp_path / "once", "--steps", "5", "--on-nonfinite", "skip",
+                                 fault="nan@forward:rank=0:step=2")
     assert [r["step"] for r in records if r.get("skipped")] == [3]
     assert records[2]["loss"] is None and records[2]["nonfinite"] == ["grad_norm", "loss"]
-    summary = json.loads((once / "summary.json").read_text())
     assert summary["nonfinite_steps"] == [3] and summary["skipped_steps"] == 1
 
     always = tmp_path / "always"
@@ -226,13 +229,9 @@ def test_skip_mode_counts_and_goes_on_then_stops_after_k_in_a_row(tmp_path):
 def test_fp16_loss_scale_overflows_are_skipped_and_not_counted(tmp_path):
     """An inf gradient with a finite loss under fp16 (scale 2^16 > 1) is the scale's overflow: the stop
     policy lets it pass, the scale halves, the run ends normally."""
-    run = tmp_path / "run"
-    done = _shoal("train", *TINY, "--steps", "4", "--plan", "precision=fp16", "--out", str(run),
-                  fault="inf@backward:rank=0:step=1")
-    assert done.returncode == 0, done.stderr[-2000:]
-    records = _strict_records(run)
+    records, summary = _finished(tmp_path / "run", "--steps", "4", "--plan", "precision=fp16",
+                                 fault="inf@backward:rank=0:step=1")
     assert [r["step"] for r in records if r.get("loss_scale_overflow")] == [2]
-    summary = json.loads((run / "summary.json").read_text())
     assert summary["loss_scale_overflows"] == 1 and summary["nonfinite_steps"] == []
 
 
