@@ -269,11 +269,14 @@ def _sharded_logits_peak() -> float:
 
 
 def _fsdp_step_peak(cfg: object, plan: str) -> float:
+    from shoal.optim.builder import build_optimizer
+    from shoal.optim.config import OptimConfig
     from shoal.testing.parity import case
     from shoal.train.memory import TensorPeak
     from shoal.train.step import train_step
 
-    runtime, optimizer, batches = parallel_setup(case(plan=plan, model=cfg, global_batch=2, seq_len=16, steps=2))
+    runtime, _, batches = parallel_setup(case(plan=plan, model=cfg, global_batch=2, seq_len=16, steps=2))
+    optimizer = build_optimizer(runtime, OptimConfig())  # the trainer's (fused AdamW), whose step the planner prices
     train_step(runtime, optimizer, split_micro(*batches[0], 1))  # makes the optimizer state
     with TensorPeak(*runtime.parts, optimizer) as peak:
         train_step(runtime, optimizer, split_micro(*batches[1], 1))
