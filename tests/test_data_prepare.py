@@ -150,58 +150,80 @@ def _installed(package: str) -> bool:
     return True
 
 
-def test_tables_read_with_their_package_or_are_refused_naming_it(corpus, tmp_path):
-    """parquet and saved datasets give the jsonl's shards where pyarrow / datasets are installed (the
-    `data` extra); where they are not, the input is refused in one line naming the package."""
+_KW = {"tokenizer": "byte", "field": "body", "holdout": 0.1, "workers": 1, "shard_mb": 1.0}
+"""One shard per input, so the hold-out rule picks the same documents whatever the input kind."""
+
+
+def _jsonl_reference(tmp_path) -> tuple[list[str], dict]:
+    """(the texts, prepare's result) of a jsonl of 100 documents, the shards every reader must give."""
     texts = DOCS[:100]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in texts))
-    parquet, saved = tmp_path / "t.parquet", tmp_path / "saved"
-    if _installed("pyarrow"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    return texts, prepare(PrepareConfig(inputs=[str(tmp_path / "in.jsonl")], out=str(tmp_path / "ref"), **_KW),
+                          progress=False)
 
-        pq.write_table(pa.table({"id": list(range(len(texts))), "body": texts}), parquet, row_group_size=17)
-    else:
-        parquet.write_bytes(b"PAR1 not really")
-    if _installed("datasets"):
-        import datasets
 
-        datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(saved))
-    else:
-        saved.mkdir()
-        (saved / "dataset_info.json").write_text("{}")
-    # One shard per input, so the hold-out rule picks the same documents whatever the input kind.
-    kw = {"tokenizer": "byte", "field": "body", "holdout": 0.1, "workers": 1, "shard_mb": 1.0}
-    reference = prepare(PrepareConfig(inputs=[str(tmp_path / "in.jsonl")], out=str(tmp_path / "ref"), **kw),
-                        progress=False)
-    for path, package in ((parquet, "pyarrow"), (saved, "datasets")):
-        out = tmp_path / f"out-{package}"
-        cfg = PrepareConfig(inputs=[str(path)], out=str(out), **kw)
-        if _installed(package):
-            assert prepare(cfg, progress=False)["splits"] == reference["splits"]
-            assert _files(out) == _files(tmp_path / "ref")
-            bad = PrepareConfig(inputs=[str(path)], out=str(tmp_path / "bad"), **(kw | {"field": "nope"}))
-            assert "no column 'nope'" in one_line_error(prepare, bad, progress=False)
-        else:
-            message = one_line_error(prepare, cfg, progress=False)
-            assert repr(package) in message and "shoal[data]" in message
-        assert not (tmp_path / "bad").exists()
+def _reads_as_the_jsonl(path, tmp_path, reference: dict, name: str) -> None:
+    out = tmp_path / f"out-{name}"
+    assert prepare(PrepareConfig(inputs=[str(path)], out=str(out), **_KW), progress=False)["splits"] == \
+        reference["splits"]
+    assert _files(out) == _files(tmp_path / "ref")
+
+
+def test_parquet_reads_as_the_jsonl(corpus, tmp_path):
+    """parquet (row groups of 17) gives the jsonl's shards; a missing column and a broken file are one-line refusals."""
+    pa = pytest.importorskip("pyarrow", reason="the parquet reader needs pyarrow (the data and dev extras)")
+    import pyarrow.parquet as pq
+
+    texts, reference = _jsonl_reference(tmp_path)
+    parquet = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": list(range(len(texts))), "body": texts}), parquet, row_group_size=17)
+    _reads_as_the_jsonl(parquet, tmp_path, reference, "parquet")
+    bad = PrepareConfig(inputs=[str(parquet)], out=str(tmp_path / "bad"), **(_KW | {"field": "nope"}))
+    assert "no column 'nope'" in one_line_error(prepare, bad, progress=False)
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    cfg = PrepareConfig(inputs=[str(tmp_path / "broken.parquet")], out=str(tmp_path / "bad"), **_KW)
+    assert "not a readable parquet" in one_line_error(prepare, cfg, progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_saved_dataset_reads_as_the_jsonl(corpus, tmp_path):
+    """A `datasets` folder (save_to_disk) gives the jsonl's shards; a missing column is a one-line refusal."""
+    datasets = pytest.importorskip("datasets", reason="the saved-dataset reader needs datasets (the data and dev "
+                                   "extras)")
+    texts, reference = _jsonl_reference(tmp_path)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(saved))
+    _reads_as_the_jsonl(saved, tmp_path, reference, "saved")
+    bad = PrepareConfig(inputs=[str(saved)], out=str(tmp_path / "bad"), **(_KW | {"field": "nope"}))
+    assert "no column 'nope'" in one_line_error(prepare, bad, progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_zstd_jsonl_reads_as_the_jsonl(corpus, tmp_path):
+    zstandard = pytest.importorskip("zstandard", reason="the .zst reader needs zstandard (the data and dev extras)")
+    _, reference = _jsonl_reference(tmp_path)
     zst = tmp_path / "in.jsonl.zst"
-    cfg = PrepareConfig(inputs=[str(zst)], out=str(tmp_path / "out-zst"), **kw)
-    if _installed("zstandard"):
-        import zstandard
+    zst.write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "in.jsonl").read_bytes()))
+    _reads_as_the_jsonl(zst, tmp_path, reference, "zst")
 
-        zst.write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "in.jsonl").read_bytes()))
-        prepare(cfg, progress=False)
-        assert _files(tmp_path / "out-zst") == _files(tmp_path / "ref")
+
+@pytest.mark.parametrize("package, name, content", [("pyarrow", "t.parquet", b"PAR1 not really"),
+                                                    ("datasets", "saved", None), ("zstandard", "in.jsonl.zst", b"")])
+def test_an_input_whose_package_is_missing_is_refused_naming_it(corpus, tmp_path, package, name, content):
+    """Where the reader's package is not installed the input is refused in one line naming it."""
+    if _installed(package):
+        pytest.skip(f"{package} is installed: its reader runs (test_*_reads_as_the_jsonl)")
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+        (path / "dataset_info.json").write_text("{}")
     else:
-        zst.write_bytes(b"")
-        assert "'zstandard'" in one_line_error(prepare, cfg, progress=False)
-    if _installed("pyarrow"):
-        (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
-        cfg = PrepareConfig(inputs=[str(tmp_path / "broken.parquet")], out=str(tmp_path / "bad"), **kw)
-        assert "not a readable parquet" in one_line_error(prepare, cfg, progress=False)
-        assert not (tmp_path / "bad").exists()
+        path.write_bytes(content)
+    message = one_line_error(prepare, PrepareConfig(inputs=[str(path)], out=str(tmp_path / "out"), **_KW),
+                             progress=False)
+    assert repr(package) in message, message
+    assert package == "zstandard" or "shoal[data]" in message, message
+
 
 
 # ----------------------------------------------------------------------------- reading

@@ -29,13 +29,15 @@ import shoal  # noqa: E402
 from shoal import rules
 from shoal.apply_plan import parallelize  # noqa: E402
 from shoal.models.hf.families import shoal_to_hf  # noqa: E402
+from shoal.testing.asserts import one_line_error  # noqa: E402
 from shoal.train.export import export_model  # noqa: E402
 
 LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)  # see the module docstring
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 SEQ = 32
 _LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
+              vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              initializer_range=0.05, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
 
 
 def _rope(rope_type: str, **params: float) -> dict:
@@ -43,28 +45,61 @@ def _rope(rope_type: str, **params: float) -> dict:
     return dict(rope_parameters={"rope_type": rope_type, "rope_theta": 500.0, **params})
 
 
+_WINDOW = dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)  # Qwen's switch, on every layer
+_QWEN2_MOE = dict(_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, norm_topk_prob=False)
+
 FAMILIES = {
-    "llama": (transformers.LlamaConfig, dict(_LLAMA, **_rope("default"))),
-    "llama3": (transformers.LlamaConfig, dict(_LLAMA, **_rope("llama3", factor=8.0, low_freq_factor=1.0,
-                                                              high_freq_factor=4.0,
+    # Every field the mapping reads is off its default in some case (tests/test_config_mapping.py walks them).
+    "llama": (transformers.LlamaConfig, dict(_LLAMA, tie_word_embeddings=True, head_dim=32, hidden_act="swish",
+                                             attention_bias=True, mlp_bias=True)),
+    "llama3": (transformers.LlamaConfig, dict(_LLAMA, **_rope("llama3", factor=8.0, low_freq_factor=2.0,
+                                                              high_freq_factor=8.0,
                                                               original_max_position_embeddings=16))),
     "linear": (transformers.LlamaConfig, dict(_LLAMA, **_rope("linear", factor=4.0))),
-    "dynamic": (transformers.LlamaConfig, dict(_LLAMA, **_rope("dynamic", factor=2.0))),
-    "yarn": (transformers.LlamaConfig, dict(_LLAMA, **_rope("yarn", factor=4.0, original_max_position_embeddings=16))),
+    # dynamic: within max_position_embeddings transformers' dynamic rope is the default one for any factor, and
+    # shoal's tables stop there; this case fills the whole table (SEQ = max_position_embeddings).
+    "dynamic": (transformers.LlamaConfig, dict(_LLAMA, max_position_embeddings=32, **_rope("dynamic", factor=2.0))),
+    "yarn": (transformers.LlamaConfig, dict(_LLAMA, **_rope("yarn", factor=4.0, original_max_position_embeddings=16,
+                                                            beta_fast=2.0, beta_slow=0.5, truncate=False,
+                                                            attention_factor=1.2))),
+    "yarn-mscale": (transformers.LlamaConfig, dict(_LLAMA, **_rope("yarn", factor=4.0, mscale=2.0, mscale_all_dim=1.0,
+                                                                   original_max_position_embeddings=16))),
     "mistral": (transformers.MistralConfig, dict(_LLAMA, sliding_window=8)),  # SEQ = 4 windows
+    "mistral-tied": (transformers.MistralConfig, dict(_LLAMA, sliding_window=8, tie_word_embeddings=True, head_dim=32,
+                                                      hidden_act="swish")),
     "qwen2": (transformers.Qwen2Config, dict(_LLAMA, tie_word_embeddings=True)),
+    "qwen2-window": (transformers.Qwen2Config, dict(_LLAMA, **_WINDOW, hidden_act="swish")),
     "qwen3": (transformers.Qwen3Config, dict(_LLAMA, head_dim=32)),  # 4 heads of 32 on a 64-wide model
+    "qwen3-window": (transformers.Qwen3Config, dict(_LLAMA, **_WINDOW, head_dim=8, tie_word_embeddings=True,
+                                                    hidden_act="swish")),
     "mixtral": (transformers.MixtralConfig, dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(_LLAMA, num_experts=4, num_experts_per_tok=2,
-                                                    moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                                    norm_topk_prob=False)),
-    "qwen2_moe-norm": (transformers.Qwen2MoeConfig, dict(_LLAMA, num_experts=4, num_experts_per_tok=2,
-                                                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                                         norm_topk_prob=True, decoder_sparse_step=2,
+    "mixtral-window": (transformers.MixtralConfig, dict(_LLAMA, num_local_experts=4, num_experts_per_tok=3,
+                                                        rms_norm_eps=1e-6, sliding_window=8, head_dim=32,
+                                                        tie_word_embeddings=True, hidden_act="swish")),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, _QWEN2_MOE),
+    "qwen2_moe-norm": (transformers.Qwen2MoeConfig, dict(_QWEN2_MOE, norm_topk_prob=True, decoder_sparse_step=2,
                                                          intermediate_size=32)),
+    "qwen2_moe-window": (transformers.Qwen2MoeConfig, dict(_QWEN2_MOE, **_WINDOW, tie_word_embeddings=True,
+                                                           layer_types=["sliding_attention"] * 2,
+                                                           num_experts_per_tok=3, hidden_act="swish")),
     "gpt2": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt2-untied": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=48,
+                                                  n_inner=128, layer_norm_epsilon=1e-6, tie_word_embeddings=False,
+                                                  initializer_range=0.05, activation_function="gelu_pytorch_tanh",
+                                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
 }
+LOAD_REFUSED = {
+    "qwen2-head_dim": (transformers.Qwen2Config, dict(_LLAMA, head_dim=32)),
+    "qwen2_moe-head_dim": (transformers.Qwen2MoeConfig, dict(_QWEN2_MOE, head_dim=32)),
+}
+"""Configs shoal reads but refuses to load in one line: Qwen2 and Qwen2-MoE with a head size apart from
+hidden_size / num_attention_heads (shoal.models.hf.qwen2 holds head_size 0)."""
+ROUTER_LOSS = {f"{name}-router": (FAMILIES[name][0], dict(FAMILIES[name][1], output_router_logits=True,
+                                                          router_aux_loss_coef=0.5))
+               for name in ("mixtral", "qwen2_moe")}
+"""output_router_logits=true: transformers' loss adds router_aux_loss_coef x its pooled load-balancing loss."""
 
 
 def _hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
@@ -154,6 +189,14 @@ def test_each_feature_changes_the_logits(name, off, tmp_path):
         assert (plain.eval()(tokens) - hf_model(tokens).logits).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("name", list(LOAD_REFUSED))
+def test_a_head_size_qwen2_does_not_hold_is_refused_in_one_line(name, tmp_path):
+    config_cls, fields = LOAD_REFUSED[name]
+    transformers.AutoModelForCausalLM.from_config(config_cls(**fields)).save_pretrained(str(tmp_path))
+    message = one_line_error(shoal.from_hf, tmp_path)
+    assert "head_size=32" in message and "head_size=0" in message, message
+
+
 def test_export_loads_in_transformers_with_equal_logits(family, tmp_path):
     name, _, _, model = family
     out = export_model(parallelize(model), tmp_path / "export", hf=True)
@@ -189,10 +232,9 @@ def test_router_loss_with_output_router_logits_equals_transformers(name, tmp_pat
     (0.5) so that a loss left out or taken per layer shows far above the tolerance."""
     from shoal.moe.collect import MoECollector
 
-    config_cls, fields = FAMILIES[name]
+    config_cls, fields = ROUTER_LOSS[f"{name}-router"]
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(
-        config_cls(**fields, output_router_logits=True, router_aux_loss_coef=0.5), dtype=torch.float32)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config_cls(**fields), dtype=torch.float32)
     hf_model.save_pretrained(str(tmp_path))
     model = shoal.from_hf(tmp_path)
     assert model.config.aux_loss_pooled and model.config.aux_loss_coef == 0.5

@@ -22,12 +22,13 @@ LLAMA = ("llama3", "yarn", "linear", "dynamic")  # one family, its rotary scalin
 
 MATRIX = [
     ("qwen3", "tp2"), ("qwen2", "tp2"), ("mistral", "tp2"), ("mixtral", "tp2"), ("qwen2_moe", "tp2"),
+    ("linear", "tp2"),
     ("gpt2", "pp2"), ("mixtral", "pp2"),
     ("qwen2", "pp2,sched=zb"), ("llama3", "pp2,sched=zb"),
     ("mistral", "fsdp2,zero=1"), ("qwen2_moe", "fsdp2,zero=1"),
     ("gpt2", "fsdp2,zero=2"), ("yarn", "fsdp2,zero=2"),
     ("qwen3", "fsdp2"), ("mistral", "fsdp2"), ("llama3", "fsdp2"), ("qwen2_moe", "fsdp2"),
-    ("yarn", "cp2"), ("qwen2", "cp2"),
+    ("yarn", "cp2"), ("qwen2", "cp2"), ("dynamic", "cp2"),
     ("llama3", "cp2,cp_mode=a2a"), ("qwen3", "cp2,cp_mode=a2a"),
     ("mixtral", "ep2"), ("qwen2_moe", "ep2"),
     ("mixtral", "fsdp2,ep2"), ("qwen2_moe", "fsdp2,ep2"),

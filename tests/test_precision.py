@@ -115,6 +115,47 @@ def test_loss_scaler_skips_overflowing_steps():
     assert not bool(scaler.unscale(torch.tensor(float("nan")))[1]) and scaler.scale_value == 0.5
 
 
+def _steps(scaler: LossScaler, norms: list[float]) -> list[tuple[float, bool, float]]:
+    """(unscale factor, overflow, scale after) of each step whose scaled gradient norm is given."""
+    out = []
+    for norm in norms:
+        factor, overflow = scaler.unscale(torch.tensor(norm))
+        out.append((float(factor), bool(overflow), scaler.scale_value))
+    return out
+
+
+def test_loss_scaler_grows_after_each_full_interval():
+    """The scale doubles after every `growth_interval` finite steps in a row, not before: 3 finite
+    steps at interval 3 double it once, 6 twice; the counter restarts after each growth."""
+    scaler = LossScaler(init_scale=4.0, growth_interval=3)
+    scales = [scale for _, _, scale in _steps(scaler, [1.0] * 7)]
+    assert scales == [4.0, 4.0, 8.0, 8.0, 8.0, 16.0, 16.0]
+    assert scaler.state_dict() == {"scale": 16.0, "good_steps": 7}
+
+
+def test_loss_scaler_overflow_after_growth_restarts_the_count():
+    """An overflow resets the count of good steps: after growth and a partial interval, an overflow
+    halves the scale, and the next growth needs a whole interval of finite steps again (a count
+    kept through the overflow would double the scale one step after it)."""
+    scaler = LossScaler(init_scale=4.0, growth_interval=3)
+    inf = float("inf")
+    got = _steps(scaler, [1.0, 1.0, 1.0, 1.0, inf, 1.0, 1.0, 1.0])
+    assert [scale for _, _, scale in got] == [4.0, 4.0, 8.0, 8.0, 4.0, 4.0, 4.0, 8.0]
+    assert [overflow for _, overflow, _ in got] == [False] * 4 + [True] + [False] * 3
+    assert got[4][0] == 1 / 8.0  # the overflowing step is unscaled by the scale it ran at
+    assert scaler.state_dict()["good_steps"] == 3
+
+
+def test_loss_scaler_below_one_reports_no_overflow():
+    """The scale's floor: at a scale of 1 or below the scaled gradients are no larger than the true
+    ones, so a non-finite norm is the gradients' own (reported as no overflow: the step counts as a
+    non-finite gradient) while the scale still halves; a finite step there unscales by 1/scale."""
+    scaler = LossScaler(init_scale=2.0, growth_interval=100)
+    nan = float("nan")
+    got = _steps(scaler, [nan, nan, nan, 1.0])
+    assert got == [(0.5, True, 1.0), (1.0, False, 0.5), (2.0, False, 0.25), (4.0, False, 0.25)]
+
+
 def test_fp16_overflow_skips_the_step_through_the_runtime():
     """An fp16 step whose scaled gradients overflow leaves the weights as they were and halves the
     scale; the next step unscales, so the true gradients and their norm come out."""

@@ -31,23 +31,34 @@ class HFTensor:
 
 
 class Fields:
-    """A config.json's fields over the family's defaults; one-line errors and refusals name the file."""
+    """A config.json's fields over the family's defaults; one-line errors and refusals name the file.
 
-    def __init__(self, path: str, values: dict[str, Any]) -> None:
+    `read` records every key a family's mapping asks for (a nested object's keys as `outer.key`), so
+    that the keys a mapping reads are found by running it (tests/test_config_mapping.py)."""
+
+    def __init__(self, path: str, values: dict[str, Any], *, read: set[str] | None = None, prefix: str = "") -> None:
         self.path, self.values = path, values
+        self.read: set[str] = set() if read is None else read
+        self._prefix = prefix
 
     def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(self._prefix + key)
         value = self.values.get(key, default)
         return default if value is None and default is not None else value
 
+    def within(self, key: str, values: dict[str, Any]) -> Fields:
+        """The fields of a nested object (`values`, read from `key`), whose reads are recorded here as `key.name`."""
+        return Fields(self.path, values, read=self.read, prefix=f"{self._prefix}{key}.")
+
     def required(self, key: str) -> int:
+        self.read.add(self._prefix + key)
         value = self.values.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"hf config {self.path!r} needs {key!r} as a whole number >= 1; got {value!r}")
         return value
 
     def refuse(self, what: str, valid: str) -> NoReturn:
-        raise ValueError(f"hf config {self.path!r} ({self.get('model_type')}) has {what}, which shoal does not "
+        raise ValueError(f"hf config {self.path!r} ({self.values.get('model_type')}) has {what}, which shoal does not "
                          f"compute exactly; valid: {valid}")
 
 

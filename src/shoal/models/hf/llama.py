@@ -50,7 +50,8 @@ def config_in(hf: Fields) -> dict[str, Any]:
     dim, heads = shape(hf)
     if hf.get("attention_bias") != hf.get("mlp_bias"):
         hf.refuse(f"attention_bias={hf.get('attention_bias')} with mlp_bias={hf.get('mlp_bias')}", "equal values")
-    return fields(hf, dim=dim, heads=heads, bias=bool(hf.get("attention_bias")))
+    # transformers' Llama attends over the whole causal prefix: a sliding_window in its config.json is not read
+    return fields(hf, dim=dim, heads=heads, bias=bool(hf.get("attention_bias")), window=lambda hf: 0)
 
 
 def shape(hf: Fields) -> tuple[int, int]:
@@ -102,23 +103,24 @@ def _rope(hf: Fields) -> dict[str, Any]:
     scaling = hf.get("rope_scaling")
     if isinstance(scaling, dict):
         params = {**scaling, **params}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    out: dict[str, Any] = dict(rope_theta=float(params.get("rope_theta") or hf.get("rope_theta")))
-    if float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0) != 1.0:
-        hf.refuse(f"partial_rotary_factor={params.get('partial_rotary_factor') or hf.get('partial_rotary_factor')}",
-                  "1.0 (rotary over whole heads)")
+    rope = hf.within("rope_parameters", params)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    out: dict[str, Any] = dict(rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta")))
+    partial = rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor")
+    if float(partial or 1.0) != 1.0:
+        hf.refuse(f"partial_rotary_factor={partial}", "1.0 (rotary over whole heads)")
     if rope_type == "default":
         return out
     if rope_type not in ("linear", "dynamic", "llama3", "yarn"):
         hf.refuse(f"rope_type={rope_type!r}", "default, linear, dynamic, llama3, yarn")
     out["rope_type"] = rope_type
-    out.update({_ROPE_KEYS[k]: v for k, v in params.items() if k in _ROPE_KEYS and v is not None})
+    out.update({name: rope.get(key) for key, name in _ROPE_KEYS.items() if rope.get(key) is not None})
     if rope_type == "yarn":
-        out["rope_attention_factor"] = _yarn_attention_factor(hf, params)
-        if params.get("factor") is None:  # the factor is the context extension itself
-            out["rope_factor"] = hf.required("max_position_embeddings") / params["original_max_position_embeddings"]
+        out["rope_attention_factor"] = _yarn_attention_factor(hf, rope)
+        if rope.get("factor") is None:  # the factor is the context extension itself
+            out["rope_factor"] = hf.required("max_position_embeddings") / rope.get("original_max_position_embeddings")
     for key in ("beta_fast", "beta_slow"):  # transformers reads a falsy value as the default
-        if not params.get(key):
+        if not rope.get(key):
             out.pop(_ROPE_KEYS[key], None)
     for key, value in list(out.items()):
         if key in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
@@ -127,16 +129,16 @@ def _rope(hf: Fields) -> dict[str, Any]:
     return out
 
 
-def _yarn_attention_factor(hf: Fields, params: dict[str, Any]) -> float:
+def _yarn_attention_factor(hf: Fields, rope: Fields) -> float:
     """YaRN's cos/sin factor as transformers derives it when the config does not give it."""
-    if params.get("attention_factor") is not None:
-        return float(params["attention_factor"])
-    factor = params.get("factor") or hf.required("max_position_embeddings") / params["original_max_position_embeddings"]
+    if rope.get("attention_factor") is not None:
+        return float(rope.get("attention_factor"))
+    factor = rope.get("factor") or hf.required("max_position_embeddings") / rope.get("original_max_position_embeddings")
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
     return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 

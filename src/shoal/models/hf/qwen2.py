@@ -44,9 +44,11 @@ def config_out(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def window_config(cfg: ModelConfig) -> dict[str, Any]:
-    """Qwen's window fields: a window on every layer is one from layer 0 on."""
+    """Qwen's window fields: a window on every layer is one from layer 0 on, and each layer's type is written
+    out (transformers' Qwen2-MoE derives absent layer types otherwise: a window on even layers only)."""
+    kind = "sliding_attention" if cfg.sliding_window else "full_attention"
     return dict(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None,
-                max_window_layers=0, attention_bias=False)
+                max_window_layers=0, layer_types=[kind] * cfg.num_layers, attention_bias=False)
 
 
 FAMILY = Family(model_type="qwen2", architecture="Qwen2ForCausalLM", defaults=DEFAULTS,
