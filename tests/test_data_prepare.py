@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -142,14 +143,6 @@ def test_an_interrupted_preparation_resumes_and_a_finished_one_is_skipped(bpe, c
     assert "other inputs or settings" in one_line_error(prepare, other, progress=False)
 
 
-def _installed(package: str) -> bool:
-    try:
-        __import__(package)
-    except ImportError:
-        return False
-    return True
-
-
 _KW = {"tokenizer": "byte", "field": "body", "holdout": 0.1, "workers": 1, "shard_mb": 1.0}
 """One shard per input, so the hold-out rule picks the same documents whatever the input kind."""
 
@@ -209,10 +202,13 @@ def test_zstd_jsonl_reads_as_the_jsonl(corpus, tmp_path):
 
 @pytest.mark.parametrize("package, name, content", [("pyarrow", "t.parquet", b"PAR1 not really"),
                                                     ("datasets", "saved", None), ("zstandard", "in.jsonl.zst", b"")])
-def test_an_input_whose_package_is_missing_is_refused_naming_it(corpus, tmp_path, package, name, content):
-    """Where the reader's package is not installed the input is refused in one line naming it."""
-    if _installed(package):
-        pytest.skip(f"{package} is installed: its reader runs (test_*_reads_as_the_jsonl)")
+def test_an_input_whose_package_is_missing_is_refused_naming_it(corpus, tmp_path, monkeypatch, package, name,
+                                                                content):
+    """Where the reader's package is not installed the input is refused in one line naming it (the package
+    hidden from import here, installed or not)."""
+    for module in [m for m in sys.modules if m == package or m.startswith(f"{package}.")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, package, None)  # `import package` raises ImportError
     path = tmp_path / name
     if content is None:
         path.mkdir()
