@@ -36,6 +36,8 @@ def test_resume_across_layouts_continues_the_loss_curve(pools, tmp_path):
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
+            assert_rounding_close(res["grad_norms"], ref32["grad_norms"][start:end], ref64["grad_norms"][start:end],
+                                  what=f"{plan_text} rank {rank} gradient norms of steps {start}..{end - 1}")
         losses += results[0]["losses"]
     assert len(losses) == RUN.steps
     assert_trained_close(results[0]["params"], ref32, ref64)
