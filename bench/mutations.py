@@ -79,7 +79,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("clip-scales-up", "runtime.py",
              "(max_norm / (norm + 1e-6)).clamp(max=1.0)", "(max_norm / (norm + 1e-6))",
              "gradient clipping also scales small gradients up to the threshold",
-             ("tests/test_parity_dp.py::test_dp_matches_single_process[dp2]",)),
+             _k("tests/test_runtime.py", "one_process_is_the_plain_loop")),
     Mutation("tied-pp-not-summed", "parallel/tied.py",
              "            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)",
              "            pass",
@@ -88,8 +88,8 @@ MUTATIONS: list[Mutation] = [
     # ---------------------------------------------------------------- offsets, masks, orders, ties
     Mutation("data-rank-offset", "data/text.py",
              "self.windows(step * size + index * local, local)",
-             "self.windows(step * size + index * local + 1, local)",
-             "a rank's slice of the global batch starts one sample late (a shard offset off by one)",
+             "self.windows(step * size + index * local + index, local)",
+             "rank i's slice of the global batch starts i samples late (a shard offset off by one)",
              _k("tests/test_data.py", "rank_slices_tile")),
     Mutation("mistral-window-wide", "models/transformer.py",
              "band_TT = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)",
@@ -152,7 +152,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("gate-state-not-restored", "optim/gate.py",
              "kept += [(_local(state[k]), old) for k, old in had[id(p)].items()]", "kept += []",
              "the non-finite gate puts the weights back but not the optimizer's moments",
-             ("tests/test_nonfinite.py::test_a_bad_step_leaves_every_weight_and_state_bit_identical[dp2-fp32]",)),
+             _k("tests/test_optim.py", "gate_puts_back")),
     # ---------------------------------------------------------------- mixed precision
     Mutation("scaler-counter-not-reset", "parallel/precision.py",
              "good = torch.where(finite, self._good + 1, 0)", "good = torch.where(finite, self._good + 1, self._good)",
@@ -163,16 +163,16 @@ MUTATIONS: list[Mutation] = [
              "the fp16 loss scale kept, not halved, after an overflow",
              _k("tests/test_precision.py", "loss_scaler_skips")),
     # ---------------------------------------------------------------- checkpoints
-    Mutation("latest-before-manifest", "train/checkpoint.py",
-             "    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks tmp complete\n",
-             "    _point_latest(root, tmp.name)\n"
-             "    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks tmp complete\n",
-             "the `latest` pointer written before the checkpoint's data is complete",
-             _k("tests/test_checkpoint.py", "crash_before_the_rename")),
+    Mutation("latest-names-final-first", "train/checkpoint.py",
+             "        _point_latest(root, tmp.name)\n        old = final.with_name",
+             "        _point_latest(root, final.name)\n        old = final.with_name",
+             "a re-save points `latest` at the final name before the new data is there (a crash between the "
+             "renames leaves no complete checkpoint named)",
+             _k("tests/test_checkpoint.py", "resave_of_a_step_never_exposes")),
     Mutation("crc-not-compared", "train/checkpoint.py",
              "            if _crc32(path / name) != crc:", "            if False:",
              "a checkpoint file's checksum not compared (same size, different bytes loads)",
-             _k("tests/test_checkpoint.py", "corrupt_data_without_size_change")),
+             _k("tests/test_checkpoint.py", "byte_flipped_in_the_weights")),
 ]
 
 
