@@ -285,8 +285,8 @@ def test_moe_interleaved_pipeline_matches_single_process(pools):
 
 def _resume_chain(pools, tmp_path, segments):
     """Train RESHARD through `segments` (plan, world (0: this process), first step, end step), each
-    resuming the previous checkpoint: every segment's losses and the final weights must be the
-    unbroken single-process run's."""
+    resuming the previous checkpoint: every segment's losses and gradient norms and the final weights must be
+    the unbroken single-process run's."""
     from shoal.testing.asserts import assert_rounding_close
     from shoal.testing.parity import assert_trained_close, references, train_segment
 

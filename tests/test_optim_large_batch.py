@@ -406,7 +406,7 @@ def test_parity_ep_pp_cp(pools):
 @pytest.mark.parametrize("opt_name", ["lamb", "lars"])
 def test_state_resumes_and_reshards(pools, tmp_path, opt_name):
     """Steps 0-1 under fsdp2, 2-3 under dp2, 4 in one process, each resumed from the last one's
-    checkpoint: the losses and final weights of an unbroken single-process run."""
+    checkpoint: the losses, gradient norms and final weights of an unbroken single-process run."""
     from shoal.testing.parity import train_segment
 
     run = OptCase(opt=opt_name, steps=5, lr=0.01 if opt_name == "lamb" else 0.5)

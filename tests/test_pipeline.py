@@ -107,7 +107,7 @@ SEGMENTS = [("pp2", 2, 0, 2), ("fsdp2", 2, 2, 3), ("single", 0, 3, 4), ("pp4,mb=
 
 def test_resume_across_pipeline_layouts(pools, tmp_path):
     """pp2 -> fsdp2 -> one process -> pp4 -> dp2,pp2, each resuming the previous checkpoint: the loss
-    curve is the unbroken single-process run's."""
+    curve and every step's gradient norm are the unbroken single-process run's."""
     ref32, ref64 = references(RUN)
     for plan_text, world, start, end in SEGMENTS:
         if world == 0:

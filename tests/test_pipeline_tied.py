@@ -136,7 +136,7 @@ def _stored(path) -> tuple[set[str], int]:
 
 def test_tied_checkpoint_from_pp2_resumes_in_one_process(pools, tmp_path):
     """Saved under pp2, the checkpoint holds the table once (one stored piece, the keys of a
-    one-process checkpoint) and resumes in one process on the unbroken loss curve."""
+    one-process checkpoint) and resumes in one process on the unbroken loss curve and gradient norms."""
     from shoal.train.checkpoint import latest_checkpoint
 
     ref32, ref64 = references(RUN)

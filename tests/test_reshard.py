@@ -1,5 +1,5 @@
-"""A checkpoint saved under one layout resumes under others, and the loss curve goes on exactly as
-in one unbroken single-process run.
+"""A checkpoint saved under one layout resumes under others, and the loss curve and every step's gradient
+norm go on as in one unbroken single-process run.
 
 The run's 9 steps are split into segments, each trained under a different layout and world size,
 each starting from the previous segment's DCP checkpoint (model and AdamW state, resharded on load):
@@ -8,8 +8,8 @@ each starting from the previous segment's DCP checkpoint (model and AdamW state,
     group) -> fsdp2,zero=1 (2 ranks, 2 micro-batches) -> fsdp2,tp2 (ZeRO-3 x tensor parallel,
     4 ranks) -> dp2,fsdp2 (hybrid, 4 ranks)
 
-Tolerances are the parity harness's (shoal/testing/parity.py: losses as close to the float64 run as the
-single float32 process is, final parameters by `assert_trained_close`). A checkpoint stores every
+Tolerances are the parity harness's (shoal/testing/parity.py: losses and gradient norms as close to the
+float64 run as the single float32 process is, final parameters by `assert_trained_close`). A checkpoint stores every
 tensor exactly, so a resumed step differs from the unbroken one only by the reduction order of
 its layout, as in the parity tests.
 """
