@@ -6,7 +6,8 @@
 #                lint-imports (the layers: import-linter contracts), all reading pyproject.toml; and
 #                tools/check-comments (no dates in src/ comments: measurements live in docs/)
 #   make test    install, then run the test suite, less the sweeps marked slow
-#   make test-slow  the sweeps marked slow (many plans or CLI runs each; run before a release)
+#   make test-slow  the sweeps marked slow (many plans or CLI runs each; run before a release), then the
+#                   mutation bench (bench/mutations.py: planted bugs, each caught by its tests)
 #
 # torch is installed first, on its own, so that pip takes the CPU build named here and the
 # package's `torch` range is already satisfied (pip never pulls a CUDA build on a CPU machine).
@@ -46,6 +47,7 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(RUN_ENV) $(VENV)/bin/python -m pytest -q -m slow tests
+	$(RUN_ENV) $(VENV)/bin/python -m bench.mutations
 
 clean-venv:
 	rm -rf $(VENV)

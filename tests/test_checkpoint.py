@@ -175,6 +175,23 @@ def test_corrupt_data_without_size_change_is_caught(tmp_path):
     assert "could not be read" in _load_error(path)
 
 
+def test_a_byte_flipped_in_the_weights_is_caught_by_its_checksum(tmp_path):
+    """One byte of a tensor's data changed in place (DCP still reads the file, the weight is silently
+    different): the file's CRC-32 no longer matches, so newest_good_checkpoint skips that checkpoint, in one line
+    naming the file, for the previous one."""
+    from shoal.train.checkpoint import newest_good_checkpoint
+
+    older, model, opt = _saved(tmp_path, step=2)
+    newer = save_checkpoint(tmp_path, 4, runtime=model, optimizer=opt, extra={**EXTRA, "step": 4})
+    data = max(newer.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x01  # inside the tensors' bytes, far from any header
+    data.write_bytes(bytes(blob))
+    path, skipped = newest_good_checkpoint(tmp_path)
+    assert path == older and len(skipped) == 1, (path, skipped)
+    assert data.name in skipped[0] and "fails its checksum" in skipped[0] and "\n" not in skipped[0], skipped
+
+
 def test_incompatible_model(tmp_path):
     path, _, _ = _saved(tmp_path)
     for cfg, words in ((CFG.replace(dim=64), "has shape"), (CFG.replace(num_layers=3), "lacks"),

@@ -59,6 +59,7 @@ def test_default_plan_resumes_exports_and_samples(tmp_path, device, capsys):
     losses, expected = [r["loss"] for r in resumed], [r["loss"] for r in unbroken]
     if device == "cpu":
         assert losses == expected
+        assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in unbroken]
     else:
         assert losses == pytest.approx(expected, rel=2.0**-7)
     summary = json.loads((tmp_path / "unbroken" / "summary.json").read_text())

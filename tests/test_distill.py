@@ -1,15 +1,17 @@
 """OneS distillation (shoal.experiments.ones: kd, distill; `shoal distill`): the loss against its
 formula, its parity under fsdp2 and tp2 with one process, and the command's refusals.
 
-Parity tolerance: `assert_rounding_close` (shoal/testing/parity.py), the harness's own. The distillation
-loss is the same sums as the single process (log-softmaxes over the vocabulary, a mean over the
+Parity: the first step's gradients (each tensor) and every step's global gradient norm before clipping, and
+every step's loss, each held by `assert_rounding_close` (shoal/testing/asserts.py), the harness's own. The
+distillation loss is the same sums as the single process (log-softmaxes over the vocabulary, a mean over the
 tokens, then AdamW), split over ranks and added in another order: fsdp2 averages the ranks'
 gradients and losses, tp2 adds row-parallel partial sums and gathers the vocab-sharded logits
 before the loss. Each such reordering is off the float64 truth by about as much as the single
 float32 process is (Higham 4.2: a float32 sum of n terms in any order is off by at most
-(n-1) u sum|x_i|), so every step's loss must lie within SLACK = 8 times the float32 process's
-own error of the float64 run, plus 16 float32 ulps; a defect (a missing average, the wrong
-shard of the teacher's logits) is off by orders of magnitude more.
+(n-1) u sum|x_i|), so each value must lie within SLACK = 8 times the float32 process's
+own error of the float64 run, plus 16 float32 ulps. A gradient summed over the 2 ranks instead of averaged is
+off by 100% of itself: the gradients and their norm see it, while the losses may not (clipping and AdamW undo a
+constant scale); the wrong shard of the teacher's logits moves the losses as well.
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from shoal.experiments.ones.kd import kd_loss, pack_targets, unpack_targets
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, Transformer
 from shoal.plan import Plan
-from shoal.testing.asserts import assert_rounding_close, assert_user_error
+from shoal.testing.asserts import assert_rounding_close, assert_user_error, full_tensors
 from shoal.train.step import split_micro, train_step
 
 TEACHER = ModelConfig(num_layers=2, dim=32, num_heads=4, ffn_dim=48, vocab_size=64, max_seq_len=16,
                       num_experts=4, top_k=2)
-STEPS, BATCH, SEQ, TEMPERATURE, ALPHA = 4, 8, 16, 2.0, 0.7
+STEPS, BATCH, SEQ, TEMPERATURE, ALPHA, MICRO = 4, 8, 16, 2.0, 0.7, 2
 
 
 def test_kd_loss_is_the_formula():
@@ -77,44 +79,55 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, foreach=False)
 
 
-def _reference(dtype: torch.dtype) -> list[float]:
-    """The distillation losses of one process, in `dtype`."""
+def _reference(dtype: torch.dtype) -> dict[str, Any]:
+    """The distillation run of one process, in `dtype`: every step's loss and gradient norm before clipping,
+    the first step's gradients."""
     teacher, student = _models(dtype)
-    optimizer, loss_fn, losses = _optimizer(student.parameters()), kd_loss(TEMPERATURE, ALPHA), []
+    optimizer, loss_fn = _optimizer(student.parameters()), kd_loss(TEMPERATURE, ALPHA)
+    out: dict[str, Any] = {"losses": [], "grad_norms": []}
     for inputs, targets in _batches():
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             packed = pack_targets(targets, teacher(inputs)).to(dtype)
         loss = loss_fn(student(inputs), packed)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        if "grads" not in out:
+            out["grads"] = full_tensors(student, grads=True)
+        out["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)))
         optimizer.step()
-        losses.append(loss.item())
-    return losses
+        out["losses"].append(loss.item())
+    return out
 
 
-def _parallel(plan_text: str) -> list[float]:
-    """The same run with the student under `plan_text` on this pool's ranks, the teacher whole."""
+def _parallel(plan_text: str) -> dict[str, Any]:
+    """The same run with the student under `plan_text` on this pool's ranks, the teacher whole, each rank's rows
+    in MICRO micro-batches (the runtime averages a loss function's micro-batch means)."""
     teacher, student = _models(torch.float32)
     plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size())
     runtime = parallelize(student, plan, build_mesh(plan))
-    optimizer, loss_fn, losses = _optimizer(runtime.parameters()), kd_loss(TEMPERATURE, ALPHA), []
+    optimizer, loss_fn = _optimizer(runtime.parameters()), kd_loss(TEMPERATURE, ALPHA)
+    out: dict[str, Any] = {"losses": [], "grad_norms": []}
     index, count = runtime.data_rank
     rows = BATCH // count
     for inputs, targets in _batches():
         x, y = inputs[index * rows:(index + 1) * rows], targets[index * rows:(index + 1) * rows]
         with torch.no_grad():
             packed = pack_targets(y, teacher(x))
-        out = train_step(runtime, optimizer, split_micro(x, packed, 1), grad_clip=1.0, loss_fn=loss_fn)
-        losses.append(float(out.loss))
-    return losses
+        seen = None if "grads" in out else (lambda rt: out.update(grads=full_tensors(rt, grads=True)))
+        step = train_step(runtime, optimizer, split_micro(x, packed, MICRO), grad_clip=1.0, loss_fn=loss_fn,
+                          before_update=seen)
+        out["losses"].append(float(step.loss))
+        out["grad_norms"].append(float(step.grad_norm))
+    return out
 
 
 @pytest.mark.parametrize("plan", ["fsdp2", "tp2"])
-def test_distillation_loss_matches_one_process(pools, plan):
+def test_distillation_matches_one_process(pools, plan):
+    """First-step gradients, every step's gradient norm and loss: see the module's docstring."""
     ref32, ref64 = _reference(torch.float32), _reference(torch.float64)
-    for rank, losses in enumerate(pools(2).run(_parallel, plan)):
-        assert_rounding_close(losses, ref32, ref64, what=f"{plan} rank {rank} losses")
+    for rank, got in enumerate(pools(2).run(_parallel, plan)):
+        for key in ("grads", "grad_norms", "losses"):
+            assert_rounding_close(got[key], ref32[key], ref64[key], what=f"{plan} rank {rank} {key}")
 
 
 # ----------------------------------------------------------------------------- the command

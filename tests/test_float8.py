@@ -1,5 +1,6 @@
 """Float8 training (the plan option fp8=, shoal/parallel/float8.py): which layers run in float8, its losses
-against bf16's, and every parallel plan's fp8 losses against fp8 in one process.
+against bf16's, and every parallel plan's fp8 losses and first gradient norm (GRAD_NORM_REL) against fp8 in
+one process.
 
 Tolerances, per step's loss (absolute), from the formats' unit roundoffs: e4m3 keeps 4 significant bits
 (3 stored), U8 = 2^-4; bf16 8 (7 stored), U16 = 2^-8.
@@ -60,16 +61,18 @@ TWO = [case(plan=p, steps=STEPS) for p in (
 
 
 def train_losses(cases: list[ParityCase]) -> list[dict]:
-    """Worker: train each case with train_step; its losses, its float8 modules' names, their recipe's weight
-    scaling and whether FSDP2 gathers them in float8."""
+    """Worker: train each case with train_step; its losses, its first step's gradient norm (global, before
+    clipping), its float8 modules' names, their recipe's weight scaling and whether FSDP2 gathers them in
+    float8."""
     out = []
     for c in cases:
         runtime, optimizer, batches = parallel_setup(c)
-        losses = [train_step(runtime, optimizer, split_micro(x, y, c.num_micro), grad_clip=c.grad_clip).loss.item()
-                  for x, y in batches]
+        steps = [train_step(runtime, optimizer, split_micro(x, y, c.num_micro), grad_clip=c.grad_clip)
+                 for x, y in batches]
+        losses = [s.loss.item() for s in steps]
         float8 = {n.replace("_orig_mod.", ""): m for part in runtime.parts for n, m in part.named_modules()
                   if is_float8(m)}
-        out.append({"losses": losses, "float8": sorted(float8),
+        out.append({"losses": losses, "grad_norm": steps[0].grad_norm.item(), "float8": sorted(float8),
                     "scaling": {m.config.cast_config_weight.scaling_granularity.value for m in float8.values()},
                     "gather": {m.config.enable_fsdp_float8_all_gather for m in float8.values()}})
     return out
@@ -92,6 +95,20 @@ def bounds(model: object) -> tuple[float, float]:
 def close(got: list[float], want: list[float], atol: float, what: str) -> None:
     worst = max(abs(a - b) for a, b in zip(got, want, strict=True))
     assert worst <= atol, f"{what}: losses differ by up to {worst:.3g} > {atol:.3g}\n{got}\n{want}"
+
+
+GRAD_NORM_REL = 4 * 8 * U16
+"""The first step's gradient norm of fp8 under a parallel plan against fp8 in one process, relative: each
+gradient element passes through about four products on its way back through a block (the two blocks' output
+and input gradients), each off by at most 8 U16 relative (the module docstring's parallel bound per product),
+and the norm errs by no more than its elements' largest relative error: 12.5%. A gradient summed over the 2
+ranks instead of averaged errs by 100%; the losses alone would not show it (clipping and AdamW undo a constant
+scale)."""
+
+
+def close_norm(got: dict, want: dict, what: str) -> None:
+    a, b = got["grad_norm"], want["grad_norm"]
+    assert abs(a - b) <= GRAD_NORM_REL * b, f"{what}: first gradient norm {a:.6g} against {b:.6g}"
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +159,14 @@ def test_parallel_fp8_matches_one_process(runs):
     for plan in ("dp2,fp8=rowwise", "fsdp2,fp8=rowwise", "tp2,fp8=rowwise", "fsdp2,zero=1,fp8=rowwise",
                  "cp2,fp8=rowwise", "pp2,fp8=rowwise", "fp8=rowwise,compile=on"):
         close(runs[plan]["losses"], runs["fp8=rowwise"]["losses"], tight, f"{plan} against fp8=rowwise")
+        close_norm(runs[plan], runs["fp8=rowwise"], f"{plan} against fp8=rowwise")
     for plan in ("fsdp2,fp8=tensorwise", "tp2,fp8=tensorwise", "fsdp2,fp8=tensorwise,compile=on",
                  "fsdp2,offload=on,fp8=tensorwise"):
         close(runs[plan]["losses"], runs["fp8=tensorwise"]["losses"], tight, f"{plan} against fp8=tensorwise")
+        close_norm(runs[plan], runs["fp8=tensorwise"], f"{plan} against fp8=tensorwise")
     loose, tight = bounds(MOE)
     close(runs["ep2,fp8=rowwise"]["losses"], runs["moe:fp8=rowwise"]["losses"], tight, "ep2,fp8=rowwise")
+    close_norm(runs["ep2,fp8=rowwise"], runs["moe:fp8=rowwise"], "ep2,fp8=rowwise")
     close(runs["moe:fp8=rowwise"]["losses"], runs["moe:precision=bf16"]["losses"], loose, "MoE fp8 against bf16")
 
 

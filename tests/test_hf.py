@@ -115,13 +115,17 @@ def test_qwen3_keeps_qk_norms_and_its_head_dim(tmp_path):
 
 
 @pytest.mark.parametrize("rope, fields", [
-    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-      "original_max_position_embeddings": 16},
-     dict(rope_type="llama3", rope_factor=8.0, rope_original_max_len=16)),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+      "original_max_position_embeddings": 16},  # both factors off their defaults (1, 4)
+     dict(rope_type="llama3", rope_factor=8.0, rope_original_max_len=16, rope_low_freq_factor=2.0,
+          rope_high_freq_factor=8.0)),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0, "beta_slow": 2.0,
+      "truncate": False},  # off the defaults (32, 1, true)
+     dict(rope_type="yarn", rope_beta_fast=16.0, rope_beta_slow=2.0, rope_truncate=False)),
     ({"rope_type": "linear", "factor": 2.0}, dict(rope_type="linear", rope_factor=2.0)),
     ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 2.0, "mscale_all_dim": 1.0},
      dict(rope_type="yarn", rope_factor=4.0, rope_attention_factor=(0.2 * math.log(4) + 1) / (0.1 * math.log(4) + 1))),
-], ids=["llama3", "linear", "yarn-4.x-layout"])
+], ids=["llama3", "yarn", "linear", "yarn-4.x-layout"])
 def test_rope_scaling_maps(tmp_path, rope, fields):
     raw = {**TINY, "model_type": "llama", "rope_theta": 500.0, "rope_scaling": rope}
     (tmp_path / "config.json").write_text(json.dumps(raw))

@@ -117,6 +117,39 @@ def test_rope_depends_on_relative_position_only():
     assert not torch.allclose(score(5, 2), score(5, 4))
 
 
+SCALED_ROPE_OFF_DEFAULTS = {
+    "llama3": ({"low_freq_factor": 2.0, "high_freq_factor": 8.0},
+               {"rope_low_freq_factor": 2.0, "rope_high_freq_factor": 8.0}),
+    "yarn": ({"beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+             {"rope_beta_fast": 16.0, "rope_beta_slow": 2.0, "rope_truncate": False}),
+}
+
+
+@pytest.mark.parametrize("rope_type", list(SCALED_ROPE_OFF_DEFAULTS))
+def test_scaled_rope_off_its_defaults_equals_transformers(rope_type):
+    """llama3's and yarn's inverse frequencies (and yarn's attention factor) with every field of the scaling set
+    off its default equal transformers' own: the same float32 formulas, so exactly. Each field moves them
+    (checked against the defaults), so one read as its default instead is caught."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shoal.models.rope import attention_factor, inverse_frequencies
+
+    hf_fields, fields = SCALED_ROPE_OFF_DEFAULTS[rope_type]
+    # theta 500 and 1024 original positions: yarn's ramp lies inside the head's 8 frequencies, unclamped
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                     rope_parameters={"rope_type": rope_type, "rope_theta": 500.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 1024, **hf_fields})
+    expected, factor = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    cfg = ModelConfig(dim=64, num_heads=4, num_kv_heads=2, max_seq_len=4096, rope_theta=500.0, rope_type=rope_type,
+                      rope_factor=4.0, rope_original_max_len=1024, **fields)
+    assert torch.equal(inverse_frequencies(cfg), expected.float())
+    assert attention_factor(cfg) == pytest.approx(factor, rel=1e-12)
+    for name in fields:  # each field on its own changes the frequencies
+        default = ModelConfig.__dataclass_fields__[name].default
+        assert not torch.equal(inverse_frequencies(cfg.replace(**{name: default})), expected.float()), name
+
+
 def test_with_overrides_converts_types():
     cfg = PRESETS["tiny"].with_overrides(
         ["dim=256", "num_kv_heads=none", "bias=true", "rope_theta=1e5", "norm=layernorm", "num_layers = 6"]

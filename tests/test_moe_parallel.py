@@ -285,8 +285,8 @@ def test_moe_interleaved_pipeline_matches_single_process(pools):
 
 def _resume_chain(pools, tmp_path, segments):
     """Train RESHARD through `segments` (plan, world (0: this process), first step, end step), each
-    resuming the previous checkpoint: every segment's losses and the final weights must be the
-    unbroken single-process run's."""
+    resuming the previous checkpoint: every segment's losses and gradient norms and the final weights must be
+    the unbroken single-process run's."""
     from shoal.testing.asserts import assert_rounding_close
     from shoal.testing.parity import assert_trained_close, references, train_segment
 
@@ -299,6 +299,8 @@ def _resume_chain(pools, tmp_path, segments):
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
+            assert_rounding_close(res["grad_norms"], ref32["grad_norms"][start:end], ref64["grad_norms"][start:end],
+                                  what=f"{plan_text} rank {rank} gradient norms of steps {start}..{end - 1}")
     assert set(results[0]["params"]) == set(ref64["final_params"])
     assert_trained_close(results[0]["params"], ref32, ref64)
 

@@ -1,4 +1,5 @@
-"""The learning-rate schedule against hand-computed values, and the optimizer's groups."""
+"""The learning-rate schedule against hand-computed values, the optimizer's groups, and the non-finite gate
+over an optimizer that is not fused."""
 
 from __future__ import annotations
 
@@ -60,3 +61,42 @@ def test_scheduler_drives_the_optimizer_and_restores():
 def test_bad_optim_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OptimConfig(**kwargs)
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=False),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)], ids=["adamw", "sgd"])
+def test_the_gate_puts_back_weights_and_state_of_an_optimizer_that_is_not_fused(make):
+    """gated_step over a torch optimizer with no found_inf (AdamW unfused, SGD with momentum): a step the flag
+    refuses leaves every weight and every state tensor (moments, momentum, step count) bit for bit as it was,
+    both when the state exists and when the refused step would create it (then it stays zeros); an allowed
+    step changes them (the teeth)."""
+    from shoal.optim.gate import gated_step
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    opt = make(layer.parameters())
+
+    def step(ok: bool) -> None:
+        layer.zero_grad()
+        layer(torch.randn(5, 4)).square().sum().backward()
+        gated_step(opt, torch.tensor(ok))
+
+    def snapshot() -> list[torch.Tensor]:
+        state = [v.clone() for p in layer.parameters() for v in opt.state.get(p, {}).values()
+                 if isinstance(v, torch.Tensor)]
+        return [p.detach().clone() for p in layer.parameters()] + state
+
+    weights = snapshot()
+    step(False)  # refused before any state exists: weights unchanged, any state created is zeros
+    after = snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(after, weights))
+    assert all(not t.any() for t in after[len(weights):])
+    step(True)
+    step(True)
+    before = snapshot()
+    step(False)
+    after = snapshot()
+    assert len(after) == len(before) > len(weights)  # the state is there: moments or momentum
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    step(True)
+    assert not all(torch.equal(a, b) for a, b in zip(snapshot(), before))

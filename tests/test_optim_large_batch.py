@@ -23,7 +23,7 @@ from shoal.optim.cowclip import CowClip
 from shoal.optim.lamb_lars import LAMB, LARS
 from shoal.optim.schedule import Schedule, build_scheduler, scale_for_batch
 from shoal.testing.asserts import assert_rounding_close, assert_user_error, one_line_error
-from shoal.testing.parity import ParityCase, assert_trained_close, references, run_parallel
+from shoal.testing.parity import ParityCase, assert_trained_close, references, run_parallel, run_reference
 
 F64 = {"rtol": 1e-12, "atol": 1e-14}
 
@@ -250,18 +250,25 @@ def run_cases(cases):
 
 
 def _check(results, cases):
-    """Every rank's losses and final parameters of each case against its single-process runs."""
+    """Every rank's first-step gradients (those it holds) and their global norm, its losses and final parameters
+    of each case against its single-process runs. The gradients come first: LAMB, LARS and clipped Adam are
+    nearly blind to a constant scale of the gradient, so a sum in place of an average moves the losses and the
+    weights by little, the gradients by 100%."""
     for i, c in enumerate(cases):
         ref32, ref64 = references(c)
         for rank, res in enumerate(r[i] for r in results):
             what = f"{getattr(c, 'opt', 'cowclip')} {c.plan} rank {rank}"
+            mine = set(res["grads"])
+            assert_rounding_close(res["grads"], {k: ref32["grads"][k] for k in mine},
+                                  {k: ref64["grads"][k] for k in mine}, what=f"{what} first-step grads")
+            assert_rounding_close(res["grad_norm"], ref32["grad_norm"], ref64["grad_norm"], what=f"{what} grad norm")
             assert_rounding_close(res["losses"], ref32["losses"], ref64["losses"], what=f"{what} losses")
             assert_trained_close(res["final_params"], ref32, ref64, what=f"{what} final params")
 
 
 def test_parity_with_one_process(pools):
-    """LAMB and LARS (and CowClip) under dp2, fsdp2 at zero 1/2/3 and tp2: losses and final parameters
-    against the single process."""
+    """LAMB and LARS (and CowClip) under dp2, fsdp2 at zero 1/2/3 and tp2: first-step gradients and their
+    norm, losses and final parameters against the single process (`_check`)."""
     _check(pools(2).run(run_cases, PARITY), PARITY)
     for c in PARITY:
         ref64 = references(c)[1]
@@ -399,7 +406,7 @@ def test_parity_ep_pp_cp(pools):
 @pytest.mark.parametrize("opt_name", ["lamb", "lars"])
 def test_state_resumes_and_reshards(pools, tmp_path, opt_name):
     """Steps 0-1 under fsdp2, 2-3 under dp2, 4 in one process, each resumed from the last one's
-    checkpoint: the losses and final weights of an unbroken single-process run."""
+    checkpoint: the losses, gradient norms and final weights of an unbroken single-process run."""
     from shoal.testing.parity import train_segment
 
     run = OptCase(opt=opt_name, steps=5, lr=0.01 if opt_name == "lamb" else 0.5)
@@ -412,6 +419,8 @@ def test_state_resumes_and_reshards(pools, tmp_path, opt_name):
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{opt_name} {plan_text} rank {rank} losses of steps {start}..{end - 1}")
+            assert_rounding_close(res["grad_norms"], ref32["grad_norms"][start:end], ref64["grad_norms"][start:end],
+                                  what=f"{opt_name} {plan_text} rank {rank} gradient norms of steps {start}..{end - 1}")
     assert_trained_close(results[0]["params"], ref32, ref64)
 
 
@@ -428,21 +437,26 @@ def test_parity_fsdp_over_tp(pools):
 
 
 def _trust_after_steps(case):
-    """The case trained through parallelize and train_step on this rank (one process when no
-    process group is up: the reference), then every trust ratio of its last step, gathered."""
-    from shoal.apply_plan import parallelize
+    """The case trained through parallelize and train_step on this rank, then every trust ratio of its last
+    step, gathered."""
     from shoal.optim.lamb_lars import gather_trust
     from shoal.testing.parity import parallel_setup
     from shoal.train.step import split_micro, train_step
 
-    if case.plan == "single":
-        runtime = parallelize(case.build_model(torch.float64 if case.extra.get("f64") else torch.float32))
-        optimizer, batches = case.optimizer_for(runtime), case.batches()
-    else:
-        runtime, optimizer, batches = parallel_setup(case)
+    runtime, optimizer, batches = parallel_setup(case)
     for inputs, targets in batches:
         train_step(runtime, optimizer, split_micro(inputs, targets, case.num_micro), grad_clip=case.grad_clip)
     return gather_trust(optimizer, runtime.named_parameters())
+
+
+def _reference_trust(case, dtype):
+    """The reference: the case trained in plain PyTorch in this process (run_reference: no parallelize, no
+    train_step), then its optimizer's trust ratios of the last step, read off the plain model's parameters."""
+    from shoal.optim.lamb_lars import gather_trust
+
+    out = {}
+    run_reference(case, dtype, after=lambda model, opt: out.update(gather_trust(opt, model.named_parameters())))
+    return out
 
 
 def _trust_cases(cases):
@@ -464,9 +478,7 @@ def test_trust_ratios_gathered_over_every_plan(pools):
 
     results = pools(2).run(_trust_cases, TRUST)
     for c in TRUST:
-        single = dataclasses.replace(c, plan="single")
-        ref32 = _trust_after_steps(single)
-        ref64 = _trust_after_steps(dataclasses.replace(single, extra={"f64": True}))
+        ref32, ref64 = _reference_trust(c, torch.float32), _reference_trust(c, torch.float64)
         assert len(ref64) > 5 and len({v for v in ref64.values()}) > 1, ref64  # several distinct ratios
         if c.plan == "ep2":
             assert any(row >= 0 for _, row in ref64), "per-expert ratios expected"

@@ -107,7 +107,7 @@ SEGMENTS = [("pp2", 2, 0, 2), ("fsdp2", 2, 2, 3), ("single", 0, 3, 4), ("pp4,mb=
 
 def test_resume_across_pipeline_layouts(pools, tmp_path):
     """pp2 -> fsdp2 -> one process -> pp4 -> dp2,pp2, each resuming the previous checkpoint: the loss
-    curve is the unbroken single-process run's."""
+    curve and every step's gradient norm are the unbroken single-process run's."""
     ref32, ref64 = references(RUN)
     for plan_text, world, start, end in SEGMENTS:
         if world == 0:
@@ -117,6 +117,8 @@ def test_resume_across_pipeline_layouts(pools, tmp_path):
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
+            assert_rounding_close(res["grad_norms"], ref32["grad_norms"][start:end], ref64["grad_norms"][start:end],
+                                  what=f"{plan_text} rank {rank} gradient norms of steps {start}..{end - 1}")
     final = {k: v for res in results for k, v in res["params"].items()}
     assert set(final) == set(ref64["final_params"])
     assert_trained_close(final, ref32, ref64)

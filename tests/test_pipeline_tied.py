@@ -136,7 +136,7 @@ def _stored(path) -> tuple[set[str], int]:
 
 def test_tied_checkpoint_from_pp2_resumes_in_one_process(pools, tmp_path):
     """Saved under pp2, the checkpoint holds the table once (one stored piece, the keys of a
-    one-process checkpoint) and resumes in one process on the unbroken loss curve."""
+    one-process checkpoint) and resumes in one process on the unbroken loss curve and gradient norms."""
     from shoal.train.checkpoint import latest_checkpoint
 
     ref32, ref64 = references(RUN)
@@ -148,6 +148,8 @@ def test_tied_checkpoint_from_pp2_resumes_in_one_process(pools, tmp_path):
     for what, res, (start, end) in (("pp2", results[0], (0, 2)), ("single", single, (2, 4))):
         assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                               what=f"{what} losses of steps {start}..{end - 1}")
+        assert_rounding_close(res["grad_norms"], ref32["grad_norms"][start:end], ref64["grad_norms"][start:end],
+                              what=f"{what} gradient norms of steps {start}..{end - 1}")
     assert_trained_close(single["params"], ref32, ref64)
 
 

@@ -1,6 +1,6 @@
 """Pretrained weights into any plan (`shoal train --init`, shoal/models/safetensors_io.py): a Hugging
 Face Llama folder written by transformers (two shards and an index) gives transformers' own
-logits under every plan; shoal's own export comes back bitwise under other plans (MoE experts
+logits under tp2, fsdp2, pp2, cp2 and fsdp2,tp2; shoal's own export comes back bitwise under other plans (MoE experts
 too); each rank reads only its slices; dtypes are cast; bad input is refused in one line before
 any worker starts.
 

@@ -76,9 +76,11 @@ def test_trainer_reaches_the_parallel_layer_only_through_the_runtime():
                 assert name not in ("loss_scaler", "no_sync"), f"{path.name} looks up model.{name}"
 
 
-def test_runtime_in_one_process_is_the_plain_loop():
+@pytest.mark.parametrize("clip", [0.5, 1e3], ids=["clipped", "under-the-threshold"])
+def test_runtime_in_one_process_is_the_plain_loop(clip):
     """parallelize(model) with no plan: the same runtime interface, no process group; its step
-    gives the plain loop's gradients, norm, clipped update and loss, bit for bit."""
+    gives the plain loop's gradients, norm, clipped update and loss, bit for bit, with the gradient norm
+    above the clipping threshold (scaled down) and below it (left as it is, never scaled up)."""
     batch = torch.randint(0, SMALL.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
     x, y = batch[:, :-1], batch[:, 1:]
 
@@ -88,16 +90,17 @@ def test_runtime_in_one_process_is_the_plain_loop():
     loss = F.cross_entropy(plain(x).flatten(0, 1), y.flatten())
     loss.backward()
     grads = {n: p.grad.clone() for n, p in plain.named_parameters()}
-    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+    norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
     plain_opt.step()
 
     torch.manual_seed(0)
     runtime = parallelize(Transformer(SMALL))
     opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2, foreach=False)
     seen = {}
-    result = train_step(runtime, opt, [(x, y)], grad_clip=0.5,
+    result = train_step(runtime, opt, [(x, y)], grad_clip=clip,
                         before_update=lambda rt: seen.update(full_tensors(rt, grads=True)))
     assert result.loss.item() == loss.item() and result.grad_norm.item() == norm.item() and result.applied
+    assert (norm > clip) == (clip == 0.5)
     assert all(torch.equal(seen[n], g) for n, g in grads.items())
     after = full_tensors(runtime)
     assert all(torch.equal(after[n], p) for n, p in plain.named_parameters())

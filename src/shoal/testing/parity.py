@@ -12,6 +12,7 @@ its tolerances follow from the arithmetic: `check_parity`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,14 +104,18 @@ class ParityCase:
         return self.optimizer(source.parameters())
 
 
-def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Train `case` in plain PyTorch in this process, in `dtype` (float64: the truth)."""
+def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32,
+                  after: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None) -> dict[str, Any]:
+    """Train `case` in plain PyTorch in this process, in `dtype` (float64: the truth); `after(model,
+    optimizer)`, when given, sees them once the last step is done. The result holds every step's loss and
+    global gradient norm before clipping ("losses", "grad_norms"), and the first step's gradients, norm and
+    parameters after the update ("grads", "grad_norm", "params")."""
     torch.set_num_threads(1)
     model = case.build_model(dtype)
     optimizer = case.optimizer_for(model)
     # float inputs (images) in the run's dtype; token ids stay integers
     batches = [(x.to(dtype) if x.is_floating_point() else x, y) for x, y in case.batches()]
-    result: dict[str, Any] = {"losses": [], "init_params": full_tensors(model)}
+    result: dict[str, Any] = {"losses": [], "grad_norms": [], "init_params": full_tensors(model)}
     moe = MoECollector(model)  # an MoE model's auxiliary losses join the training loss
     micro = case.num_micro  # one process's accumulation over the whole global batch
     with torch.no_grad():
@@ -135,7 +140,10 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32) -> dict[
             result["params"] = full_tensors(model)
             result["grad_norm"] = norm.item()
         result["losses"].append(loss_sum)
+        result["grad_norms"].append(norm.item())
     result["final_params"] = full_tensors(model)
+    if after is not None:
+        after(model, optimizer)
     return result
 
 
@@ -171,7 +179,7 @@ def run_parallel(case: ParityCase) -> dict[str, Any]:
     """Train `case` through shoal's parallelize and the trainer's train_step on this rank (call
     on every rank)."""
     runtime, optimizer, batches = parallel_setup(case)
-    result: dict[str, Any] = {"part": runtime.data_rank, "losses": []}
+    result: dict[str, Any] = {"part": runtime.data_rank, "losses": [], "grad_norms": []}
     with torch.no_grad():
         logits = runtime(batches[0][0])
         result["logits"] = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
@@ -183,6 +191,7 @@ def run_parallel(case: ParityCase) -> dict[str, Any]:
             result["params"] = full_tensors(runtime)
             result["grad_norm"] = float(out.grad_norm)
         result["losses"].append(float(out.loss))
+        result["grad_norms"].append(float(out.grad_norm))
     result["final_params"] = full_tensors(runtime)
     return result
 
@@ -282,7 +291,8 @@ def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, en
                   num_micro: int = 1) -> dict[str, Any]:
     """Steps start..end-1 of `case` under `plan_text` ("single": one process, no process group),
     resumed from the latest checkpoint in `run_dir` when start > 0 and saved there at the end:
-    the checkpoint-resharding tests' segment. Returns the losses and the final parameters."""
+    the checkpoint-resharding tests' segment. Returns the losses, the gradient norms before clipping and the
+    final parameters."""
     from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     if plan_text == "single":
@@ -298,13 +308,14 @@ def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, en
         assert extra["step"] == start, extra
     index, count = runtime.data_rank
     rows = case.global_batch // count
-    losses = []
+    losses, norms = [], []
     for x, y in case.batches()[start:end]:
         x, y = x[index * rows:(index + 1) * rows], y[index * rows:(index + 1) * rows]
-        micro = split_micro(x, y, num_micro)
-        losses.append(float(train_step(runtime, optimizer, micro, grad_clip=case.grad_clip).loss))
+        out = train_step(runtime, optimizer, split_micro(x, y, num_micro), grad_clip=case.grad_clip)
+        losses.append(float(out.loss))
+        norms.append(float(out.grad_norm))
     save_checkpoint(run_dir, end, runtime=runtime, optimizer=optimizer, extra={"step": end, "plan": plan_text})
-    return {"losses": losses, "params": full_tensors(runtime)}
+    return {"losses": losses, "grad_norms": norms, "params": full_tensors(runtime)}
 
 
 def _only(values: dict[str, Any], names: set[str]) -> dict[str, Any]:
