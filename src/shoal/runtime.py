@@ -89,7 +89,7 @@ class Runtime:
         self._tied = tied  # pp with tied embeddings: the first and last stages' copies of the table
         self.part = "forward"
         """Where this rank's main thread is within a step: "forward", "backward" or "optimizer", set as it moves on
-        (forward_backward, shoal.train.step.train_step); `step_words` says it to the watchdog."""
+        (forward_backward; `enter` for the rest of a step); `step_words` says it to the watchdog."""
         self.moe_stats: dict[str, torch.Tensor] = {}
         """Per MoE layer, the last step's load figures (shoal.moe.collect.FIGURES, then each expert's
         share of the kept tokens), on the device; {} for a dense model."""
@@ -393,6 +393,11 @@ class Runtime:
     def where(self) -> str | None:
         """Under pp, the stage and micro-batch this rank is at (what it waits for), in words."""
         return self._pipeline.where or None if self._pipeline is not None else None
+
+    def enter(self, part: str) -> None:
+        """The main thread enters `part` of a step outside forward and backward ("optimizer": the gradient
+        norm, clipping and the update), for `step_words`."""
+        self.part = part
 
     def step_words(self) -> str:
         """Where this rank is within a training step, in words: under pp the stage and micro-batch while its

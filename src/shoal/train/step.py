@@ -62,7 +62,7 @@ def train_step(
     grad_norm, overflow = runtime.grad_norm()
     if before_update is not None:
         before_update(runtime)
-    runtime.part = "optimizer"
+    runtime.enter("optimizer")
     loss_ok = torch.isfinite(loss.to(grad_norm.device))
     applied = loss_ok & torch.isfinite(grad_norm)
     runtime.clip_grads_(grad_clip, grad_norm)
