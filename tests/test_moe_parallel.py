@@ -235,10 +235,10 @@ def test_pooled_router_loss_in_a_pipeline_matches_single_process(pools, plan, wo
 
 def test_pooled_router_loss_needs_every_stages_counts(monkeypatch):
     """The pipeline test above would catch stages that pooled only their own layers' counts: a
-    one-process run whose loss pools each stage's layers apart has a first-stage router gradient
-    far outside check_parity's bound (the single-process float32 error x SLACK + FLOOR_ULPS ulps)
-    around the truth."""
-    import shoal.moe.collect as collect
+    one-process run whose plainly written loss (shoal.testing.parity.pooled_router_loss) pools each
+    stage's layers apart has a first-stage router gradient far outside check_parity's bound (the
+    single-process float32 error x SLACK + FLOOR_ULPS ulps) around the truth."""
+    import shoal.testing.parity as parity
     from shoal.parallel.pipeline import block_costs, split_layers
     from shoal.testing.asserts import FLOOR_ULPS, SLACK, U32
     from shoal.testing.parity import references, run_reference
@@ -247,13 +247,13 @@ def test_pooled_router_loss_needs_every_stages_counts(monkeypatch):
     ref32, ref64 = references(c)
     stages = split_layers(block_costs(c.build_model()), 2)
     assert stages[0] == range(0, 2), stages
-    whole = collect.pooled_loss
+    whole = parity.pooled_router_loss
 
-    def per_stage(calls, pool=None):  # one micro-batch's calls, in layer order
-        assert len(calls) == POOLED_PP.num_layers
-        return sum(whole(calls[layers.start:layers.stop], pool) for layers in stages)
+    def per_stage(logits, coef, top_k):  # one micro-batch's layers' logits, in layer order
+        assert len(logits) == POOLED_PP.num_layers
+        return sum(whole(logits[layers.start:layers.stop], coef, top_k) for layers in stages)
 
-    monkeypatch.setattr(collect, "pooled_loss", per_stage)
+    monkeypatch.setattr(parity, "pooled_router_loss", per_stage)
     apart = run_reference(c)["grads"]
     name = "layers.0.feed_forward.router.gate.weight"
     truth, single = ref64["grads"][name], (ref32["grads"][name] - ref64["grads"][name]).abs().max().item()

@@ -116,7 +116,8 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32,
     # float inputs (images) in the run's dtype; token ids stay integers
     batches = [(x.to(dtype) if x.is_floating_point() else x, y) for x, y in case.batches()]
     result: dict[str, Any] = {"losses": [], "grad_norms": [], "init_params": full_tensors(model)}
-    moe = MoECollector(model)  # an MoE model's auxiliary losses join the training loss
+    moe: MoECollector | PlainRouterLosses = (PlainRouterLosses(model) if PlainRouterLosses.wanted(model)
+                                              else MoECollector(model))  # an MoE model's losses join the training loss
     micro = case.num_micro  # one process's accumulation over the whole global batch
     with torch.no_grad():
         result["logits"] = model(batches[0][0])
@@ -131,7 +132,8 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32,
             added = moe.take_loss()
             (loss + added / micro if added is not None else loss).backward()
             loss_sum += loss.item()
-        moe.take_stats()
+        if isinstance(moe, MoECollector):
+            moe.take_stats()
         if step == 0:
             result["grads"] = full_tensors(model, grads=True)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.grad_clip or float("inf"))
@@ -145,6 +147,51 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32,
     if after is not None:
         after(model, optimizer)
     return result
+
+
+def pooled_router_loss(logits: list[torch.Tensor], coef: float, top_k: int) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` as it reads (Mixtral, Qwen2-MoE): every MoE layer's gate logits of
+    one forward concatenated, a softmax, the top_k experts of each row one-hot, and num_experts x the sum over
+    experts of (the rows' mean one-hot, summed over the k choices) x (the mean probability), times `coef`."""
+    probs = torch.cat(logits).softmax(dim=-1)
+    num_experts = probs.shape[-1]
+    chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).float()  # (rows, k, E), no gradient
+    tokens_per_expert = chosen.mean(dim=0)  # (k, E)
+    prob_per_expert = probs.mean(dim=0)  # (E,)
+    return coef * num_experts * (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum()
+
+
+class PlainRouterLosses:
+    """The one-process reference's router losses for a model whose MoE layers pool the load-balancing
+    loss (`aux_loss_pooled`), written out plainly rather than through shoal.moe.collect: each layer's
+    gate logits recomputed from its input (x @ W_gate^T in float32), then per forward `pooled_router_loss`
+    over every layer's logits plus each layer's z-loss (z_loss_coef x the mean of logsumexp^2). The parallel
+    runs' collector (pooling over ranks, stages and micro-batches) is held against this."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._logits: list[tuple[Any, torch.Tensor]] = []
+        for module in model.modules():
+            if getattr(module, "aux_loss_pooled", False):
+                module.register_forward_hook(self._called)
+
+    @staticmethod
+    def wanted(model: nn.Module) -> bool:
+        return any(getattr(module, "aux_loss_pooled", False) for module in model.modules())
+
+    def _called(self, module: nn.Module, args: Any, _out: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # an evaluation forward adds no loss
+        x = args[0]
+        gate = module.router.gate.weight  # type: ignore[union-attr]
+        self._logits.append((module, F.linear(x.reshape(-1, x.shape[-1]).float(), gate.float())))
+
+    def take_loss(self) -> torch.Tensor | None:
+        calls, self._logits = self._logits, []
+        if not calls:
+            return None
+        layer = calls[0][0]
+        z = sum(m.z_loss_coef * torch.logsumexp(lg, dim=-1).square().mean() for m, lg in calls)
+        return pooled_router_loss([lg for _, lg in calls], layer.aux_loss_coef, layer.top_k) + z
 
 
 def reference_update(case: ParityCase, grads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
