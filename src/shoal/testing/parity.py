@@ -182,7 +182,7 @@ class PlainRouterLosses:
         if not torch.is_grad_enabled():
             return  # an evaluation forward adds no loss
         x = args[0]
-        gate = module.router.gate.weight  # type: ignore[union-attr]
+        gate: torch.Tensor = module.router.gate.weight  # type: ignore[union-attr,assignment]
         self._logits.append((module, F.linear(x.reshape(-1, x.shape[-1]).float(), gate.float())))
 
     def take_loss(self) -> torch.Tensor | None:
