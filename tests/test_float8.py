@@ -1,6 +1,6 @@
 """Float8 training (the plan option fp8=, shoal/parallel/float8.py): which layers run in float8, its losses
-against bf16's, and every parallel plan's fp8 losses and first gradient norm (GRAD_NORM_REL) against fp8 in
-one process.
+against bf16's, and every parallel plan's fp8 losses, first gradient norm and gradients (GRAD_NORM_REL,
+GRAD_TENSOR_REL) against fp8 in one process.
 
 Tolerances, per step's loss (absolute), from the formats' unit roundoffs: e4m3 keeps 4 significant bits
 (3 stored), U8 = 2^-4; bf16 8 (7 stored), U16 = 2^-8.
@@ -41,6 +41,7 @@ from shoal.plan import Plan
 from shoal.planner import hardware
 from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.estimate import Workload, estimate
+from shoal.testing.asserts import full_tensors
 from shoal.testing.parity import SMALL, ParityCase, case, parallel_setup
 from shoal.train.step import split_micro, train_step
 
@@ -62,17 +63,20 @@ TWO = [case(plan=p, steps=STEPS) for p in (
 
 def train_losses(cases: list[ParityCase]) -> list[dict]:
     """Worker: train each case with train_step; its losses, its first step's gradient norm (global, before
-    clipping), its float8 modules' names, their recipe's weight scaling and whether FSDP2 gathers them in
-    float8."""
+    clipping) and gradients (whole tensors), its float8 modules' names, their recipe's weight scaling and whether
+    FSDP2 gathers them in float8."""
     out = []
     for c in cases:
         runtime, optimizer, batches = parallel_setup(c)
-        steps = [train_step(runtime, optimizer, split_micro(x, y, c.num_micro), grad_clip=c.grad_clip)
-                 for x, y in batches]
+        grads: dict[str, torch.Tensor] = {}
+        seen = lambda rt, into=grads: into.update(full_tensors(rt, grads=True))  # noqa: E731 (the first step's gradients)
+        steps = [train_step(runtime, optimizer, split_micro(x, y, c.num_micro), grad_clip=c.grad_clip,
+                            before_update=seen if i == 0 else None)
+                 for i, (x, y) in enumerate(batches)]
         losses = [s.loss.item() for s in steps]
         float8 = {n.replace("_orig_mod.", ""): m for part in runtime.parts for n, m in part.named_modules()
                   if is_float8(m)}
-        out.append({"losses": losses, "grad_norm": steps[0].grad_norm.item(), "float8": sorted(float8),
+        out.append({"losses": losses, "grad_norm": steps[0].grad_norm.item(), "grads": grads, "float8": sorted(float8),
                     "scaling": {m.config.cast_config_weight.scaling_granularity.value for m in float8.values()},
                     "gather": {m.config.enable_fsdp_float8_all_gather for m in float8.values()}})
     return out
@@ -105,10 +109,24 @@ and the norm errs by no more than its elements' largest relative error: 12.5%. A
 ranks instead of averaged errs by 100%; the losses alone would not show it (clipping and AdamW undo a constant
 scale)."""
 
+GRAD_TENSOR_REL = {"rowwise": GRAD_NORM_REL, "tensorwise": 2 * GRAD_NORM_REL}
+"""Each gradient tensor against one process's, as the l2 norm of the difference relative to the tensor's norm
+(a norm of the tensor's elements' errors, bounded as the global norm's above; an element's own relative error is
+unbounded where its terms cancel). Under tensorwise the products of the backward also round their gradient
+operand to e5m2: one more operand off by the module docstring's 4 U16 per product, twice the bound."""
+
 
 def close_norm(got: dict, want: dict, what: str) -> None:
+    """The first step's gradient norm within GRAD_NORM_REL and every gradient tensor within GRAD_TENSOR_REL."""
     a, b = got["grad_norm"], want["grad_norm"]
     assert abs(a - b) <= GRAD_NORM_REL * b, f"{what}: first gradient norm {a:.6g} against {b:.6g}"
+    rel = GRAD_TENSOR_REL["tensorwise" if "tensorwise" in what else "rowwise"]
+    assert got["grads"] and got["grads"].keys() <= want["grads"].keys(), what  # under pp: the first stage's
+    for name, grad in got["grads"].items():
+        ref = want["grads"][name].float()
+        off = (grad.float() - ref).norm().item()
+        bound = rel * ref.norm().item()
+        assert off <= bound, f"{what}: gradient of {name} off by {off:.3g}, bound {bound:.3g}"
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """Mixed precision: bf16/fp16 compute with fp32 master weights tracks the fp32 run.
 
-Tolerance: the loss of every step within 0.1% of the fp32 reference, and the first step's gradient norm within
-GRAD_NORM_ROUNDINGS roundings of the compute dtype (losses alone cannot see a gradient scaled by a constant:
-AdamW and clipping undo it). bf16 rounds each value to 8
+Tolerance: the loss of every step within 0.1% of the fp32 reference, and the first step's gradient norm and
+every gradient tensor within GRAD_NORM_ROUNDINGS roundings of the compute dtype (losses alone cannot see a
+gradient scaled by a constant: AdamW and clipping undo it). bf16 rounds each value to 8
 significant bits (relative error up to 2^-9 = 0.2%), but matmuls accumulate in fp32 and the loss is
 a mean over 128 positions whose rounding errors mostly cancel; the fp32 master weights keep the
 updates themselves exact, so the curves do not drift apart over a few steps. A difference of exactly
@@ -19,7 +19,7 @@ import torch
 from shoal import rules
 from shoal.parallel.precision import LossScaler, PrecisionPolicy
 from shoal.plan import Plan
-from shoal.testing.asserts import assert_close
+from shoal.testing.asserts import assert_close, full_tensors
 from shoal.testing.parity import SMALL, case, parallel_setup, run_parallel, run_reference
 from shoal.train.step import split_micro, train_step
 
@@ -40,25 +40,40 @@ GRAD_NORM_ROUNDINGS = 8
 roundoff of the compute dtype (2^-8 for bf16, 2^-11 for fp16) or of the reduction's where that is coarser: each
 gradient element passes through a few 16-bit roundings on its way back through the two blocks (the products'
 inputs, weights and results, the cast back to fp32, the reduction) and the norm, a root of a weighted mean of
-squares, errs by no more than its elements' largest relative error; 8 u bounds that path. A gradient summed
-instead of averaged over the 2 ranks errs by 100%."""
+squares, errs by no more than its elements' largest relative error; 8 u bounds that path. Each gradient tensor
+is held to the same 8 u, relative to its largest element (an element's error follows the magnitudes of the
+terms summed into it, which its tensor's largest element bounds, not its own value, which may cancel to
+near 0). A gradient summed instead of averaged over the 2 ranks errs by 100%."""
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], truth: dict[str, torch.Tensor], u: float, what: str) -> None:
+    """Every gradient tensor within GRAD_NORM_ROUNDINGS * u of the reference's, relative to its largest element."""
+    assert got.keys() == truth.keys(), what
+    for name, ref in truth.items():
+        off = (got[name].float() - ref).abs().max().item()
+        bound = GRAD_NORM_ROUNDINGS * u * ref.abs().max().item()
+        assert off <= bound, f"{what}: gradient of {name} off by {off:.3g}, bound {bound:.3g}"
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
 def train_losses(cases):
-    """Worker: train each case with train_step; losses, the first step's gradient norm, and the dtypes the
-    model computed in."""
+    """Worker: train each case with train_step; losses, the first step's gradient norm and gradients, and the
+    dtypes the model computed in."""
     out = []
     for c in cases:
         runtime, optimizer, batches = parallel_setup(c)
-        steps = [train_step(runtime, optimizer, split_micro(x, y, c.num_micro), grad_clip=c.grad_clip)
-                 for x, y in batches]
+        grads: dict[str, torch.Tensor] = {}
+        seen = lambda rt, into=grads: into.update(full_tensors(rt, grads=True))  # noqa: E731 (the first step's gradients)
+        steps = [train_step(runtime, optimizer, split_micro(x, y, c.num_micro), grad_clip=c.grad_clip,
+                            before_update=seen if i == 0 else None)
+                 for i, (x, y) in enumerate(batches)]
         losses = [s.loss.item() for s in steps]
         master = {p.dtype for p in runtime.parameters()}  # between steps: the sharded fp32 master weights
         with torch.no_grad():
             logits_dtype = runtime(c.batches()[0][0][:1]).dtype
         scaler = runtime.loss_scaler
-        out.append({"losses": losses, "grad_norm": steps[0].grad_norm.item(), "logits_dtype": logits_dtype,
+        out.append({"losses": losses, "grad_norm": steps[0].grad_norm.item(), "grads": grads,
+                    "logits_dtype": logits_dtype,
                     "master": master,
                     "scale": scaler.scale_value if scaler is not None else None})
     return out
@@ -77,6 +92,7 @@ def test_mixed_precision_tracks_fp32(pools, c):
         assert rank_result["master"] == {torch.float32}, c.plan  # the optimizer updates fp32 weights
         assert_close(rank_result["grad_norm"], truth["grad_norm"], rtol=GRAD_NORM_ROUNDINGS * u, atol=0,
                      what=f"{c.plan} first gradient norm")
+        assert_grads_close(rank_result["grads"], truth["grads"], u, c.plan)
         assert_close(rank_result["losses"], reference, rtol=1e-3, atol=0, what=f"{c.plan} losses")
         assert rank_result["losses"] != pytest.approx(reference, rel=1e-7), f"{c.plan}: no cast happened"
         if c.plan == "fsdp2,zero=2,precision=fp16":
@@ -103,6 +119,7 @@ def test_one_process_mixed_precision_tracks_fp32(pools):
         reference = truth["losses"]
         assert_close(result["grad_norm"], truth["grad_norm"], rtol=GRAD_NORM_ROUNDINGS * UNIT_ROUNDOFF[compute],
                      atol=0, what=f"{c.plan} first gradient norm")
+        assert_grads_close(result["grads"], truth["grads"], UNIT_ROUNDOFF[compute], c.plan)
         assert_close(result["losses"], reference, rtol=1e-3, atol=0, what=f"{c.plan} losses")
         assert result["losses"] != pytest.approx(reference, rel=1e-7), f"{c.plan}: no cast happened"
     assert results[0][1]["scale"] == 2.0**16
