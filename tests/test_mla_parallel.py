@@ -1,0 +1,43 @@
+"""Multi-head latent attention (shoal.models.mla) under every axis equals the single-process run:
+logits, every gradient, one AdamW step, several steps' losses and the final parameters
+(shoal.testing.parity.check_parity, whose tolerances follow from the arithmetic: each axis changes
+only the order of floating-point sums, so the parallel run is as far from the float64 truth as the
+single float32 process is).
+
+Under tp the heads split (wq_b, wkv_b by columns, wo by rows) and the down-projections, their norms
+and the shared rotary key run whole on every rank; the rotary key's gradient is a partial sum over
+the ranks' heads (SharedKeyParallel), which a missing reduction leaves at 1/t of its value. Under cp
+the keys, rotary part included, travel the ring beside values of another width, at the YaRN-corrected
+softmax scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.models import ModelConfig
+from shoal.testing.parity import case, check_parity, run_parallel
+
+MLA = ModelConfig(num_layers=2, dim=64, num_heads=4, ffn_dim=96, vocab_size=128, max_seq_len=32, rope_theta=500.0,
+                  kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+                  rope_type="yarn", rope_factor=4.0, rope_original_max_len=8, mscale_all_dim=0.7)
+"""A tiny DeepSeek-V3-shaped attention: low-rank queries, values narrower than query/key heads, YaRN with
+the softmax-scale correction."""
+PLAIN_Q = MLA.replace(q_lora_rank=0, v_head_dim=20)
+"""One query projection; values as wide as the query/key heads (the ring's fused kernels)."""
+
+
+@pytest.mark.parametrize("world, plan, model", [
+    (2, "tp2", MLA),
+    (2, "tp2,sp=off", MLA),
+    (2, "tp2", PLAIN_Q),
+    (2, "cp2", MLA),
+    (2, "cp2", PLAIN_Q),
+    (2, "cp2,cp_mode=a2a", MLA),
+    (2, "fsdp2", MLA),
+    (2, "pp2,mb=2", MLA),
+    (4, "fsdp2,tp2", MLA),
+], ids=["tp2", "tp2-nosp", "tp2-plain-q", "cp2", "cp2-plain-q", "cp2-a2a", "fsdp2", "pp2", "fsdp2-tp2"])
+def test_latent_attention_matches_single_process(pools, world, plan, model):
+    c = case(plan=plan, model=model, seq_len=16, num_micro=2 if plan.startswith("pp") else 1)
+    check_parity(pools(world).run(run_parallel, c), c)
