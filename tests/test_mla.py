@@ -149,3 +149,43 @@ def test_num_params_counts_the_module(q_lora_rank):
 ])
 def test_bad_latent_fields_are_refused_in_one_line(fields, named):
     assert named in one_line_error(lambda: ModelConfig(**fields))
+
+
+def test_planner_prices_latent_attention_by_hand():
+    """Hand-computed for MLA's tiny shape: D 64, H 4, q rank 24, kv rank 16, R 8, N 12, V 10 (C = 20)."""
+    from shoal.planner import compute, memory
+
+    cfg = ModelConfig(**MLA)
+    # 2 per weight: wq_a 64x24, wq_b 24x80, wkv_a 64x16, wkv_b 16x88, wk_rope 64x8, wo 40x64
+    assert compute.attention_matmul_flops(cfg) == 2 * (1536 + 1920 + 1024 + 1408 + 512 + 2560)
+    # QK^T 2 C and AV 2 V per key and head: 16 keys, 4 heads
+    assert compute.attention_core_flops(cfg, 16, causal_skip=False) == 2 * 16 * 4 * (20 + 10)
+    assert compute.qkv_widths(cfg) == (80, 80, 40)
+    # per head: q_b's output, q and k concatenated (C each), wkv_b's output (N + V), output and V (2 V); one lse
+    assert memory.attention_kept_elements(cfg) == 4 * (3 * 20 + 12 + 2 * 10) + 4
+    # each latent: its projection's output, normalised, the norm's output, 1 / RMS; the rotary key
+    assert memory.latent_kept_elements(cfg) == (3 * 24 + 1) + (3 * 16 + 1) + 8
+
+
+def test_deepseek_v3_attention_parameters():
+    """DeepSeek-V3's attention (D 7168, 128 heads, q rank 1536, kv rank 512, R 64, N 128, V 128), by hand."""
+    cfg = ModelConfig(num_layers=1, dim=7168, num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                      qk_nope_head_dim=128, v_head_dim=128, ffn_dim=18432, vocab_size=129280)
+    by_hand = (7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 512 + 512 + 512 * 128 * 256 + 7168 * 64
+               + 128 * 128 * 7168)
+    assert cfg.latent_attention_params() == by_hand == 187_107_328
+
+
+@pytest.mark.parametrize("plan", ["tp2", "tp4,sp=off", "cp2"])
+def test_plans_of_a_latent_attention_model_are_priced(plan):
+    """The estimate prices MLA under tp and cp (the products' shapes, the ring's keys and values of two widths)."""
+    from shoal import rules
+    from shoal.plan import Plan
+    from shoal.planner.cluster_file import parse_cluster
+    from shoal.planner.estimate import Workload, estimate
+
+    cfg = ModelConfig(**{**MLA, "num_layers": 4, "max_seq_len": 256})
+    world = Plan.parse(plan).tp * Plan.parse(plan).cp
+    resolved = rules.resolve(Plan.parse(plan), world_size=world, model=cfg, global_batch=8, seq_len=128)
+    result = estimate(resolved, Workload(model=cfg, global_batch=8, seq_len=128), parse_cluster(f"{world}xA100-80GB"))
+    assert result.step_time_s > 0 and result.mem_per_device_bytes > 0 and result.fits

@@ -195,7 +195,8 @@ class _Ring(torch.autograd.Function):
             if kv_pending is not None:
                 kv = kv_pending()
         assert held is not None
-        dk, dv = _parted(held(), k)
+        dkv = held()
+        dk, dv = dkv if dkv.dim() > k.dim() else _parted(dkv, k)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
