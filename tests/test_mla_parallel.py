@@ -41,3 +41,35 @@ PLAIN_Q = MLA.replace(q_lora_rank=0, v_head_dim=20)
 def test_latent_attention_matches_single_process(pools, world, plan, model):
     c = case(plan=plan, model=model, seq_len=16, num_micro=2 if plan.startswith("pp") else 1)
     check_parity(pools(world).run(run_parallel, c), c)
+
+
+EQUAL_WIDTHS = MLA.replace(v_head_dim=20, rope_type="default", rope_factor=1.0, mscale_all_dim=0.0)
+"""Values as wide as the query/key heads: CPU's fused kernel takes them (values of another width go to SDPA's math
+path, which keeps the scores: memory.attention_kept_elements)."""
+
+
+@pytest.mark.parametrize(("plan", "world"), [("dp1", 1), ("tp2", 2), ("tp2,sp=off", 2)])
+def test_latent_attention_activation_count(pools, plan, world):
+    """memory.activation_elements of latent attention, recounted: what autograd saves on a rank in one forward
+    of a 4-block model less a 2-block one, per block and token (the latents' 3 r + 1 on every tp rank, the heads'
+    tensors split). Exact: whole elements of whole tensors."""
+    from shoal import rules
+    from shoal.plan import Plan
+    from shoal.planner import memory
+
+    sizes = [pools(world).run(_saved_per_token, plan, layers) for layers in (2, 4)]
+    resolved = rules.resolve(Plan.parse(plan), world_size=world)
+    per_block = (sizes[1][0] - sizes[0][0]) / 2
+    assert per_block == memory.activation_elements(EQUAL_WIDTHS, 0, seq_len=16, tp=resolved.tp,
+                                                   sp=bool(resolved.sp), ac="none", fused_attention=True)
+
+
+def _saved_per_token(plan: str, num_layers: int) -> float:
+    from shoal.calibration.saved import saved_activation_elements
+    from shoal.testing.parity import parallel_setup
+
+    runtime, _, batches = parallel_setup(case(plan=plan, model=EQUAL_WIDTHS.replace(num_layers=num_layers),
+                                              global_batch=2, seq_len=16, steps=1))
+    inputs, _ = batches[0]
+    (model,) = runtime.parts
+    return saved_activation_elements(model, inputs) / inputs.numel()

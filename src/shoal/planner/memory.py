@@ -163,13 +163,15 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
 def attention_kept_elements(cfg: ModelConfig) -> float:
     """What attention keeps per token before tp splits its heads: q, k, v and the output (H E each)
     and the kernel's log-sum-exp (H), with qk_norm's per-head norms. Latent attention
-    (shoal.models.mla) keeps its query's up-projection output (H C, the input of RoPE and of the
-    concatenation), the concatenated q and k (H C each), wkv_b's output (H (N + V): the key parts and
-    the values are views of it), the output (H V) and the log-sum-exp."""
+    (shoal.models.mla) keeps the concatenated q and k (H C each), wkv_b's output (H (N + V): the
+    values the kernel keeps are a view of it), the kernel's output and its copy in (B, T, H V) for wo
+    (H V each) and the log-sum-exp (RoPE keeps nothing: its tables are buffers). A kernel that takes
+    one head width only (torch's flash kernels) leaves values of another width to SDPA's math path,
+    which keeps the scores instead (unfused attention: activation_elements' `scores`)."""
     H = cfg.num_heads
     if cfg.latent_attention:
         C, N, V = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-        return H * (3 * C + N + 2 * V) + H
+        return H * (2 * C + N + 2 * V) + H
     return 4 * H * cfg.head_dim + H + qk_norm_elements(cfg)
 
 
@@ -177,11 +179,10 @@ def latent_kept_elements(cfg: ModelConfig) -> float:
     """What latent attention's low-rank path keeps per token on every tensor-parallel rank (it runs
     whole on each, shoal.models.adapter): each latent's down-projection output, its RMSNorm's
     normalised input and output (the up-projection's input) and reciprocal RMS (3 r + 1 for a
-    latent of rank r), and the rotary key before RoPE (its shared R); 0 without latent attention."""
+    latent of rank r); 0 without latent attention."""
     if not cfg.latent_attention:
         return 0.0
-    latents = [r for r in (cfg.q_lora_rank, cfg.kv_lora_rank) if r]
-    return sum(3 * r + 1 for r in latents) + cfg.qk_rope_head_dim
+    return sum(3 * r + 1 for r in (cfg.q_lora_rank, cfg.kv_lora_rank) if r)
 
 
 def compiled_recomputed_elements(cfg: ModelConfig, index: int, *, tp: int, sp: bool) -> float:
