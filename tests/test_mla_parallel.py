@@ -37,7 +37,10 @@ PLAIN_Q = MLA.replace(q_lora_rank=0, v_head_dim=20)
     (2, "fsdp2", MLA),
     (2, "pp2,mb=2", MLA),
     (4, "fsdp2,tp2", MLA),
-], ids=["tp2", "tp2-nosp", "tp2-plain-q", "cp2", "cp2-plain-q", "cp2-a2a", "fsdp2", "pp2", "fsdp2-tp2"])
+    (4, "tp2,cp2", MLA),
+    (2, "dp2,ac=selective", MLA),
+], ids=["tp2", "tp2-nosp", "tp2-plain-q", "cp2", "cp2-plain-q", "cp2-a2a", "fsdp2", "pp2", "fsdp2-tp2", "tp2-cp2",
+        "dp2-selective"])
 def test_latent_attention_matches_single_process(pools, world, plan, model):
     c = case(plan=plan, model=model, seq_len=16, num_micro=2 if plan.startswith("pp") else 1)
     check_parity(pools(world).run(run_parallel, c), c)
@@ -73,3 +76,32 @@ def _saved_per_token(plan: str, num_layers: int) -> float:
     inputs, _ = batches[0]
     (model,) = runtime.parts
     return saved_activation_elements(model, inputs) / inputs.numel()
+
+
+@pytest.mark.parametrize(("plan", "world"), [("dp1", 1), ("tp2", 2), ("tp2,sp=off", 2)])
+def test_latent_attention_selective_recompute_count(pools, plan, world):
+    """memory.activation_elements of latent attention under ac=selective (the weight products', the attention
+    kernel's and the reductions' outputs kept), recounted as the storages a forward leaves alive, 4 blocks less
+    2, per block and token (recompute.kept_activation_bytes). Exact: whole elements of whole float32 tensors."""
+    from shoal import rules
+    from shoal.plan import Plan
+    from shoal.planner import memory
+
+    sizes = [pools(world).run(_kept_per_token, f"{plan},ac=selective", layers) for layers in (2, 4)]
+    resolved = rules.resolve(Plan.parse(f"{plan},ac=selective"), world_size=world)
+    assert (sizes[1][0] - sizes[0][0]) / 2 == memory.activation_elements(
+        EQUAL_WIDTHS, 0, seq_len=16, tp=resolved.tp, sp=bool(resolved.sp), ac="selective", fused_attention=True,
+        on_cpu=True, element_bytes=4)
+
+
+def _kept_per_token(plan: str, num_layers: int) -> float:
+    from shoal.parallel.recompute import kept_activation_bytes
+    from shoal.testing.parity import parallel_setup
+
+    runtime, _, batches = parallel_setup(case(plan=plan, model=EQUAL_WIDTHS.replace(num_layers=num_layers),
+                                              global_batch=2, seq_len=16, steps=1))
+    inputs, _ = batches[0]
+    (part,) = runtime.parts
+    kept, out = kept_activation_bytes(lambda: part(inputs))  # the output held: the graph lives as long as it
+    del out
+    return kept / 4 / inputs.numel()  # float32 elements
