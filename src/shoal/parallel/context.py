@@ -152,7 +152,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     assert not dropout_p, f"attention dropout {dropout_p} under context parallelism"
     if split.cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    return _Ring.apply(q, k, v, split, causal, q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    width = v.shape[-1]
+    if width != q.shape[-1]:
+        # Values and heads of two widths (latent attention): zero columns make the narrower as wide as the other,
+        # so that the fused kernels, which take one width, run the blocks. Zeros add nothing to a score or an
+        # output column; the output's extra columns are zeros, cut off here.
+        E = max(width, q.shape[-1])
+        q, k, v = (F.pad(t, (0, E - t.shape[-1])) for t in (q, k, v))
+        return _Ring.apply(q, k, v, split, causal, scale)[..., :width]
+    return _Ring.apply(q, k, v, split, causal, scale)
 
 
 class _Ring(torch.autograd.Function):
@@ -160,11 +169,11 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, split: ContextSplit, causal: bool, scale: float):
         mine = chunks_of(split.rank, split.cp, balanced=split.balanced)
         out = lse = None
-        kv = _join(k, v)  # one buffer travels the ring (latent attention's rotary keys inside k)
+        kv = torch.stack((k, v))  # one buffer travels the ring (latent attention's rotary keys inside k)
         for step in range(split.cp):
             pending = _pass_on(kv, split) if step < split.cp - 1 else None  # overlaps the blocks below
             theirs = chunks_of((split.rank - step) % split.cp, split.cp, balanced=split.balanced)
-            out, lse = attend_blocks(q, *_parted(kv, k), mine, theirs, out, lse, causal=causal, scale=scale)
+            out, lse = attend_blocks(q, kv[0], kv[1], mine, theirs, out, lse, causal=causal, scale=scale)
             if pending is not None:
                 kv = pending()
         assert out is not None and lse is not None
@@ -183,33 +192,20 @@ class _Ring(torch.autograd.Function):
         # gradients are computed. The fp32 gradient accumulator of the block held travels one step
         # behind: it arrives from the previous rank (its share added) while this rank computes its
         # own share, is added to, and sent on; after P steps one more pass brings it home.
-        kv = _join(k, v)
+        kv = torch.stack((k, v))
         held = None
         for step in range(split.cp):
             kv_pending = _pass_on(kv, split) if step < split.cp - 1 else None
             theirs = chunks_of((split.rank - step) % split.cp, split.cp, balanced=split.balanced)
-            parts = block_grads(grad_out, q, *_parted(kv, k), out, lse, mine, theirs, causal=causal, scale=scale)
+            parts = block_grads(grad_out, q, kv[0], kv[1], out, lse, mine, theirs, causal=causal, scale=scale)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device) if held is None else held()
-            add_grads(parts, dq, *_parted(dkv, k))
+            add_grads(parts, dq, dkv[0], dkv[1])
             held = _pass_on(dkv, split)
             if kv_pending is not None:
                 kv = kv_pending()
         assert held is not None
-        dkv = held()
-        dk, dv = dkv if dkv.dim() > k.dim() else _parted(dkv, k)
+        dk, dv = held()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def _join(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Keys and values as one buffer: stacked, or side by side on the features where their widths differ."""
-    return torch.stack((k, v)) if k.shape == v.shape else torch.cat((k, v), dim=-1)
-
-
-def _parted(kv: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (keys, values) views of a `_join`ed buffer (or of one of its shape), keys shaped like `k`."""
-    if kv.dim() > k.dim():
-        return kv[0], kv[1]
-    return kv[..., :k.shape[-1]], kv[..., k.shape[-1]:]
 
 
 Part = tuple[slice, slice, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -292,9 +288,8 @@ def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> 
     """Which kernel a block runs: "cpu" (torch's CPU flash kernel), "flash" or "efficient" (torch's CUDA
     kernels, in SDPA's order of preference, where they take the shape and dtype), else "plain" (the
     formulas, C x C scores). cuDNN's kernel is not asked: the layout of the log-sum-exp its
-    backward takes has changed between torch versions. Values of another width than the queries
-    (latent attention) take the formulas: the fused kernels take one head width."""
-    if not FUSED or v.shape[-1] != q.shape[-1]:
+    backward takes has changed between torch versions."""
+    if not FUSED:
         return "plain"
     if q.device.type == "cpu":
         return "cpu"

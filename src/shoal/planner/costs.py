@@ -272,6 +272,8 @@ class Costs:
         if cp == 1:
             return 0.0
         _, k, v = compute.qkv_widths(self.cfg)
+        if self.cfg.latent_attention:  # keys and values of two widths travel padded to the wider (ring_attention)
+            k = v = max(k, v)
         kv = self.tokens * (k + v) / self.plan.tp
         hop = self.net.time("ring", cp, kv * self.bytes, stride=self.stride["cp"])
         hop_fp32 = self.net.time("ring", cp, kv * 4, stride=self.stride["cp"])
