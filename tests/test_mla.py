@@ -197,3 +197,20 @@ def test_export_of_a_latent_attention_model_is_refused_in_one_line():
     from shoal.models.hf.families import hf_family
 
     assert "kv_lora_rank=16" in one_line_error(hf_family, ModelConfig(**MLA))
+
+
+def test_document_masks_keep_latent_attention_inside_each_document():
+    """With --doc-mask each document of a packed sequence is its own: its logits equal the model's on that
+    document alone (positions restarting, the YaRN-corrected softmax scale on the masked kernel too).
+    Tolerance: the same products, masked kernel against causal SDPA: 1e-5 as above."""
+    cfg = ModelConfig(**{**MLA, "rope_type": "yarn", "rope_factor": 4.0, "rope_original_max_len": 8,
+                         "mscale_all_dim": 0.7, "doc_eos_id": 0})
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    first, second = torch.randint(1, 256, (1, 9)), torch.randint(1, 256, (1, 7))
+    first[0, -1] = 0  # the first document ends with the EOS id
+    alone = Transformer(cfg.replace(doc_eos_id=-1)).eval()  # the same weights without document masks
+    alone.load_state_dict(model.state_dict())
+    packed = model(torch.cat((first, second), dim=1))
+    torch.testing.assert_close(packed[:, :9], alone(first), **TOL)
+    torch.testing.assert_close(packed[:, 9:], alone(second), **TOL)
