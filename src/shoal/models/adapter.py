@@ -38,7 +38,7 @@ FAMILY_AXES = ("tp", "pp", "cp", "ep")
 """The axes that need a family's knowledge (dp and fsdp need none: every module takes them)."""
 
 TP_STYLES = ("embedding", "vocab_embedding", "positions", "residual_norm", "attention_input", "ffn_input", "colwise",
-             "rowwise", "head_norm", "vocab_head")
+             "rowwise", "head_norm", "vocab_head", "replicate", "shared_key")
 """The names a tensor-parallel plan gives its modules; shoal.parallel.tensor turns each into a style:
 - embedding: a lookup table split by columns (each rank 1/t of every row's features);
 - vocab_embedding: one split by rows, vocabulary-parallel (tied to the classifier, which shards so);
@@ -49,7 +49,11 @@ TP_STYLES = ("embedding", "vocab_embedding", "positions", "residual_norm", "atte
 - colwise, rowwise: the first and second projection of a sublayer (rowwise hands its sum back in
   the residual stream's layout);
 - head_norm: a norm over each attention head's features, on this rank's heads (Qwen3's q/k norms);
-- vocab_head: the classifier, its logits left sharded on the vocabulary.
+- vocab_head: the classifier, its logits left sharded on the vocabulary;
+- replicate: a module every rank runs whole on the sublayer's gathered input (latent attention's
+  down-projections and their norms), its output's gradient whole on every rank;
+- shared_key: a projection every rank runs whole whose output every head uses (latent attention's
+  rotary key): its output's gradient, taken on this rank's heads only, is a partial sum over ranks.
 A block's MoE slot holding a Mixture-of-Experts layer takes the style "moe" instead of its dense
 MLP's styles (the parallel layer finds which blocks do, from `moe_slots`)."""
 
@@ -139,9 +143,11 @@ def _transformer_tp_plan(model: Any) -> dict[str, str]:
     plan.update({
         "layers.*.attention_norm": "residual_norm",
         "layers.*.attention": "attention_input",
-        "layers.*.attention.wq": "colwise",
-        "layers.*.attention.wk": "colwise",
-        "layers.*.attention.wv": "colwise",
+        **(_latent_attention_tp_plan(model.config) if model.config.latent_attention else {
+            "layers.*.attention.wq": "colwise",
+            "layers.*.attention.wk": "colwise",
+            "layers.*.attention.wv": "colwise",
+        }),
         "layers.*.attention.wo": "rowwise",
         "layers.*.ffn_norm": "residual_norm",
         "layers.*.feed_forward": "ffn_input",
@@ -149,7 +155,7 @@ def _transformer_tp_plan(model: Any) -> dict[str, str]:
         "layers.*.feed_forward.w2": "rowwise",
     })
     blocks = list(model.layers.values())
-    if any(block.attention.q_norm is not None for block in blocks):
+    if any(getattr(block.attention, "q_norm", None) is not None for block in blocks):
         plan["layers.*.attention.q_norm"] = "head_norm"  # Qwen3's per-head norms
         plan["layers.*.attention.k_norm"] = "head_norm"
     if any(getattr(block.feed_forward, "w3", None) is not None for block in blocks):  # an MoE slot has none
@@ -159,6 +165,16 @@ def _transformer_tp_plan(model: Any) -> dict[str, str]:
     if output is not None:
         plan["output"] = "vocab_head"
     return plan
+
+
+def _latent_attention_tp_plan(cfg: ModelConfig) -> dict[str, str]:
+    """Latent attention (shoal.models.mla) split by heads: the query and key/value up-projections
+    column-parallel, the down-projections and their norms replicated on the gathered input, the
+    shared rotary key replicated with its gradient summed over the ranks' heads."""
+    queries = {"layers.*.attention.wq_a": "replicate", "layers.*.attention.q_a_norm": "replicate",
+               "layers.*.attention.wq_b": "colwise"} if cfg.q_lora_rank else {"layers.*.attention.wq": "colwise"}
+    return {**queries, "layers.*.attention.wkv_a": "replicate", "layers.*.attention.kv_a_norm": "replicate",
+            "layers.*.attention.wkv_b": "colwise", "layers.*.attention.wk_rope": "shared_key"}
 
 
 TRANSFORMER = ModelAdapter(

@@ -68,6 +68,25 @@ class ModelConfig:
     sliding_window: int = 0
     """Each token attends to itself and the sliding_window - 1 tokens before it (Mistral); 0: the
     whole causal prefix."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434, and V3) when > 0: keys and values
+    come from a latent of this rank (wkv_a, its RMSNorm kv_a_norm, then wkv_b up to every head's
+    qk_nope_head_dim key and v_head_dim value features), beside one rotary key of qk_rope_head_dim
+    shared by all heads (wk_rope); 0: plain multi-head attention (wq, wk, wv). shoal.models.mla."""
+    q_lora_rank: int = 0
+    """MLA: the rank of the queries' low-rank projection (wq_a, its RMSNorm q_a_norm, wq_b); 0: one
+    projection wq."""
+    qk_rope_head_dim: int = 0
+    """MLA: the rotary part of each query and key head (even, > 0 with MLA); the rotary tables span it."""
+    qk_nope_head_dim: int = 0
+    """MLA: the part of each query and key head without positions; a query/key head is
+    qk_nope_head_dim + qk_rope_head_dim wide."""
+    v_head_dim: int = 0
+    """MLA: the width of each value head (> 0 with MLA), which may differ from the query/key head's."""
+    mscale_all_dim: float = 0.0
+    """MLA with a scaled rope_type and rope_factor > 1: the softmax scale 1/sqrt(query/key head width)
+    is multiplied by (0.1 mscale_all_dim ln(rope_factor) + 1)^2 (DeepSeek's YaRN correction, as
+    transformers' yarn_apply_mscale); 0: no correction."""
     norm_eps: float = 1e-5
     dropout: float = 0.0
     init_std: float = 0.02
@@ -147,8 +166,9 @@ class ModelConfig:
             valid = ", ".join(str(d) for d in range(1, self.num_heads + 1) if self.num_heads % d == 0)
             raise ValueError(f"num_kv_heads={self.kv_heads} does not divide num_heads={self.num_heads}; valid: "
                              f"num_kv_heads in {valid}")
-        if self.pos_emb == "rope" and self.head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head dim; got {self.head_dim}")
+        self._check_latent_attention()
+        if self.pos_emb == "rope" and self.rope_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dim; got {self.rope_dim}")
         if self.num_experts < 0:
             raise ValueError(f"model field num_experts={self.num_experts} must be >= 0 (0 makes every layer dense)")
         if self.num_experts and self.moe_every > self.num_layers:
@@ -176,6 +196,49 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.num_heads
 
+    def _check_latent_attention(self) -> None:
+        names = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                 "mscale_all_dim")
+        for name in names:
+            if getattr(self, name) < 0:
+                raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
+        if not self.kv_lora_rank:
+            for name in names[1:]:
+                if getattr(self, name):
+                    raise ValueError(f"model field {name}={getattr(self, name)} is a latent-attention field; "
+                                     "valid: 0, or kv_lora_rank > 0 (multi-head latent attention)")
+            return
+        if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2 or self.v_head_dim < 1:
+            raise ValueError(f"latent attention needs qk_rope_head_dim even and > 0 and v_head_dim > 0; got "
+                             f"qk_rope_head_dim={self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}")
+        clashes = {"pos_emb": self.pos_emb != "rope", "num_kv_heads": self.kv_heads != self.num_heads,
+                   "bias": self.bias, "qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm,
+                   "head_size": bool(self.head_size)}
+        for name, clash in clashes.items():
+            if clash:
+                raise ValueError(f"model field {name}={getattr(self, name)!r} does not go with latent attention "
+                                 f"(kv_lora_rank={self.kv_lora_rank}); valid: its default, or kv_lora_rank=0")
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention is multi-head latent attention (kv_lora_rank > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of each query and key head."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.latent_attention else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """The width of each value head (and of each head's attention output)."""
+        return self.v_head_dim if self.latent_attention else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The features of each query and key head the rotary embedding turns."""
+        return self.qk_rope_head_dim if self.latent_attention else self.head_dim
+
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
@@ -200,6 +263,8 @@ class ModelConfig:
             attn += D
         if self.qk_norm:
             norms += 2 * self.head_dim
+        if self.latent_attention:
+            attn = self.latent_attention_params()
         num_moe = sum(self.is_moe_layer(i) for i in range(L))
         experts = self.top_k if active else self.num_experts
         shared = self.num_shared_experts * mlp_of(self.shared_ffn_dim or F) + (D if self.shared_gate else 0)
@@ -212,11 +277,20 @@ class ModelConfig:
             total += self.max_seq_len * D if self.pos_emb == "learned" else 0
         return total
 
+    def latent_attention_params(self) -> int:
+        """One latent attention's parameters: queries (wq, or wq_a, q_a_norm, wq_b), the latent (wkv_a,
+        kv_a_norm, wkv_b), the shared rotary key (wk_rope) and the output (wo)."""
+        D, H, Q, L = self.dim, self.num_heads, self.q_lora_rank, self.kv_lora_rank
+        C, N, R, V = self.qk_head_dim, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        queries = D * Q + Q + Q * H * C if Q else D * H * C
+        return queries + D * L + L + L * H * (N + V) + D * R + H * V * D
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N + 12 L H E T, N the active non-embedding parameters
-        plus the output projection (PaLM, Chowdhery et al. 2022, appendix B)."""
+        plus the output projection (PaLM, Chowdhery et al. 2022, appendix B); E the mean of the
+        query/key and value head widths where they differ (latent attention: 6 L H (C + V) T)."""
         n = self.num_params(embedding=False, active=True) + self.vocab_size * self.dim
-        return 6 * n + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6 * n + 6 * self.num_layers * self.num_heads * (self.qk_head_dim + self.value_head_dim) * seq_len
 
     def replace(self, **overrides: object) -> ModelConfig:
         return dataclasses.replace(self, **overrides)  # type: ignore[arg-type]  # replace checks the field names

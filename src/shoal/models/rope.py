@@ -27,14 +27,14 @@ from shoal.models.config import ModelConfig
 
 
 def _default(cfg: ModelConfig, base: float | None = None) -> torch.Tensor:
-    dim = cfg.head_dim
+    dim = cfg.rope_dim
     return 1.0 / ((base or cfg.rope_theta) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
 
 def _dynamic_base(cfg: ModelConfig) -> float:
     """dynamic's base at seq_len = max_seq_len: theta times a factor that is 1 up to float64 rounding
     (kept, so the table is the same numbers as transformers')."""
-    factor, dim = cfg.rope_factor, cfg.head_dim
+    factor, dim = cfg.rope_factor, cfg.rope_dim
     return cfg.rope_theta * ((factor * cfg.max_seq_len / cfg.max_seq_len) - (factor - 1)) ** (dim / (dim - 2))
 
 
@@ -50,7 +50,7 @@ def _llama3(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
 
 
 def _yarn(cfg: ModelConfig) -> torch.Tensor:
-    dim, base, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_factor
+    dim, base, factor = cfg.rope_dim, cfg.rope_theta, cfg.rope_factor
     old_len = cfg.rope_original_max_len or cfg.max_seq_len
 
     def dimension_at(rotations: float) -> float:  # the dimension that turns `rotations` times in old_len

@@ -32,7 +32,9 @@ import fnmatch
 import json
 import math
 import os
+import re
 import struct
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,8 +43,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from shoal.models import fp8_blocks
 from shoal.models.adapter import adapter_of_config
-from shoal.models.config import ModelConfig
+from shoal.models.config import ModelConfig, ModelWarning
+from shoal.models.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, DequantizedView
 from shoal.models.hf.common import Box, OpenKey, SliceLayout, read_box
 from shoal.models.transformer import Transformer
 
@@ -78,8 +82,10 @@ class Pretrained:
 
     def __init__(self, path: Path, cfg: ModelConfig, layout: SliceLayout, files: dict[str, Path],
                  headers: dict[str, tuple[str, tuple[int, ...]]], skipped: set[str],
-                 dropped: Sequence[str] = ()) -> None:
+                 dropped: Sequence[str] = (), block: fp8_blocks.Block | None = None) -> None:
         self.path, self.cfg, self.layout = path, cfg, layout
+        self.block = block
+        """The block of the file's fp8 weights (shoal.models.fp8_blocks), read as float32 values; None: none."""
         self.dropped = tuple(dropped)
         """File keys the model has no use for that `ignore` let pass: never read."""
         self.files = files
@@ -98,7 +104,12 @@ class Pretrained:
             return None
         return self.layout.read_slice(self.cfg, name, shape, box, self._open)
 
-    def _open(self, key: str) -> _Counted:
+    def _open(self, key: str) -> _Counted | DequantizedView:
+        if self.block is not None and self.headers[key][0] in FP8_DTYPES:
+            return DequantizedView(self._view(key), self._view(key + SCALE_SUFFIX), self.block)
+        return self._view(key)
+
+    def _view(self, key: str) -> _Counted:
         file = self.files[key]
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
@@ -114,9 +125,11 @@ class Pretrained:
 
     def describe(self, param_dtype: torch.dtype) -> str:
         """One line for the log: what is read from where, and the cast."""
-        dtypes = [str(FLOAT_DTYPES[d]).removeprefix("torch.") for d in self.file_dtypes()]
+        dtypes = [str(FLOAT_DTYPES.get(d) or FP8_DTYPES[d]).removeprefix("torch.") for d in self.file_dtypes()]
         target = str(param_dtype).removeprefix("torch.")
         cast = "no cast" if dtypes == [target] else f"cast to {target} parameters"
+        if self.block is not None:
+            cast = f"fp8 weights times their {self.block[0]}x{self.block[1]} block multipliers, {cast}"
         line = f"init: weights from {self.path} ({self.layout.name} names, {'/'.join(dtypes)} in the file, {cast})"
         if self.skipped:
             names = sorted(self.skipped)
@@ -160,6 +173,7 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
         for key, entry in _read_header(file).items():
             headers[key], key_files[key] = entry, file
     _check_index(path, key_files)
+    block = _fp8_block(path, headers)
     layouts = adapter_of_config(cfg).weight_map().SLICE_LAYOUTS
     layout = next((lay for lay in layouts if lay.marker in headers), SHOAL)
     experts = any(".experts." in key for key in headers)
@@ -195,7 +209,9 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
                 raise WeightsMismatch(f"--init {path}: tensor {key} in {key_files[key].name} has shape "
                                       f"{tuple(found)}, the model expects {tuple(want)} (for {name}); is --model the "
                                       "same model?")
-            if dtype not in FLOAT_DTYPES:
+            if dtype in FP8_DTYPES and block is not None:
+                used.add(key + SCALE_SUFFIX)
+            elif dtype not in FLOAT_DTYPES:
                 raise ValueError(f"--init {path}: tensor {key} in {key_files[key].name} is {dtype}, which the run "
                                  f"cannot take as a weight; valid: {', '.join(FLOAT_DTYPES)}")
     for pattern in patterns:  # a pattern that matches nothing is a typo, not a no-op
@@ -204,15 +220,48 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
                              f"a glob over the model's names ({', '.join(list(shapes)[:2])}, ...) or the file's "
                              f"({', '.join(list(headers)[:2])}, ...)")
     extra = [k for k in headers if k not in used and not layout.optional(cfg, k)]
-    unexpected = sorted(k for k in extra if not _matches(patterns, k))
-    dropped = sorted(k for k in extra if _matches(patterns, k))
+    mtp = _mtp_keys(path, extra, cfg) if layout is not SHOAL else []
+    unexpected = sorted(k for k in extra if not _matches(patterns, k) and k not in mtp)
+    dropped = sorted(k for k in extra if _matches(patterns, k) or k in mtp)
     if missing or unexpected:
         parts = ([f"missing {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])})"] if missing else []) \
             + ([f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])})"] if unexpected else [])
         raise WeightsMismatch(f"--init {path} ({layout.name} names) does not fit the model: {'; '.join(parts)}; "
                               "--init-ignore PATTERN skips tensors by name (glob)")
     read = {k: v for k, v in headers.items() if k in used and k in key_files}
-    return Pretrained(path, cfg, layout, {k: key_files[k] for k in read}, read, skipped, dropped)
+    return Pretrained(path, cfg, layout, {k: key_files[k] for k in read}, read, skipped, dropped, block)
+
+
+def _fp8_block(path: Path, headers: dict[str, tuple[str, tuple[int, ...]]]) -> fp8_blocks.Block | None:
+    """The block of the files' fp8 weights, each checked to have its multipliers (shoal.models.fp8_blocks);
+    None when the files hold no fp8 tensor."""
+    quantized = [k for k, (dtype, _) in headers.items() if dtype in FP8_DTYPES]
+    if not quantized:
+        return None
+    block = fp8_blocks.block_size(path, f"--init {path}")
+    for key in quantized:
+        fp8_blocks.check_scales(f"--init {path}", key, headers[key][1], headers.get(key + SCALE_SUFFIX), block)
+    return block
+
+
+def _mtp_keys(path: Path, keys: list[str], cfg: ModelConfig) -> list[str]:
+    """Of `keys`, those of the multi-token-prediction layers a config.json beside the weights declares
+    (num_nextn_predict_layers, DeepSeek-V3's: model.layers.{num_layers} and above), which transformers
+    does not load either: left unread, with a one-line warning."""
+    folder = path if path.is_dir() else path.parent
+    try:
+        declared = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("num_nextn_predict_layers")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(declared, int) or declared < 1:
+        return []
+    pattern = re.compile(r"model\.layers\.(\d+)\.")
+    mtp = [k for k in keys if (m := pattern.match(k)) and int(m.group(1)) >= cfg.num_layers]
+    if mtp:
+        warnings.warn(ModelWarning(f"--init {path} holds {len(mtp)} tensors of {declared} multi-token-prediction "
+                                   f"layer(s) (model.layers.{cfg.num_layers} and above); shoal does not train them "
+                                   "and leaves them unread, as transformers does"), stacklevel=3)
+    return mtp
 
 
 def _matches(patterns: Sequence[str], *names: str) -> bool:
@@ -309,12 +358,20 @@ def load_hf_state(folder: Path | str) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
             state.update(load_file(str(folder / shard)))
-        return state
+        return _dequantized(state, folder)
     single = folder / "model.safetensors"
     if not single.is_file():
         raise ValueError(f"hf folder {str(folder)!r} holds neither model.safetensors nor {INDEX}; "
                          "valid: a folder written by save_pretrained (safetensors)")
-    return load_file(str(single))
+    return _dequantized(load_file(str(single)), folder)
+
+
+def _dequantized(state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """`state` with its fp8 weights as float32 values (shoal.models.fp8_blocks)."""
+    if not any(t.dtype in FP8_DTYPES.values() for t in state.values()):
+        return state
+    where = f"hf folder {str(folder)!r}"
+    return fp8_blocks.dequantize_state(state, fp8_blocks.block_size(folder, where), where)
 
 
 # ----------------------------------------------------------------------------- writing

@@ -144,23 +144,32 @@ def _rope_at_positions(module: nn.Module, args: tuple, *, split: ContextSplit, a
 
 @torch._dynamo.disable  # point-to-point sends inside: never traced into a compiled block
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *,
-                   split: ContextSplit, causal: bool = True) -> torch.Tensor:
-    """Attention of this rank's queries over every rank's keys and values, (B, H, T, E) each, in
-    their dtype (the merge of partial results in fp32); no attention dropout (shoal.rules refuses cp
-    with it). At cp=1 it is SDPA itself."""
+                   split: ContextSplit, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over every rank's keys and values, (B, H, T, E) each (values
+    may be of another width, latent attention's), in their dtype (the merge of partial results in
+    fp32), at softmax `scale` (None: 1/sqrt(E)); no attention dropout (shoal.rules refuses cp with
+    it). At cp=1 it is SDPA itself."""
     assert not dropout_p, f"attention dropout {dropout_p} under context parallelism"
     if split.cp == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return _Ring.apply(q, k, v, split, causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    width = v.shape[-1]
+    if width != q.shape[-1]:
+        # Values and heads of two widths (latent attention): zero columns make the narrower as wide as the other,
+        # so that the fused kernels, which take one width, run the blocks. Zeros add nothing to a score or an
+        # output column; the output's extra columns are zeros, cut off here.
+        E = max(width, q.shape[-1])
+        q, k, v = (F.pad(t, (0, E - t.shape[-1])) for t in (q, k, v))
+        return _Ring.apply(q, k, v, split, causal, scale)[..., :width]
+    return _Ring.apply(q, k, v, split, causal, scale)
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, split: ContextSplit, causal: bool):
-        scale = q.shape[-1] ** -0.5
+    def forward(ctx, q, k, v, split: ContextSplit, causal: bool, scale: float):
         mine = chunks_of(split.rank, split.cp, balanced=split.balanced)
         out = lse = None
-        kv = torch.stack((k, v))  # one buffer travels the ring
+        kv = torch.stack((k, v))  # one buffer travels the ring (latent attention's rotary keys inside k)
         for step in range(split.cp):
             pending = _pass_on(kv, split) if step < split.cp - 1 else None  # overlaps the blocks below
             theirs = chunks_of((split.rank - step) % split.cp, split.cp, balanced=split.balanced)
@@ -170,14 +179,13 @@ class _Ring(torch.autograd.Function):
         assert out is not None and lse is not None
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.split, ctx.causal = split, causal
+        ctx.split, ctx.causal, ctx.scale = split, causal, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        split, causal = ctx.split, ctx.causal
-        scale = q.shape[-1] ** -0.5
+        split, causal, scale = ctx.split, ctx.causal, ctx.scale
         mine = chunks_of(split.rank, split.cp, balanced=split.balanced)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         # K and V travel around the ring as in forward, the next block on its way while this one's
@@ -197,7 +205,7 @@ class _Ring(torch.autograd.Function):
                 kv = kv_pending()
         assert held is not None
         dk, dv = held()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 Part = tuple[slice, slice, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -366,34 +374,37 @@ def _pass_on(x: torch.Tensor, split: ContextSplit):
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *,
-                  split: ContextSplit) -> torch.Tensor:
+                  split: ContextSplit, scale: float | None = None) -> torch.Tensor:
     """Ulysses: (all heads, local tokens) -> (heads / cp, all tokens), whole-sequence causal
     attention, and back; each all-to-all is differentiable (torch's functional collectives). cp divides
     the heads (shoal.rules refuses cp_mode=a2a otherwise). At cp=1 it is SDPA itself. It compiles
     into a block's graph (torch's functional collectives trace)."""
     if split.cp == 1:
-        return causal_attention(q, k, v, dropout_p)
+        return causal_attention(q, k, v, dropout_p, scale=scale)
     return head_scatter_attention(q, k, v, dropout_p, cp=split.cp, orders=split.chunk_orders(q.device),
-                                  exchange=functools.partial(_all_to_all, group=split.group))
+                                  exchange=functools.partial(_all_to_all, group=split.group), scale=scale)
 
 
 def head_scatter_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, *, cp: int,
                            orders: tuple[torch.Tensor, torch.Tensor],
-                           exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                           exchange: Callable[[torch.Tensor], torch.Tensor],
+                           scale: float | None = None) -> torch.Tensor:
     """a2a attention with `exchange` as the all-to-all (over dim 0, one slice per rank) and `orders`
-    ContextSplit.chunk_orders: q, k and v travel in one all-to-all; each side of it costs one copy,
-    forward and backward."""
-    B, H, T, E = q.shape
+    ContextSplit.chunk_orders: q, k and v travel in one all-to-all, side by side on the features
+    (values may be of another width, latent attention's); each side of it costs one copy, forward
+    and backward."""
+    B, H, T, _ = q.shape
+    E = v.shape[-1]
     assert H % cp == 0, f"cp_mode=a2a scatters {H} heads over cp={cp}"
     rank_major, in_order = orders
     n = len(rank_major) // cp  # chunks per rank
-    # (B, H, T, E) -> (cp, n, 3, B, H/cp, C, E): [r] goes to rank r (its heads), [., j] is local chunk j.
-    send = torch.stack([t.unflatten(1, (cp, H // cp)).unflatten(3, (n, T // n)).permute(1, 3, 0, 2, 4, 5)
-                        for t in (q, k, v)], dim=2)
-    got = exchange(send).flatten(0, 1)  # (cp * n, 3, B, H/cp, C, E), chunks in rank-major order
-    whole = _MoveAndReorder.apply(got, 0, 3, in_order, rank_major)  # (3, B, H/cp, 2P chunks, C, E)
-    qh, kh, vh = whole.flatten(3, 4).unbind(0)
-    y = causal_attention(qh, kh, vh, dropout_p)  # (B, H/cp, T * cp, E)
+    widths = [t.shape[-1] for t in (q, k, v)]
+    # (B, H, T, W) -> (cp, n, B, H/cp, C, W): [r] goes to rank r (its heads), [., j] is local chunk j.
+    send = torch.cat((q, k, v), dim=-1).unflatten(1, (cp, H // cp)).unflatten(3, (n, T // n)).permute(1, 3, 0, 2, 4, 5)
+    got = exchange(send).flatten(0, 1)  # (cp * n, B, H/cp, C, W), chunks in rank-major order
+    whole = _MoveAndReorder.apply(got, 0, 2, in_order, rank_major)  # (B, H/cp, 2P chunks, C, W)
+    qh, kh, vh = whole.flatten(2, 3).split(widths, dim=-1)
+    y = causal_attention(qh, kh, vh, dropout_p, scale=scale)  # (B, H/cp, T * cp, E)
     # Back: (cp * n, B, H/cp, C, E) in rank-major chunk order, [r] to rank r; from rank r come its heads.
     back = exchange(_MoveAndReorder.apply(y.unflatten(2, (cp * n, T // n)), 2, 0, rank_major, in_order))
     # (cp, n, B, H/cp, C, E) -> (B, T, H, E) in memory, returned as (B, H, T, E): the layout SDPA gives.

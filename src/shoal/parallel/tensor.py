@@ -119,6 +119,21 @@ def _heads_to_shard(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMes
                  for x in inputs)
 
 
+class SharedKeyParallel(ParallelStyle):
+    """A projection every tp rank runs whole whose output all heads use (latent attention's rotary
+    key, shoal.models.mla): each rank's heads give only their share of the output's gradient, so
+    the output leaves as a local tensor whose gradient is a partial sum. The weight's gradient is
+    then a partial sum reduced over tp like the sequence-parallel norms' (reduce_partial_grads),
+    and the input's joins the other projections' partial sums before the sublayer's one reduction."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_params, _inputs_to_replicate, _output_partial_grad)  # type: ignore[arg-type]  # input_fn's return: typed None, used
+
+
+def _output_partial_grad(_module: nn.Module, output: Any, _mesh: DeviceMesh) -> Any:
+    return output.to_local(grad_placements=[Partial()]) if isinstance(output, DTensor) else output
+
+
 class CheckSequenceShardable(ParallelStyle):
     """A check on the model's input (no parameters): the sequence must split evenly over tp."""
 
@@ -206,6 +221,8 @@ def _styles(sp: bool) -> dict[str, Callable[[], ParallelStyle]]:
         "colwise": ColwiseParallel,
         "rowwise": lambda: RowwiseParallel(output_layouts=seq),
         "head_norm": HeadShardedNorm,
+        "replicate": ReplicateParallel,
+        "shared_key": SharedKeyParallel,
         # Logits stay vocabulary-sharded DTensors: the loss reads them shard by shard.
         "vocab_head": lambda: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
         "moe": lambda: MoETensorParallel(sp=sp),

@@ -71,16 +71,41 @@ def ffn_width(cfg: ModelConfig, index: int) -> float:
 
 
 def attention_matmul_flops(cfg: ModelConfig) -> float:
-    """Forward FLOPs per token of the Q, K, V and output projections (grouped K/V heads smaller)."""
+    """Forward FLOPs per token of the Q, K, V and output projections (grouped K/V heads smaller); latent
+    attention's (shoal.models.mla): 2 per weight of its down-, up-, rotary-key and output projections."""
+    if cfg.latent_attention:
+        return 2.0 * (cfg.latent_attention_params() - cfg.q_lora_rank - cfg.kv_lora_rank)  # less the two norms
     q_out = cfg.num_heads * cfg.head_dim
     kv_out = cfg.kv_heads * cfg.head_dim
     return 2.0 * cfg.dim * (2 * q_out + 2 * kv_out)
 
 
 def attention_core_flops(cfg: ModelConfig, context: int, *, causal_skip: bool) -> float:
-    """Forward FLOPs per token of QK^T and AV over `context` keys; half when masked blocks are skipped."""
-    full = 4.0 * context * cfg.num_heads * cfg.head_dim
+    """Forward FLOPs per token of QK^T (2 C per key and head, C the query/key head width) and AV (2 V,
+    the value head's) over `context` keys; half when masked blocks are skipped."""
+    full = 2.0 * context * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
     return full / 2 if causal_skip else full
+
+
+def qkv_widths(cfg: ModelConfig) -> tuple[int, int, int]:
+    """Per token, the widths of the queries, keys and values attention reads: grouped K/V heads
+    narrower; latent attention's keys expanded to every head (its rotary key repeated)."""
+    if cfg.latent_attention:
+        return cfg.num_heads * cfg.qk_head_dim, cfg.num_heads * cfg.qk_head_dim, cfg.num_heads * cfg.v_head_dim
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return q, kv, kv
+
+
+def latent_elements(cfg: ModelConfig, *, compiled: bool) -> float:
+    """Elements per token latent attention moves besides the projections and the attention kernel
+    (shoal.models.mla): its two latent RMSNorms (compiled: read and write; eager: 7 passes, as
+    `_hidden_elements`' norms), RoPE on the rotary parts of the query heads and the one shared key
+    (compiled: read and write; eager: 12 passes, as `_eager_elements`), and the query's and key's
+    concatenation of their two parts (read and write)."""
+    H, R, C = cfg.num_heads, cfg.qk_rope_head_dim, cfg.qk_head_dim
+    norms = (2 if compiled else 7) * (cfg.q_lora_rank + cfg.kv_lora_rank)
+    rope = (2 if compiled else 12) * (H * R + R)
+    return norms + rope + 2 * 2 * H * C
 
 
 def block_index(cfg: ModelConfig, *, moe: bool) -> int:
@@ -114,10 +139,17 @@ def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool,
         matmul += 2.0 * D if cfg.shared_gate and cfg.num_shared_experts else 0.0  # the shared experts' gate
     q_kv = cfg.num_heads * cfg.head_dim + 2 * cfg.kv_heads * cfg.head_dim
     hidden = _hidden_elements(cfg, compiled=compiled)
-    if compiled:
+    if cfg.latent_attention:
+        # Attention reads q, k and v and writes its output (H V); the heads' transpose copies it back (eager).
+        q, k, v = qkv_widths(cfg)
+        output = cfg.num_heads * cfg.v_head_dim
+        act = (3 if compiled else 5) * width if cfg.activation == "swiglu" else (2 if compiled else 4) * width
+        elementwise: float = (hidden + latent_elements(cfg, compiled=compiled) + q + k + v + output
+                              + (0 if compiled else 2 * output) + act)
+    elif compiled:
         # The hidden state's norms and residual adds; RoPE reads and writes q and k; attention reads q, k, v and
         # writes its output.
-        elementwise: float = hidden + 2 * q_kv + q_kv + D
+        elementwise = hidden + 2 * q_kv + q_kv + D
         # Grouped K/V heads are repeated to every query head before SDPA (shoal's repeat_interleave,
         # torchtitan's repeat_kv: an expanded view reshaped), a copy no compiled region fuses into the
         # attention kernel: K and V are written, then read by attention, at the query heads' width.

@@ -122,7 +122,7 @@ class Costs:
         # rate for the model's head dimension and each kernel's sequence (a cp chunk; the ring's chunk pairs mostly
         # unmasked), forward and backward apart (hardware.DeviceSpec.attention_rates).
         forward_rate, backward_rate = (cluster.device.attention_rates(
-            matmul_dtype(plan, cluster), head_dim=cfg.head_dim, seq_len=seq_len / plan.cp, causal=plan.cp == 1)
+            matmul_dtype(plan, cluster), head_dim=cfg.qk_head_dim, seq_len=seq_len / plan.cp, causal=plan.cp == 1)
             if fused else (self.rate, self.rate))
         self.attention_rate = forward_rate
         self.attention_bwd_time = forward_rate / backward_rate  # a backward FLOP's time over a forward FLOP's
@@ -271,7 +271,10 @@ class Costs:
         cp = self.plan.cp
         if cp == 1:
             return 0.0
-        kv = self.tokens * 2 * self.cfg.kv_heads * self.cfg.head_dim / self.plan.tp
+        _, k, v = compute.qkv_widths(self.cfg)
+        if self.cfg.latent_attention:  # keys and values of two widths travel padded to the wider (ring_attention)
+            k = v = max(k, v)
+        kv = self.tokens * (k + v) / self.plan.tp
         hop = self.net.time("ring", cp, kv * self.bytes, stride=self.stride["cp"])
         hop_fp32 = self.net.time("ring", cp, kv * 4, stride=self.stride["cp"])
         hidden = self.overlap * attn_fwd / cp
@@ -481,10 +484,18 @@ def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: b
     q, kv = cfg.num_heads * hd / tp, cfg.kv_heads * hd / tp
     gemms: list[tuple[float, float]] = [(q + 2 * kv, D)] if fused_qkv else [(q, D), (kv, D), (kv, D)]  # (n, k)
     gemms += [(D, q)]
+    whole_gemms = []  # products every tp rank runs whole: block_work counts them once, the ranks tp times
+    if cfg.latent_attention:  # shoal.models.mla: up-projections split by heads, down-projections whole
+        H, Q, L = cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+        gemms = [(H * cfg.qk_head_dim / tp, Q or D), (H * (cfg.qk_nope_head_dim + cfg.v_head_dim) / tp, L),
+                 (D, H * cfg.v_head_dim / tp)]
+        whole_gemms = [(float(n), float(D)) for n in (Q, L, cfg.qk_rope_head_dim) if n]
     if not moe:
         gemms += [(F / tp, D)] * (2 if cfg.activation == "swiglu" else 1) + [(D, F / tp)]
-    listed = sum(2.0 * n * k for n, k in gemms) * tp  # per token, all ranks (block_work's convention)
-    slow = sum(2.0 * n * k * _training_gemm_time(device, tokens, n, k, ridge=ridge) for n, k in gemms) * tp
+    # per token, all ranks (block_work's convention)
+    listed = sum(2.0 * n * k for n, k in gemms) * tp + sum(2.0 * n * k for n, k in whole_gemms)
+    slow = sum(2.0 * n * k * _training_gemm_time(device, tokens, n, k, ridge=ridge)
+               for n, k in gemms + whole_gemms) * tp
     whole = compute.block_work(cfg, compute.block_index(cfg, moe=moe), seq_len=1, causal_skip=True,
                                fused_attention=True).matmul
     return (whole - listed + slow) / whole

@@ -142,7 +142,7 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     moe = cfg.is_moe_layer(index)
     ffns = (cfg.num_prototypes or cfg.top_k) + cfg.num_shared_experts if moe else 1
     norms = 2 * sp_norm_elements(cfg, tp=tp, layout=sp_layout) if sp else 2 * norm_elements(cfg)
-    attention = 4 * cfg.num_heads * cfg.head_dim + cfg.num_heads + qk_norm_elements(cfg)
+    attention = attention_kept_elements(cfg)
     split = attention + (4 * width if cfg.activation == "swiglu" else 2 * width)
     permuted = 2 * ffns * D + router_elements(cfg) if moe else 0  # tokens permuted to their experts, their outputs
     scores = 0 if fused_attention else cfg.num_heads * seq_len
@@ -157,7 +157,32 @@ def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, 
     if ac == "selective":
         scores = dropped = 0
     rerun = compiled_recomputed_elements(cfg, index, tp=tp, sp=sp) if compiled and ac == "none" else 0.0
-    return norms + masks + permuted + (split + scores + dropped) / tp - rerun
+    return norms + masks + permuted + latent_kept_elements(cfg) + (split + scores + dropped) / tp - rerun
+
+
+def attention_kept_elements(cfg: ModelConfig) -> float:
+    """What attention keeps per token before tp splits its heads: q, k, v and the output (H E each)
+    and the kernel's log-sum-exp (H), with qk_norm's per-head norms. Latent attention
+    (shoal.models.mla) keeps the concatenated q and k (H C each), wkv_b's output (H (N + V): the
+    values the kernel keeps are a view of it), the kernel's output and its copy in (B, T, H V) for wo
+    (H V each) and the log-sum-exp (RoPE keeps nothing: its tables are buffers). A kernel that takes
+    one head width only (torch's flash kernels) leaves values of another width to SDPA's math path,
+    which keeps the scores instead (unfused attention: activation_elements' `scores`)."""
+    H = cfg.num_heads
+    if cfg.latent_attention:
+        C, N, V = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        return H * (2 * C + N + 2 * V) + H
+    return 4 * H * cfg.head_dim + H + qk_norm_elements(cfg)
+
+
+def latent_kept_elements(cfg: ModelConfig) -> float:
+    """What latent attention's low-rank path keeps per token on every tensor-parallel rank (it runs
+    whole on each, shoal.models.adapter): each latent's down-projection output, its RMSNorm's
+    normalised input and output (the up-projection's input) and reciprocal RMS (3 r + 1 for a
+    latent of rank r); 0 without latent attention."""
+    if not cfg.latent_attention:
+        return 0.0
+    return sum(3 * r + 1 for r in (cfg.q_lora_rank, cfg.kv_lora_rank) if r)
 
 
 def compiled_recomputed_elements(cfg: ModelConfig, index: int, *, tp: int, sp: bool) -> float:
@@ -283,10 +308,15 @@ def shoal_selective_elements(cfg: ModelConfig, index: int, *, tp: int, sp: bool,
     D, width = cfg.dim, compute.ffn_width(cfg, index)
     heads = cfg.num_heads * cfg.head_dim
     qkv = heads + 2 * cfg.kv_heads * cfg.head_dim
+    whole = 0.0  # latent attention's down-projections' and rotary key's outputs, on every tp rank
+    if cfg.latent_attention:  # its up-projections' outputs are its q, k and v
+        H = cfg.num_heads
+        heads, qkv = H * cfg.v_head_dim, H * (cfg.qk_head_dim + cfg.qk_nope_head_dim + cfg.v_head_dim)
+        whole = cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim
     attention = heads + cfg.num_heads if fused_attention else 0
     up = (2 if cfg.activation == "swiglu" else 1) * width
     reduced = 0.0 if tp == 1 else (D / tp if sp else D)
-    return D / (tp if sp else 1) + (qkv + attention + up) / tp + 2 * (D + reduced)
+    return D / (tp if sp else 1) + whole + (qkv + attention + up) / tp + 2 * (D + reduced)
 
 
 def norm_elements(cfg: ModelConfig) -> float:

@@ -30,7 +30,7 @@ EMBED_KEY = "model.embed_tokens.weight"
 
 DEFAULTS: dict[str, Any] = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
                                 hidden_act="silu", attention_bias=False, mlp_bias=False, max_position_embeddings=2048)
-STYLE = ("Llama-style", dict(norm="rmsnorm", activation="swiglu"))
+STYLE = ("Llama-style", dict(norm="rmsnorm", activation="swiglu", kv_lora_rank=0))
 """What every family of the Llama layout requires of a shoal config (`Family.requires`)."""
 MLP = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 """shoal's SwiGLU matrices and transformers' names for them."""
