@@ -173,6 +173,17 @@ MUTATIONS: list[Mutation] = [
              "            if _crc32(path / name) != crc:", "            if False:",
              "a checkpoint file's checksum not compared (same size, different bytes loads)",
              _k("tests/test_checkpoint.py", "byte_flipped_in_the_weights")),
+    # ---------------------------------------------------------------- Muon
+    Mutation("muon-scatter-wrong-slice", "optim/orthogonalize.py",
+             ".reshape(-1) for j in mine] or [first.local.new_empty(0)]) for r in range(size)]",
+             ".reshape(-1) for j in mine] or [first.local.new_empty(0)]) for r in reversed(range(size))]",
+             "Muon's owner sends each rank another rank's slice of the orthogonalised matrix",
+             _k("tests/test_muon.py", "parity_with_one_process")),
+    Mutation("muon-lr-by-shard-shape", "optim/muon.py",
+             '_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:])',
+             '_adjust_lr(lr, group["adjust_lr_fn"], local_tensor(p).shape[-2:])',
+             "Muon's lr adjusted by the local shard's shape, not the whole matrix's",
+             _k("tests/test_muon.py", "parity_with_one_process")),
 ]
 
 
