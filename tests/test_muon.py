@@ -165,7 +165,8 @@ class MuonCase(ParityCase):
 
 MOE = dataclasses.replace(MuonCase().model, num_experts=4, top_k=2, ffn_dim=64)
 PLANS = [MuonCase(plan=p) for p in ("dp2", "fsdp2,zero=1", "fsdp2,zero=2", "fsdp2", "tp2", "cp2")] + [
-    MuonCase(plan="pp2,mb=2", num_micro=2), MuonCase(plan="ep2", model=MOE, steps=3)]
+    MuonCase(plan="pp2,mb=2", num_micro=2), MuonCase(plan="ep2", model=MOE, steps=3),
+    MuonCase(plan="fsdp2,ep2", model=MOE, steps=3)]
 
 
 def _exact_newton_schulz(full, coefficients, steps, eps):
@@ -258,9 +259,9 @@ def run_cases(cases):
 
 
 def test_parity_with_one_process(pools):
-    """dp2, fsdp2 at zero 1/2/3, tp2 (row and column splits), cp2, pp2 and ep2 (an MoE model: each rank's
-    experts whole) on 2 processes against the single process (`_check`); and the single-process runs moved
-    every weight."""
+    """dp2, fsdp2 at zero 1/2/3, tp2 (row and column splits), cp2, pp2, ep2 (an MoE model: each rank's
+    experts whole) and fsdp2,ep2 (the dense part sharded, the experts split over ep) on 2 processes against
+    the single process (`_check`); and the single-process runs moved every weight."""
     exact = _check(pools(2).run(run_cases, PLANS), PLANS)
     print("tensors bit-equal after the first step:", exact)
     for c in PLANS:
@@ -279,7 +280,7 @@ def test_parity_fsdp_over_tp(pools):
 # ----------------------------------------------------------------------------- the owner design's communication
 
 
-def _step_counts(plan_text: str, gather: str, num_layers: int) -> dict[str, Any]:
+def _step_counts(plan_text: str, gather: str, num_layers: int, batch_elems: int = 1 << 24) -> dict[str, Any]:
     """One Muon step under `plan_text`: what the orthogonaliser sent and the weights after it."""
     from shoal.testing.asserts import full_tensors
     from shoal.testing.parity import parallel_setup
@@ -287,10 +288,13 @@ def _step_counts(plan_text: str, gather: str, num_layers: int) -> dict[str, Any]
 
     c = MuonCase(plan=plan_text, gather=gather, model=MuonCase().model.replace(num_layers=num_layers), steps=1)
     runtime, optimizer, batches = parallel_setup(c)
-    train_step(runtime, optimizer, split_micro(*batches[0], 1), grad_clip=c.grad_clip)
     orth = optimizer.orthogonalize
+    orth.batch_elems = batch_elems
+    train_step(runtime, optimizer, split_micro(*batches[0], 1), grad_clip=c.grad_clip)
+    split = sum(1 for g in optimizer.param_groups if g["muon"] for p in g["params"] if not torch.equal(
+        torch.tensor(p.shape), torch.tensor(p.to_local().shape)))
     return {"bytes": orth.bytes_sent, "min": orth.min_bytes, "collectives": orth.collectives,
-            "owned": orth.min_bytes > 0, "params": full_tensors(runtime)}
+            "owned": orth.min_bytes > 0, "params": full_tensors(runtime), "split": split}
 
 
 @pytest.mark.parametrize("plan_text", ["fsdp2", "tp2"])
@@ -308,6 +312,19 @@ def test_owner_sends_the_minimum_in_two_collectives(pools, plan_text):
         assert all(r["collectives"] > 2 for r in naive)
         for a, b in zip(owner, naive):
             assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def test_batches_of_one_matrix_keep_the_round_robin(pools):
+    """Batches cut to one matrix each (batch_elems 1): two all-to-alls per matrix, the owners still alternate
+    over the steps' matrices (both ranks own some), the bytes still the minimum and the weights those of one
+    batch, bit for bit."""
+    pool = pools(2)
+    one = pool.run(_step_counts, "fsdp2", "owner", 1, 1)
+    whole = pool.run(_step_counts, "fsdp2", "owner", 1)
+    assert all(r["collectives"] == 2 * r["split"] and r["owned"] for r in one), one
+    assert sum(r["bytes"] for r in one) == sum(r["min"] for r in one) == sum(r["min"] for r in whole)
+    for a, b in zip(one, whole):
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
 
 # ----------------------------------------------------------------------------- checkpoints

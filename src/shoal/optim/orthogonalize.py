@@ -73,17 +73,20 @@ class _Split:
         return int(torch.Size(self.slice_shape(coord)).numel())
 
 
-def _split_of(param: torch.Tensor) -> tuple[int, int] | None:
-    """(mesh dim, tensor dim) where `param` is a DTensor split over exactly one mesh dim by a plain Shard
-    (the owner design's case); None otherwise."""
+def _route(param: torch.Tensor) -> tuple[int, int] | str:
+    """Where `param`'s update is orthogonalised: "local" (whole on this rank: a plain tensor, a replicated
+    DTensor, experts split along their stack only), (mesh dim, tensor dim) for a DTensor split over exactly one
+    mesh dim by a plain Shard (the owner design), or "everywhere" (any other split: gathered on every rank)."""
     if not isinstance(param, DTensor):
-        return None
-    sharded = [(m, p) for m, p in enumerate(param.placements) if not isinstance(p, Replicate)]
-    if len(sharded) != 1 or type(sharded[0][1]) is not Shard:
-        return None
-    mesh_dim, placement = sharded[0]
-    assert isinstance(placement, Shard)
-    return mesh_dim, placement.dim
+        return "local"
+    split = [(m, p) for m, p in enumerate(param.placements) if not isinstance(p, Replicate)]
+    if all(param.dim() >= 3 and getattr(p, "dim", None) == 0 for _, p in split):
+        return "local"
+    if len(split) == 1 and type(split[0][1]) is Shard:
+        placement = split[0][1]
+        assert isinstance(placement, Shard)
+        return split[0][0], placement.dim
+    return "everywhere"
 
 
 class Orthogonalizer:
@@ -107,27 +110,21 @@ class Orthogonalizer:
         out: list[torch.Tensor | None] = [None] * len(pairs)
         by_group: dict[int, list[_Split]] = {}
         for i, (param, u) in enumerate(pairs):
-            split = _split_of(param)
-            if split is not None and param.dim() >= 3 and split[1] == 0:
-                split = None  # experts split along their stack: each rank's experts are whole
-            if split is None and isinstance(param, DTensor) and any(
-                    not isinstance(p, Replicate) and not (param.dim() >= 3 and getattr(p, "dim", None) == 0)
-                    for p in param.placements):
-                out[i] = self._gathered_everywhere(param, u)
-                continue
-            if split is None:
+            route = _route(param)
+            if route == "local":
                 out[i] = self.ns(u)
                 continue
             assert isinstance(param, DTensor)
-            mesh_dim, dim = split
+            if route == "everywhere" or self.mode == "naive":
+                out[i] = self._gathered_everywhere(param, u)
+                continue
+            assert isinstance(route, tuple)
+            mesh_dim, dim = route
             mesh = param.device_mesh
             entry = _Split(index=i, local=u.bfloat16(), shape=param.shape, dim=dim, group=mesh.get_group(mesh_dim),
                            size=mesh.size(mesh_dim), coord=mesh.get_local_rank(mesh_dim))
             assert list(u.shape) == entry.slice_shape(entry.coord), (tuple(u.shape), entry.slice_shape(entry.coord))
-            if self.mode == "naive":
-                out[i] = self._gathered_everywhere(param, u)
-            else:
-                by_group.setdefault(id(entry.group), []).append(entry)
+            by_group.setdefault(id(entry.group), []).append(entry)
         for entries in by_group.values():
             start = 0
             for batch in _batches(entries, self.batch_elems):
