@@ -118,6 +118,18 @@ def test_hidden_matrices_to_muon_the_rest_to_adamw():
     assert not any("router" in names[id(p)] for p in opt.param_groups[0]["params"])
 
 
+@pytest.mark.parametrize("n, parts", [(8, 2), (5, 2), (3, 4), (7, 3), (1, 2)])
+def test_chunk_sizes_are_dtensors(n, parts):
+    """The owner's slicing follows DTensor's Shard (torch.chunk: ceil(n / parts) rows each, trailing ones
+    shorter or empty), which an uneven split must match row for row."""
+    from torch.distributed.tensor import Shard
+
+    from shoal.optim.orthogonalize import chunk_sizes
+
+    assert chunk_sizes(n, parts) == [Shard.local_shard_size_and_offset(n, parts, r)[0] for r in range(parts)]
+    assert sum(chunk_sizes(n, parts)) == n
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -166,7 +178,8 @@ class MuonCase(ParityCase):
 MOE = dataclasses.replace(MuonCase().model, num_experts=4, top_k=2, ffn_dim=64)
 PLANS = [MuonCase(plan=p) for p in ("dp2", "fsdp2,zero=1", "fsdp2,zero=2", "fsdp2", "tp2", "cp2")] + [
     MuonCase(plan="pp2,mb=2", num_micro=2), MuonCase(plan="ep2", model=MOE, steps=3),
-    MuonCase(plan="fsdp2,ep2", model=MOE, steps=3)]
+    MuonCase(plan="fsdp2,ep2", model=MOE, steps=3),
+    MuonCase(plan="fsdp2", model=MuonCase().model.replace(ffn_dim=81))]  # uneven slices: 41 and 40 rows
 
 
 def _exact_newton_schulz(full, coefficients, steps, eps):
@@ -239,7 +252,7 @@ def _check(results: list[list[dict[str, Any]]], cases: list[MuonCase]) -> dict[s
             assert_rounding_close(res["grads"], {k: ref32["grads"][k] for k in mine},
                                   {k: ref64["grads"][k] for k in mine}, what=f"{what} first-step grads")
             _check_update(c, res, every, what)
-            exact[f"{c.plan} rank {rank}"] = (res["exact"], len(res["params"]))
+            exact[f"{c.plan} #{i} rank {rank}"] = (res["exact"], len(res["params"]))
             bf16 = torch.tensor(exact_ns["losses"]) - torch.tensor(ref64["losses"])
             off = (torch.tensor(res["losses"], dtype=torch.float64) - torch.tensor(ref64["losses"])).abs().max()
             single = (torch.tensor(ref32["losses"], dtype=torch.float64) - torch.tensor(ref64["losses"])).abs().max()
@@ -260,8 +273,8 @@ def run_cases(cases):
 
 def test_parity_with_one_process(pools):
     """dp2, fsdp2 at zero 1/2/3, tp2 (row and column splits), cp2, pp2, ep2 (an MoE model: each rank's
-    experts whole) and fsdp2,ep2 (the dense part sharded, the experts split over ep) on 2 processes against
-    the single process (`_check`); and the single-process runs moved every weight."""
+    experts whole), fsdp2,ep2 (the dense part sharded, the experts split over ep) and fsdp2 with uneven slices
+    on 2 processes against the single process (`_check`); and the single-process runs moved every weight."""
     exact = _check(pools(2).run(run_cases, PLANS), PLANS)
     print("tensors bit-equal after the first step:", exact)
     for c in PLANS:
