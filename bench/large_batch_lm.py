@@ -1,10 +1,10 @@
-"""Large-batch language modelling at small scale: AdamW vs LAMB vs LARS, each with its batch
+"""Large-batch language modelling at small scale: AdamW vs LAMB vs LARS vs Muon, each with its batch
 scaling rule, at the same token budget and growing global batch (the survey arXiv 2111.00856).
 
 Every run is `python -m shoal train` in its own subprocess (one process on the CPU), on the
 built-in corpus (byte vocabulary), with the same seed, sequence length and number of training
 tokens; only the global batch (and so the number of steps) and the optimizer change. Each
-optimizer's lr is set for `--base-batch` and scaled by its rule (`--lr-scaling`): AdamW and LAMB
+optimizer's lr is set for `--base-batch` and scaled by its rule (`--lr-scaling`): AdamW, LAMB and Muon
 by sqrt(batch / base) (the survey's rule for adaptive methods, LAMB's paper), LARS linearly
 (Goyal et al. 2017, as LARS's paper uses it); the warm-up (10% of the steps) keeps its share of
 the run. The held-out loss is measured once, after the last step, on the same number of held-out
@@ -17,6 +17,8 @@ read, not retrained (`--fresh` retrains).
     python -m bench.large_batch_lm [--batches 256 64 16] [--tokens 65536] [--only lamb ...]
     python -m bench.large_batch_lm --model small --batches 1024 256 64 16 --tokens 1048576 \
         --seq-len 64 --micro-batch 64 --eval-sequences 1024 --only adamw lamb-lr0.03 lars --name large_batch_small
+    python -m bench.large_batch_lm --model small --batches 1024 16 --tokens 1048576 --seq-len 64 --micro-batch 64 \
+        --eval-sequences 1024 --only muon-lr1e-3 muon muon-lr1e-2 muon-lr3e-2 --name large_batch_small
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ OPTIMIZERS: dict[str, tuple[str, float, str, list[str]]] = {
     "lamb": ("lamb", 3e-3, "sqrt", []),
     "lars": ("lars", 2.0, "linear", ["--lars-eta", "0.001", "--adapt-vectors", "on"]),
     "lamb-lr0.03": ("lamb", 3e-2, "sqrt", []),
+    # Muon adjusts its lr to AdamW's update RMS (match_rms_adamw): AdamW's lr first, then a grid around it
+    "muon": ("muon", 3e-3, "sqrt", []),
+    "muon-lr1e-3": ("muon", 1e-3, "sqrt", []),
+    "muon-lr1e-2": ("muon", 1e-2, "sqrt", []),
+    "muon-lr3e-2": ("muon", 3e-2, "sqrt", []),
 }
+LR_GRID = ("muon-lr1e-3", "muon-lr1e-2", "muon-lr3e-2")
+"""Labels run only when named (--only): Muon's lr grid, at two batch sizes."""
 
 
 def train_command(label: str, batch: int, run_dir: Path, args: argparse.Namespace) -> list[str]:
@@ -114,7 +123,8 @@ def main() -> None:
     parser.add_argument("--base-batch", type=int, default=16, help="the batch the lrs are set for")
     parser.add_argument("--eval-sequences", type=int, default=256, help="held-out sequences evaluated")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", nargs="+", choices=list(OPTIMIZERS), default=list(OPTIMIZERS))
+    parser.add_argument("--only", nargs="+", choices=list(OPTIMIZERS),
+                        default=[k for k in OPTIMIZERS if k not in LR_GRID])
     parser.add_argument("--model", choices=list(MODELS), default="tiny-2x64")
     parser.add_argument("--micro-batch", type=int, default=0, help="sequences per forward (0: the whole batch)")
     parser.add_argument("--name", default="large_batch_lm", help="results/<name>.json, runs in results/<name>/")

@@ -178,6 +178,17 @@ MUTATIONS: list[Mutation] = [
              "an MoE layer's summed router probabilities for the pooled load-balancing loss doubled (every "
              "plan's collector reads them; the one-process reference writes the loss out from the gate logits)",
              _k("tests/test_moe_parallel.py", "pooled_router_loss_in_a_pipeline and zb")),
+    # ---------------------------------------------------------------- Muon
+    Mutation("muon-scatter-wrong-slice", "optim/orthogonalize.py",
+             ".reshape(-1) for j in mine] or [first.local.new_empty(0)]) for r in range(size)]",
+             ".reshape(-1) for j in mine] or [first.local.new_empty(0)]) for r in reversed(range(size))]",
+             "Muon's owner sends each rank another rank's slice of the orthogonalised matrix",
+             _k("tests/test_muon.py", "parity_with_one_process")),
+    Mutation("muon-lr-by-shard-shape", "optim/muon.py",
+             '_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:])',
+             '_adjust_lr(lr, group["adjust_lr_fn"], local_tensor(p).shape[-2:])',
+             "Muon's lr adjusted by the local shard's shape, not the whole matrix's",
+             _k("tests/test_muon.py", "parity_with_one_process")),
 ]
 
 

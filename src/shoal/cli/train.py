@@ -39,8 +39,9 @@ TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--decay-steps", int, "step where the cosine reaches min-lr [--steps]"),
     ("--weight-decay", float, "AdamW weight decay on matrices [0.1]"),
     ("--grad-clip", float, "clip the gradient norm to this; 0: off [1.0]"),
-    ("--optimizer", str, "adamw, lamb, lars (over momentum SGD) or cowclip (embedding-row clipping over AdamW); "
-     "each takes whole-parameter norms under every sharding [adamw]"),
+    ("--optimizer", str, "adamw, lamb, lars (over momentum SGD), cowclip (embedding-row clipping over AdamW) or muon "
+     "(orthogonalised momentum on hidden matrices, AdamW on the rest); each takes whole parameters under every "
+     "sharding [adamw]"),
     ("--momentum", float, "LARS: SGD momentum [0.9]"),
     ("--lars-eta", float, "LARS: trust coefficient eta [1e-3]"),
     ("--adapt-vectors", on_off, "LAMB/LARS: trust ratios and weight decay on biases and norm weights too [off]"),
@@ -49,6 +50,14 @@ TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--cowclip-zeta", float, "CowClip: zeta, the lower bound of a row's clip [1e-5]"),
     ("--embed-lr", float, "CowClip: the embedding tables' peak lr, not batch-scaled [lr]"),
     ("--embed-weight-decay", float, "CowClip: the embedding tables' L2 decay, scaled linearly with the batch [0]"),
+    ("--muon-momentum", float, "Muon: momentum of the hidden matrices [0.95]"),
+    ("--muon-nesterov", on_off, "Muon: Nesterov momentum [on]"),
+    ("--muon-ns-steps", int, "Muon: Newton-Schulz iterations [5]"),
+    ("--muon-adjust-lr", str, "Muon: match_rms_adamw (lr and weight decay as AdamW's) or original (lr ~0.02) "
+     "[match_rms_adamw]"),
+    ("--muon-adamw-lr", float, "Muon: peak lr of what AdamW takes (embeddings, head, norms, biases) [lr]"),
+    ("--muon-adamw", str, "Muon: comma-separated parameter-name fragments AdamW takes instead, e.g. router [none]"),
+    ("--muon-gather", str, "Muon: owner (each sharded matrix orthogonalised on one rank) or naive [owner]"),
     ("--lr-scaling", str, "none, linear or sqrt: scale lr (and min-lr) from --base-batch to --global-batch; "
      "explicit warm-up steps keep their number of sequences [none]"),
     ("--base-batch", int, "the global batch the lr and warm-up were set for (with --lr-scaling) [none]"),

@@ -29,6 +29,8 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
     from shoal.optim.lamb_lars import LAMB, LARS
     from shoal.runtime import Runtime
 
+    if cfg.optimizer == "muon":
+        return build_muon(source, cfg, global_batch=global_batch)
     cfg = scale_for_batch(cfg, global_batch) if global_batch is not None else cfg
     runtime = source if isinstance(source, Runtime) else None
     params = [p for p in (runtime.parameters() if runtime is not None else source) if p.requires_grad]
@@ -65,6 +67,49 @@ def build_optimizer(source: Any, cfg: OptimConfig, *, global_batch: int | None =
         count_groups = reduction_groups(runtime.mesh, ("dp", "fsdp", "cp")) if runtime and runtime.mesh else []
     return CowClip(groups, embeddings=embeddings, count_groups=count_groups, ratio=cfg.cowclip_ratio,
                               zeta=cfg.cowclip_zeta, **adam)
+
+
+def build_muon(source: Any, cfg: OptimConfig, *, global_batch: int | None = None) -> torch.optim.Optimizer:
+    """Muon over `source` (a Runtime, a module, or (name, parameter) pairs; bare parameters: every tensor of two
+    or more dimensions counts as hidden): the hidden layers' matrices (those of the model adapter's blocks,
+    stacked experts included) to Muon, the rest (embeddings, head, norms, biases, names matching
+    cfg.muon_adamw) to AdamW at cfg.muon_adamw_lr, weight decay on matrices only."""
+    from shoal.optim.muon import Muon
+
+    ratio = (cfg.muon_adamw_lr if cfg.muon_adamw_lr is not None else cfg.lr) / cfg.lr  # kept by the batch scaling
+    cfg = scale_for_batch(cfg, global_batch) if global_batch is not None else cfg
+    named, blocks = _named(source)
+    excluded = [f for f in cfg.muon_adamw.split(",") if f]
+    hidden = [p.dim() >= 2 and (blocks is None or n.startswith(blocks)) and not any(f in n for f in excluded)
+              for n, p in named]
+    adamw = {"muon": False, "lr": cfg.lr * ratio, "lr_scale": ratio, "betas": (cfg.beta1, cfg.beta2),
+             "adam_eps": cfg.eps}
+    groups: list[dict[str, Any]] = [
+        {"params": [p for (_, p), h in zip(named, hidden) if h], "weight_decay": cfg.weight_decay},
+        {"params": [p for (_, p), h in zip(named, hidden) if not h and p.dim() >= 2], "weight_decay": cfg.weight_decay,
+         **adamw},
+        {"params": [p for (_, p), h in zip(named, hidden) if not h and p.dim() < 2], "weight_decay": 0.0, **adamw},
+    ]
+    return Muon([g for g in groups if g["params"]], lr=cfg.lr, momentum=cfg.muon_momentum,
+                nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr,
+                gather=cfg.muon_gather)
+
+
+def _named(source: Any) -> tuple[list[tuple[str, nn.Parameter]], str | None]:
+    """`source`'s trainable (name, parameter) pairs and the name prefix of its hidden blocks (None: unknown)."""
+    from shoal.models.adapter import adapter_for
+    from shoal.runtime import Runtime
+
+    if isinstance(source, Runtime):
+        named, module = list(source.named_parameters()), source.parts[0]
+    elif isinstance(source, nn.Module):
+        named, module = list(source.named_parameters()), source
+    else:
+        items = list(source)
+        named = [it if isinstance(it, tuple) else (str(i), it) for i, it in enumerate(items)]
+        module = None
+    adapter = adapter_for(module) if module is not None else None
+    return [(n, p) for n, p in named if p.requires_grad], (f"{adapter.blocks}." if adapter is not None else None)
 
 
 def by_layout(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-OPTIMIZERS = ("adamw", "lamb", "lars", "cowclip")
+OPTIMIZERS = ("adamw", "lamb", "lars", "cowclip", "muon")
+MUON_ADJUST_LR = ("original", "match_rms_adamw")
+MUON_GATHER = ("owner", "naive")
 LR_SCALING = ("none", "linear", "sqrt")
 
 
@@ -15,7 +17,9 @@ class OptimConfig:
 
     optimizer: str = "adamw"
     """adamw, lamb (You et al. 2020), lars (You et al. 2017, over SGD with momentum) or cowclip
-    (clipping of embedding-row gradients, arXiv 2204.06240, over AdamW); see shoal/optim/cowclip.py."""
+    (clipping of embedding-row gradients, arXiv 2204.06240, over AdamW), see shoal/optim/cowclip.py; or muon
+    (Newton-Schulz-orthogonalised momentum on the hidden layers' matrices, AdamW on the rest), see
+    shoal/optim/muon.py."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of the warm-up."""
     min_lr: float | None = None
@@ -50,6 +54,25 @@ class OptimConfig:
     """CowClip: peak lr of the embedding tables, kept fixed by the batch scaling rules; None: lr."""
     embed_weight_decay: float = 0.0
     """CowClip: L2 (coupled) weight decay of the embedding tables; scaled linearly with the batch."""
+    muon_momentum: float = 0.95
+    """Muon: momentum of the hidden matrices' buffer (torch.optim.Muon's)."""
+    muon_nesterov: bool = True
+    """Muon: Nesterov momentum (torch.optim.Muon's)."""
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """Muon: the lr's adjustment by a matrix's shape (torch.optim.Muon's adjust_lr_fn): match_rms_adamw
+    (0.2 sqrt(max(a, b)), Moonlight's: the update's RMS near AdamW's, so lr and weight decay carry over from
+    AdamW) or original (sqrt(max(1, a / b)), Jordan's: wants an lr near 0.02)."""
+    muon_adamw_lr: float | None = None
+    """Muon: peak lr of the parameters AdamW takes (embeddings, head, norms, biases); None: lr. Follows the
+    schedule and the batch scaling as lr does."""
+    muon_adamw: str = ""
+    """Muon: comma-separated fragments of parameter names that AdamW takes even where they are hidden
+    matrices (e.g. "router" for MoE routers)."""
+    muon_gather: str = "owner"
+    """Muon: how sharded matrices reach Newton-Schulz: owner (each gathered to one rank, the result
+    scattered back) or naive (every rank gathers every matrix; a benchmark's peer)."""
     lr_scaling: str = "none"
     """How lr (and min_lr) follow the global batch: none, linear (Goyal et al. 2017) or sqrt
     (Krizhevsky 2014; CowClip's dense rule), from base_batch; explicit warm-up steps keep their
@@ -73,6 +96,7 @@ class OptimConfig:
         if self.lr_scaling == "none" and self.base_batch is not None:
             raise ValueError(f"--base-batch {self.base_batch} has no effect without --lr-scaling; valid: --lr-scaling "
                              "linear or sqrt with it, or leave --base-batch out")
+        self._check_muon()
         for name in ("lars_eta", "cowclip_ratio", "cowclip_zeta", "embed_lr"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -95,3 +119,22 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is not valid; it must lie in [0, 1)")
+
+    def _check_muon(self) -> None:
+        """Muon's options: valid values, and given only with --optimizer muon."""
+        if self.optimizer != "muon":
+            for f in fields(self):
+                if f.name.startswith("muon_") and getattr(self, f.name) != f.default:
+                    raise ValueError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)} has no effect with "
+                                     f"--optimizer {self.optimizer}; valid: with --optimizer muon only")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"--muon-momentum {self.muon_momentum} is not valid; it must lie in [0, 1)")
+        if not 1 <= self.muon_ns_steps < 100:
+            raise ValueError(f"--muon-ns-steps {self.muon_ns_steps} is not valid; it must lie in 1..99")
+        if self.muon_adjust_lr not in MUON_ADJUST_LR:
+            raise ValueError(f"--muon-adjust-lr {self.muon_adjust_lr!r} is not valid; valid: "
+                             f"{', '.join(MUON_ADJUST_LR)}")
+        if self.muon_gather not in MUON_GATHER:
+            raise ValueError(f"--muon-gather {self.muon_gather!r} is not valid; valid: {', '.join(MUON_GATHER)}")
+        if self.muon_adamw_lr is not None and not self.muon_adamw_lr > 0:
+            raise ValueError(f"--muon-adamw-lr {self.muon_adamw_lr} is not valid; it must be > 0")

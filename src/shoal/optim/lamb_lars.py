@@ -46,13 +46,14 @@ def gather_trust(optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[
     return dict(pairs)
 
 
-def trust_summary(trust: dict[tuple[str, int], float]) -> dict[str, float]:
-    """min / median (the lower one, as torch's) / max of trust ratios ({} for none): what
-    metrics.jsonl records at each logging step."""
+def trust_summary(trust: dict[tuple[str, int], float], name: str = "trust") -> dict[str, float]:
+    """min / median (the lower one, as torch's) / max of trust ratios ({} for none), as `name`_min etc.
+    (an optimizer's `stat_name`: Muon's per-matrix figures are update RMS): what metrics.jsonl records at
+    each logging step."""
     if not trust:
         return {}
     t = torch.tensor(sorted(trust.values()), dtype=torch.float64)
-    return {"trust_min": float(t[0]), "trust_median": float(t[(len(t) - 1) // 2]), "trust_max": float(t[-1])}
+    return {f"{name}_min": float(t[0]), f"{name}_median": float(t[(len(t) - 1) // 2]), f"{name}_max": float(t[-1])}
 
 
 def _select(ok: torch.Tensor | None, tensors: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
@@ -71,6 +72,9 @@ class _Layerwise(torch.optim.Optimizer):
     is false (weights, moments, momentum buffers and step counters keep their exact bits: each new
     value is computed beside the old one and torch.where picks; shoal.optim.gate). The step counter
     is a tensor on the parameter's device, so the bias corrections never read it on the host."""
+
+    stat_name = "trust"
+    """What `last_trust` holds, as metrics.jsonl names it (trust_summary)."""
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, per_expert: bool = True) -> None:
         super().__init__(params, defaults)

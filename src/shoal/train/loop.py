@@ -284,8 +284,9 @@ class Trainer:
                     "data_time_s": fetch, "mem_peak_mb": float(mem.item()),
                     "grad_norm": norm, "_applied": applied > 0, "_overflow": overflow > 0}  # Guard.check reads these
                    for i, ((lr, _, fetch), (loss, norm, applied, overflow)) in enumerate(zip(window, values))]
-        # the last step's trust ratios (LAMB, LARS), over every rank's tensors: collective, every rank reads
-        records[-1].update(trust_summary(gather_trust(self.optimizer, self.runtime.named_parameters())))
+        # the last step's trust ratios (LAMB, LARS) or update RMS (Muon), over every rank's tensors: collective
+        records[-1].update(trust_summary(gather_trust(self.optimizer, self.runtime.named_parameters()),
+                                          getattr(self.optimizer, "stat_name", "trust")))
         if window[0][1].moe:  # MoE load figures (this rank's), read in one synchronisation
             flat = torch.cat([v for _, r, _ in window for v in r.moe.values()]).tolist()
             for record, (_, r, _) in zip(records, window):
