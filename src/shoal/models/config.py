@@ -83,7 +83,16 @@ class ModelConfig:
     with top_k=1 it makes every weight 1 and the gate learns from the auxiliary losses alone,
     so top-1 wants norm_topk=false (a warning says so)."""
     moe_every: int = 1
-    """Every moe_every-th layer is an MoE layer (when num_experts > 0)."""
+    """Every moe_every-th layer is an MoE layer (when num_experts > 0), unless `moe_first_dense` or
+    `moe_dense_layers` makes it dense (`is_moe_layer`)."""
+    moe_first_dense: int = 0
+    """The first this many layers are dense whatever moe_every says (DeepSeek's first_k_dense_replace)."""
+    moe_dense_layers: tuple[int, ...] = ()
+    """Layers (0-based indices) that are dense whatever moe_every says (Qwen3-MoE's mlp_only_layers); `--set`
+    takes them comma-separated (`moe_dense_layers=0,3`)."""
+    dense_ffn_dim: int = 0
+    """Hidden width of the dense layers' feed-forward block in a model with experts (DeepSeek's and Qwen3-MoE's
+    intermediate_size beside moe_intermediate_size); 0: ffn_dim."""
     num_prototypes: int = 0
     """Expert prototyping (M6-T): the experts in this many groups, top-1 in each (then it must
     equal top_k); 0: plain top-k over all experts."""
@@ -124,6 +133,7 @@ class ModelConfig:
     restart at each document; -1: off (attention spans the whole sequence)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))  # a list from a config file
         _check_choice("norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice("activation", self.activation, ("swiglu", "gelu"))
         _check_choice("pos_emb", self.pos_emb, ("rope", "learned"))
@@ -154,6 +164,10 @@ class ModelConfig:
         if self.num_experts and self.moe_every > self.num_layers:
             raise ValueError(f"moe_every={self.moe_every} makes none of the {self.num_layers} layers an MoE layer; "
                              f"valid: moe_every in 1..{self.num_layers}, or num_experts=0 for a dense model")
+        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.num_layers]
+        if bad or len(set(self.moe_dense_layers)) != len(self.moe_dense_layers):
+            raise ValueError(f"moe_dense_layers={list(self.moe_dense_layers)} must be distinct layer indices in "
+                             f"0..{self.num_layers - 1}")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must lie in 1..num_experts={self.num_experts}")
         if self.num_prototypes < 0 or (self.num_prototypes and (self.num_experts % self.num_prototypes
@@ -162,7 +176,7 @@ class ModelConfig:
                              f"and equal top_k={self.top_k} (top-1 in each group), or be 0 (plain top-k)")
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts", "moe_group_tokens",
                      "head_size", "sliding_window", "rope_original_max_len", "rope_attention_factor",
-                     "shared_ffn_dim"):
+                     "shared_ffn_dim", "dense_ffn_dim", "moe_first_dense"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
         if self.rope_type != "default" and self.rope_factor <= 0:
@@ -180,8 +194,16 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
+    @property
+    def dense_width(self) -> int:
+        """Hidden width of a dense layer's feed-forward block: dense_ffn_dim, else ffn_dim."""
+        return self.dense_ffn_dim or self.ffn_dim
+
     def is_moe_layer(self, index: int) -> bool:
-        return self.num_experts > 0 and (index + 1) % self.moe_every == 0
+        """Whether block `index` has experts: every moe_every-th (1-based) block, except the first
+        moe_first_dense ones and those moe_dense_layers lists."""
+        return (self.num_experts > 0 and (index + 1) % self.moe_every == 0 and index >= self.moe_first_dense
+                and index not in self.moe_dense_layers)
 
     def num_params(self, *, embedding: bool = True, active: bool = False) -> int:
         """Parameter count from the shape. `active`: count only the top_k experts a token uses."""
@@ -192,7 +214,7 @@ class ModelConfig:
             gated = self.activation == "swiglu"
             return (3 if gated else 2) * D * width + (width * (2 if gated else 1) + D if self.bias else 0)
 
-        mlp = mlp_of(F)
+        mlp = mlp_of(self.dense_width)
         norms = 2 * D * (2 if self.norm == "layernorm" and self.bias else 1)
         if self.bias or self.qkv_bias:
             attn += (self.num_heads + 2 * self.kv_heads) * self.head_dim
@@ -205,7 +227,7 @@ class ModelConfig:
         shared = self.num_shared_experts * mlp_of(self.shared_ffn_dim or F) + (D if self.shared_gate else 0)
         moe_layers = 1 if self.share_moe and num_moe and not active else num_moe  # WideNet: one set of weights
         total = (L * (attn + norms) + (L - num_moe) * mlp
-                 + moe_layers * (experts * mlp + shared + D * self.num_experts))
+                 + moe_layers * (experts * mlp_of(F) + shared + D * self.num_experts))
         total += D * (2 if self.norm == "layernorm" and self.bias else 1)  # final norm
         if embedding:
             total += self.vocab_size * D * (1 if self.tie_embeddings else 2)
@@ -275,6 +297,9 @@ def _convert(key: str, raw: str, type_name: str) -> object:
             return int(raw)
         if type_name.startswith("float"):
             return float(raw)
+        if type_name.startswith("tuple[int"):  # "0,3", or "[0, 3]" as a stored config writes it
+            text = raw.strip().removeprefix("[").removeprefix("(").removesuffix("]").removesuffix(")")
+            return tuple(int(v) for v in text.split(",") if v.strip())
         return raw
     except ValueError:
         raise ValueError(f"model field {key}={raw!r} is not a valid {type_name.split()[0]}") from None

@@ -142,9 +142,10 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.activation == "swiglu" else None
+        width = cfg.dense_width
+        self.w1 = nn.Linear(cfg.dim, width, bias=cfg.bias)
+        self.w2 = nn.Linear(width, cfg.dim, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.dim, width, bias=cfg.bias) if cfg.activation == "swiglu" else None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:
