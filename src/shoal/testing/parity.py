@@ -57,6 +57,8 @@ HF_FAMILIES: dict[str, ModelConfig] = {
     "mixtral": _HF_BASE.replace(**_HF_MOE),
     "qwen2_moe": _HF_BASE.replace(**_HF_MOE, ffn_dim=32, qkv_bias=True, norm_topk=False, num_shared_experts=1,
                                   shared_ffn_dim=48, shared_gate=True),
+    "qwen3_moe": _HF_BASE.replace(**{**_HF_MOE, "num_experts": 8}, ffn_dim=32, dense_ffn_dim=48, moe_dense_layers=(0,),
+                                  qk_norm=True, head_size=32, num_layers=3),
 }
 """Tiny shapes of what shoal.from_hf makes of each Hugging Face family's config (tests/test_hf.py
 checks that mapping; tests/test_hf_families.py checks each against transformers' model): the
@@ -329,7 +331,7 @@ def case(**kwargs: Any) -> ParityCase:
 
 HF_PLANS: dict[str, int] = {
     "tp2": 2, "pp2": 2, "pp2,sched=zb": 2, "fsdp2,zero=1": 2, "fsdp2,zero=2": 2, "fsdp2": 2, "cp2": 2,
-    "cp2,cp_mode=a2a": 2, "ep2": 2, "fsdp2,tp2": 4, "tp2,pp2": 4, "fsdp2,ep2": 2,
+    "cp2,cp_mode=a2a": 2, "ep2": 2, "fsdp2,tp2": 4, "tp2,pp2": 4, "fsdp2,ep2": 2, "tp2,ep2": 4, "pp2,ep2": 4,
 }
 """The plans every Hugging Face family is asked to take (issue 25), each with its process count:
 every axis alone (pp2 runs 1f1b; fsdp2 is ZeRO-3; cp2 is ring attention) and three two-axis plans."""
