@@ -93,6 +93,24 @@ class ModelConfig:
     dense_ffn_dim: int = 0
     """Hidden width of the dense layers' feed-forward block in a model with experts (DeepSeek's and Qwen3-MoE's
     intermediate_size beside moe_intermediate_size); 0: ffn_dim."""
+    router_score: str = "softmax"
+    """How the router scores the experts: softmax (over the experts: Mixtral, Qwen) or sigmoid (each expert on its
+    own: DeepSeek-V3); see shoal.moe.router.Router."""
+    router_groups: int = 0
+    """Group-limited routing (DeepSeek-V3's n_group): the experts in this many contiguous groups, a group ranked by
+    the sum of its two highest scores, each token choosing among its router_topk_groups best groups; 0 or 1: off."""
+    router_topk_groups: int = 0
+    """The groups a token chooses its experts in (DeepSeek-V3's topk_group), with router_groups > 1."""
+    router_scale: float = 1.0
+    """The routing weights (after norm_topk's normalisation) times this (DeepSeek-V3's routed_scaling_factor)."""
+    router_bias: bool = False
+    """A per-expert bias added to the scores that choose the experts, never to the weights (DeepSeek-V3's
+    e_score_correction_bias; a buffer that checkpoints hold), moved by router_bias_rate after each step."""
+    router_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3's gamma): after each optimizer step the bias of every expert moves
+    by gamma * sign(mean load - its load), loads counted over the whole global batch; 0: the bias stays."""
+    seq_aux_coef: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss (its alpha; shoal.moe.router.sequence_balance_loss)."""
     num_prototypes: int = 0
     """Expert prototyping (M6-T): the experts in this many groups, top-1 in each (then it must
     equal top_k); 0: plain top-k over all experts."""
@@ -138,6 +156,7 @@ class ModelConfig:
         _check_choice("activation", self.activation, ("swiglu", "gelu"))
         _check_choice("pos_emb", self.pos_emb, ("rope", "learned"))
         _check_choice("rope_type", self.rope_type, ROPE_TYPES)
+        _check_choice("router_score", self.router_score, ("softmax", "sigmoid"))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -176,9 +195,11 @@ class ModelConfig:
                              f"and equal top_k={self.top_k} (top-1 in each group), or be 0 (plain top-k)")
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts", "moe_group_tokens",
                      "head_size", "sliding_window", "rope_original_max_len", "rope_attention_factor",
-                     "shared_ffn_dim", "dense_ffn_dim", "moe_first_dense"):
+                     "shared_ffn_dim", "dense_ffn_dim", "moe_first_dense", "router_groups", "router_topk_groups",
+                     "router_bias_rate", "seq_aux_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
+        self._check_router()
         if self.rope_type != "default" and self.rope_factor <= 0:
             raise ValueError(f"rope_factor={self.rope_factor} must be > 0 with rope_type={self.rope_type!r}")
         if self.num_experts and self.top_k == 1 and self.norm_topk:
@@ -193,6 +214,27 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    def _check_router(self) -> None:
+        if self.router_scale <= 0:
+            raise ValueError(f"model field router_scale={self.router_scale} must be > 0")
+        if self.router_bias_rate and not self.router_bias:
+            raise ValueError(f"router_bias_rate={self.router_bias_rate} moves a bias the model lacks; valid: "
+                             "router_bias=true, or router_bias_rate=0")
+        E, groups = self.num_experts, self.router_groups
+        if E and groups > 1 and (E % groups or E // groups < 2 or not 1 <= self.router_topk_groups <= groups
+                                 or self.top_k > self.router_topk_groups * (E // groups)):
+            raise ValueError(f"router_groups={groups} with router_topk_groups={self.router_topk_groups} does not fit "
+                             f"num_experts={E}, top_k={self.top_k}; valid: groups of >= 2 experts dividing "
+                             "num_experts, router_topk_groups in 1..router_groups holding top_k experts")
+        if self.num_prototypes and (self.router_score != "softmax" or groups > 1 or self.router_bias):
+            raise ValueError(f"num_prototypes={self.num_prototypes} takes the softmax router without groups or bias; "
+                             "valid: num_prototypes=0, or router_score=softmax, router_groups=0, router_bias=false")
+
+    def router_options(self) -> dict[str, Any]:
+        """The MoE router's options (shoal.moe.router.Router's keywords) of these fields."""
+        return dict(score=self.router_score, expert_groups=self.router_groups, topk_groups=self.router_topk_groups,
+                    scale=self.router_scale, bias=self.router_bias, bias_rate=self.router_bias_rate)
 
     @property
     def dense_width(self) -> int:

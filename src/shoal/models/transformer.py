@@ -162,7 +162,8 @@ def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
                         num_shared_experts=cfg.num_shared_experts, shared_ffn_dim=cfg.shared_ffn_dim,
                         shared_gate=cfg.shared_gate, activation=cfg.activation, bias=cfg.bias,
                         init_std=cfg.init_std, num_layers=cfg.num_layers, aux_loss_coef=cfg.aux_loss_coef,
-                        z_loss_coef=cfg.z_loss_coef, aux_loss_pooled=cfg.aux_loss_pooled)
+                        z_loss_coef=cfg.z_loss_coef, aux_loss_pooled=cfg.aux_loss_pooled,
+                        seq_aux_coef=cfg.seq_aux_coef, router=cfg.router_options())
     return FeedForward(cfg)
 
 

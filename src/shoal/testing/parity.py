@@ -28,6 +28,7 @@ from shoal.loss import IGNORE
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, ModelShape, build_model
 from shoal.moe.collect import MoECollector
+from shoal.parallel.data import clean_name
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.testing.asserts import FLOOR_ULPS, MOVED, SLACK, U32, assert_rounding_close, full_tensors
@@ -138,12 +139,14 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32,
             result["grads"] = full_tensors(model, grads=True)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.grad_clip or float("inf"))
         optimizer.step()
+        moe.update_bias()  # an MoE router's selection bias, by the step's loads (none: nothing)
         if step == 0:
             result["params"] = full_tensors(model)
             result["grad_norm"] = norm.item()
         result["losses"].append(loss_sum)
         result["grad_norms"].append(norm.item())
     result["final_params"] = full_tensors(model)
+    result["router_bias"] = router_biases([model])
     if after is not None:
         after(model, optimizer)
     return result
@@ -195,7 +198,14 @@ def run_parallel(case: ParityCase) -> dict[str, Any]:
         result["losses"].append(float(out.loss))
         result["grad_norms"].append(float(out.grad_norm))
     result["final_params"] = full_tensors(runtime)
+    result["router_bias"] = router_biases(runtime.parts)
     return result
+
+
+def router_biases(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The MoE routers' selection biases these model parts hold (a pipeline stage: its own layers'), by name."""
+    return {clean_name(name): buf.detach().cpu().clone() for part in parts for name, buf in part.named_buffers()
+            if name.endswith("router.bias")}
 
 
 _REFERENCES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}

@@ -23,7 +23,8 @@ DEFAULTS: dict[str, Any] = {**llama.DEFAULTS, "max_position_embeddings": 32768, 
                             "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
                             "num_experts": 128, "norm_topk_prob": False, "output_router_logits": False,
                             "router_aux_loss_coef": 0.001, "mlp_only_layers": []}
-_HOLDS = dict(bias=False, qkv_bias=False, qk_norm=True, num_prototypes=0, num_shared_experts=0, capacity_factor=0.0,
+_HOLDS = dict(**mixtral.ROUTER_HOLDS,
+              bias=False, qkv_bias=False, qk_norm=True, num_prototypes=0, num_shared_experts=0, capacity_factor=0.0,
               share_moe=False)
 
 
