@@ -232,3 +232,28 @@ def test_bias_and_training_under_plan_equal_one_process(pools, plan, world):
             assert (got[name] - want[name]).abs().max() <= TP_BOUND, name
         else:
             assert torch.equal(got[name], want[name]), (name, got[name], want[name])
+
+
+def test_biased_router_through_the_trainer_records_and_resumes(tmp_path):
+    """`shoal train` with a moving selection bias: metrics.jsonl holds each layer's bias and the per-expert
+    bias averaged over layers (moe_bias, beside moe_load), the heatmap has its second panel, and a run resumed
+    from its step-2 checkpoint (the bias a buffer of the checkpoint) has the losses of the unbroken run."""
+    import json
+
+    from shoal import cli
+
+    flags = ["--device", "cpu", "--model", "tiny-moe", "--global-batch", "4", "--seq-len", "32", "--eval-every", "0",
+             "--set", "router_score=sigmoid", "--set", "router_bias=true", "--set", "router_bias_rate=0.01",
+             "--set", "capacity_factor=0", "--nproc", "2", "--ckpt-every", "2", "--decay-steps", "4"]
+
+    def losses(run: str) -> list[dict]:
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    assert cli.main(["train", "--out", str(tmp_path / "whole"), "--steps", "4", *flags]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "half"), "--steps", "2", *flags]) == 0
+    assert cli.main(["train", "--resume", str(tmp_path / "half"), "--steps", "4", *flags]) == 0
+    whole, resumed = losses("whole"), losses("half")
+    assert [r["loss"] for r in whole] == [r["loss"] for r in resumed][-4:]
+    assert whole[0]["moe_bias"] == [0.0] * 4 and any(whole[-1]["moe_bias"])
+    assert all(len(r["moe/0/bias"]) == 4 for r in whole)
+    assert resumed[-1]["moe/3/bias"] == whole[-1]["moe/3/bias"]

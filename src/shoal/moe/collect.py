@@ -193,9 +193,11 @@ class MoECollector:
 
     def take_stats(self) -> dict[str, torch.Tensor]:
         """Per layer, the FIGURES of the training calls since the last take, as one float tensor
-        (then each expert's share of the kept tokens), on the device; {} without any."""
+        (then each expert's share of the kept tokens), on the device; {} without any. A layer with a
+        selection bias adds `<layer>/bias`: the bias its router chose with in those calls."""
         calls, self._calls = self._calls, {}
-        out = {}
+        out = {f"{self.names[id(m)]}/bias": m.router.bias.detach().float().clone() for m in self._biased
+               if m.router.bias is not None and self.names[id(m)] in calls}
         for name, stats in calls.items():
             kept = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0)
             # Called only within this iteration, on this layer's stats.
@@ -243,14 +245,22 @@ def _short(name: str) -> str:
 
 def records(stats: dict[str, list[float]]) -> dict[str, Any]:
     """metrics.jsonl fields of one step's `take_stats` (read to the host): moe/<layer>/<figure>,
-    and moe_load, each expert's share of the kept tokens averaged over the layers."""
+    and moe_load, each expert's share of the kept tokens averaged over the layers; with selection
+    biases moe/<layer>/bias (per expert) and moe_bias, each expert's bias averaged over the layers."""
     out: dict[str, Any] = {}
     shares = []
+    biases = []
     for layer, values in stats.items():
+        if layer.endswith("/bias"):
+            out[f"moe/{layer}"] = list(values)
+            biases.append(values)
+            continue
         out.update({f"moe/{layer}/{key}": value for key, value in zip(FIGURES, values)})
         shares.append(values[len(FIGURES):])
     if shares:
         out["moe_load"] = [sum(col) / len(shares) for col in zip(*shares)]
+    if biases:
+        out["moe_bias"] = [sum(col) / len(biases) for col in zip(*biases)]
     return out
 
 
