@@ -188,6 +188,10 @@ MUTATIONS: list[Mutation] = [
              "self._moe.update_bias(None, applied)",
              "the selection bias moves by this rank's loads only, not the global batch's",
              _k("tests/test_router_options.py", "test_bias_and_training_under_plan_equal_one_process and dp2")),
+    Mutation("a2a-dedup-offset", "parallel/expert.py",
+             "row_of = got_meta[:, 0] + first_in[source_R]", "row_of = got_meta[:, 0]",
+             "the deduplicating all-to-all expands every source's choices from the first source's tokens",
+             _k("tests/test_moe_parallel.py", "test_ep2_matches_single_process")),
 ]
 
 

@@ -118,7 +118,7 @@ class MoELayer(nn.Module):
         # Nothing up to the experts reads a device value on the host. On CUDA the experts sync
         # only in dropless mode without the grouped kernel (the padded buffer's size).
 
-        tokens_MD, splits_E = self.dispatcher.local_pre(x_ND, plan)
+        tokens_MD, splits_E = self.dispatcher.local_pre(x_ND, plan, routing.weights_NK)
         tokens_MD, splits_E = self.dispatcher.communicate(tokens_MD, splits_E)
         y_MD = self.experts(tokens_MD, splits_E, capacity=self.dispatcher.rows_bound(groups.rows_bound(E, K, cf)))
         y_MD = self.dispatcher.communicate_back(y_MD, splits_E)
