@@ -189,6 +189,25 @@ MUTATIONS: list[Mutation] = [
              '_adjust_lr(lr, group["adjust_lr_fn"], local_tensor(p).shape[-2:])',
              "Muon's lr adjusted by the local shard's shape, not the whole matrix's",
              _k("tests/test_muon.py", "parity_with_one_process")),
+    # ---------------------------------------------------------------- router options (DeepSeek-V3's)
+    Mutation("router-norm-no-eps", "moe/router.py",
+             "weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + NORM_EPS)",
+             "weights_NK / weights_NK.sum(dim=-1, keepdim=True)",
+             "normalised top-k weights without transformers' 1e-20 in the denominator",
+             _k("tests/test_router_options.py", "1e_20")),
+    Mutation("router-groups-by-max", "moe/router.py",
+             "group_NG = top_choices(scores_NGS, 2)[0].sum(dim=-1)", "group_NG = scores_NGS.amax(dim=-1)",
+             "group-limited routing ranks a group by its best score, not the sum of its two best",
+             _k("tests/test_router_options.py", "two_highest")),
+    Mutation("router-bias-local-loads", "runtime.py",
+             "self._moe.update_bias(self._sum_over_data if self._data_groups else None, applied)",
+             "self._moe.update_bias(None, applied)",
+             "the selection bias moves by this rank's loads only, not the global batch's",
+             _k("tests/test_router_options.py", "test_bias_and_training_under_plan_equal_one_process and dp2")),
+    Mutation("a2a-dedup-offset", "parallel/expert.py",
+             "row_of = got_meta[:, 0] + first_in[source_R]", "row_of = got_meta[:, 0]",
+             "the deduplicating all-to-all expands every source's choices from the first source's tokens",
+             _k("tests/test_moe_parallel.py", "test_ep2_matches_single_process")),
 ]
 
 

@@ -25,7 +25,7 @@ from shoal.models.hf.common import Family, Fields  # noqa: E402
 from shoal.models.hf.families import BY_TYPE  # noqa: E402
 from test_hf_families import FAMILIES, LOAD_REFUSED, ROUTER_LOSS  # noqa: E402
 
-_LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
+_LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 _ROPE = {"rope_type": "default", "rope_theta": 500.0}
 
 REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
@@ -42,6 +42,8 @@ REFUSED: dict[str, tuple[str, dict[str, Any]]] = {
     **{f"{f}-layer-types-some": (f"{f}-window", dict(layer_types=["full_attention", "sliding_attention"]))
        for f in ("qwen2", "qwen3", "qwen2_moe")},
     "qwen3-attention-bias": ("qwen3", dict(attention_bias=True)),
+    "qwen3_moe-attention-bias": ("qwen3_moe", dict(attention_bias=True)),
+    "qwen3_moe-mlp-only-names": ("qwen3_moe", dict(mlp_only_layers=["0"])),
     "qwen2_moe-mlp-only": ("qwen2_moe", dict(mlp_only_layers=[0])),
     "qwen2_moe-no-qkv-bias": ("qwen2_moe", dict(qkv_bias=False)),
     "qwen2_moe-dense-width": ("qwen2_moe-norm", dict(intermediate_size=96)),

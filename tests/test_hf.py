@@ -114,6 +114,31 @@ def test_qwen3_keeps_qk_norms_and_its_head_dim(tmp_path):
     assert Transformer(cfg).num_params() == expected == cfg.num_params()
 
 
+def test_qwen3_moe_maps_dense_layers_widths_and_counts(tmp_path):
+    """transformers 5 writes num_local_experts; the hub's Qwen3-MoE files write num_experts: both read alike, and
+    the export writes the hub's key (which transformers maps back)."""
+    import json
+
+    from shoal.models.hf.families import hf_config
+
+    hf = transformers.Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 3}, num_experts=8, num_experts_per_tok=2,
+                                     moe_intermediate_size=32, mlp_only_layers=[1], head_dim=32, norm_topk_prob=True)
+    folder = _write(tmp_path, hf)
+    cfg = _map(folder)
+    assert (cfg.num_experts, cfg.top_k, cfg.ffn_dim, cfg.dense_ffn_dim, cfg.moe_dense_layers) == (8, 2, 32, 96, (1,))
+    assert cfg.qk_norm and cfg.head_size == 32 and cfg.norm_topk and not cfg.num_shared_experts
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    expected = _hf_count(hf, transformers.Qwen3MoeForCausalLM)
+    assert Transformer(cfg).num_params() == expected == cfg.num_params()
+    raw = json.loads((folder / "config.json").read_text())
+    raw["num_experts"] = raw.pop("num_local_experts")  # as the hub's files have it
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert _map(folder) == cfg
+    out = hf_config(cfg.replace(moe_first_dense=1, moe_dense_layers=(2,)))
+    assert out["mlp_only_layers"] == [0, 2] and out["num_experts"] == 8 and out["intermediate_size"] == 96
+    assert transformers.Qwen3MoeConfig(**out).num_experts == 8
+
+
 @pytest.mark.parametrize("rope, fields", [
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
       "original_max_position_embeddings": 16},  # both factors off their defaults (1, 4)

@@ -48,6 +48,8 @@ def _rope(rope_type: str, **params: float) -> dict:
 _WINDOW = dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)  # Qwen's switch, on every layer
 _QWEN2_MOE = dict(_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   shared_expert_intermediate_size=48, norm_topk_prob=False)
+_QWEN3_MOE = dict(_LLAMA, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, intermediate_size=48,
+                  head_dim=32, norm_topk_prob=True)
 
 FAMILIES = {
     # Every field the mapping reads is off its default in some case (tests/test_config_mapping.py walks them).
@@ -83,6 +85,13 @@ FAMILIES = {
     "qwen2_moe-window": (transformers.Qwen2MoeConfig, dict(_QWEN2_MOE, **_WINDOW, tie_word_embeddings=True,
                                                            layer_types=["sliding_attention"] * 2,
                                                            num_experts_per_tok=3, hidden_act="swish")),
+    # Qwen3-MoE: 8 fine-grained experts; layer 0 dense (mlp_only_layers) at its own width, layer 1 MoE.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(_QWEN3_MOE, mlp_only_layers=[0])),
+    # Layer 1 dense by decoder_sparse_step=2 at the experts' width; raw top-k weights, windowed, tied.
+    "qwen3_moe-step": (transformers.Qwen3MoeConfig, dict(_QWEN3_MOE, decoder_sparse_step=2, norm_topk_prob=False,
+                                                         intermediate_size=32, num_hidden_layers=3, head_dim=8,
+                                                         use_sliding_window=True, sliding_window=8,
+                                                         tie_word_embeddings=True, hidden_act="swish")),
     "gpt2": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "gpt2-untied": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=48,
@@ -98,7 +107,7 @@ LOAD_REFUSED = {
 hidden_size / num_attention_heads (shoal.models.hf.qwen2 holds head_size 0)."""
 ROUTER_LOSS = {f"{name}-router": (FAMILIES[name][0], dict(FAMILIES[name][1], output_router_logits=True,
                                                           router_aux_loss_coef=0.5))
-               for name in ("mixtral", "qwen2_moe")}
+               for name in ("mixtral", "qwen2_moe", "qwen3_moe")}
 """output_router_logits=true: transformers' loss adds router_aux_loss_coef x its pooled load-balancing loss."""
 
 
@@ -115,7 +124,7 @@ def _hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
 
 def _file_layout(name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' in-memory names -> its files' (the MoE families fuse their experts in memory only)."""
-    if name not in ("mixtral", "qwen2_moe"):
+    if name not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return state
     prefix, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if name == "mixtral"
                                 else ("mlp", ("gate_proj", "up_proj", "down_proj")))
@@ -175,7 +184,7 @@ def test_logits_loss_and_gradients_equal_transformers(family):
 @pytest.mark.parametrize("name, off", [("llama3", dict(rope_type="default")), ("linear", dict(rope_type="default")),
                                        ("yarn", dict(rope_type="default")), ("mistral", dict(sliding_window=0)),
                                        ("qwen2", dict(qkv_bias=False)), ("qwen3", dict(qk_norm=False)),
-                                       ("qwen2_moe", dict(shared_gate=False))])
+                                       ("qwen2_moe", dict(shared_gate=False)), ("qwen3_moe", dict(norm_topk=False))])
 def test_each_feature_changes_the_logits(name, off, tmp_path):
     """The checks above are not vacuous: the same weights without the family's feature differ from
     transformers by far more than the tolerance."""
@@ -223,7 +232,7 @@ def test_gpt2_files_of_the_original_release_read_alike(tmp_path):
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_router_loss_with_output_router_logits_equals_transformers(name, tmp_path):
     """output_router_logits=true: transformers' loss is the cross-entropy plus router_aux_loss_coef x
     its load-balancing loss pooled over every layer; shoal's one-process training loss (the

@@ -57,6 +57,25 @@ def test_moe_count_by_hand():
     assert every_other.num_params(embedding=False) == 2 * (attn + norms) + expert + 4 * expert + router + final
 
 
+def test_dense_layers_and_widths_by_hand():
+    """Which blocks have experts (moe_every, moe_first_dense, moe_dense_layers) and the dense blocks' own width,
+    in the count and in the built model."""
+    cfg = ModelConfig(num_layers=6, dim=4, num_heads=2, ffn_dim=8, vocab_size=10, max_seq_len=8, num_experts=4,
+                      top_k=2, moe_first_dense=1, moe_dense_layers=(4,), dense_ffn_dim=12)
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [False, True, True, True, False, True]
+    assert [cfg.replace(moe_every=2).is_moe_layer(i) for i in range(6)] == [False, True, False, True, False, True]
+    attn, norms, final = 4 * 4 * 4, 2 * 4, 4
+    dense, expert, router = 3 * 4 * 12, 3 * 4 * 8, 4 * 4
+    assert cfg.num_params(embedding=False) == 6 * (attn + norms) + 2 * dense + 4 * (4 * expert + router) + final
+    model = Transformer(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert model.layers["0"].feed_forward.w1.weight.shape == (12, 4)
+    assert model.layers["1"].feed_forward.experts.w1.shape[1:] == (8, 4)
+    assert cfg.with_overrides(["moe_dense_layers=0,4"]).moe_dense_layers == (0, 4)
+    assert cfg.with_overrides(["moe_dense_layers=[2, 3]"]).moe_dense_layers == (2, 3)
+    assert cfg.with_overrides(["moe_dense_layers="]).moe_dense_layers == ()
+
+
 def test_flops_per_token_by_hand():
     # L=2, D=16, H=2 (E=8), F=32, V=10, SwiGLU, no bias, untied, RoPE; T=4.
     cfg = ModelConfig(num_layers=2, dim=16, num_heads=2, ffn_dim=32, vocab_size=10, max_seq_len=8)
@@ -181,6 +200,9 @@ def test_with_overrides_converts_types():
     (["num_experts=4", "top_k=5"], "top_k=5 must lie in 1..num_experts=4"),
     (["num_experts=4", "moe_every=0"], "moe_every=0 must be >= 1"),
     (["num_experts=4", "moe_every=5"], "moe_every=5 makes none of the 4 layers an MoE layer; valid: moe_every in 1..4"),
+    (["num_experts=4", "moe_dense_layers=1,9"], "moe_dense_layers=[1, 9] must be distinct layer indices in 0..3"),
+    (["num_experts=4", "moe_dense_layers=1,x"], "moe_dense_layers='1,x' is not a valid tuple[int,"),
+    (["dense_ffn_dim=-2"], "model field dense_ffn_dim=-2 must be >= 0"),
     (["init_std=-1"], "model field init_std=-1.0 must be >= 0"),
     (["init_std=nan"], "model field init_std=nan must be a finite number"),
     (["norm_eps=0"], "model field norm_eps=0.0 must be > 0"),

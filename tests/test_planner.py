@@ -64,6 +64,19 @@ def test_moe_block_counts_the_experts_a_token_uses():
     assert compute.experts_per_token(moe.replace(num_prototypes=2)) == 2
 
 
+def test_dense_first_layers_of_their_own_width_are_priced_by_hand():
+    """moe_first_dense and moe_dense_layers choose the dense blocks; a dense block's FFN is dense_ffn_dim wide
+    (2 * 3 * D * 512 = 393,216 FLOPs per token) and the experts stay ffn_dim (256) wide."""
+    from shoal.planner.costs import Costs
+
+    cfg = get_preset("tiny-moe").replace(num_layers=6, moe_first_dense=1, moe_dense_layers=(4,), dense_ffn_dim=512)
+    assert compute.mlp_matmul_flops(cfg) == 393_216 and compute.ffn_width(cfg, 0) == 512.0
+    assert compute.ffn_width(cfg, 1) == 2 * 256.0 and compute.ffn_width(cfg, 4) == 512.0
+    assert compute.block_index(cfg, moe=True) == 1 and compute.block_index(cfg, moe=False) == 0
+    assert Costs.moe_count(type("C", (), {"cfg": cfg})(), 0, 6) == 4  # type: ignore[arg-type]
+    assert Costs.moe_count(type("C", (), {"cfg": cfg})(), 3, 5) == 1  # type: ignore[arg-type]
+
+
 def test_activation_elements_by_hand():
     """Per token: RMSNorms 2 x (3D + 1) = 770; q, k, v (repeated to 8 heads), o = 4*128, + 8
     log-sum-exps; SwiGLU 4F = 1536. Under sequence parallelism a norm's input, normalised input and

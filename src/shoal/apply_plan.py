@@ -63,12 +63,13 @@ def parallelize(model: nn.Module, plan: Plan | None = None, mesh: DeviceMesh | N
     assert plan.vpp is not None, "rules.resolve chose it"
     tied = tied_embeddings(model)
     pooled = max((m.num_experts for m in model.modules() if isinstance(m, MoELayer) and m.aux_loss_pooled), default=0)
+    has_experts = any(isinstance(m, MoELayer) for m in model.modules())  # on any stage: the ep mesh is collective
     stages, layers = build_stages(model, rank=mesh["pp"].get_local_rank(), num_ranks=plan.pp, vpp=plan.vpp,
                           split=plan.split)
     choice = choose_engine(plan, num_layers=max(len(blocks_of(m)) for m in stages.values()))
     for s, stage in stages.items():
         stages[s], context = _within_stage(stage, mesh, plan, choice)
-    experts = _experts(list(stages.values()), mesh, plan)
+    experts = _experts(list(stages.values()), mesh, plan, model_has_experts=has_experts)
     modules = dict(stages)
     if len(stages) == 1:
         (s, stage), = stages.items()
@@ -125,14 +126,20 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _experts(parts: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> ExpertGrads | None:
+def _experts(parts: list[nn.Module], mesh: DeviceMesh, plan: Plan, *,
+             model_has_experts: bool | None = None) -> ExpertGrads | None:
     """ep > 1 or tp > 1 with MoE layers in this rank's model parts: the experts split over the ep
     axis (and within each expert over tp, and over the replicas under sharded data parallelism;
     shoal/parallel/expert.py), their gradients reduced by the returned object, which the data
-    engine leaves them to."""
-    if (plan.ep == 1 and plan.tp == 1) or not any(isinstance(m, MoELayer) for p in parts for m in p.modules()):
+    engine leaves them to. `model_has_experts` (pp): whether any stage has MoE layers; then every
+    rank joins the ep mesh's creation (collective over all ranks), a stage without any (dense
+    first layers) too, and gets None."""
+    mine = any(isinstance(m, MoELayer) for p in parts for m in p.modules())
+    if (plan.ep == 1 and plan.tp == 1) or not (mine or model_has_experts):
         return None
     emesh = ep_mesh(mesh.size(), plan.ep, mesh.device_type, tp=plan.tp, pp=plan.pp)
+    if not mine:
+        return None
     params = []
     for part in parts:
         names = apply_expert_parallel(part, emesh, shard_replicas=plan.fsdp > 1)

@@ -308,6 +308,8 @@ def _tensor_rule(plan: Plan, facts: RunFacts) -> str | None:
                  ("FFN hidden size", model.ffn_dim), ("vocabulary size", model.vocab_size)]
         if model.num_shared_experts and model.shared_ffn_dim:
             sizes.append(("shared-expert hidden size", model.shared_ffn_dim))
+        if model.dense_ffn_dim:
+            sizes.append(("dense-layer FFN hidden size", model.dense_ffn_dim))
         common = math.gcd(*(size for _, size in sizes))  # a valid tp divides every one of them
         for what, size in sizes:
             if size % plan.tp:

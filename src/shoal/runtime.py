@@ -265,6 +265,12 @@ class Runtime:
             self._experts.sync()
         self.moe_stats = self._moe.take_stats()
 
+    def update_router_bias(self, applied: torch.Tensor | None = None) -> None:
+        """After the optimizer step: move the MoE routers' selection biases by the loads of the step's whole
+        global batch (shoal.moe.collect.MoECollector.update_bias; nothing for a model without them).
+        `applied`: the step's on-device flag that the update was applied (the biases stay where it was not)."""
+        self._moe.update_bias(self._sum_over_data if self._data_groups else None, applied)
+
     @torch.no_grad()
     def eval_loss(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> torch.Tensor:
         """This rank's share of the micro-batches' loss (`share`), without gradients (on the device):

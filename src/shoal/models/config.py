@@ -102,7 +102,34 @@ class ModelConfig:
     with top_k=1 it makes every weight 1 and the gate learns from the auxiliary losses alone,
     so top-1 wants norm_topk=false (a warning says so)."""
     moe_every: int = 1
-    """Every moe_every-th layer is an MoE layer (when num_experts > 0)."""
+    """Every moe_every-th layer is an MoE layer (when num_experts > 0), unless `moe_first_dense` or
+    `moe_dense_layers` makes it dense (`is_moe_layer`)."""
+    moe_first_dense: int = 0
+    """The first this many layers are dense whatever moe_every says (DeepSeek's first_k_dense_replace)."""
+    moe_dense_layers: tuple[int, ...] = ()
+    """Layers (0-based indices) that are dense whatever moe_every says (Qwen3-MoE's mlp_only_layers); `--set`
+    takes them comma-separated (`moe_dense_layers=0,3`)."""
+    dense_ffn_dim: int = 0
+    """Hidden width of the dense layers' feed-forward block in a model with experts (DeepSeek's and Qwen3-MoE's
+    intermediate_size beside moe_intermediate_size); 0: ffn_dim."""
+    router_score: str = "softmax"
+    """How the router scores the experts: softmax (over the experts: Mixtral, Qwen) or sigmoid (each expert on its
+    own: DeepSeek-V3); see shoal.moe.router.Router."""
+    router_groups: int = 0
+    """Group-limited routing (DeepSeek-V3's n_group): the experts in this many contiguous groups, a group ranked by
+    the sum of its two highest scores, each token choosing among its router_topk_groups best groups; 0 or 1: off."""
+    router_topk_groups: int = 0
+    """The groups a token chooses its experts in (DeepSeek-V3's topk_group), with router_groups > 1."""
+    router_scale: float = 1.0
+    """The routing weights (after norm_topk's normalisation) times this (DeepSeek-V3's routed_scaling_factor)."""
+    router_bias: bool = False
+    """A per-expert bias added to the scores that choose the experts, never to the weights (DeepSeek-V3's
+    e_score_correction_bias; a buffer that checkpoints hold), moved by router_bias_rate after each step."""
+    router_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3's gamma): after each optimizer step the bias of every expert moves
+    by gamma * sign(mean load - its load), loads counted over the whole global batch; 0: the bias stays."""
+    seq_aux_coef: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss (its alpha; shoal.moe.router.sequence_balance_loss)."""
     num_prototypes: int = 0
     """Expert prototyping (M6-T): the experts in this many groups, top-1 in each (then it must
     equal top_k); 0: plain top-k over all experts."""
@@ -143,10 +170,12 @@ class ModelConfig:
     restart at each document; -1: off (attention spans the whole sequence)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))  # a list from a config file
         _check_choice("norm", self.norm, ("rmsnorm", "layernorm"))
         _check_choice("activation", self.activation, ("swiglu", "gelu"))
         _check_choice("pos_emb", self.pos_emb, ("rope", "learned"))
         _check_choice("rope_type", self.rope_type, ROPE_TYPES)
+        _check_choice("router_score", self.router_score, ("softmax", "sigmoid"))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -174,6 +203,10 @@ class ModelConfig:
         if self.num_experts and self.moe_every > self.num_layers:
             raise ValueError(f"moe_every={self.moe_every} makes none of the {self.num_layers} layers an MoE layer; "
                              f"valid: moe_every in 1..{self.num_layers}, or num_experts=0 for a dense model")
+        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.num_layers]
+        if bad or len(set(self.moe_dense_layers)) != len(self.moe_dense_layers):
+            raise ValueError(f"moe_dense_layers={list(self.moe_dense_layers)} must be distinct layer indices in "
+                             f"0..{self.num_layers - 1}")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must lie in 1..num_experts={self.num_experts}")
         if self.num_prototypes < 0 or (self.num_prototypes and (self.num_experts % self.num_prototypes
@@ -182,9 +215,11 @@ class ModelConfig:
                              f"and equal top_k={self.top_k} (top-1 in each group), or be 0 (plain top-k)")
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef", "num_shared_experts", "moe_group_tokens",
                      "head_size", "sliding_window", "rope_original_max_len", "rope_attention_factor",
-                     "shared_ffn_dim"):
+                     "shared_ffn_dim", "dense_ffn_dim", "moe_first_dense", "router_groups", "router_topk_groups",
+                     "router_bias_rate", "seq_aux_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model field {name}={getattr(self, name)} must be >= 0")
+        self._check_router()
         if self.rope_type != "default" and self.rope_factor <= 0:
             raise ValueError(f"rope_factor={self.rope_factor} must be > 0 with rope_type={self.rope_type!r}")
         if self.num_experts and self.top_k == 1 and self.norm_topk:
@@ -243,8 +278,37 @@ class ModelConfig:
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
+    def _check_router(self) -> None:
+        if self.router_scale <= 0:
+            raise ValueError(f"model field router_scale={self.router_scale} must be > 0")
+        if self.router_bias_rate and not self.router_bias:
+            raise ValueError(f"router_bias_rate={self.router_bias_rate} moves a bias the model lacks; valid: "
+                             "router_bias=true, or router_bias_rate=0")
+        E, groups = self.num_experts, self.router_groups
+        if E and groups > 1 and (E % groups or E // groups < 2 or not 1 <= self.router_topk_groups <= groups
+                                 or self.top_k > self.router_topk_groups * (E // groups)):
+            raise ValueError(f"router_groups={groups} with router_topk_groups={self.router_topk_groups} does not fit "
+                             f"num_experts={E}, top_k={self.top_k}; valid: groups of >= 2 experts dividing "
+                             "num_experts, router_topk_groups in 1..router_groups holding top_k experts")
+        if self.num_prototypes and (self.router_score != "softmax" or groups > 1 or self.router_bias):
+            raise ValueError(f"num_prototypes={self.num_prototypes} takes the softmax router without groups or bias; "
+                             "valid: num_prototypes=0, or router_score=softmax, router_groups=0, router_bias=false")
+
+    def router_options(self) -> dict[str, Any]:
+        """The MoE router's options (shoal.moe.router.Router's keywords) of these fields."""
+        return dict(score=self.router_score, expert_groups=self.router_groups, topk_groups=self.router_topk_groups,
+                    scale=self.router_scale, bias=self.router_bias, bias_rate=self.router_bias_rate)
+
+    @property
+    def dense_width(self) -> int:
+        """Hidden width of a dense layer's feed-forward block: dense_ffn_dim, else ffn_dim."""
+        return self.dense_ffn_dim or self.ffn_dim
+
     def is_moe_layer(self, index: int) -> bool:
-        return self.num_experts > 0 and (index + 1) % self.moe_every == 0
+        """Whether block `index` has experts: every moe_every-th (1-based) block, except the first
+        moe_first_dense ones and those moe_dense_layers lists."""
+        return (self.num_experts > 0 and (index + 1) % self.moe_every == 0 and index >= self.moe_first_dense
+                and index not in self.moe_dense_layers)
 
     def num_params(self, *, embedding: bool = True, active: bool = False) -> int:
         """Parameter count from the shape. `active`: count only the top_k experts a token uses."""
@@ -255,7 +319,7 @@ class ModelConfig:
             gated = self.activation == "swiglu"
             return (3 if gated else 2) * D * width + (width * (2 if gated else 1) + D if self.bias else 0)
 
-        mlp = mlp_of(F)
+        mlp = mlp_of(self.dense_width)
         norms = 2 * D * (2 if self.norm == "layernorm" and self.bias else 1)
         if self.bias or self.qkv_bias:
             attn += (self.num_heads + 2 * self.kv_heads) * self.head_dim
@@ -270,7 +334,7 @@ class ModelConfig:
         shared = self.num_shared_experts * mlp_of(self.shared_ffn_dim or F) + (D if self.shared_gate else 0)
         moe_layers = 1 if self.share_moe and num_moe and not active else num_moe  # WideNet: one set of weights
         total = (L * (attn + norms) + (L - num_moe) * mlp
-                 + moe_layers * (experts * mlp + shared + D * self.num_experts))
+                 + moe_layers * (experts * mlp_of(F) + shared + D * self.num_experts))
         total += D * (2 if self.norm == "layernorm" and self.bias else 1)  # final norm
         if embedding:
             total += self.vocab_size * D * (1 if self.tie_embeddings else 2)
@@ -349,6 +413,9 @@ def _convert(key: str, raw: str, type_name: str) -> object:
             return int(raw)
         if type_name.startswith("float"):
             return float(raw)
+        if type_name.startswith("tuple[int"):  # "0,3", or "[0, 3]" as a stored config writes it
+            text = raw.strip().removeprefix("[").removeprefix("(").removesuffix("]").removesuffix(")")
+            return tuple(int(v) for v in text.split(",") if v.strip())
         return raw
     except ValueError:
         raise ValueError(f"model field {key}={raw!r} is not a valid {type_name.split()[0]}") from None

@@ -89,9 +89,10 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.activation == "swiglu" else None
+        width = cfg.dense_width
+        self.w1 = nn.Linear(cfg.dim, width, bias=cfg.bias)
+        self.w2 = nn.Linear(width, cfg.dim, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.dim, width, bias=cfg.bias) if cfg.activation == "swiglu" else None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:
@@ -108,7 +109,8 @@ def make_ffn(cfg: ModelConfig, index: int) -> nn.Module:
                         num_shared_experts=cfg.num_shared_experts, shared_ffn_dim=cfg.shared_ffn_dim,
                         shared_gate=cfg.shared_gate, activation=cfg.activation, bias=cfg.bias,
                         init_std=cfg.init_std, num_layers=cfg.num_layers, aux_loss_coef=cfg.aux_loss_coef,
-                        z_loss_coef=cfg.z_loss_coef, aux_loss_pooled=cfg.aux_loss_pooled)
+                        z_loss_coef=cfg.z_loss_coef, aux_loss_pooled=cfg.aux_loss_pooled,
+                        seq_aux_coef=cfg.seq_aux_coef, router=cfg.router_options())
     return FeedForward(cfg)
 
 

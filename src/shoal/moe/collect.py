@@ -7,6 +7,13 @@ max over experts, summed over the step's micro-batches), the coefficient of vari
 routed counts, the dropped fraction and the two losses (means over calls), and each expert's
 share of the kept tokens (the load heatmap's column for this step).
 
+Auxiliary-loss-free balancing (a router with a selection bias and a rate, shoal.moe.router.Router): the
+collector adds up each such layer's expert loads over the training calls of a step, and `update_bias`
+moves the biases once per optimizer step, with the loads summed over every rank that sees other tokens
+(one all-reduce of all layers' loads at once, on the device: no host synchronisation). Every rank then
+holds the loads of the whole global batch (each pipeline stage for its own layers, which every
+micro-batch passes), so every plan moves the biases as one process does.
+
 A load-balancing loss pooled over layers (`aux_loss_pooled`, transformers' Mixtral and Qwen2-MoE)
 pools one forward's tokens: a micro-batch's, on every rank that sees other tokens of it (with
 accumulation the runtime takes the mean of the micro-batches' losses, as the HF Trainer does). Where
@@ -56,6 +63,12 @@ class MoECollector:
         self._stages: tuple[Started, int] | None = None  # see pool_over_stages
         self._open: dict[int, _Counts] = {}  # micro-batch -> its counts, until its sum starts
         self._micro: _Counts | None = None  # the counts of the forward under way (micro_batch)
+        self._biased: list[MoELayer] = []  # layers whose router moves its selection bias, each once
+        for module in model.modules():
+            if isinstance(module, MoELayer) and module.router.bias is not None and module.router.bias_rate:
+                if all(module is not m for m in self._biased):
+                    self._biased.append(module)
+        self._loads: dict[int, torch.Tensor] = {}  # id(layer) -> its loads over this step's training calls
 
     def __bool__(self) -> bool:
         return bool(self.names)
@@ -111,6 +124,9 @@ class MoECollector:
             return None  # recomputed inside backward (activation checkpointing): counted in forward
         if module.training:
             self._calls.setdefault(self.names[id(module)], []).append(module.stats)
+            if module.load is not None and module.router.bias is not None and module.router.bias_rate:
+                load = self._loads.get(id(module))
+                self._loads[id(module)] = module.load if load is None else load + module.load
         if not torch.is_grad_enabled():
             return None
         if self._attach is not None:
@@ -149,11 +165,39 @@ class MoECollector:
             losses.append(pooled_loss(pooled, self._pool))
         return torch.stack(losses).sum() if losses else None
 
+    @torch.no_grad()
+    def update_bias(self, total: Total | None = None, applied: torch.Tensor | None = None) -> None:
+        """After an optimizer step: each biased router's bias b_e += gamma * sign(mean load - load_e)
+        (DeepSeek-V3, Liu et al. 2024, section 2.1.2), the loads counted over the training calls since
+        the last update and, with `total` (the runtime's sum over the ranks that see other tokens), over
+        every such rank: one all-reduce of every layer's loads. `applied` (a 0-d bool on the device): the
+        step changed the weights; where it did not, nor do the biases. The counts are whole numbers held
+        exactly in float64, and the sign is taken of sum(load) - E load_e, so every plan moves the biases
+        alike, bit for bit."""
+        if not self._biased:
+            return
+        loads = [self._loads.pop(id(m), None) for m in self._biased]
+        device = next(load.device for load in [*loads, self._biased[0].router.bias] if load is not None)
+        self._loads = {}
+        packed = torch.cat([(load if load is not None else torch.zeros(m.num_experts, device=device)).double()
+                            for m, load in zip(self._biased, loads, strict=True)])
+        if total is not None:
+            packed = total(packed)
+        for layer, load_E in zip(self._biased, packed.split([m.num_experts for m in self._biased]), strict=True):
+            bias = layer.router.bias
+            assert bias is not None
+            step_E = layer.router.bias_rate * torch.sign(load_E.sum() - layer.num_experts * load_E)
+            if applied is not None:
+                step_E = step_E * applied.to(step_E.device)
+            bias.add_(step_E.to(bias.dtype).to(bias.device))
+
     def take_stats(self) -> dict[str, torch.Tensor]:
         """Per layer, the FIGURES of the training calls since the last take, as one float tensor
-        (then each expert's share of the kept tokens), on the device; {} without any."""
+        (then each expert's share of the kept tokens), on the device; {} without any. A layer with a
+        selection bias adds `<layer>/bias`: the bias its router chose with in those calls."""
         calls, self._calls = self._calls, {}
-        out = {}
+        out = {f"{self.names[id(m)]}/bias": m.router.bias.detach().float().clone() for m in self._biased
+               if m.router.bias is not None and self.names[id(m)] in calls}
         for name, stats in calls.items():
             kept = torch.stack([s["tokens_per_expert"] for s in stats]).sum(0)
             # Called only within this iteration, on this layer's stats.
@@ -201,14 +245,22 @@ def _short(name: str) -> str:
 
 def records(stats: dict[str, list[float]]) -> dict[str, Any]:
     """metrics.jsonl fields of one step's `take_stats` (read to the host): moe/<layer>/<figure>,
-    and moe_load, each expert's share of the kept tokens averaged over the layers."""
+    and moe_load, each expert's share of the kept tokens averaged over the layers; with selection
+    biases moe/<layer>/bias (per expert) and moe_bias, each expert's bias averaged over the layers."""
     out: dict[str, Any] = {}
     shares = []
+    biases = []
     for layer, values in stats.items():
+        if layer.endswith("/bias"):
+            out[f"moe/{layer}"] = list(values)
+            biases.append(values)
+            continue
         out.update({f"moe/{layer}/{key}": value for key, value in zip(FIGURES, values)})
         shares.append(values[len(FIGURES):])
     if shares:
         out["moe_load"] = [sum(col) / len(shares) for col in zip(*shares)]
+    if biases:
+        out["moe_bias"] = [sum(col) / len(biases) for col in zip(*biases)]
     return out
 
 

@@ -180,8 +180,10 @@ class Dispatcher:
     A subclass that overrides the two communication steps sees only tensors and split sizes.
     """
 
-    def local_pre(self, x_ND: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens_MD, splits_E): each choice's token, grouped by expert; splits count the kept rows."""
+    def local_pre(self, x_ND: torch.Tensor, plan: DispatchPlan,
+                  weights_NK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens_MD, splits_E): each choice's token, grouped by expert; splits count the kept rows.
+        `weights_NK` (the routing weights) is for a subclass that weighs the outputs where the experts are."""
         return x_ND.index_select(0, plan.token_M), plan.tokens_per_expert
 
     def communicate(self, tokens_MD: torch.Tensor, splits_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

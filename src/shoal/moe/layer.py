@@ -16,7 +16,7 @@ from torch import nn
 
 from shoal.moe.dispatch import Dispatcher, RoutingGroups, group_spans, plan_dispatch
 from shoal.moe.experts import Experts
-from shoal.moe.router import Router, expert_counts, load_balancing_loss, router_z_loss
+from shoal.moe.router import Router, expert_counts, load_balancing_loss, router_z_loss, sequence_balance_loss
 
 
 class MoELayer(nn.Module):
@@ -37,20 +37,27 @@ class MoELayer(nn.Module):
       aux_loss  load-balancing loss (see router.load_balancing_loss), float32, with gradient:
                 the mean over the routing groups of each group's loss;
       z_loss    router z-loss (router.router_z_loss), float32, with gradient: a mean over tokens;
+      seq_loss  with seq_aux_coef: DeepSeek-V3's sequence-wise balance loss
+                (router.sequence_balance_loss), float32, with gradient: a mean over sequences;
+      load      the choices per expert (E,), long, before dropping: what the selection bias's
+                update counts (shoal.moe.collect.MoECollector.update_bias);
       stats     detached float tensors: tokens_per_expert (E,) kept, dropped_fraction,
                 load_cv (std / mean of the routed counts before dropping, over this call's tokens:
                 unlike the losses, a figure of the micro-batch), aux_loss, z_loss.
-    The training loss adds coefficient * aux_loss and coefficient * z_loss; the layer does not.
+    The training loss adds coefficient * aux_loss, coefficient * z_loss and coefficient * seq_loss; the layer
+    does not. `router` takes the router's options (shoal.moe.router.Router: score, expert_groups, topk_groups,
+    scale, bias, bias_rate).
     """
 
     def __init__(self, dim: int, ffn_dim: int, *, num_experts: int, top_k: int, num_prototypes: int = 0,
                  capacity_factor: float = 1.25, group_tokens: int = 0, num_shared_experts: int = 0,
                  shared_ffn_dim: int = 0, shared_gate: bool = False, activation: str = "swiglu",
                  bias: bool = False, normalize: bool = True, init_std: float = 0.02, num_layers: int = 1,
-                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, aux_loss_pooled: bool = False) -> None:
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, aux_loss_pooled: bool = False,
+                 seq_aux_coef: float = 0.0, router: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        """The weights of aux_loss and z_loss in the training loss (`added_loss`)."""
+        self.aux_loss_coef, self.z_loss_coef, self.seq_aux_coef = aux_loss_coef, z_loss_coef, seq_aux_coef
+        """The weights of aux_loss, z_loss and seq_loss in the training loss (`added_loss`)."""
         self.aux_loss_pooled = aux_loss_pooled
         """The load-balancing loss is pooled over the model's MoE layers (`balance`, shoal.moe.collect)
         instead of this layer's own in `added_loss`."""
@@ -68,7 +75,8 @@ class MoELayer(nn.Module):
         self.capacity_factor = capacity_factor
         self.group_tokens = group_tokens
         """Tokens per routing group within a sequence (0: the whole sequence)."""
-        self.router = Router(dim, num_experts, top_k=top_k, num_prototypes=num_prototypes, normalize=normalize)
+        self.router = Router(dim, num_experts, top_k=top_k, num_prototypes=num_prototypes, normalize=normalize,
+                             **(router or {}))
         expert_args: dict[str, Any] = dict(activation=activation, bias=bias, init_std=init_std, num_layers=num_layers)
         self.experts = Experts(num_experts, dim, ffn_dim, **expert_args)
         # Shared experts: the same Experts module with every token sent to each of them.
@@ -78,6 +86,8 @@ class MoELayer(nn.Module):
         self.dispatcher = Dispatcher()
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
+        self.seq_loss: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -108,7 +118,7 @@ class MoELayer(nn.Module):
         # Nothing up to the experts reads a device value on the host. On CUDA the experts sync
         # only in dropless mode without the grouped kernel (the padded buffer's size).
 
-        tokens_MD, splits_E = self.dispatcher.local_pre(x_ND, plan)
+        tokens_MD, splits_E = self.dispatcher.local_pre(x_ND, plan, routing.weights_NK)
         tokens_MD, splits_E = self.dispatcher.communicate(tokens_MD, splits_E)
         y_MD = self.experts(tokens_MD, splits_E, capacity=self.dispatcher.rows_bound(groups.rows_bound(E, K, cf)))
         y_MD = self.dispatcher.communicate_back(y_MD, splits_E)
@@ -125,6 +135,9 @@ class MoELayer(nn.Module):
         self.aux_loss = load_balancing_loss(routing.probs_NE, routing.experts_NK, num_groups=self.router.num_groups,
                                             group_N=group_N, num_routing_groups=groups.num_groups)
         self.z_loss = router_z_loss(routing.logits_NE)
+        if self.seq_aux_coef:
+            self.seq_loss = sequence_balance_loss(routing.probs_NE, routing.experts_NK, sum(groups.spans))
+        self.load = plan.routed_per_expert
         self.balance = (expert_counts(routing.experts_NK, E).float(), routing.probs_NE.float().sum(0), N)
         self.stats = self._stats(plan.tokens_per_expert, plan.routed_per_expert, N)
         return y_ND.view_as(x_BTD)
@@ -132,9 +145,13 @@ class MoELayer(nn.Module):
     def added_loss(self) -> torch.Tensor:
         """What the last forward adds to the training loss: aux_loss_coef * aux_loss + z_loss_coef * z_loss."""
         assert self.aux_loss is not None and self.z_loss is not None, "call forward first"
-        if self.aux_loss_pooled:  # the collector adds the pooled load-balancing loss
-            return self.z_loss_coef * self.z_loss
-        return self.aux_loss_coef * self.aux_loss + self.z_loss_coef * self.z_loss
+        added = self.z_loss_coef * self.z_loss
+        if not self.aux_loss_pooled:  # else the collector adds the pooled load-balancing loss
+            added = added + self.aux_loss_coef * self.aux_loss
+        if self.seq_aux_coef:
+            assert self.seq_loss is not None
+            added = added + self.seq_aux_coef * self.seq_loss
+        return added
 
     @torch.no_grad()
     def _stats(self, kept_E: torch.Tensor, routed_E: torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor]:

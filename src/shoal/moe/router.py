@@ -39,13 +39,30 @@ def top_choices(probs_NE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return values_NE[..., :k], indices_NE[..., :k]
 
 
+NORM_EPS = 1e-20
+"""Added to the sum of a token's chosen weights before dividing by it, as transformers' DeepSeek-V3 does: it
+keeps a sum of sigmoid scores that underflows to 0 from giving 0/0. A softmax's top-k sum is at least K/E,
+where adding 1e-20 rounds back to the same float32 (Mixtral's and Qwen's division, bit for bit)."""
+
+SCORES = ("softmax", "sigmoid")
+
+
 class Router(nn.Module):
     """A bias-free linear gate D -> E followed by top-k selection (Shazeer et al. 2017).
 
-    Plain (num_prototypes=0): softmax over the E experts, the top_k most probable. With
-    `normalize` their weights are rescaled to sum to 1 (GShard's top-2, Mixtral); otherwise they
-    are the raw probabilities (Switch's top-1, DeepSeek-V2, OLMoE). With top_k=1 and `normalize`
-    the weight is always 1, so the gate learns only from the auxiliary losses.
+    Plain (num_prototypes=0): scores over the E experts, a softmax (`score`="softmax") or each
+    expert's sigmoid (DeepSeek-V3), the top_k highest. With `normalize` their weights are rescaled
+    to sum to 1 (GShard's top-2, Mixtral; the sum plus NORM_EPS); otherwise they are the raw scores
+    (Switch's top-1, DeepSeek-V2, OLMoE). With top_k=1 and `normalize` the weight is always 1, so the
+    gate learns only from the auxiliary losses. The weights are then multiplied by `scale`
+    (DeepSeek-V3's routed_scaling_factor).
+
+    Selection only (DeepSeek-V3, Liu et al. 2024, section 2.1.2): with `bias` a buffer b (E,) is added to
+    the scores that choose the experts, never to the weights (auxiliary-loss-free balancing: the
+    trainer moves b after each step, shoal.moe.collect.MoECollector.update_bias). Group-limited routing
+    (`expert_groups` = n_group > 1): the experts form n_group contiguous groups, each ranked by the sum
+    of its two highest choice scores, and a token chooses its top_k among the `topk_groups` best
+    groups only (the other groups' experts cannot be chosen, however negative the biased scores).
 
     Expert prototyping (num_prototypes=K > 0; Yang et al. 2021, M6-T, arXiv 2105.15082): the
     experts form K contiguous groups of E/K, each with its own softmax and top-1; the K outputs
@@ -56,7 +73,8 @@ class Router(nn.Module):
     """
 
     def __init__(self, dim: int, num_experts: int, *, top_k: int, num_prototypes: int = 0,
-                 normalize: bool = True) -> None:
+                 normalize: bool = True, score: str = "softmax", expert_groups: int = 0, topk_groups: int = 0,
+                 scale: float = 1.0, bias: bool = False, bias_rate: float = 0.0) -> None:
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"num_experts={num_experts} must be >= 1")
@@ -69,11 +87,36 @@ class Router(nn.Module):
         if num_prototypes and top_k != num_prototypes:
             raise ValueError(f"top_k={top_k} must equal num_prototypes={num_prototypes} under expert "
                              "prototyping (one choice per group)")
+        if score not in SCORES:
+            raise ValueError(f"router score={score!r} is not valid; valid: {', '.join(SCORES)}")
+        if expert_groups > 1 and (num_experts % expert_groups or num_experts // expert_groups < 2
+                                  or not 1 <= topk_groups <= expert_groups
+                                  or top_k > topk_groups * (num_experts // expert_groups)):
+            raise ValueError(f"expert_groups={expert_groups} with topk_groups={topk_groups} does not fit "
+                             f"num_experts={num_experts}, top_k={top_k}; valid: groups of >= 2 experts dividing "
+                             "num_experts, 1 <= topk_groups <= expert_groups, top_k within the chosen groups")
+        if num_prototypes and (score != "softmax" or expert_groups > 1 or bias):
+            raise ValueError("expert prototyping takes the softmax router without groups or a selection bias; "
+                             "valid: num_prototypes=0, or score='softmax', expert_groups=0 and bias=False")
         self.num_experts = num_experts
         self.top_k = top_k
         self.num_prototypes = num_prototypes
         self.normalize = normalize
+        self.score = score
+        self.expert_groups = expert_groups if expert_groups > 1 else 0
+        self.topk_groups = topk_groups
+        self.scale = scale
+        self.bias_rate = bias_rate
+        """The sign rule's step gamma (MoECollector.update_bias); 0 keeps the bias as it is."""
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", torch.zeros(num_experts) if bias else None)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """A selection bias starts at 0 (after building on the meta device it holds no values)."""
+        if self.bias is not None:
+            self.bias.zero_()
 
     @property
     def num_groups(self) -> int:
@@ -93,12 +136,48 @@ class Router(nn.Module):
             experts_NK = local_NK + offsets_K
             probs_NE = probs_NKG.flatten(-2)
         else:
-            probs_NE = logits_NE.softmax(dim=-1)
-            weights_NK, experts_NK = top_choices(probs_NE, self.top_k)
+            probs_NE = logits_NE.softmax(dim=-1) if self.score == "softmax" else logits_NE.sigmoid()
+            if self.bias is None and not self.expert_groups:
+                weights_NK, experts_NK = top_choices(probs_NE, self.top_k)
+            else:
+                choice_NE = probs_NE.detach() if self.bias is None else probs_NE.detach() + self.bias.float()
+                if self.expert_groups:
+                    choice_NE = limit_to_groups(choice_NE, self.expert_groups, self.topk_groups)
+                experts_NK = top_choices(choice_NE, self.top_k)[1]
+                weights_NK = probs_NE.gather(-1, experts_NK)
         if self.normalize:  # over the K choices (the K prototypes' winners under prototyping)
-            weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+            weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + NORM_EPS)
+        if self.scale != 1.0:
+            weights_NK = weights_NK * self.scale
         return Routing(experts_NK=experts_NK, weights_NK=weights_NK.to(x_ND.dtype),
                        probs_NE=probs_NE, logits_NE=logits_NE)
+
+
+def limit_to_groups(choice_NE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """`choice_NE` with every expert outside each token's `topk_groups` best groups set to -inf: the
+    experts in `num_groups` contiguous groups, a group ranked by the sum of its two highest scores
+    (DeepSeek-V3's group-limited routing; ties between groups go to the lower index)."""
+    N, E = choice_NE.shape
+    scores_NGS = choice_NE.view(N, num_groups, E // num_groups)
+    group_NG = top_choices(scores_NGS, 2)[0].sum(dim=-1)
+    kept_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(1, top_choices(group_NG, topk_groups)[1], True)
+    return scores_NGS.masked_fill(~kept_NG[..., None], float("-inf")).view(N, E)
+
+
+def sequence_balance_loss(probs_NE: torch.Tensor, experts_NK: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (Liu et al. 2024, eq. 17-20), float32, the mean over
+    the sequences: within each sequence of T = `seq_len` consecutive tokens, sum_e f_e P_e with f_e =
+    E / (K T) x the choices of e, P_e = the mean over the tokens of e's score divided by the token's
+    sum of scores. 1 when both are uniform; gradients reach P only."""
+    N, K = experts_NK.shape
+    E = probs_NE.shape[-1]
+    B = N // seq_len
+    counts_BE = torch.zeros(B, E, device=probs_NE.device).scatter_add_(
+        1, experts_NK.reshape(B, seq_len * K), torch.ones(B, seq_len * K, device=probs_NE.device))
+    f_BE = counts_BE * (E / (K * seq_len))
+    share_NE = probs_NE.float() / probs_NE.float().sum(dim=-1, keepdim=True)
+    P_BE = share_NE.view(B, seq_len, E).mean(dim=1)
+    return (f_BE * P_BE).sum(dim=1).mean()
 
 
 def expert_counts(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -32,9 +32,11 @@ parallelism and with tensor parallelism.
   tp mesh; shared experts are split like the routed ones. `MoETensorParallel` is the style the
   tensor-parallel plan gives an MoE layer. Expert biases are not split (shoal.rules refuses
   them with tp).
-- The dispatcher's communication steps (shoal/moe/dispatch.py) become two all-to-alls with
-  uneven splits (`AllToAllDispatcher`): the kept rows go to the ranks of their experts, are
-  regrouped there by local expert, and come back in their original order. Capacity and dropping
+- The dispatcher's communication steps (shoal/moe/dispatch.py) become all-to-alls with uneven
+  splits (`AllToAllDispatcher`): each token goes once to every rank that holds any of its kept
+  choices, is expanded there to one row per choice, regrouped by local expert, and its weighted
+  outputs come back summed, one row per rank (bench/moe_a2a_bytes.py counts the bytes against the
+  minimum). Capacity and dropping
   are decided before, per routing group on the rank that holds the group's tokens, so ep changes
   no token's fate; an expert then receives up to ep times a rank's capacity (`rows_bound`).
 - Gradients: an expert's gradient on its rank already sums the contributions of every token
@@ -62,7 +64,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from shoal.mesh import shared_mesh
-from shoal.moe.dispatch import Dispatcher
+from shoal.moe.dispatch import Dispatcher, DispatchPlan
 from shoal.moe.experts import Experts
 from shoal.moe.layer import MoELayer
 
@@ -240,40 +242,98 @@ class MoETensorParallel(ParallelStyle):
 
 
 class AllToAllDispatcher(Dispatcher):
-    """The dispatcher's two communication steps over an ep group (see the module docstring)."""
+    """The dispatcher's two communication steps over an ep group (see the module docstring), each token
+    sent once per rank that holds any of its kept choices, not once per choice (DeepSeek-V3's
+    node-limited dispatch at rank level): a rank sends, per destination, its distinct tokens and, per
+    kept choice, which of them it is, its expert and its weight (an index and a float beside a row of
+    D). The destination expands the tokens to one row per choice, runs its experts, weighs each output
+    and sums a token's choices into one row, which goes back once; the source adds its tokens' rows
+    from every rank. A token's output is then summed rank by rank rather than choice by choice (the
+    same terms, another order: float rounding only)."""
 
     def __init__(self, group: dist.ProcessGroup, *, num_experts: int, ep: int) -> None:
         self.group, self.num_experts, self.ep = group, num_experts, ep
-        self._back: tuple[torch.Tensor, list[int], list[int], int] | None = None
+        self._pre: tuple[DispatchPlan, torch.Tensor, torch.Tensor] | None = None
+        self._back: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int], torch.Tensor] | None = None
+        self.last_sent = (0, 0)
+        """(token rows, choices) the last dispatch sent to other ranks: a row is D values, a choice an index pair
+        and a weight (what bench.moe_a2a_bytes counts)."""
+
+    def local_pre(self, x_ND: torch.Tensor, plan: DispatchPlan,
+                  weights_NK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        assert weights_NK is not None, "the experts' ranks weigh the outputs: local_pre needs the routing weights"
+        self._pre = (plan, x_ND, weights_NK)
+        return x_ND, plan.tokens_per_expert  # the rows are taken in `communicate`, once per rank
 
     def communicate(self, tokens_MD: torch.Tensor, splits_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        local = self.num_experts // self.ep
-        # Counts per (destination rank, its expert) out, per (source rank, my expert) in.
-        counts_in = funcol.all_to_all_single(splits_E.contiguous(), None, None, self.group).wait()  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
-        send = splits_E.view(self.ep, local).sum(1).tolist()  # host sync: all-to-all sizes
-        receive_RE = counts_in.view(self.ep, local)
-        receive = receive_RE.sum(1).tolist()
-        kept = sum(send)
-        got = funcol.all_to_all_single_autograd(tokens_MD[:kept].contiguous(), receive, send, self.group)
-        # Rows arrive by source rank, each grouped by my experts: regroup by expert (stable).
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=got.device).repeat(self.ep), receive_RE.flatten())
-        order = torch.argsort(expert_of_row, stable=True)
-        self._back = (order, send, receive, tokens_MD.shape[0])
-        return got.index_select(0, order), receive_RE.sum(0)
+        assert self._pre is not None, "local_pre first"
+        plan, x_ND, weights_NK = self._pre
+        self._pre = None
+        N, K = plan.position_NK.shape
+        device, local = x_ND.device, self.num_experts // self.ep
+        kept = int(splits_E.sum())  # host sync (the all-to-all sizes need the host anyway)
+        # Kept rows (the first `kept`, in expert order): each one's expert, token, weight and destination.
+        expert_M = torch.repeat_interleave(torch.arange(self.num_experts, device=device), splits_E, output_size=kept)
+        weight_M = torch.zeros(N * K, dtype=weights_NK.dtype, device=device).scatter(
+            0, plan.position_NK.reshape(-1), weights_NK.reshape(-1))[:kept]
+        rank_M = expert_M // local
+        # Distinct (destination rank, token) pairs, by rank then token; each kept row's pair.
+        pairs, pair_M = torch.unique(rank_M * N + plan.token_M[:kept], sorted=True, return_inverse=True)
+        token_U, rank_U = pairs % N, pairs // N
+        counts_in = funcol.all_to_all_single(  # type: ignore[attr-defined]  # an AsyncCollectiveTensor
+            _per_rank(rank_U, splits_E, self.ep), None, None, self.group).wait()
+        counts_in = counts_in.view(self.ep, 1 + local)
+        send_rows = splits_E.view(self.ep, local).sum(1)
+        send_tokens = torch.zeros(self.ep, dtype=torch.long, device=device).index_add_(
+            0, rank_U, torch.ones_like(rank_U))
+        sizes = torch.stack([send_tokens, send_rows, counts_in[:, 0], counts_in[:, 1:].sum(1)]).tolist()  # host sync
+        send_u, send_m, recv_u, recv_m = sizes
+        me = dist.get_rank(self.group)
+        self.last_sent = (sum(send_u) - send_u[me], sum(send_m) - send_m[me])
+        got_x = funcol.all_to_all_single_autograd(x_ND.index_select(0, token_U), recv_u, send_u, self.group)
+        # Per kept row: its token's place among the destination's distinct tokens from this rank, and its expert.
+        first_U = torch.cumsum(send_tokens, 0) - send_tokens
+        meta = torch.stack([pair_M - first_U[rank_M], expert_M % local], dim=1)
+        got_meta = funcol.all_to_all_single(meta, recv_m, send_m, self.group).wait()  # type: ignore[attr-defined]
+        got_w = funcol.all_to_all_single_autograd(weight_M.contiguous(), recv_m, send_m, self.group)
+        # Received rows by source rank: offset each index by the source's first distinct token here.
+        first_in = torch.cumsum(torch.tensor(recv_u, device=device), 0) - torch.tensor(recv_u, device=device)
+        source_R = torch.repeat_interleave(torch.arange(self.ep, device=device), torch.tensor(recv_m, device=device),
+                                           output_size=sum(recv_m))
+        row_of = got_meta[:, 0] + first_in[source_R]
+        order = torch.argsort(got_meta[:, 1], stable=True)  # regroup by my expert
+        self._back = (row_of, order, got_w, send_u, recv_u, token_U)
+        counts_E = counts_in[:, 1:].sum(0)
+        return got_x.index_select(0, row_of).index_select(0, order), counts_E
 
     def communicate_back(self, y_MD: torch.Tensor, splits_E: torch.Tensor) -> torch.Tensor:
         assert self._back is not None, "communicate first"
-        order, send, receive, rows = self._back
-        self._back = None
+        row_of, order, got_w, send_u, recv_u, token_U = self._back
         unsorted = torch.empty_like(y_MD).index_copy(0, order, y_MD)  # undo the regrouping
-        back = funcol.all_to_all_single_autograd(unsorted.contiguous(), send, receive, self.group)
-        return torch.cat([back, back.new_zeros(rows - back.shape[0], back.shape[1])])  # the dropped rows
+        weighted = unsorted * got_w.to(unsorted.dtype).unsqueeze(-1)
+        summed = torch.zeros(sum(recv_u), y_MD.shape[1], dtype=y_MD.dtype, device=y_MD.device).index_add(
+            0, row_of, weighted)
+        return funcol.all_to_all_single_autograd(summed, send_u, recv_u, self.group)
+
+    def local_post(self, y_MD: torch.Tensor, plan: DispatchPlan, weights_NK: torch.Tensor,
+                   num_tokens: int) -> torch.Tensor:
+        """A token's rows from every rank (already weighed and summed over that rank's choices), added."""
+        assert self._back is not None, "communicate_back first"
+        token_U = self._back[5]
+        self._back = None
+        return torch.zeros(num_tokens, y_MD.shape[1], dtype=y_MD.dtype, device=y_MD.device).index_add(
+            0, token_U, y_MD)
 
     def rows_bound(self, local_bound: int | None) -> int | None:
         """An expert receives up to `local_bound` rows (its capacity summed over the sender's routing
         groups) from each of the ep ranks."""
         return None if local_bound is None else local_bound * self.ep
+
+
+def _per_rank(rank_U: torch.Tensor, splits_E: torch.Tensor, ep: int) -> torch.Tensor:
+    """What a rank tells each destination: its distinct tokens for it, then its rows per expert there."""
+    tokens_R = torch.zeros(ep, dtype=torch.long, device=splits_E.device).index_add_(0, rank_U, torch.ones_like(rank_U))
+    return torch.cat([tokens_R[:, None], splits_E.view(ep, -1)], dim=1).reshape(-1).contiguous()
 
 
 class ExpertGrads:

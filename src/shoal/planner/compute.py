@@ -50,9 +50,9 @@ class BlockWork:
 
 
 def mlp_matmul_flops(cfg: ModelConfig, width: float | None = None) -> float:
-    """Forward FLOPs per token of one FFN of hidden `width` (default: the dense FFN's, ffn_dim):
+    """Forward FLOPs per token of one FFN of hidden `width` (default: the dense FFN's, dense_width):
     2 per weight (three matrices for SwiGLU)."""
-    return 2.0 * (3 if cfg.activation == "swiglu" else 2) * cfg.dim * (cfg.ffn_dim if width is None else width)
+    return 2.0 * (3 if cfg.activation == "swiglu" else 2) * cfg.dim * (cfg.dense_width if width is None else width)
 
 
 def shared_width(cfg: ModelConfig) -> int:
@@ -61,11 +61,11 @@ def shared_width(cfg: ModelConfig) -> int:
 
 
 def ffn_width(cfg: ModelConfig, index: int) -> float:
-    """Summed hidden width of the FFNs a token passes through in block `index`: ffn_dim in a dense
+    """Summed hidden width of the FFNs a token passes through in block `index`: dense_width in a dense
     block; in an MoE block top-k routed experts (or one per prototype group) of ffn_dim each, plus
     every shared expert at its own width."""
     if not cfg.is_moe_layer(index):
-        return float(cfg.ffn_dim)
+        return float(cfg.dense_width)
     routed = cfg.num_prototypes if cfg.num_prototypes else cfg.top_k
     return float(routed * cfg.ffn_dim + cfg.num_shared_experts * shared_width(cfg))
 
@@ -111,9 +111,7 @@ def latent_elements(cfg: ModelConfig, *, compiled: bool) -> float:
 def block_index(cfg: ModelConfig, *, moe: bool) -> int:
     """The block the estimates price for every block of its kind: the first with experts, or the first without
     (0 when every block has them)."""
-    if moe:
-        return cfg.moe_every - 1
-    return next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), 0)
+    return next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i) == moe), 0)
 
 
 def experts_per_token(cfg: ModelConfig) -> float:
@@ -254,7 +252,7 @@ def block_matmuls(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
     product's output is split over the ranks; a row-parallel one (wo, w2) produces the whole width on every rank,
     a partial sum before its reduction."""
     D, q, kv = cfg.dim, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    F = cfg.ffn_dim
+    F = cfg.dense_width
     ffn = ([("w1", D, F, True), ("w3", D, F, True)] if cfg.activation == "swiglu" else [("w1", D, F, True)])
     return (("wq", D, q, True), ("wk", D, kv, True), ("wv", D, kv, True), ("wo", q, D, False),
             *ffn, ("w2", F, D, False))

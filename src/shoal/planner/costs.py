@@ -161,11 +161,8 @@ class Costs:
         return compute.head_flops(self.cfg) / (dense.matmul + dense.attention)
 
     def moe_count(self, lo: int, hi: int) -> int:
-        """MoE blocks among lo..hi-1 (block i is MoE when (i + 1) % moe_every == 0)."""
-        if not self.cfg.num_experts:
-            return 0
-        k = self.cfg.moe_every
-        return hi // k - lo // k
+        """MoE blocks among lo..hi-1 (ModelConfig.is_moe_layer)."""
+        return sum(self.cfg.is_moe_layer(i) for i in range(lo, hi))
 
     def stage(self, lo: int, hi: int, *, head: bool) -> tuple[float, float, dict[str, float]]:
         """(forward, backward, terms per micro-batch) of blocks lo..hi-1 (and the head)."""
@@ -480,7 +477,7 @@ def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: b
     fused product with `fused_qkv`; three otherwise, as shoal's wq, wk, wv) and output projections and the dense
     FFN as (tokens x k) @ (k x n) on one tp rank, forward and backward (_training_gemm_time). Routed experts and the
     router are left at 1."""
-    D, F, hd = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    D, F, hd = cfg.dim, cfg.dense_width, cfg.head_dim
     q, kv = cfg.num_heads * hd / tp, cfg.kv_heads * hd / tp
     gemms: list[tuple[float, float]] = [(q + 2 * kv, D)] if fused_qkv else [(q, D), (kv, D), (kv, D)]  # (n, k)
     gemms += [(D, q)]

@@ -28,6 +28,7 @@ from shoal.loss import IGNORE
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, ModelShape, build_model
 from shoal.moe.collect import MoECollector
+from shoal.parallel.data import clean_name
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.testing.asserts import FLOOR_ULPS, MOVED, SLACK, U32, assert_rounding_close, full_tensors
@@ -57,6 +58,8 @@ HF_FAMILIES: dict[str, ModelConfig] = {
     "mixtral": _HF_BASE.replace(**_HF_MOE),
     "qwen2_moe": _HF_BASE.replace(**_HF_MOE, ffn_dim=32, qkv_bias=True, norm_topk=False, num_shared_experts=1,
                                   shared_ffn_dim=48, shared_gate=True),
+    "qwen3_moe": _HF_BASE.replace(**{**_HF_MOE, "num_experts": 8}, ffn_dim=32, dense_ffn_dim=48, moe_dense_layers=(0,),
+                                  qk_norm=True, head_size=32, num_layers=3),
 }
 """Tiny shapes of what shoal.from_hf makes of each Hugging Face family's config (tests/test_hf.py
 checks that mapping; tests/test_hf_families.py checks each against transformers' model): the
@@ -138,12 +141,14 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32,
             result["grads"] = full_tensors(model, grads=True)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.grad_clip or float("inf"))
         optimizer.step()
+        moe.update_bias()  # an MoE router's selection bias, by the step's loads (none: nothing)
         if step == 0:
             result["params"] = full_tensors(model)
             result["grad_norm"] = norm.item()
         result["losses"].append(loss_sum)
         result["grad_norms"].append(norm.item())
     result["final_params"] = full_tensors(model)
+    result["router_bias"] = router_biases([model])
     if after is not None:
         after(model, optimizer)
     return result
@@ -240,7 +245,14 @@ def run_parallel(case: ParityCase) -> dict[str, Any]:
         result["losses"].append(float(out.loss))
         result["grad_norms"].append(float(out.grad_norm))
     result["final_params"] = full_tensors(runtime)
+    result["router_bias"] = router_biases(runtime.parts)
     return result
+
+
+def router_biases(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The MoE routers' selection biases these model parts hold (a pipeline stage: its own layers'), by name."""
+    return {clean_name(name): buf.detach().cpu().clone() for part in parts for name, buf in part.named_buffers()
+            if name.endswith("router.bias")}
 
 
 _REFERENCES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
@@ -376,7 +388,7 @@ def case(**kwargs: Any) -> ParityCase:
 
 HF_PLANS: dict[str, int] = {
     "tp2": 2, "pp2": 2, "pp2,sched=zb": 2, "fsdp2,zero=1": 2, "fsdp2,zero=2": 2, "fsdp2": 2, "cp2": 2,
-    "cp2,cp_mode=a2a": 2, "ep2": 2, "fsdp2,tp2": 4, "tp2,pp2": 4, "fsdp2,ep2": 2,
+    "cp2,cp_mode=a2a": 2, "ep2": 2, "fsdp2,tp2": 4, "tp2,pp2": 4, "fsdp2,ep2": 2, "tp2,ep2": 4, "pp2,ep2": 4,
 }
 """The plans every Hugging Face family is asked to take (issue 25), each with its process count:
 every axis alone (pp2 runs 1f1b; fsdp2 is ZeRO-3; cp2 is ring attention) and three two-axis plans."""

@@ -125,7 +125,8 @@ def dumps(value: Any, **kwargs: Any) -> str:
 
 def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path:
     """A heatmap: experts (rows) by steps (columns), each expert's share of the kept tokens
-    (averaged over the MoE layers); an even load is 1/E everywhere."""
+    (averaged over the MoE layers); an even load is 1/E everywhere. With selection biases, a second
+    heatmap of each expert's bias (averaged over the layers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,13 +134,21 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path:
 
     rows = [r for r in records if "moe_load" in r]
     load = torch.tensor([r["moe_load"] for r in rows]).T  # (E, steps)
-    fig, ax = plt.subplots(figsize=(7, 1.5 + 0.25 * load.shape[0]))
-    image = ax.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest",
-                      extent=(rows[0]["step"] - 0.5, rows[-1]["step"] + 0.5, load.shape[0] - 0.5, -0.5))
-    ax.set_xlabel("step")
-    ax.set_ylabel("expert")
-    ax.set_title(f"share of kept tokens per expert (even: {1 / load.shape[0]:.3f})")
-    fig.colorbar(image, ax=ax)
+    biased = [r for r in rows if "moe_bias" in r]
+    height = 1.5 + 0.25 * load.shape[0]
+    fig, axes = plt.subplots(2 if biased else 1, 1, figsize=(7, height * (2 if biased else 1)), squeeze=False)
+    extent = (rows[0]["step"] - 0.5, rows[-1]["step"] + 0.5, load.shape[0] - 0.5, -0.5)
+    panels = [(load, f"share of kept tokens per expert (even: {1 / load.shape[0]:.3f})", "viridis", extent)]
+    if biased:  # the selection bias (auxiliary-loss-free balancing), averaged over the layers
+        bias = torch.tensor([r["moe_bias"] for r in biased]).T
+        panels.append((bias, "selection bias per expert", "coolwarm",
+                       (biased[0]["step"] - 0.5, biased[-1]["step"] + 0.5, bias.shape[0] - 0.5, -0.5)))
+    for ax, (values, title, cmap, box) in zip(axes[:, 0], panels, strict=True):
+        image = ax.imshow(values, aspect="auto", cmap=cmap, interpolation="nearest", extent=box)
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert")
+        ax.set_title(title)
+        fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

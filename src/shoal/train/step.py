@@ -48,7 +48,8 @@ def train_step(
     loss_fn: LossFn | None = None,
     before_update: Callable[[Runtime], None] | None = None,
 ) -> StepResult:
-    """Forward and backward, gradient norm (fp16: unscaled), clipping, optimizer and scheduler step.
+    """Forward and backward, gradient norm (fp16: unscaled), clipping, optimizer step (and the MoE routers'
+    selection biases: Runtime.update_router_bias) and scheduler step.
     `before_update(runtime)` sees the true gradients before they are clipped (the parity harness
     compares them).
 
@@ -67,6 +68,7 @@ def train_step(
     applied = loss_ok & torch.isfinite(grad_norm)
     runtime.clip_grads_(grad_clip, grad_norm)
     gated_step(optimizer, applied)
+    runtime.update_router_bias(applied)
     if scheduler is not None:
         scheduler.step()
     overflow = overflow & loss_ok if overflow is not None else torch.zeros_like(applied)

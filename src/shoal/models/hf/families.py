@@ -2,7 +2,8 @@
 adapter's weight map (shoal.models.adapter, `weight_map()`), which `shoal.from_hf`, `--model hf:`,
 `--init` and `shoal export --hf` ask.
 
-Each family is one module (shoal.models.hf.llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, gpt2)
+Each family is one module (shoal.models.hf.llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe,
+gpt2)
 holding its config in and out, its weight names and layouts, and its refusals; this module finds the
 family of a config.json (by `model_type`) or of a shoal config (`hf_family`), and runs the mapping
 both ways. Field names and defaults follow transformers' configuration classes (5.x, which also
@@ -29,11 +30,11 @@ import torch
 from torch import Tensor
 
 from shoal.models.config import ModelConfig, ModelWarning, get_preset
-from shoal.models.hf import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3
+from shoal.models.hf import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from shoal.models.hf.common import Box, Family, Fields, HFTensor, OpenKey, SliceLayout, read_box
 
-FAMILIES: tuple[Family, ...] = (gpt2.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3.FAMILY, qwen2.FAMILY,
-                                mistral.FAMILY, llama.FAMILY)
+FAMILIES: tuple[Family, ...] = (gpt2.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, qwen3.FAMILY,
+                                qwen2.FAMILY, mistral.FAMILY, llama.FAMILY)
 """Every family, in the order `hf_family` asks them whether a shoal config is theirs (the first wins)."""
 BY_TYPE = {family.model_type: family for family in FAMILIES}
 """The family of a config.json's `model_type`."""
@@ -248,7 +249,7 @@ def _hf_optional(cfg: ModelConfig, key: str) -> bool:
     return key.endswith(family_of(cfg).buffers) or (cfg.tie_embeddings and key == "lm_head.weight")
 
 
-HF_LLAMA = SliceLayout(name="Hugging Face Llama-layout (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe)",
+HF_LLAMA = SliceLayout(name="Hugging Face Llama-layout (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe)",
                        marker=llama.EMBED_KEY, sources=_hf_sources, read_slice=_hf_read, optional=_hf_optional,
                        check=hf_family)
 HF_GPT2 = SliceLayout(name="Hugging Face GPT-2", marker=gpt2.EMBED_KEY, sources=_hf_sources, read_slice=_hf_read,

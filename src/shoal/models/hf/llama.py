@@ -153,7 +153,7 @@ def base_config(cfg: ModelConfig, family: Family) -> dict[str, Any]:
     """The config.json fields of a Llama-style family (its RoPE scaling included)."""
     out: dict[str, Any] = {
         "architectures": [family.architecture], "model_type": family.model_type,
-        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_attention_heads": cfg.num_heads,
+        "hidden_size": cfg.dim, "intermediate_size": cfg.dense_width, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "num_hidden_layers": cfg.num_layers,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",

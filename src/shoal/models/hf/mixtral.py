@@ -17,8 +17,12 @@ from shoal.models.hf.common import Family, Fields, HFTensor
 DEFAULTS: dict[str, Any] = {**llama.DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                             "max_position_embeddings": 131072, "num_local_experts": 8, "num_experts_per_tok": 2,
                             "router_aux_loss_coef": 0.001, "output_router_logits": False, "sliding_window": None}
-_HOLDS = dict(bias=False, qkv_bias=False, qk_norm=False, moe_every=1, num_prototypes=0, capacity_factor=0.0,
-              norm_topk=True, share_moe=False)
+ROUTER_HOLDS = dict(router_score="softmax", router_groups=0, router_scale=1.0, router_bias=False)
+"""The router options transformers' softmax families (Mixtral, Qwen2-MoE, Qwen3-MoE) do not have."""
+_HOLDS = dict(**ROUTER_HOLDS,
+              bias=False, qkv_bias=False, qk_norm=False, moe_every=1, num_prototypes=0, capacity_factor=0.0,
+              norm_topk=True, share_moe=False,
+              moe_first_dense=0, moe_dense_layers=(), dense_ffn_dim=0)
 
 
 def config_in(hf: Fields) -> dict[str, Any]:

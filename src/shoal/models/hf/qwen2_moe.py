@@ -19,8 +19,10 @@ DEFAULTS: dict[str, Any] = {**llama.DEFAULTS, "max_position_embeddings": 32768, 
                             "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60,
                             "norm_topk_prob": False, "output_router_logits": False, "router_aux_loss_coef": 0.001,
                             "mlp_only_layers": [], "qkv_bias": True}
-_HOLDS = dict(bias=False, qkv_bias=True, qk_norm=False, num_prototypes=0, num_shared_experts=1, shared_gate=True,
-              capacity_factor=0.0, share_moe=False, head_size=0)
+_HOLDS = dict(**mixtral.ROUTER_HOLDS,
+              bias=False, qkv_bias=True, qk_norm=False, num_prototypes=0, num_shared_experts=1, shared_gate=True,
+              capacity_factor=0.0, share_moe=False, head_size=0,
+              moe_first_dense=0, moe_dense_layers=(), dense_ffn_dim=0)
 
 
 def config_in(hf: Fields) -> dict[str, Any]:
