@@ -181,7 +181,14 @@ class PlainRouterLosses:
 
     @staticmethod
     def wanted(model: nn.Module) -> bool:
-        return any(getattr(module, "aux_loss_pooled", False) for module in model.modules())
+        """The model's layers pool the load-balancing loss and no router moves a selection bias (whose update
+        the collector's reference, tests/test_router_options.py, checks against the paper's formula)."""
+        modules = list(model.modules())
+        return (any(getattr(m, "aux_loss_pooled", False) for m in modules)
+                and not any(getattr(m, "bias_rate", 0) for m in modules))
+
+    def update_bias(self) -> None:
+        """No router here moves a bias (`wanted`)."""
 
     def _called(self, module: nn.Module, args: Any, _out: Any) -> None:
         if not torch.is_grad_enabled():
