@@ -1,0 +1,151 @@
+"""Low-rank adapters (shoal.models.lora): the layer against its formula, the settings' grammar and refusals,
+frozen bases with no gradient and no optimizer state, and parity with one process under every axis.
+
+Tolerances: the layer's check compares one float64 formula evaluated in two orders (1e-12 relative is far above
+their roundings and far below any missing term). The parallel runs use check_parity's yardsticks
+(shoal/testing/parity.py): the float32 run's own distance from the float64 run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shoal.models import build_model
+from shoal.models.lora import LoRALinear, apply_lora, is_adapter, trainable_share
+from shoal.models.lora_config import LoRAConfig, adapted_params, adapter_params
+from shoal.testing.parity import SMALL, ParityCase, check_parity, run_parallel
+
+LORA = LoRAConfig(r=4, alpha=8.0, init_b_std=0.02)
+"""Adapters on all seven projections; B drawn (not zeros) so that A's first gradients are not zero."""
+
+
+def lora_model(cfg: Any = SMALL, lora: LoRAConfig = LORA, dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return apply_lora(build_model(cfg).to(dtype), lora)
+
+
+def test_layer_is_its_formula():
+    model = lora_model()
+    layer = model.layers["0"].attention.wq
+    assert isinstance(layer, LoRALinear)
+    x = torch.randn(3, 5, layer.in_features, dtype=torch.float64)
+    want = x @ layer.weight.T + (LORA.alpha / LORA.r) * (x @ layer.lora_A.T) @ layer.lora_B.T
+    if layer.bias is not None:
+        want = want + layer.bias
+    torch.testing.assert_close(layer(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_frozen_base_and_counts():
+    model = lora_model()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter(n) for n in trainable)
+    assert len(trainable) == 2 * 7 * SMALL.num_layers
+    train, _ = trainable_share(model)
+    assert train == adapter_params(SMALL, LORA)
+    adapted = sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight") and
+                  n.rsplit(".", 1)[0] + ".lora_A" in dict(model.named_parameters()))
+    assert adapted == adapted_params(SMALL, LORA)
+
+
+def test_starts_equal_to_base_with_zero_b():
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 8))
+    torch.manual_seed(0)
+    base = build_model(SMALL).double()
+    adapted = lora_model(lora=LoRAConfig(r=4))
+    torch.testing.assert_close(adapted(tokens), base(tokens), rtol=0, atol=0)
+
+
+def test_frozen_weights_get_no_gradient_and_no_optimizer_state():
+    from shoal.optim.builder import build_optimizer
+    from shoal.optim.config import OptimConfig
+
+    model = lora_model(dtype=torch.float32)
+    optimizer = build_optimizer(model.parameters(), OptimConfig())
+    model(torch.randint(0, SMALL.vocab_size, (2, 8))).sum().backward()
+    optimizer.step()
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in held) == is_adapter(name), name
+        assert (p.grad is not None) == is_adapter(name), name
+    assert all(id(p) in held for p in optimizer.state)
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("r=0", "r=0 is not valid"), ("alpha=-1", "alpha=-1 is not valid"), ("dropout=1", "dropout=1 is not valid"),
+    ("targets=q,x", "targets=x is not valid"), ("rank=4", "key 'rank' is not valid"), ("r=four", "r takes"),
+    ("q", "'q' is not key=value"),
+])
+def test_bad_settings_one_line(text, match):
+    with pytest.raises(ValueError, match=match) as info:
+        LoRAConfig.parse(text)
+    assert "\n" not in str(info.value)
+
+
+def test_parse_round_trip():
+    cfg = LoRAConfig.parse("r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down")
+    assert (cfg.r, cfg.alpha, cfg.dropout, len(cfg.targets)) == (16, 32.0, 0.05, 7)
+    assert LoRAConfig.parse(cfg.text()) == cfg
+    assert LoRAConfig.parse("r=8,targets=q,v").targets == ("q", "v")
+
+
+def test_moe_experts_refused_in_one_line():
+    moe = SMALL.replace(num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="experts' matrices are not available") as info:
+        lora_model(moe)
+    assert "\n" not in str(info.value)
+    lora_model(moe, dataclasses.replace(LORA, targets=("q", "k", "v", "o")))  # attention only: fine
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRACase(ParityCase):
+    """A parity case whose model carries adapters (its base frozen): what every plan trains is the adapters."""
+
+    lora: LoRAConfig = LORA
+
+    def build_model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return apply_lora(build_model(self.model).to(dtype), self.lora, seed=self.seed)
+
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        return super().optimizer([p for p in params if p.requires_grad])
+
+
+MOE = SMALL.replace(num_experts=4, top_k=2, ffn_dim=64)
+ATTENTION = dataclasses.replace(LORA, targets=("q", "k", "v", "o"))
+TWO = [LoRACase(plan=p) for p in ("dp2", "fsdp2,zero=1", "fsdp2,zero=2", "fsdp2", "tp2", "tp2,sp=off", "cp2",
+                                  "dp2,ac=full")] + [
+    LoRACase(plan="pp2,mb=2", num_micro=2), LoRACase(plan="ep2", model=MOE, lora=ATTENTION, steps=3)]
+
+
+def run_cases(cases):
+    return [run_parallel(c) for c in cases]
+
+
+def _check_all(results, cases):
+    for i, c in enumerate(cases):
+        rank_results = [r[i] for r in results]
+        assert all(is_adapter(n) for res in rank_results for n in res["grads"]), c.plan
+        check_parity(rank_results, c)
+
+
+def test_parity_two_processes(pools):
+    """dp2, fsdp2 at zero 1/2/3, tp2 (with and without sequence parallelism), cp2, recompute, pp2 and ep2 (an
+    MoE model, adapters on attention): logits, every adapter's first-step gradient, the first step, the losses of
+    four steps and the final adapters against one process (check_parity)."""
+    _check_all(pools(2).run(run_cases, TWO), TWO)
+
+
+FOUR = [LoRACase(plan="fsdp2,tp2"), LoRACase(plan="tp2,pp2,mb=2", num_micro=2)]
+
+
+def test_parity_four_processes(pools):
+    """fsdp2 over tp2 and tp2 with pp2."""
+    _check_all(pools(4).run(run_cases, FOUR), FOUR)
