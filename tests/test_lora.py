@@ -149,3 +149,67 @@ FOUR = [LoRACase(plan="fsdp2,tp2"), LoRACase(plan="tp2,pp2,mb=2", num_micro=2)]
 def test_parity_four_processes(pools):
     """fsdp2 over tp2 and tp2 with pp2."""
     _check_all(pools(4).run(run_cases, FOUR), FOUR)
+
+
+COMPILED = [LoRACase(plan="dp2,compile=on", steps=2)]
+
+
+def test_parity_compiled(pools):
+    """compile=on (each block compiled) with adapters: the same checks as above."""
+    _check_all(pools(2).run(run_cases, COMPILED), COMPILED)
+
+
+def _placements(plan_text):
+    from shoal.testing.parity import parallel_setup
+
+    runtime, _, _ = parallel_setup(LoRACase(plan=plan_text))
+    return {n: str(p.placements) for n, p in runtime.named_parameters() if n.startswith("layers.0.")}
+
+
+def test_tp_splits_adapters_along_their_layers_features(pools):
+    """Column-parallel layers (q, k, v, gate, up) split B (out, r) on dim 0 and replicate A; row-parallel ones
+    (o, down) split A (r, in) on dim 1 and replicate B: each rank computes its own output features (or its partial
+    sum) as the split base weight does, with no extra collective in forward."""
+    got = pools(2).run(_placements, "tp2")[0]
+    for leaf in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        assert got[f"layers.0.{leaf}.lora_B"] == "(Shard(dim=0),)", leaf
+        assert got[f"layers.0.{leaf}.lora_A"] == "(Replicate(),)", leaf
+    for leaf in ("attention.wo", "feed_forward.w2"):
+        assert got[f"layers.0.{leaf}.lora_A"] == "(Shard(dim=1),)", leaf
+        assert got[f"layers.0.{leaf}.lora_B"] == "(Replicate(),)", leaf
+
+
+# ----------------------------------------------------------------------------- the command line
+
+SMALL_RUN = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=32", "--set", "ffn_dim=64", "--global-batch",
+             "4", "--seq-len", "16", "--eval-batches", "1", "--eval-every", "0"]
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["--lora", "r=0"], ["--lora r=0", "valid"]),
+    (["--lora", "r=4,dropout=0.1", "--plan", "tp2"], ["--lora dropout=0.1 under tp=2", "dropout=0"]),
+    (["--lora", "r=4,dropout=0.1", "--plan", "cp2"], ["cp=2", "dropout=0"]),
+    (["--lora", "r=4", "--model", "tiny-moe"], ["experts' matrices", "q,k,v,o"]),
+])
+def test_bad_lora_flags_one_line(capsys, tmp_path, argv, names):
+    from shoal.testing.asserts import assert_user_error
+
+    assert_user_error(capsys, ["train", "--out", str(tmp_path / "run"), *SMALL_RUN, *argv], *names)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_with_lora_from_a_config_file(tmp_path):
+    """`lora = "..."` in a TOML config trains adapters only (one process, 2 steps): the run folder records it,
+    and the loss moves."""
+    import json
+
+    from shoal import cli
+
+    config = tmp_path / "run.toml"
+    config.write_text('lora = "r=4,alpha=8,targets=q,v"\n')
+    run = tmp_path / "run"
+    assert cli.main(["train", "--config", str(config), "--out", str(run), "--steps", "2", "--nproc", "1",
+                     *SMALL_RUN]) == 0
+    assert 'lora = "r=4,alpha=8,targets=q,v"' in (run / "config.toml").read_text()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["loss"] > 0 for r in records)

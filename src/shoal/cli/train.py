@@ -52,6 +52,8 @@ TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--lr-scaling", str, "none, linear or sqrt: scale lr (and min-lr) from --base-batch to --global-batch; "
      "explicit warm-up steps keep their number of sequences [none]"),
     ("--base-batch", int, "the global batch the lr and warm-up were set for (with --lr-scaling) [none]"),
+    ("--lora", str, "train low-rank adapters on a frozen base: r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,"
+     "down (any keys left out take these values; dropout must be 0 under tp or cp) [off: every weight trains]"),
     ("--seed", int, "seed of weights, data order and dropout [0]"),
     ("--out", str, "run folder [runs/<timestamp>]"),
     ("--ckpt-every", int, "checkpoint every K steps, and at the end [100]"),
@@ -367,9 +369,24 @@ def validate(cfg: Any, device: str) -> None:
     plan = rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
                          global_batch=loop.global_batch, seq_len=task.sequence_length(loop),
                          micro_batch=loop.micro_batch)
+    if cfg.lora is not None:
+        _check_lora(cfg.lora, model, plan)
     if isinstance(model, ModelConfig):  # the planner prices the text transformer
         _check_memory(cfg, plan, device)
     task.check_data(cfg, model)
+
+
+def _check_lora(text: str, model: Any, plan: Any) -> None:
+    """--lora's adapters against the model (shoal's Transformer, targets it has) and the plan (no dropout
+    under tp or cp), one line each."""
+    from shoal.models.lora_config import LoRAConfig, check_model, check_plan
+
+    if not isinstance(model, ModelConfig):
+        raise UserError(f"--lora adapts shoal's Transformer (a preset or an hf: model); {type(model).__name__} "
+                        "is another family's shape")
+    lora = LoRAConfig.parse(text)
+    check_model(lora, model)
+    check_plan(lora, tp=plan.tp, cp=plan.cp)
 
 
 def _check_memory(cfg: Any, plan: Any, device: str) -> None:

@@ -126,3 +126,13 @@ def adapter_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
 def adapted_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
     """Parameters of the projections that get an adapter (in x out each), whose share the adapters are."""
     return sum(i * o for i, o in projections(cfg, lora))
+
+
+def check_plan(lora: LoRAConfig, *, tp: int, cp: int) -> None:
+    """A one-line ValueError for adapter dropout under tp or cp: their ranks draw dropout masks from one generator
+    state over their shards of a layer's input (DTensor's offsetting RNG tracker is CUDA-only), which is not shown
+    to equal one process's draw."""
+    if lora.dropout > 0 and (tp > 1 or cp > 1):
+        axes = ", ".join(f"{name}={d}" for name, d in (("tp", tp), ("cp", cp)) if d > 1)
+        raise ValueError(f"--lora dropout={lora.dropout:g} under {axes} is not available; valid: dropout=0 with "
+                         "tp or cp, or a plan without them")

@@ -15,8 +15,11 @@ from shoal.infra import faults
 from shoal.infra.world import broadcast_from_rank0
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, ModelShape, build_model
+from shoal.models.lora import BaseWeights, apply_lora
+from shoal.models.lora_config import LoRAConfig, check_plan
 from shoal.models.safetensors_io import Pretrained, open_pretrained
 from shoal.optim.schedule import WarmupCosine
+from shoal.parallel.materialize import WeightSource
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint
@@ -45,16 +48,23 @@ def resolve_plan(cfg: RunConfig, model: ModelShape, world: int, device: torch.de
 
 
 def build_runtime(model_cfg: ModelShape, plan: Plan, device: torch.device, *, seed: int,
-                  weights: Pretrained | None = None) -> Runtime:
+                  weights: Pretrained | None = None, lora: str | None = None) -> Runtime:
     """The model parallelized by `plan`: built on the meta device (shapes only), each rank then
     allocating and initialising its own shards, the same full weights under every plan (the
-    seed's, or pretrained `weights`, each rank reading its slices)."""
+    seed's, or pretrained `weights`, each rank reading its slices). With `lora` (settings as
+    --lora takes them) the base is frozen and low-rank adapters train (shoal.models.lora)."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = build_model(model_cfg)
+    source: WeightSource | None = weights
+    if lora is not None:
+        settings = LoRAConfig.parse(lora)
+        check_plan(settings, tp=plan.tp, cp=plan.cp)
+        apply_lora(model, settings, seed=seed)
+        source = BaseWeights(weights) if weights is not None else None
     faults.arm(model)  # test-only hooks; nothing unless SHOAL_FAULT is set
     try:
-        return parallelize(model, plan, build_mesh(plan, device.type), seed=seed, weights=weights)
+        return parallelize(model, plan, build_mesh(plan, device.type), seed=seed, weights=source)
     finally:
         if weights is not None:
             weights.close()

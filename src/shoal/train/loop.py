@@ -75,7 +75,8 @@ class Trainer:
         path = checkpoint_to_continue(self.run_dir, restart=self.restart, resume=job.resume,
                                       resume_from=job.resume_from, rank=self.rank)
         weights = pretrained_weights(cfg, self.model_cfg, path)
-        self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed, weights=weights)
+        self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed, weights=weights,
+                                     lora=cfg.lora)
         dtype = next(self.runtime.parameters()).dtype
         self.init_note = weights.describe(dtype) if weights is not None else None
         self.part = self.runtime.data_rank
