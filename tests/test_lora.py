@@ -213,3 +213,75 @@ def test_train_with_lora_from_a_config_file(tmp_path):
     assert 'lora = "r=4,alpha=8,targets=q,v"' in (run / "config.toml").read_text()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["loss"] > 0 for r in records)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_adapter_count_hand_computed_for_llama3_8b():
+    """llama3-8b (D 4096, 8 KV heads of 128, F 14336, 32 blocks) at r=16 on all seven projections: per block
+    16 x ((4096 + 4096) q + 2 (4096 + 1024) k, v + (4096 + 4096) o + 3 (4096 + 14336) gate, up, down)
+    = 16 x 81920 = 1310720; x 32 = 41943040, 0.60% of the 6.98e9 parameters they adapt."""
+    from shoal.models.config import get_preset
+
+    cfg, lora = get_preset("llama3-8b"), LoRAConfig(r=16)
+    assert adapter_params(cfg, lora) == 41943040
+    assert adapter_params(cfg, lora) / adapted_params(cfg, lora) == pytest.approx(0.006, abs=5e-4)
+
+
+@pytest.mark.parametrize("plan_text", ["fsdp8", "dp8", "tp8"])
+def test_planner_prices_adapter_states_at_their_share(plan_text):
+    """`shoal plan` for llama3-8b LoRA r=16: the optimizer state and the gradients are the adapters' alone (12
+    bytes a parameter in fp32 Adam, sharded as the plan shards them); a frozen base keeps its parameters."""
+    from shoal import rules
+    from shoal.models.config import get_preset
+    from shoal.models.lora_config import adapter_elements_per_rank
+    from shoal.plan import Plan
+    from shoal.planner.cluster_file import parse_cluster
+    from shoal.planner.estimate import Workload, estimate
+
+    cfg, lora = get_preset("llama3-8b"), LoRAConfig(r=16)
+    cluster = parse_cluster("8xH100")
+    plan = rules.resolve(Plan.parse(plan_text + ",precision=fp32"), world_size=8, device="cuda")
+    full = estimate(plan, Workload(model=cfg, global_batch=64, seq_len=2048), cluster)
+    adapted = estimate(plan, Workload(model=cfg, global_batch=64, seq_len=2048, lora=lora), cluster)
+    shards = 8 if plan.fsdp > 1 else 1
+    mine = adapter_elements_per_rank(cfg, lora, tp=plan.tp, layers=cfg.num_layers)
+    assert adapted.memory["optimizer"] == pytest.approx(8 * mine / shards, rel=1e-9)
+    assert adapted.gradient_bytes == pytest.approx(4 * mine / (shards if plan.zero >= 2 else 1), rel=1e-9)
+    assert adapted.memory["parameters"] == pytest.approx(full.memory["parameters"] + 4 * mine / (
+        shards if plan.zero >= 3 else 1), rel=1e-9)
+    if plan.tp == 1:  # the share r (in + out) / (in x out) of what a full fine-tune holds, less the tables and norms
+        share = adapter_params(cfg, lora) / cfg.num_params()
+        assert adapted.memory["optimizer"] / full.memory["optimizer"] == pytest.approx(share, rel=1e-6)
+
+
+def _states(text):
+    import re
+
+    rows = [line.split() for line in text.splitlines() if re.match(r"\s+[01]\s+\d", line)]
+    return [(float(r[2]), float(r[3])) for r in rows]
+
+
+@pytest.mark.parametrize("plan_text", ["fsdp2", "tp2"])
+def test_dry_run_gradient_and_optimizer_memory_is_the_adapters_share(tmp_path, capfd, plan_text):
+    """The small preset at r=16 on 2 ranks: the gradients and AdamW state the dry run finds alive are within 10% of
+    12 bytes (fp32 gradient, two moments) for each adapter parameter the rank holds (the formula
+    r (in + out) per projection, split as fsdp or tp splits it), and the planner prints the same figures."""
+    from shoal import cli
+    from shoal.models.config import get_preset
+    from shoal.models.lora_config import adapter_elements_per_rank
+
+    argv = ["train", "--dry-run", "--nproc", "2", "--plan", plan_text, "--device", "cpu", "--model", "small",
+            "--lora", "r=16", "--global-batch", "4", "--seq-len", "64", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 0
+    text = capfd.readouterr().out
+    cfg, tp = get_preset("small"), 2 if plan_text == "tp2" else 1
+    mine = adapter_elements_per_rank(cfg, LoRAConfig(r=16), tp=tp, layers=cfg.num_layers) / (2 if tp == 1 else 1)
+    formula = 12 * mine / 2**20
+    for grads, optim in _states(text):
+        assert abs(grads + optim - formula) <= 0.1 * formula, (grads, optim, formula)
+    import re
+
+    printed = dict(re.findall(r"(gradients|optimizer) ([\d.]+)", text.split("planner, busiest")[1]))
+    assert abs(float(printed["gradients"]) + float(printed["optimizer"]) - formula) <= 0.1 * formula

@@ -17,6 +17,7 @@ from shoal.cli.errors import RUN_FAILED, USER_ERROR, UserError, fail, warn
 from shoal.cli.parser import on_off
 from shoal.infra.launch import Stopped, WorkerFailed, resolve_device, under_torchrun
 from shoal.models import ModelConfig, build_model
+from shoal.models.lora_config import LoRAConfig
 from shoal.planner.estimate import Workload
 from shoal.planner.fit import memory_refusal
 from shoal.rules import DEVICE_DEFAULTS
@@ -379,7 +380,7 @@ def validate(cfg: Any, device: str) -> None:
 def _check_lora(text: str, model: Any, plan: Any) -> None:
     """--lora's adapters against the model (shoal's Transformer, targets it has) and the plan (no dropout
     under tp or cp), one line each."""
-    from shoal.models.lora_config import LoRAConfig, check_model, check_plan
+    from shoal.models.lora_config import check_model, check_plan
 
     if not isinstance(model, ModelConfig):
         raise UserError(f"--lora adapts shoal's Transformer (a preset or an hf: model); {type(model).__name__} "
@@ -398,8 +399,9 @@ def _check_memory(cfg: Any, plan: Any, device: str) -> None:
     if cluster is None:  # a GPU the planner has no spec for: nothing to price it with
         warn("this GPU has no planner spec: the plan's memory is not checked before start")
         return
+    lora = LoRAConfig.parse(cfg.lora) if cfg.lora is not None else None
     work = Workload(model=cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len,
-                    tf32=cfg.tf32)
+                    tf32=cfg.tf32, lora=lora)
     reason = memory_refusal(plan, work, cluster, micro_batch=cfg.loop.micro_batch)
     if reason is not None:
         raise UserError(reason + " (--no-memory-check runs it anyway)")

@@ -136,3 +136,18 @@ def check_plan(lora: LoRAConfig, *, tp: int, cp: int) -> None:
         axes = ", ".join(f"{name}={d}" for name, d in (("tp", tp), ("cp", cp)) if d > 1)
         raise ValueError(f"--lora dropout={lora.dropout:g} under {axes} is not available; valid: dropout=0 with "
                          "tp or cp, or a plan without them")
+
+
+ROW_PARALLEL = ("o", "down")
+"""Targets whose layer tensor parallelism splits by input features (the rest by output features)."""
+
+
+def adapter_elements_per_rank(cfg: ModelConfig, lora: LoRAConfig, *, tp: int, layers: int) -> float:
+    """Adapter parameters one tensor-parallel rank holds for `layers` blocks (shoal.parallel.tensor): a
+    column-parallel layer's B (out/tp, r) beside its whole A (r, in), a row-parallel layer's A (r, in/tp) beside
+    its whole B (out, r)."""
+    per_block = 0.0
+    shapes = projections(cfg.replace(num_layers=1), lora)
+    for target, (i, o) in zip(block_targets(cfg, lora), shapes, strict=True):
+        per_block += lora.r * (i / tp + o if target in ROW_PARALLEL else i + o / tp)
+    return per_block * layers
