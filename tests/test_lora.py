@@ -285,3 +285,75 @@ def test_dry_run_gradient_and_optimizer_memory_is_the_adapters_share(tmp_path, c
 
     printed = dict(re.findall(r"(gradients|optimizer) ([\d.]+)", text.split("planner, busiest")[1]))
     assert abs(float(printed["gradients"]) + float(printed["optimizer"]) - formula) <= 0.1 * formula
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_holds_adapters_and_reshards(pools, tmp_path):
+    """Steps 0-1 under fsdp2, 2-3 under tp2, 4 in one process, each resumed from the last one's checkpoint: the
+    losses and gradient norms of an unbroken single-process run, and the final adapters; each checkpoint holds the
+    adapters and their optimizer state only (the frozen base is rebuilt from its source)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shoal.testing.asserts import assert_rounding_close
+    from shoal.testing.parity import assert_trained_close, references, train_segment
+    from shoal.train.checkpoint import latest_checkpoint
+
+    run = LoRACase(steps=5)
+    ref32, ref64 = references(run)
+    for plan_text, start, end in (("fsdp2", 0, 2), ("tp2", 2, 4), ("single", 4, 5)):
+        if plan_text == "single":
+            results = [train_segment(run, str(tmp_path), plan_text, start, end)]
+        else:
+            results = pools(2).run(train_segment, run, str(tmp_path), plan_text, start, end)
+        for rank, res in enumerate(results):
+            assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
+                                  what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
+            assert_rounding_close(res["grad_norms"], ref32["grad_norms"][start:end], ref64["grad_norms"][start:end],
+                                  what=f"{plan_text} rank {rank} gradient norms of steps {start}..{end - 1}")
+        saved = FileSystemReader(str(latest_checkpoint(tmp_path))).read_metadata().state_dict_metadata
+        models = [k.removeprefix("model.") for k in saved if k.startswith("model.")]
+        assert models and all(is_adapter(k) for k in models), [k for k in models if not is_adapter(k)][:3]
+    assert_trained_close(results[0]["params"], ref32, ref64)
+
+
+def test_lora_run_from_init_checkpoints_adapters_and_checks_its_base(tmp_path, capsys):
+    """`shoal train --init BASE --lora ...`: the checkpoint holds the adapters (and their optimizer state) only and
+    records BASE's path and content hash; a resume reads the base again and continues; a resume after BASE's bytes
+    changed is refused in one line."""
+    import json
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shoal import cli
+    from shoal.apply_plan import parallelize
+    from shoal.testing.asserts import assert_user_error
+    from shoal.train.checkpoint import latest_checkpoint
+    from shoal.train.export import export_model
+
+    base_cfg = SMALL.replace(dim=32, ffn_dim=64, num_heads=4, num_kv_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    base = export_model(parallelize(build_model(base_cfg)), tmp_path / "base", hf=True)
+    assert base is not None
+    run = tmp_path / "run"
+    argv = ["--device", "cpu", "--nproc", "1", "--global-batch", "4", "--seq-len", "16", "--eval-every", "0",
+            "--eval-batches", "1"]
+    assert cli.main(["train", "--init", str(base), "--lora", "r=4,targets=q,v", "--out", str(run), "--steps", "2",
+                     *argv]) == 0
+    ckpt = latest_checkpoint(run)
+    saved = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    names = [k.removeprefix("model.") for k in saved if k.startswith("model.")]
+    names += [k.removeprefix("optimizer.state.").rsplit(".", 1)[0] for k in saved if k.startswith("optimizer.state.")]
+    assert names and all(is_adapter(n) for n in names), [n for n in names if not is_adapter(n)][:3]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["lora_base"]["init"] == str(base) and len(state["lora_base"]["sha256"]) == 64
+    assert cli.main(["train", "--resume", str(run), "--steps", "3"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-1] == 3
+    weights = base / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last weight
+    weights.write_bytes(bytes(data))
+    assert_user_error(capsys, ["train", "--resume", str(run), "--steps", "4"], "adapters of the base", "sha256",
+                      "the base the run started from")

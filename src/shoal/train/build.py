@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,12 +18,12 @@ from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, ModelShape, build_model
 from shoal.models.lora import BaseWeights, apply_lora
 from shoal.models.lora_config import LoRAConfig, check_plan
-from shoal.models.safetensors_io import Pretrained, open_pretrained
+from shoal.models.safetensors_io import Pretrained, content_digest, open_pretrained
 from shoal.optim.schedule import WarmupCosine
 from shoal.parallel.materialize import WeightSource
 from shoal.plan import Plan
 from shoal.runtime import Runtime
-from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint
+from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint, read_trainer_state
 from shoal.train.config import RunConfig, parse_plan
 from shoal.train.task import task_for
 
@@ -71,12 +72,38 @@ def build_runtime(model_cfg: ModelShape, plan: Plan, device: torch.device, *, se
 
 
 def pretrained_weights(cfg: RunConfig, model_cfg: ModelShape, checkpoint: Path | None) -> Pretrained | None:
-    """The run's --init weights (headers checked), unless it continues from a checkpoint."""
-    if cfg.init is None or checkpoint is not None:
+    """The run's --init weights (headers checked), unless it continues from a checkpoint that holds every weight
+    (a LoRA run's holds its adapters only: the frozen base is read from --init again)."""
+    if cfg.init is None or (checkpoint is not None and cfg.lora is None):
         return None
     if not isinstance(model_cfg, ModelConfig):
         raise ValueError(task_for(model_cfg).message("init"))
     return open_pretrained(cfg.init, model_cfg, ignore=cfg.init_ignore)
+
+
+def lora_base(cfg: RunConfig, seed: int) -> dict[str, Any] | None:
+    """What a LoRA run's frozen base is, as its checkpoints record it: --init's path and the sha256 of its
+    files' bytes, or the seed its weights are drawn from; None for a run that trains every weight."""
+    if cfg.lora is None:
+        return None
+    if cfg.init is None:
+        return {"seed": seed}
+    return {"init": cfg.init, "sha256": content_digest(cfg.init)}
+
+
+def check_same_base(path: Path, base: dict[str, Any] | None) -> None:
+    """A one-line ValueError where checkpoint `path` holds adapters trained on another base than `base`."""
+    saved = read_trainer_state(path).get("lora_base")
+    if saved == base:
+        return
+
+    def said(ref: dict[str, Any] | None) -> str:
+        if ref is None:
+            return "none (every weight trained)"
+        return f"--init {ref['init']} (sha256 {ref['sha256'][:12]})" if "init" in ref else f"the seed {ref['seed']}'s"
+
+    raise ValueError(f"checkpoint {path.name} holds low-rank adapters of the base {said(saved)}, and the base is now "
+                     f"{said(base)}; valid: the base the run started from, unchanged")
 
 
 def checkpoint_to_continue(run_dir: Path, *, restart: int, resume: bool, resume_from: str | None,

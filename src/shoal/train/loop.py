@@ -34,7 +34,9 @@ from shoal.plan import Plan
 from shoal.train import memory
 from shoal.train.build import (
     build_runtime,
+    check_same_base,
     checkpoint_to_continue,
+    lora_base,
     pretrained_weights,
     resolve_plan,
     restart_count,
@@ -74,6 +76,9 @@ class Trainer:
         self.start, self.restart = 0, restart_count()
         path = checkpoint_to_continue(self.run_dir, restart=self.restart, resume=job.resume,
                                       resume_from=job.resume_from, rank=self.rank)
+        self.lora_base = broadcast_from_rank0(lora_base(cfg, self.loop.seed) if self.rank == 0 else None)
+        if path is not None and self.lora_base is not None:
+            check_same_base(path, self.lora_base)
         weights = pretrained_weights(cfg, self.model_cfg, path)
         self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed, weights=weights,
                                      lora=cfg.lora)
@@ -363,6 +368,8 @@ class Trainer:
         scaler = self.runtime.loss_scaler  # fp16: same scale on every rank
         if scaler is not None:
             state["loss_scaler"] = scaler.state_dict()
+        if self.lora_base is not None:  # the checkpoint holds the adapters; the frozen base is this
+            state["lora_base"] = self.lora_base
         return state
 
 
