@@ -9,6 +9,7 @@ their roundings and far below any missing term). The parallel runs use check_par
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -357,3 +358,55 @@ def test_lora_run_from_init_checkpoints_adapters_and_checks_its_base(tmp_path, c
     weights.write_bytes(bytes(data))
     assert_user_error(capsys, ["train", "--resume", str(run), "--steps", "4"], "adapters of the base", "sha256",
                       "the base the run started from")
+
+
+# ----------------------------------------------------------------------------- peft
+
+
+def _hf_llama(folder):
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=32,
+                                   rms_norm_eps=1e-5, rope_theta=300.0, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def test_peft_loads_the_exported_adapter_with_equal_logits(tmp_path):
+    """A tiny Hugging Face Llama made here, 3 steps of `shoal train --init it --lora ...` (lr high enough that the
+    adapters move the logits), `shoal export --lora-adapter DIR`: peft's PeftModel.from_pretrained(base, DIR) gives
+    the logits of shoal's model with the same adapters. Tolerance rtol = atol = 1e-5 in float32, as
+    tests/test_hf_weights.py's for the base alone (the same numbers in another order: rotate_half against
+    interleaved pairs, the adapter's two products), far below the adapters' own effect, checked to be over 1e-3."""
+    import transformers
+    from peft import PeftModel
+
+    from shoal import cli
+    from shoal.models.hf_folder import from_hf
+    from shoal.train.checkpoint import latest_checkpoint
+    from shoal.train.lora_export import checkpoint_adapters
+
+    base = _hf_llama(tmp_path / "base")
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
+    settings = "r=4,alpha=8,targets=q,k,v,o,gate,up,down"
+    assert cli.main(["train", "--init", str(base), "--lora", settings, "--out", str(run), "--steps", "3", "--lr",
+                     "0.05", "--warmup-steps", "0", "--device", "cpu", "--nproc", "1", "--global-batch", "4",
+                     "--seq-len", "16", "--eval-every", "0", "--eval-batches", "1"]) == 0
+    assert cli.main(["export", "--run", str(run), "--lora-adapter", str(adapter)]) == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and set(config["target_modules"]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    hf_base = transformers.LlamaForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = hf_base.eval()(tokens).logits
+        peft_logits = PeftModel.from_pretrained(hf_base, str(adapter)).eval()(tokens).logits
+    ours = apply_lora(from_hf(base), LoRAConfig.parse(settings))
+    ours.load_state_dict(checkpoint_adapters(latest_checkpoint(run)), strict=False)
+    with torch.no_grad():
+        shoal_logits = ours.eval()(tokens)
+    assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters change the model
+    torch.testing.assert_close(peft_logits, shoal_logits, rtol=1e-5, atol=1e-5)
