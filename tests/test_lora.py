@@ -374,7 +374,7 @@ def _hf_llama(folder):
     return folder
 
 
-def test_peft_loads_the_exported_adapter_with_equal_logits(tmp_path):
+def test_peft_loads_the_exported_adapter_and_transformers_the_merged_model(tmp_path):
     """A tiny Hugging Face Llama made here, 3 steps of `shoal train --init it --lora ...` (lr high enough that the
     adapters move the logits), `shoal export --lora-adapter DIR`: peft's PeftModel.from_pretrained(base, DIR) gives
     the logits of shoal's model with the same adapters. Tolerance rtol = atol = 1e-5 in float32, as
@@ -410,3 +410,12 @@ def test_peft_loads_the_exported_adapter_with_equal_logits(tmp_path):
         shoal_logits = ours.eval()(tokens)
     assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters change the model
     torch.testing.assert_close(peft_logits, shoal_logits, rtol=1e-5, atol=1e-5)
+
+    # `shoal export --hf` of the run: the adapters merged into the base weights, loaded by transformers alone
+    # (the merge's W + scale B A rounds once more in float32: the same tolerance)
+    merged = tmp_path / "merged"
+    assert cli.main(["export", "--run", str(run), "--out", str(merged), "--hf"]) == 0
+    with torch.no_grad():
+        merged_logits = transformers.LlamaForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()(
+            tokens).logits
+    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)

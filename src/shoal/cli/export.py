@@ -59,10 +59,18 @@ def run(args: argparse.Namespace) -> int:
     if (target.is_dir() or args.out.endswith(("/", os.sep))) and not args.hf:  # "out/" names a folder
         raise UserError(f"--out {args.out!r} is a folder; valid: a file path (one safetensors file), or --hf to "
                         "write a Hugging Face folder")
-    if target.is_dir():  # --force: the new folder replaces the old whole, never merged into it
-        out = _replace_folder(target, lambda staging: export_checkpoint(path, staging, hf=True))
+    if args.hf and read_trainer_state(path).get("config", {}).get("lora") is not None:
+        from shoal.train.lora_export import export_merged  # a LoRA run: the adapters merged into the base
+
+        def write(source: Path, out: Any, hf: bool) -> Path:
+            return export_merged(source, out)
     else:
-        out = export_checkpoint(path, args.out, hf=args.hf)
+        def write(source: Path, out: Any, hf: bool) -> Path:
+            return export_checkpoint(source, out, hf=hf)
+    if target.is_dir():  # --force: the new folder replaces the old whole, never merged into it
+        out = _replace_folder(target, lambda staging: write(path, staging, hf=True))
+    else:
+        out = write(path, args.out, hf=args.hf)
     print(f"wrote {out} ({'Hugging Face folder' if args.hf else 'safetensors'}, from {path})", flush=True)
     return 0
 

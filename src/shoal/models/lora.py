@@ -133,3 +133,15 @@ class BaseWeights:
 
     def read(self, name: str, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
         return None if is_adapter(name) else self.weights.read(name, shape, box)
+
+
+@torch.no_grad()
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s weights with every adapter merged into its layer (W + scale B A), under the base model's names
+    (no adapter tensors): what a model without adapters loads to compute the adapted model's outputs."""
+    state = {k: v.detach() for k, v in model.state_dict().items() if not is_adapter(k)}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            delta = (module.lora_B.double() @ module.lora_A.double()) * module.scale
+            state[f"{name}.weight"] = (module.weight.double() + delta).to(module.weight.dtype)
+    return state
