@@ -386,7 +386,7 @@ def test_peft_loads_the_exported_adapter_and_transformers_the_merged_model(tmp_p
     from shoal import cli
     from shoal.models.hf_folder import from_hf
     from shoal.train.checkpoint import latest_checkpoint
-    from shoal.train.lora_export import checkpoint_adapters
+    from shoal.train.peft_io import checkpoint_adapters
 
     base = _hf_llama(tmp_path / "base")
     run, adapter = tmp_path / "run", tmp_path / "adapter"
@@ -419,3 +419,15 @@ def test_peft_loads_the_exported_adapter_and_transformers_the_merged_model(tmp_p
         merged_logits = transformers.LlamaForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()(
             tokens).logits
     torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
+
+    # `shoal train --init ADAPTER`: the adapters continue from the folder's, on the base it names. One step at lr
+    # 1e-9 moves an AdamW entry by at most ~1e-9: the checkpoint's adapters are the folder's within 1e-7.
+    again = tmp_path / "again"
+    assert cli.main(["train", "--init", str(adapter), "--out", str(again), "--steps", "1", "--lr", "1e-9",
+                     "--warmup-steps", "0", "--device", "cpu", "--nproc", "1", "--global-batch", "4", "--seq-len",
+                     "16", "--eval-every", "0", "--eval-batches", "1"]) == 0
+    before, after = checkpoint_adapters(latest_checkpoint(run)), checkpoint_adapters(latest_checkpoint(again))
+    assert set(before) == set(after)
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-7)
+    assert 'lora = "r=4,alpha=8' in (again / "config.toml").read_text()

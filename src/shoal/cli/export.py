@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--out {args.out!r} is a folder; valid: a file path (one safetensors file), or --hf to "
                         "write a Hugging Face folder")
     if args.hf and read_trainer_state(path).get("config", {}).get("lora") is not None:
-        from shoal.train.lora_export import export_merged  # a LoRA run: the adapters merged into the base
+        from shoal.train.peft_io import export_merged  # a LoRA run: the adapters merged into the base
 
         def write(source: Path, out: Any, hf: bool) -> Path:
             return export_merged(source, out)
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 def _lora_adapter(args: argparse.Namespace, run: Path) -> int:
     """`--lora-adapter DIR`: the latest good checkpoint's adapters as a peft adapter folder."""
     from shoal.train.checkpoint import checkpoint_dir, good_checkpoint, read_trainer_state
-    from shoal.train.lora_export import export_lora_adapter
+    from shoal.train.peft_io import export_lora_adapter
 
     target = Path(args.lora_adapter)
     _outside_run(target, run, checkpoint_dir(run), args)

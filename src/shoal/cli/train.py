@@ -180,6 +180,8 @@ def prepare_job(args: argparse.Namespace) -> Any:
             from shoal.models.safetensors_io import check_exists
 
             check_exists(cfg.init)
+        if cfg.init is not None:
+            cfg = _peft_init(cfg)
         if cfg.init is not None and "model" not in flags and "model" not in toml:
             cfg = dataclasses.replace(cfg, model=model_of_init(cfg.init))
             if not cfg.model.startswith("hf:"):  # said once the weights are read: an error about them says it
@@ -375,6 +377,18 @@ def validate(cfg: Any, device: str) -> None:
     if isinstance(model, ModelConfig):  # the planner prices the text transformer
         _check_memory(cfg, plan, device)
     task.check_data(cfg, model)
+
+
+def _peft_init(cfg: Any) -> Any:
+    """--init of a peft adapter folder: the run trains those adapters (their settings, unless --lora gives
+    others) on the base the folder names, which becomes --init."""
+    from shoal.train.peft_io import is_peft_folder, read_peft_config
+
+    if not is_peft_folder(cfg.init):
+        return cfg
+    lora, base = read_peft_config(cfg.init)
+    return dataclasses.replace(cfg, init=base, lora_init=str(Path(cfg.init).absolute()),
+                               lora=cfg.lora if cfg.lora is not None else lora.text())
 
 
 def _check_lora(text: str, model: Any, plan: Any) -> None:

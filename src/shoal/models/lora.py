@@ -125,14 +125,22 @@ def trainable_share(model: nn.Module) -> tuple[int, int]:
 
 
 class BaseWeights:
-    """Pretrained weights (shoal.parallel.materialize.WeightSource) of the base model only: the adapters
-    start from their own initial values."""
+    """Pretrained weights (shoal.parallel.materialize.WeightSource) of the base model (None: the seed's), and the
+    adapters' from `adapters` (full tensors by name: a peft folder's) or else from their own initial values."""
 
-    def __init__(self, weights: Any) -> None:
-        self.weights = weights
+    def __init__(self, weights: Any, adapters: dict[str, torch.Tensor] | None = None) -> None:
+        self.weights, self.adapters = weights, adapters or {}
 
     def read(self, name: str, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
-        return None if is_adapter(name) else self.weights.read(name, shape, box)
+        if is_adapter(name):
+            full = self.adapters.get(name)
+            if full is None:
+                return None
+            if tuple(full.shape) != tuple(shape):
+                raise ValueError(f"adapter {name} has shape {tuple(full.shape)}, the model's is {tuple(shape)}; "
+                                 "valid: an adapter of this base with the run's rank")
+            return full[tuple(slice(a, b) for a, b in box)]
+        return None if self.weights is None else self.weights.read(name, shape, box)
 
 
 @torch.no_grad()

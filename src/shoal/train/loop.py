@@ -81,7 +81,7 @@ class Trainer:
             check_same_base(path, self.lora_base)
         weights = pretrained_weights(cfg, self.model_cfg, path)
         self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed, weights=weights,
-                                     lora=cfg.lora)
+                                     lora=cfg.lora, lora_init=cfg.lora_init)
         dtype = next(self.runtime.parameters()).dtype
         self.init_note = weights.describe(dtype) if weights is not None else None
         self.part = self.runtime.data_rank

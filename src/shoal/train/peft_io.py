@@ -1,5 +1,6 @@
-"""A LoRA run's adapters as a peft adapter folder: `adapter_config.json` and `adapter_model.safetensors` under
-peft's names, which `peft.PeftModel.from_pretrained(base, DIR)` loads onto the Hugging Face base model.
+"""peft adapter folders in and out: a LoRA run's adapters as `adapter_config.json` and `adapter_model.safetensors`
+under peft's names, which `peft.PeftModel.from_pretrained(base, DIR)` loads onto the Hugging Face base model, and
+such a folder read back as the settings and initial adapters of a run on that base (`shoal train --init DIR`).
 
 peft names an adapter of module M of the transformers model `base_model.model.M.lora_A.weight` (r, in) and
 `...lora_B.weight` (out, r), the layout shoal's adapters have (shoal.models.lora). M is the transformers name of the
@@ -145,3 +146,63 @@ def export_merged(checkpoint: Path | str, out: Path | str) -> Path:
     folder = _write_hf(merged_state(model), out, cfg, {"source": str(checkpoint)}, special_token_ids(tokenizer))
     _copy_files(extra_files, folder)
     return folder
+
+
+PEFT_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+                "down_proj": "down"}
+"""peft's target module names (transformers' Llama-layout projections) -> shoal's LoRA targets."""
+
+
+def is_peft_folder(path: str | Path) -> bool:
+    """Whether `path` is a peft adapter folder (it holds adapter_config.json)."""
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def read_peft_config(folder: str | Path) -> tuple[LoRAConfig, str]:
+    """(the adapters' settings, the base model's folder) of peft adapter folder `folder`; a one-line ValueError for
+    settings shoal does not train (another peft type, rsLoRA, per-module ranks) or a base that is no local folder."""
+    path = Path(folder) / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--init {folder}: {path.name} is not readable JSON ({exc})") from None
+    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("rank_pattern") \
+            or config.get("alpha_pattern") or config.get("use_dora"):
+        raise ValueError(f"--init {folder}: a peft adapter of type {config.get('peft_type')} with rsLoRA, DoRA or "
+                         "per-module ranks is not available; valid: a plain LoRA adapter")
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unknown = [t for t in targets if t not in PEFT_TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"--init {folder}: target_modules {','.join(unknown) or '(none)'} are not shoal's; valid: "
+                         f"{', '.join(PEFT_TARGETS)}")
+    base = config.get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise ValueError(f"--init {folder}: its base_model_name_or_path {base!r} is not a local folder; valid: an "
+                         "adapter whose adapter_config.json names its base's folder on this machine")
+    lora = LoRAConfig(r=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
+                      dropout=float(config.get("lora_dropout", 0.0)),
+                      targets=tuple(t for t in PEFT_TARGETS.values() if t in {PEFT_TARGETS[x] for x in targets}))
+    return lora, str(Path(base).absolute())
+
+
+def read_peft_adapters(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The adapter tensors of peft folder `folder` under shoal's names and layout (the inverse of `peft_state`)."""
+    from safetensors.torch import load_file
+
+    from shoal.models.hf import llama
+
+    tensors = load_file(str(Path(folder) / "adapter_model.safetensors"))
+    weight_map = adapter_of_config(cfg).weight_map()
+    by_hf = {t.name.removesuffix(".weight"): t.parts[0].removesuffix(".weight")
+             for t in weight_map.hf_layout(cfg) if len(t.parts) == 1 and t.name.endswith(".weight")}
+    out = {}
+    for key, tensor in tensors.items():
+        hf_module, leaf = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rsplit(".", 1)
+        module = by_hf.get(hf_module)
+        if module is None or leaf not in ("lora_A", "lora_B"):
+            raise ValueError(f"--init {folder}: tensor {key} is no adapter of a projection of the base model")
+        if leaf == "lora_B":
+            tensor = llama.to_pairs(tensor, llama.rotated_heads(f"{module}.weight", cfg), cfg.head_dim)
+        out[f"{module}.{leaf}"] = tensor
+    return out
