@@ -173,6 +173,17 @@ MUTATIONS: list[Mutation] = [
              "            if _crc32(path / name) != crc:", "            if False:",
              "a checkpoint file's checksum not compared (same size, different bytes loads)",
              _k("tests/test_checkpoint.py", "byte_flipped_in_the_weights")),
+    # ---------------------------------------------------------------- low-rank adapters
+    Mutation("lora-tp-trains-frozen", "parallel/tensor.py",
+             "        model.get_parameter(name).requires_grad_(False)", "        pass",
+             "tensor parallelism makes a LoRA run's frozen norm weights trainable again (SequenceParallel's re-wrap)",
+             _k("tests/test_lora.py", "parity_two")),
+    Mutation("lora-peft-rows", "train/peft_io.py",
+             "            tensor = llama.to_halves(tensor, llama.rotated_heads(f\"{module}.weight\", cfg), "
+             "cfg.head_dim)",
+             "            pass",
+             "a peft export keeps B's query/key rows in shoal's interleaved order, not transformers' halves",
+             _k("tests/test_lora.py", "peft")),
 ]
 
 
