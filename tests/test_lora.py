@@ -352,6 +352,7 @@ def test_lora_run_from_init_checkpoints_adapters_and_checks_its_base(tmp_path, c
     assert cli.main(["train", "--resume", str(run), "--steps", "3"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records][-1] == 3
+    assert cli.main(["sample", "--run", str(run), "--prompt", "def", "--max-new-tokens", "4"]) == 0  # base + adapters
     weights = base / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0x01  # one bit of the last weight

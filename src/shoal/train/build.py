@@ -98,6 +98,24 @@ def lora_base(cfg: RunConfig, seed: int) -> dict[str, Any] | None:
     return {"init": cfg.init, "sha256": content_digest(cfg.init)}
 
 
+def adapted_model(model_cfg: ModelConfig, lora: str, base: dict[str, Any] | None) -> torch.nn.Module:
+    """One process's model of a LoRA run, for reading its checkpoints (shoal sample, shoal export --hf): the
+    frozen base rebuilt from its source as `lora_base` recorded it (--init's files, their content hash checked,
+    or the seed), with adapters at their initial values, which a checkpoint then replaces."""
+    base = base or {"seed": 0}
+    if "init" in base and content_digest(base["init"]) != base["sha256"]:
+        raise ValueError(f"the base --init {base['init']} has changed since the run (its sha256 is not "
+                         f"{base['sha256'][:12]}); valid: the base the run trained on, unchanged")
+    seed = int(base.get("seed", 0))
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    apply_lora(model, LoRAConfig.parse(lora), seed=seed)
+    weights = BaseWeights(open_pretrained(base["init"], model_cfg)) if "init" in base else None
+    parallelize(model, seed=seed, weights=weights)  # one process: materialized with the base's values
+    return model
+
+
 def check_same_base(path: Path, base: dict[str, Any] | None) -> None:
     """A one-line ValueError where checkpoint `path` holds adapters trained on another base than `base`."""
     saved = read_trainer_state(path).get("lora_base")

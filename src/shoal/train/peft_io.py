@@ -113,11 +113,9 @@ def export_lora_adapter(checkpoint: Path | str, out: Path | str) -> Path:
 def export_merged(checkpoint: Path | str, out: Path | str) -> Path:
     """Hugging Face folder `out` of a LoRA run's checkpoint with its adapters merged into the base weights
     (`merged_state`), which transformers loads as an ordinary model; returns it. The base is rebuilt from its
-    source (--init's files, checked against the content hash the checkpoint records, or the seed)."""
-    from shoal.apply_plan import parallelize
-    from shoal.models import build_model
-    from shoal.models.lora import BaseWeights, apply_lora, merged_state
-    from shoal.models.safetensors_io import content_digest, open_pretrained
+    source (shoal.train.build.adapted_model)."""
+    from shoal.models.lora import merged_state
+    from shoal.train.build import adapted_model
     from shoal.train.export import (
         _checkpoint_model_config,
         _checkpoint_tokenizer,
@@ -129,24 +127,14 @@ def export_merged(checkpoint: Path | str, out: Path | str) -> Path:
 
     checkpoint, out = Path(checkpoint), Path(out)
     state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
-    lora, base = LoRAConfig.parse(state["config"]["lora"]), state.get("lora_base") or {}
     cfg = _checkpoint_model_config(checkpoint)
     tokenizer = _checkpoint_tokenizer(checkpoint)
     extra_files = tokenizer_files(tokenizer)
-    if "init" in base and content_digest(base["init"]) != base["sha256"]:
-        raise ValueError(f"checkpoint {checkpoint.name}'s base --init {base['init']} has changed since (its sha256 "
-                         f"is not {base['sha256'][:12]}); valid: the base the run trained on, unchanged")
-    seed = int(base.get("seed", state["config"].get("seed", 0)))
-    with torch.device("meta"):
-        model = build_model(cfg)
-    apply_lora(model, lora, seed=seed)
-    weights = BaseWeights(open_pretrained(base["init"], cfg)) if "init" in base else None
-    parallelize(model, seed=seed, weights=weights)  # one process: the base's values, read or drawn
+    model = adapted_model(cfg, state["config"]["lora"], state.get("lora_base"))
     model.load_state_dict(checkpoint_adapters(checkpoint), strict=False)
     folder = _write_hf(merged_state(model), out, cfg, {"source": str(checkpoint)}, special_token_ids(tokenizer))
     _copy_files(extra_files, folder)
     return folder
-
 
 PEFT_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
                 "down_proj": "down"}
