@@ -50,12 +50,12 @@ def resolve_plan(cfg: RunConfig, model: ModelShape, world: int, device: torch.de
 
 def build_runtime(model_cfg: ModelShape, plan: Plan, device: torch.device, *, seed: int,
                   weights: Pretrained | None = None, lora: str | None = None,
-                  lora_init: str | None = None) -> Runtime:
+                  adapters: dict[str, torch.Tensor] | None = None) -> Runtime:
     """The model parallelized by `plan`: built on the meta device (shapes only), each rank then
     allocating and initialising its own shards, the same full weights under every plan (the
     seed's, or pretrained `weights`, each rank reading its slices). With `lora` (settings as
-    --lora takes them) the base is frozen and low-rank adapters train (shoal.models.lora), from the
-    peft adapter folder `lora_init` when given."""
+    --lora takes them) the base is frozen and low-rank adapters train (shoal.models.lora), from
+    `adapters` (full tensors by name: a peft folder's, shoal.train.peft_io) when given."""
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = build_model(model_cfg)
@@ -64,11 +64,6 @@ def build_runtime(model_cfg: ModelShape, plan: Plan, device: torch.device, *, se
         settings = LoRAConfig.parse(lora)
         check_plan(settings, tp=plan.tp, cp=plan.cp)
         apply_lora(model, settings, seed=seed)
-        adapters = None
-        if lora_init is not None:
-            from shoal.train.peft_io import read_peft_adapters
-
-            adapters = read_peft_adapters(lora_init, model_cfg)  # type: ignore[arg-type]  # a ModelConfig: apply_lora's
         source = BaseWeights(weights, adapters) if weights is not None or adapters else None
     faults.arm(model)  # test-only hooks; nothing unless SHOAL_FAULT is set
     try:

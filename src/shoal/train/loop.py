@@ -25,6 +25,7 @@ from shoal.infra import faults, host_memory
 from shoal.infra.watchdog import Watchdog
 from shoal.infra.world import broadcast_from_rank0
 from shoal.loss import LossFn
+from shoal.models import ModelConfig
 from shoal.moe.collect import records as moe_records
 from shoal.optim.builder import build_optimizer
 from shoal.optim.lamb_lars import gather_trust, trust_summary
@@ -81,7 +82,7 @@ class Trainer:
             check_same_base(path, self.lora_base)
         weights = pretrained_weights(cfg, self.model_cfg, path)
         self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed, weights=weights,
-                                     lora=cfg.lora, lora_init=cfg.lora_init)
+                                     lora=cfg.lora, adapters=self._peft_adapters(path))
         dtype = next(self.runtime.parameters()).dtype
         self.init_note = weights.describe(dtype) if weights is not None else None
         self.part = self.runtime.data_rank
@@ -361,6 +362,14 @@ class Trainer:
         return [f"  note: the load-balancing loss pools each of the pipeline's {mb} micro-batches, as transformers' "
                 f"Trainer does with accumulation: the loss is one process's with --micro-batch "
                 f"{self.local_batch // mb}, not with the whole batch pooled (mb=1 pools it whole)"]
+
+    def _peft_adapters(self, checkpoint: Path | None) -> dict[str, torch.Tensor] | None:
+        """A new run's adapters from the peft folder it starts from (`--init` of one), full, by shoal name."""
+        if self.cfg.lora_init is None or checkpoint is not None or not isinstance(self.model_cfg, ModelConfig):
+            return None
+        from shoal.train.peft_io import read_peft_adapters
+
+        return read_peft_adapters(self.cfg.lora_init, self.model_cfg)
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
         state = {"step": step, "scheduler": self.scheduler.state_dict(), "plan": str(self.plan),
