@@ -19,7 +19,7 @@ from torch import nn
 from shoal.models import build_model
 from shoal.models.lora import LoRALinear, apply_lora, is_adapter, trainable_share
 from shoal.models.lora_config import LoRAConfig, adapted_params, adapter_params
-from shoal.testing.parity import SMALL, ParityCase, check_parity, run_parallel
+from shoal.testing.parity import HF_FAMILIES, SMALL, ParityCase, check_parity, run_parallel
 
 LORA = LoRAConfig(r=4, alpha=8.0, init_b_std=0.02)
 """Adapters on all seven projections; B drawn (not zeros) so that A's first gradients are not zero."""
@@ -120,10 +120,15 @@ class LoRACase(ParityCase):
 
 
 MOE = SMALL.replace(num_experts=4, top_k=2, ffn_dim=64)
+QWEN2 = HF_FAMILIES["qwen2"]
+"""Tied embeddings (frozen: the tied table's two copies under pp and its vocabulary-parallel split under tp) and
+biases on q, k and v (frozen beside their adapters)."""
 ATTENTION = dataclasses.replace(LORA, targets=("q", "k", "v", "o"))
 TWO = [LoRACase(plan=p) for p in ("dp2", "fsdp2,zero=1", "fsdp2,zero=2", "fsdp2", "tp2", "tp2,sp=off", "cp2",
                                   "dp2,ac=full")] + [
-    LoRACase(plan="pp2,mb=2", num_micro=2), LoRACase(plan="ep2", model=MOE, lora=ATTENTION, steps=3)]
+    LoRACase(plan="pp2,mb=2", num_micro=2), LoRACase(plan="ep2", model=MOE, lora=ATTENTION, steps=3)] + [
+    LoRACase(plan=p, model=QWEN2, steps=2, num_micro=2 if p.startswith("pp") else 1)
+    for p in ("tp2", "fsdp2", "pp2,mb=2")]
 
 
 def run_cases(cases):
@@ -432,3 +437,49 @@ def test_peft_loads_the_exported_adapter_and_transformers_the_merged_model(tmp_p
     for name in before:
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-7)
     assert 'lora = "r=4,alpha=8' in (again / "config.toml").read_text()
+
+
+# ----------------------------------------------------------------------------- refusals of the other commands
+
+
+def test_plan_prints_the_adapters_share_and_refuses_bad_settings(capsys):
+    from shoal import cli
+    from shoal.testing.asserts import assert_user_error
+
+    assert cli.main(["plan", "--model", "llama3-8b", "--cluster", "8xH100", "--plan", "fsdp8", "--lora", "r=16"]) == 0
+    out = capsys.readouterr().out
+    assert "41.9M trainable parameters, 0.60% of the 6.98B they adapt" in out and "--lora r=16" in out
+    assert_user_error(capsys, ["plan", "--model", "llama3-8b", "--lora", "r=16,targets=x"], "targets=x", "valid")
+    assert_user_error(capsys, ["plan", "--model", "tiny-moe", "--lora", "r=4"], "experts' matrices", "q,k,v,o")
+
+
+def test_export_refusals_one_line(capsys, tmp_path):
+    """--lora-adapter of a run that trained every weight, and neither --out nor --lora-adapter."""
+    from shoal import cli
+    from shoal.testing.asserts import assert_user_error
+
+    run = tmp_path / "run"
+    assert cli.main(["train", "--out", str(run), "--steps", "1", "--nproc", "1", *SMALL_RUN]) == 0
+    assert_user_error(capsys, ["export", "--run", str(run)], "--out PATH", "--lora-adapter DIR")
+    assert_user_error(capsys, ["export", "--run", str(run), "--lora-adapter", str(tmp_path / "a")],
+                      "is not of a LoRA run", "--lora-adapter")
+    assert not (tmp_path / "a").exists()
+
+
+def test_peft_folder_refusals_one_line(tmp_path):
+    from shoal.train.peft_io import read_peft_config
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    good = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+            "base_model_name_or_path": str(tmp_path)}
+    for change, words in [({"base_model_name_or_path": "org/remote-model"}, "is not a local folder"),
+                          ({"target_modules": ["c_attn"]}, "target_modules c_attn"),
+                          ({"use_dora": True}, "DoRA")]:
+        (folder / "adapter_config.json").write_text(json.dumps({**good, **change}))
+        with pytest.raises(ValueError, match=words) as info:
+            read_peft_config(folder)
+        assert "\n" not in str(info.value)
+    (folder / "adapter_config.json").write_text(json.dumps(good))
+    lora, base = read_peft_config(folder)
+    assert (lora.r, lora.alpha, lora.targets, base) == (4, 8.0, ("q",), str(tmp_path))

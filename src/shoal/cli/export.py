@@ -81,7 +81,7 @@ def _lora_adapter(args: argparse.Namespace, run: Path) -> int:
     from shoal.train.peft_io import export_lora_adapter
 
     target = Path(args.lora_adapter)
-    _outside_run(target, run, checkpoint_dir(run), args)
+    _outside_run(target, run, checkpoint_dir(run), argparse.Namespace(**{**vars(args), "out": args.lora_adapter}))
     if target.exists():
         raise UserError(f"--lora-adapter {args.lora_adapter!r} already exists; valid: a new folder")
     path = good_checkpoint(run) if args.step is None else checkpoint_dir(run) / f"step_{args.step:08d}"
