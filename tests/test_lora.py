@@ -125,8 +125,9 @@ QWEN2 = HF_FAMILIES["qwen2"]
 biases on q, k and v (frozen beside their adapters)."""
 ATTENTION = dataclasses.replace(LORA, targets=("q", "k", "v", "o"))
 TWO = [LoRACase(plan=p) for p in ("dp2", "fsdp2,zero=1", "fsdp2,zero=2", "fsdp2", "tp2", "tp2,sp=off", "cp2",
-                                  "dp2,ac=full")] + [
-    LoRACase(plan="pp2,mb=2", num_micro=2), LoRACase(plan="ep2", model=MOE, lora=ATTENTION, steps=3)] + [
+                                  "dp2,ac=full", "tp2,ac=selective")] + [
+    LoRACase(plan="pp2,mb=2", num_micro=2)] + [
+    LoRACase(plan=p, model=MOE, lora=ATTENTION, steps=3) for p in ("ep2", "tp2", "fsdp2,ep2")] + [
     LoRACase(plan=p, model=QWEN2, steps=2, num_micro=2 if p.startswith("pp") else 1)
     for p in ("tp2", "fsdp2", "pp2,mb=2")]
 
@@ -143,8 +144,9 @@ def _check_all(results, cases):
 
 
 def test_parity_two_processes(pools):
-    """dp2, fsdp2 at zero 1/2/3, tp2 (with and without sequence parallelism), cp2, recompute, pp2 and ep2 (an
-    MoE model, adapters on attention): logits, every adapter's first-step gradient, the first step, the losses of
+    """dp2, fsdp2 at zero 1/2/3, tp2 (with and without sequence parallelism), cp2, full and selective recompute,
+    pp2, and ep2, tp2 and
+    fsdp2,ep2 on an MoE model (adapters on attention, the experts frozen): logits, every adapter's first-step gradient, the first step, the losses of
     four steps and the final adapters against one process (check_parity)."""
     _check_all(pools(2).run(run_cases, TWO), TWO)
 
