@@ -145,9 +145,9 @@ def _check_all(results, cases):
 
 def test_parity_two_processes(pools):
     """dp2, fsdp2 at zero 1/2/3, tp2 (with and without sequence parallelism), cp2, full and selective recompute,
-    pp2, and ep2, tp2 and
-    fsdp2,ep2 on an MoE model (adapters on attention, the experts frozen): logits, every adapter's first-step gradient, the first step, the losses of
-    four steps and the final adapters against one process (check_parity)."""
+    pp2; ep2, tp2 and fsdp2,ep2 on an MoE model (adapters on attention, the experts frozen); Qwen2's shape under
+    tp2, fsdp2 and pp2: logits, every adapter's first-step gradient, the first step, the losses of the steps and
+    the final adapters against one process (check_parity)."""
     _check_all(pools(2).run(run_cases, TWO), TWO)
 
 
