@@ -20,7 +20,6 @@ from shoal.models.lora import BaseWeights, apply_lora
 from shoal.models.lora_config import LoRAConfig, check_plan
 from shoal.models.safetensors_io import Pretrained, content_digest, open_pretrained
 from shoal.optim.schedule import WarmupCosine
-from shoal.parallel.materialize import WeightSource
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, newest_good_checkpoint, read_trainer_state
@@ -59,7 +58,7 @@ def build_runtime(model_cfg: ModelShape, plan: Plan, device: torch.device, *, se
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = build_model(model_cfg)
-    source: WeightSource | None = weights
+    source: Pretrained | BaseWeights | None = weights
     if lora is not None:
         settings = LoRAConfig.parse(lora)
         check_plan(settings, tp=plan.tp, cp=plan.cp)
