@@ -208,6 +208,17 @@ MUTATIONS: list[Mutation] = [
              "row_of = got_meta[:, 0] + first_in[source_R]", "row_of = got_meta[:, 0]",
              "the deduplicating all-to-all expands every source's choices from the first source's tokens",
              _k("tests/test_moe_parallel.py", "test_ep2_matches_single_process")),
+    # ---------------------------------------------------------------- low-rank adapters
+    Mutation("lora-tp-trains-frozen", "parallel/tensor.py",
+             "        model.get_parameter(name).requires_grad_(False)", "        pass",
+             "tensor parallelism makes a LoRA run's frozen norm weights trainable again (SequenceParallel's re-wrap)",
+             _k("tests/test_lora.py", "parity_two")),
+    Mutation("lora-peft-rows", "train/peft_io.py",
+             "            tensor = llama.to_halves(tensor, llama.rotated_heads(f\"{module}.weight\", cfg), "
+             "cfg.head_dim)",
+             "            pass",
+             "a peft export keeps B's query/key rows in shoal's interleaved order, not transformers' halves",
+             _k("tests/test_lora.py", "peft")),
 ]
 
 

@@ -327,7 +327,8 @@ class Runtime:
         """{"model": ..., "optimizer": ...} in DCP's format: clean names, sharded tensors as DTensors
         with their global shapes. DCP saves it, or loads into it in place (then `load_state_dict`)."""
         model = self._engine.model_state_dict()
-        state = {"model": {k: v for k, v in model.items() if k not in self._aliases()}}
+        left_out = set(self._aliases()) | self._frozen()
+        state = {"model": {k: v for k, v in model.items() if k not in left_out}}
         if optimizer is not None:
             state["optimizer"] = self._engine.optim_state_dict(optimizer)
         return state
@@ -338,6 +339,10 @@ class Runtime:
         for alias, name in self._aliases().items():  # the engines load every name the module has
             if alias not in model and name in model:
                 model[alias] = model[name]
+        frozen = self._frozen()
+        if frozen:  # they keep the values they were built with (loaded onto themselves)
+            current = self._engine.model_state_dict()
+            model.update({name: current[name] for name in frozen if name not in model and name in current})
         self._engine.load_state_dicts(model, state.get("optimizer"), optimizer)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -372,6 +377,11 @@ class Runtime:
             missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
             raise ValueError(f"does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         self._engine.load_full_weights({k: v for k, v in weights.items() if k in expected})
+
+    def _frozen(self) -> set[str]:
+        """Names of the parameters that do not train (a low-rank adapters' frozen base, shoal.models.lora): a
+        checkpoint leaves them out, the model being rebuilt with them from their source (the seed or --init)."""
+        return {clean_name(name) for part in self.parts for name, p in part.named_parameters() if not p.requires_grad}
 
     def _aliases(self) -> dict[str, str]:
         """Second names of parameters that have two (a head tied to the embedding: `output.weight`):

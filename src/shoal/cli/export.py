@@ -20,8 +20,12 @@ def add_parser(sub: Any) -> None:
                             "transformers loads (AutoModelForCausalLM), with the run's tokenizer files.")
     export.add_argument("--run", required=True, metavar="DIR", help="the run folder (required)")
     export.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N [the latest]")
-    export.add_argument("--out", required=True, metavar="PATH",
-                        help="the .safetensors file, or the folder with --hf (required; must not exist unless --force)")
+    export.add_argument("--out", metavar="PATH",
+                        help="the .safetensors file, or the folder with --hf (required but with --lora-adapter; must "
+                        "not exist unless --force)")
+    export.add_argument("--lora-adapter", metavar="DIR", help="write a LoRA run's adapters as a peft adapter folder "
+                        "(adapter_config.json, adapter_model.safetensors) that peft's PeftModel.from_pretrained loads "
+                        "onto the base model [off]")
     export.add_argument("--hf", action="store_true", help="write a folder transformers loads (model.safetensors + "
                         "config.json in the model's family, and the run's tokenizer files when it had a Hugging Face "
                         "tokenizer) [off]")
@@ -33,7 +37,12 @@ def run(args: argparse.Namespace) -> int:
     from shoal.train.checkpoint import MANIFEST, checkpoint_dir, good_checkpoint, read_trainer_state
     from shoal.train.export import export_checkpoint
 
+    if (args.out is None) == (args.lora_adapter is None):
+        raise UserError("shoal export writes one thing: give --out PATH (the weights) or --lora-adapter DIR (a LoRA "
+                        "run's adapters for peft), not both and not neither")
     run = run_folder(args.run)
+    if args.lora_adapter is not None:
+        return _lora_adapter(args, run)
     _outside_run(Path(args.out), run, checkpoint_dir(run), args)
     if Path(args.out).exists() and not args.force:
         raise UserError(f"--out {args.out!r} already exists; valid: a new path, or --force to replace it")
@@ -50,11 +59,35 @@ def run(args: argparse.Namespace) -> int:
     if (target.is_dir() or args.out.endswith(("/", os.sep))) and not args.hf:  # "out/" names a folder
         raise UserError(f"--out {args.out!r} is a folder; valid: a file path (one safetensors file), or --hf to "
                         "write a Hugging Face folder")
-    if target.is_dir():  # --force: the new folder replaces the old whole, never merged into it
-        out = _replace_folder(target, lambda staging: export_checkpoint(path, staging, hf=True))
+    if args.hf and read_trainer_state(path).get("config", {}).get("lora") is not None:
+        from shoal.train.peft_io import export_merged  # a LoRA run: the adapters merged into the base
+
+        def write(source: Path, out: Any, hf: bool) -> Path:
+            return export_merged(source, out)
     else:
-        out = export_checkpoint(path, args.out, hf=args.hf)
+        def write(source: Path, out: Any, hf: bool) -> Path:
+            return export_checkpoint(source, out, hf=hf)
+    if target.is_dir():  # --force: the new folder replaces the old whole, never merged into it
+        out = _replace_folder(target, lambda staging: write(path, staging, hf=True))
+    else:
+        out = write(path, args.out, hf=args.hf)
     print(f"wrote {out} ({'Hugging Face folder' if args.hf else 'safetensors'}, from {path})", flush=True)
+    return 0
+
+
+def _lora_adapter(args: argparse.Namespace, run: Path) -> int:
+    """`--lora-adapter DIR`: the latest good checkpoint's adapters as a peft adapter folder."""
+    from shoal.train.checkpoint import checkpoint_dir, good_checkpoint, read_trainer_state
+    from shoal.train.peft_io import export_lora_adapter
+
+    target = Path(args.lora_adapter)
+    _outside_run(target, run, checkpoint_dir(run), argparse.Namespace(**{**vars(args), "out": args.lora_adapter}))
+    if target.exists():
+        raise UserError(f"--lora-adapter {args.lora_adapter!r} already exists; valid: a new folder")
+    path = good_checkpoint(run) if args.step is None else checkpoint_dir(run) / f"step_{args.step:08d}"
+    read_trainer_state(path, checksums=True)
+    out = export_lora_adapter(path, target)
+    print(f"wrote {out} (peft adapter folder, from {path})", flush=True)
     return 0
 
 

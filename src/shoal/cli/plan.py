@@ -7,6 +7,7 @@ from the profile `shoal plan --calibrate` measured (shoal.calibration.calibrate)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -14,6 +15,7 @@ from typing import Any
 
 from shoal import rules
 from shoal.models import ModelConfig, parameters_text
+from shoal.models.lora_config import LoRAConfig, adapted_params, adapter_params, check_model
 from shoal.plan import Plan
 from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.comm import CalibratedNetwork, Network
@@ -40,6 +42,9 @@ def add_parser(sub: Any) -> None:
                       "without --plan)")
     plan.add_argument("--micro-batch", type=int, default=None, help="with --plan: sequences per accumulation "
                       "pass (no pipeline) [the whole local batch]")
+    plan.add_argument("--lora", default=None, metavar="SETTINGS", help="price low-rank adapters on a frozen base, "
+                      "as shoal train --lora takes them (r=16,alpha=32,targets=q,k,v,o,gate,up,down): gradients and "
+                      "optimizer state for the adapters only [off: every weight trains]")
     plan.add_argument("--top", type=int, default=10, help="plans to show [10]")
     plan.add_argument("--json", action="store_true", help="print a JSON list of plans, best first")
     plan.add_argument("--explain", action="store_true", help="print each plan's time and memory terms")
@@ -73,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if unpriced is not None:
         return _check_unpriced(args, unpriced)
     work = workload(args.model, args.set, global_batch=args.global_batch, seq_len=args.seq_len)
+    if args.lora is not None:
+        work = dataclasses.replace(work, lora=_lora(args.lora, work.model))
     cluster, network = resolve_cluster(args.cluster, args.nproc)
     started = time.perf_counter()
     if args.plan is not None and args.plan.strip() != "auto":  # auto: the search below, as with no --plan
@@ -97,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     print(cluster.describe())
     print(f"model {args.model}: {parameters_text(work.model.num_params())} parameters; global batch "
           f"{work.global_batch} x {work.seq_len} tokens; {priced} plan(s) priced in {seconds:.2f} s")
+    if work.lora is not None:
+        print(lora_line(work.lora, work.model))
     print(format_table(plans))
     print(f"train plan 1: {train_line(args, plans[0], cluster)}")
     if args.explain:
@@ -120,6 +129,22 @@ def workload(model: str, sets: list[str], *, global_batch: int, seq_len: int) ->
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}; "
                          f"valid: 1..{cfg.max_seq_len} (or --set max_seq_len={seq_len})")
     return Workload(model=cfg, global_batch=global_batch, seq_len=seq_len)
+
+
+def _lora(text: str, model: ModelConfig) -> LoRAConfig:
+    """--lora's settings, checked against the model (one-line ValueErrors)."""
+    lora = LoRAConfig.parse(text)
+    check_model(lora, model)
+    return lora
+
+
+def lora_line(lora: LoRAConfig, model: ModelConfig) -> str:
+    """What the adapters train: their parameters, their share r (in + out) / (in x out) of the projections they
+    adapt, and of the whole model."""
+    adapters, adapted = adapter_params(model, lora), adapted_params(model, lora)
+    return (f"LoRA {lora.text()}: {parameters_text(adapters)} trainable parameters, {adapters / adapted:.2%} of the "
+            f"{parameters_text(adapted)} they adapt, {adapters / model.num_params():.2%} of the model; gradients "
+            "and optimizer state priced for them alone")
 
 
 def _unpriced_model(model: str, sets: list[str]) -> Any:
@@ -189,6 +214,8 @@ def train_line(args: argparse.Namespace, e: Estimate, cluster: Cluster) -> str:
              f"--global-batch {args.global_batch}", f"--seq-len {args.seq_len}"]
     if e.plan.pp == 1 and e.micro_batch * e.plan.data_ranks != args.global_batch:
         flags.append(f"--micro-batch {e.micro_batch}")
+    if args.lora is not None:
+        flags.append(f"--lora {args.lora}")
     if cluster.num_nodes > 1:
         return f"torchrun --nnodes {cluster.num_nodes} --nproc-per-node {cluster.per_node} ... -m shoal train " \
                + " ".join(flags)

@@ -17,6 +17,7 @@ from shoal.cli.errors import RUN_FAILED, USER_ERROR, UserError, fail, warn
 from shoal.cli.parser import on_off
 from shoal.infra.launch import Stopped, WorkerFailed, resolve_device, under_torchrun
 from shoal.models import ModelConfig, build_model
+from shoal.models.lora_config import LoRAConfig
 from shoal.planner.estimate import Workload
 from shoal.planner.fit import memory_refusal
 from shoal.rules import DEVICE_DEFAULTS
@@ -61,6 +62,8 @@ TRAIN_FLAGS: list[tuple[str, Any, str]] = [
     ("--lr-scaling", str, "none, linear or sqrt: scale lr (and min-lr) from --base-batch to --global-batch; "
      "explicit warm-up steps keep their number of sequences [none]"),
     ("--base-batch", int, "the global batch the lr and warm-up were set for (with --lr-scaling) [none]"),
+    ("--lora", str, "train low-rank adapters on a frozen base: r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,"
+     "down (any keys left out take these values; dropout must be 0 under tp or cp) [off: every weight trains]"),
     ("--seed", int, "seed of weights, data order and dropout [0]"),
     ("--out", str, "run folder [runs/<timestamp>]"),
     ("--ckpt-every", int, "checkpoint every K steps, and at the end [100]"),
@@ -186,6 +189,8 @@ def prepare_job(args: argparse.Namespace) -> Any:
             from shoal.models.safetensors_io import check_exists
 
             check_exists(cfg.init)
+        if cfg.init is not None:
+            cfg = _peft_init(cfg)
         if cfg.init is not None and "model" not in flags and "model" not in toml:
             cfg = dataclasses.replace(cfg, model=model_of_init(cfg.init))
             if not cfg.model.startswith("hf:"):  # said once the weights are read: an error about them says it
@@ -376,9 +381,36 @@ def validate(cfg: Any, device: str) -> None:
     plan = rules.resolve(parse_plan(cfg.plan), world_size=world, device=device, model=model,
                          global_batch=loop.global_batch, seq_len=task.sequence_length(loop),
                          micro_batch=loop.micro_batch)
+    if cfg.lora is not None:
+        _check_lora(cfg.lora, model, plan)
     if isinstance(model, ModelConfig):  # the planner prices the text transformer
         _check_memory(cfg, plan, device)
     task.check_data(cfg, model)
+
+
+def _peft_init(cfg: Any) -> Any:
+    """--init of a peft adapter folder: the run trains those adapters (their settings, unless --lora gives
+    others) on the base the folder names, which becomes --init."""
+    from shoal.train.peft_io import is_peft_folder, read_peft_config
+
+    if not is_peft_folder(cfg.init):
+        return cfg
+    lora, base = read_peft_config(cfg.init)
+    return dataclasses.replace(cfg, init=base, lora_init=str(Path(cfg.init).absolute()),
+                               lora=cfg.lora if cfg.lora is not None else lora.text())
+
+
+def _check_lora(text: str, model: Any, plan: Any) -> None:
+    """--lora's adapters against the model (shoal's Transformer, targets it has) and the plan (no dropout
+    under tp or cp), one line each."""
+    from shoal.models.lora_config import check_model, check_plan
+
+    if not isinstance(model, ModelConfig):
+        raise UserError(f"--lora adapts shoal's Transformer (a preset or an hf: model); {type(model).__name__} "
+                        "is another family's shape")
+    lora = LoRAConfig.parse(text)
+    check_model(lora, model)
+    check_plan(lora, tp=plan.tp, cp=plan.cp)
 
 
 def _check_memory(cfg: Any, plan: Any, device: str) -> None:
@@ -390,8 +422,9 @@ def _check_memory(cfg: Any, plan: Any, device: str) -> None:
     if cluster is None:  # a GPU the planner has no spec for: nothing to price it with
         warn("this GPU has no planner spec: the plan's memory is not checked before start")
         return
+    lora = LoRAConfig.parse(cfg.lora) if cfg.lora is not None else None
     work = Workload(model=cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len,
-                    tf32=cfg.tf32)
+                    tf32=cfg.tf32, lora=lora)
     reason = memory_refusal(plan, work, cluster, micro_batch=cfg.loop.micro_batch)
     if reason is not None:
         raise UserError(reason + " (--no-memory-check runs it anyway)")

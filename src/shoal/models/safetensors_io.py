@@ -29,6 +29,7 @@ half file.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import math
 import os
@@ -273,6 +274,17 @@ def check_exists(path: str | Path) -> None:
     if not Path(path).exists():
         raise ValueError(f"--init {Path(path).absolute()}: no such file or folder; valid: a Hugging Face folder of "
                          "safetensors or a file/folder written by shoal export")
+
+
+def content_digest(path: str | Path) -> str:
+    """sha256 over the bytes of the weight files at `path` (`--init`'s files, in their order): what a checkpoint
+    of adapters on a frozen base records of that base, so that a resume on other weights is refused."""
+    digest = hashlib.sha256()
+    for file in _weight_files(Path(path)):
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _weight_files(path: Path) -> list[Path]:

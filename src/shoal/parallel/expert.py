@@ -108,7 +108,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, shard_replicas:
             placements = expert_placements(name, shard_replicas=shard_replicas, tp=tp)
             # Every rank built the same weights (same seed): each takes its own piece, no communication.
             shard = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
-            experts.register_parameter(name, nn.Parameter(shard))
+            experts.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
             names.append(f"{layer_name}.experts.{name}")
         experts.num_experts = layer.num_experts // ep
         _register_views(experts, mesh["tp"].get_group() if tp > 1 else None)
@@ -207,7 +207,8 @@ class MoETensorParallel(ParallelStyle):
         seq = [Shard(1)] if self.sp else [Replicate()]
         gate = module.router.gate
         gate.register_parameter("weight", nn.Parameter(
-            DTensor.from_local(gate.weight.detach(), device_mesh, [Replicate()], run_check=False)))
+            DTensor.from_local(gate.weight.detach(), device_mesh, [Replicate()], run_check=False),
+            requires_grad=gate.weight.requires_grad))
         module.router.register_forward_pre_hook(lambda *_: _local_views(gate))
         module.router.register_forward_hook(lambda *_: _drop_views(gate))
         if module.shared is not None:
@@ -216,12 +217,14 @@ class MoETensorParallel(ParallelStyle):
                 if param is not None:
                     placement = Shard(_TP_DIM[name]) if name in _TP_DIM else Replicate()
                     module.shared.register_parameter(name, nn.Parameter(
-                        distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=None)))
+                        distribute_tensor(param.detach(), device_mesh, [placement], src_data_rank=None),
+                        requires_grad=param.requires_grad))
             _register_views(module.shared, device_mesh.get_group())
         if module.shared_gate is not None:  # like the router's gate: it sees the shared experts' summed output
             shared_gate = module.shared_gate
             shared_gate.register_parameter("weight", nn.Parameter(
-                DTensor.from_local(shared_gate.weight.detach(), device_mesh, [Replicate()], run_check=False)))
+                DTensor.from_local(shared_gate.weight.detach(), device_mesh, [Replicate()], run_check=False),
+                requires_grad=shared_gate.weight.requires_grad))
             shared_gate.register_forward_pre_hook(lambda *_: _local_views(shared_gate))
             shared_gate.register_forward_hook(lambda *_: _drop_views(shared_gate))
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -112,6 +112,41 @@ class HeadShardedNorm(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, _replicate_params, _heads_to_shard, _output_to_local)  # type: ignore[arg-type]  # input_fn's return: typed None, used
+
+
+def _split_features(module: nn.Module, mesh: DeviceMesh, side: int, src_data_rank: int | None) -> None:
+    """Each parameter of a layer with `feature_dims` (a low-rank adapted linear layer, shoal.models.lora)
+    sharded on its output-feature dim (side 0: column-parallel) or input-feature dim (side 1: row-parallel),
+    replicated where it has no such dim."""
+    dims: dict[str, tuple[int | None, int | None]] = getattr(module, "feature_dims")  # noqa: B009 (typed as a Tensor-or-Module attribute otherwise)
+    for name, param in list(module.named_parameters(recurse=False)):
+        dim = dims[name][side]
+        placement = Shard(dim) if dim is not None else Replicate()
+        shard = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+
+
+class FeatureColwise(ColwiseParallel):
+    """torch's ColwiseParallel; a linear layer that names its parameters' feature dims (`feature_dims`: a
+    low-rank adapter's A (r, in) and B (out, r)) splits each on its output-feature dim, or replicates it."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if not hasattr(module, "feature_dims"):  # a plain linear layer, or a submodule without parameters
+            if any(True for _ in module.parameters(recurse=False)):
+                super()._partition_linear_fn(name, module, device_mesh)
+            return
+        _split_features(module, device_mesh, 0, self.src_data_rank)
+
+
+class FeatureRowwise(RowwiseParallel):
+    """torch's RowwiseParallel; a layer with `feature_dims` splits each parameter on its input-feature dim."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if not hasattr(module, "feature_dims"):  # a plain linear layer, or a submodule without parameters
+            if any(True for _ in module.parameters(recurse=False)):
+                super()._partition_linear_fn(name, module, device_mesh)
+            return
+        _split_features(module, device_mesh, 1, self.src_data_rank)
 
 
 def _heads_to_shard(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
@@ -218,8 +253,8 @@ def _styles(sp: bool) -> dict[str, Callable[[], ParallelStyle]]:
             input_layouts=(seq, None), desired_input_layouts=(Replicate(), None), use_local_output=False),
         "ffn_input": lambda: PrepareModuleInput(
             input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False),
-        "colwise": ColwiseParallel,
-        "rowwise": lambda: RowwiseParallel(output_layouts=seq),
+        "colwise": FeatureColwise,
+        "rowwise": lambda: FeatureRowwise(output_layouts=seq),
         "head_norm": HeadShardedNorm,
         "replicate": ReplicateParallel,
         "shared_key": SharedKeyParallel,
@@ -262,8 +297,11 @@ def apply_tensor_parallel(model: nn.Module, *, mesh: DeviceMesh, plan: Plan,
         return model
     assert plan.tp == tp_mesh.size(), f"plan tp={plan.tp} on a mesh whose tp axis has {tp_mesh.size()} ranks"
     shared = _shared_parameters(model)
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     parallelize_module(model, tp_mesh, dict(tp_plan or tensor_plan(model, sp=bool(plan.sp))))
     _tie_again(model, shared)
+    for name in frozen:  # torch's SequenceParallel makes every parameter it replicates trainable
+        model.get_parameter(name).requires_grad_(False)
     return model
 
 

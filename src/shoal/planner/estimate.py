@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.models.config import ModelConfig
+from shoal.models.lora_config import LoRAConfig, adapter_elements_per_rank
 from shoal.plan import Plan
 from shoal.planner import compute, memory, peak
 from shoal.planner.comm import Network, RingNetwork
@@ -118,6 +119,9 @@ class Workload:
     GEMMs priced at the device's "tf32" rate; attention, which SDPA runs in fp32 without a fused 16-bit kernel, is
     not."""
     framework: Framework = SHOAL
+    lora: LoRAConfig | None = None
+    """Low-rank adapters on a frozen base (shoal.models.lora): only the adapters have gradients and optimizer
+    state; None: every parameter trains."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,9 +231,11 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["step_sync"] = cost.step_sync(engine.kind)
     step = (steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
             + optimizer_wait)
+    trainable = None if work.lora is None else \
+        adapter_elements_per_rank(cfg, work.lora, tp=plan.tp, layers=max(first, last))
     mem, gradient_bytes = peak.peak_terms(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts,
                                           micro, stages, unsharded_accumulation=gradients.unsharded_accumulation,
-                                          fp32_gradient_buffer=gradients.fp32_buffer)
+                                          fp32_gradient_buffer=gradients.fp32_buffer, trainable=trainable)
     on_cpu = cluster.device_type == "cpu"
     need = sum(mem.values()) * memory.FRAGMENTATION + (peak.CPU_STEP_BYTES if on_cpu else 0.0)
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)

@@ -61,10 +61,14 @@ def zero_bucket_bytes(numel: float, *, shards: int, reduce_bytes: float, on_cpu:
 
 def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: int, bucket: int, params: float,
             experts: float, micro: int, stages: list[tuple[int, int, bool]], *,
-            unsharded_accumulation: bool = False, fp32_gradient_buffer: bool = False) -> tuple[dict[str, float], float]:
+            unsharded_accumulation: bool = False, fp32_gradient_buffer: bool = False,
+            trainable: float | None = None) -> tuple[dict[str, float], float]:
     """The busiest device's memory terms in bytes, and all its gradients' bytes. `unsharded_accumulation` and
     `fp32_gradient_buffer`: the trainer's data engine accumulates FSDP2's gradients unsharded, and holds an fp32
-    buffer of the rank's whole gradients beside them, the whole step (shoal.planner.costs.GradientReduction)."""
+    buffer of the rank's whole gradients beside them, the whole step (shoal.planner.costs.GradientReduction).
+    `trainable`: the rank's trainable parameters beside `params` frozen ones (low-rank adapters on a frozen
+    base, shoal.models.lora): only they have gradients, optimizer state and gradient buffers; None: every
+    parameter trains."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     pe = pb  # an expert's parameter bytes
     casts = rules.under_autocast(kind, plan.precision or "fp32")
@@ -79,17 +83,26 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     full_grads = kind != "zero" or zero != 1 or micro > 1 or plan.pp > 1
     stage = zero if full_grads else 2
     dense = memory.model_state_bytes(params, shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
+    frozen = trainable is not None
+    share = 1.0 if trainable is None else trainable / params if params else 0.0  # of the parameters, trained
+    if trainable is not None:  # the adapters' states, beside the frozen base's parameters
+        adapters = memory.model_state_bytes(trainable, shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb,
+                                            optim_bytes=ob)
+        dense = (dense[0] + adapters[0], adapters[1], adapters[2])
     # Under sharded data the experts are also split over the data ranks outside ep, gathered per
     # layer in forward (shoal/parallel/expert.py): ZeRO-3 over those replicas.
     replicas = plan.data_ranks // plan.ep if plan.fsdp > 1 else 1
     expert = memory.model_state_bytes(experts, shards=replicas, stage=3 if replicas > 1 else 0, param_bytes=pe,
                                       grad_bytes=gb, optim_bytes=ob)
+    if frozen:
+        expert = (expert[0], 0.0, 0.0)
     tokens = cost.tokens  # of one micro-batch on this rank
     # Accumulating over micro-batches without a data engine, each micro-batch after the first makes
     # its gradient of the embedding table (or the classifier) whole before adding it to the one held
     # (tests/test_planner_counts.py measures it): a table's bytes more, late in the backward, after the
     # loss's logits are freed, so a stage holds the larger of the two, not both.
-    table = cfg.vocab_size * cfg.dim / plan.tp * gb if micro > 1 and kind in ("none", "autocast") else 0.0
+    accumulates = micro > 1 and kind in ("none", "autocast") and not frozen
+    table = cfg.vocab_size * cfg.dim / plan.tp * gb if accumulates else 0.0
     worst: dict[str, float] = {}
     # Under autocast (16 bits without FSDP2) the norms and the residual stream stay fp32 and each product casts
     # its own copy of its input: more than a 16-bit run keeps (memory.autocast_extra_elements).
@@ -139,28 +152,28 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     layer = max(0.0, params - tables) / max(1, cfg.num_layers // plan.pp)
     transient = 0.0
     if kind == "fsdp2" and zero == 3:
-        transient = 2 * bucket * layer * cost.bytes + bucket * layer * 4  # gathered units, one unit's grads
+        transient = 2 * bucket * layer * cost.bytes + bucket * layer * 4 * share  # gathered units, one unit's grads
         # The embedding table and the classifier are units of their own (parallel/data.py), each gathered whole:
         # in its backward a table's unit holds three (V, D/tp) tables at once, its gathered weight, its unsharded
         # gradient and the reduce-scatter's input, which outweigh any block's unit once the vocabulary is large.
         if plan.vocab != "sharded":  # sharded tables are never gathered (shoal/parallel/sharded_vocab.py)
-            transient = max(transient, fsdp_table_bytes(cfg, tp=plan.tp, param_bytes=pb, grad_bytes=gb,
-                                                        reduce_bytes=rb))
+            transient = max(transient, fsdp_table_bytes(cfg, tp=plan.tp, param_bytes=pb, grad_bytes=0.0 if frozen
+                                                        else gb, reduce_bytes=0.0 if frozen else rb))
         # Accumulating over micro-batches adds nothing in shoal: FSDP2 at ZeRO-3 reduce-scatters every micro-batch's
         # gradients and adds them to the sharded ones (shoal.parallel.data: no_sync leaves the sync on).
         if micro > 1 and unsharded_accumulation:
-            transient += params * 4  # the unsharded gradients accumulate while the sync waits
+            transient += params * share * 4  # the unsharded gradients accumulate while the sync waits
     elif kind == "zero":
         # A bucket of blocks is reduced once its blocks' backward is done, their activations freed; the bucket of
         # the rest (the tables, the final norm) at the end of the backward, every activation and the logits freed.
         blocks, rest = (zero_bucket_bytes(n, shards=shards, reduce_bytes=rb, on_cpu=cost.on_cpu)
-                        for n in (bucket * layer, tables))
+                        for n in (bucket * layer * share, 0.0 if frozen else tables))
         # Gradients accumulated in full (ZeRO-1 over micro-batches) are priced already: packing frees them.
         held = gb if zero == 1 and full_grads else 0.0
         block = per_block[False] * tokens * cost.bytes  # one block's activations of one micro-batch
         transient = max(0.0, blocks - bucket * (layer * held + block), rest - tables * held - sum(worst.values()))
     elif kind == "ddp":
-        transient = params * gb  # DDP's bucket copies of the gradients
+        transient = params * share * gb  # DDP's bucket copies of the gradients
     # The optimizer step holds the model states and its own temporaries, after the backward's are freed: a
     # stage holds the larger of the two (as with the accumulated table above), so only the excess is a term.
     step = optimizer_step_bytes(cfg, tp=plan.tp, ep=plan.ep, shards=shards if zero >= 1 else 1, on_cpu=cost.on_cpu)
@@ -177,13 +190,14 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     gradients = dense[1] + expert[1]
     during = gradients
     if micro == 1 and plan.pp == 1:
-        during = min(gradients, cfg.vocab_size * cfg.dim / plan.tp * dense[1] / params) if params else 0.0
+        during = min(gradients, cfg.vocab_size * cfg.dim / plan.tp * dense[1] / params) if params and not frozen \
+            else 0.0
         if plan.tp > 1:
             copies = memory.LOSS_LOGIT_COPIES[2 if cost.bytes <= 2 else 4] - 1
             during = max(0.0, during - copies * 4.0 * tokens * cfg.vocab_size / plan.tp)
     backward = sum(worst.values()) + transient + during
     return {"parameters": dense[0] + expert[0], "gradients": during + max(0.0, gradients - backward),
-            "fp32_gradients": 4.0 * (params + experts) if fp32_gradient_buffer else 0.0,
+            "fp32_gradients": 4.0 * (params * share + (0.0 if frozen else experts)) if fp32_gradient_buffer else 0.0,
             "optimizer": dense[2] + expert[2], **worst, "transient": transient,
             "optimizer_step": max(0.0, gradients + step - max(backward, gradients))}, gradients
 

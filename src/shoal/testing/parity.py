@@ -212,7 +212,8 @@ def reference_update(case: ParityCase, grads: dict[str, torch.Tensor]) -> tuple[
     model = case.build_model()
     optimizer = case.optimizer_for(model)
     for name, param in model.named_parameters():
-        param.grad = grads[name].to(param.dtype).clone()
+        if param.requires_grad:  # a frozen one (a low-rank adapter's base) has no gradient
+            param.grad = grads[name].to(param.dtype).clone()
     coef = 1.0
     if case.grad_clip:
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.grad_clip))

@@ -22,6 +22,7 @@ import tomllib
 
 from shoal.data.text import DataConfig
 from shoal.models import ModelShape, preset, shape_from_dict, shape_to_dict
+from shoal.models.lora_config import LoRAConfig
 from shoal.optim.config import OptimConfig
 from shoal.plan import Plan
 
@@ -119,6 +120,12 @@ class RunConfig:
     init_ignore: tuple[str, ...] = ()
     """Glob patterns (shoal names or file keys) of tensors `init` may lack or hold in excess;
     ignored missing tensors start from the seed's values."""
+    lora: str | None = None
+    """Train low-rank adapters on a frozen base instead of every weight: `r=16,alpha=32,dropout=0.05,
+    targets=q,k,v,o,gate,up,down` (shoal.models.lora_config.LoRAConfig.parse); None: every weight trains."""
+    lora_init: str | None = None
+    """A peft adapter folder whose adapters the run starts from (`--init` of such a folder sets it, and `init` to
+    the adapter's base); None: the adapters' own initial values."""
     loop: LoopConfig = field(default_factory=LoopConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -132,6 +139,11 @@ class RunConfig:
         if self.data.path is not None and not self.data.path.strip():  # Path("") would be the working folder
             raise ValueError("--data '' names nothing; valid: a folder of .txt files, a .txt, .bin or .npy file, a "
                              "prepared folder or a mixture (DIR_A:0.7,DIR_B:0.3), or leave --data out")
+        if self.lora is not None:
+            LoRAConfig.parse(self.lora)  # a one-line ValueError for bad settings
+        if self.lora_init is not None and self.lora is None:
+            raise ValueError(f"lora_init {self.lora_init} names adapters to start from, and no lora settings were "
+                             "given; valid: lora = \"r=...\" with it, or --init of the peft folder")
         if self.init_ignore and self.init is None:
             raise ValueError(f"--init-ignore {' '.join(self.init_ignore)} names tensors of --init's files, and "
                              "no --init was given; valid: --init PATH with it, or no --init-ignore")
@@ -143,6 +155,7 @@ KEYS: dict[str, tuple[str | None, str]] = {
     "device": (None, "device"), "tf32": (None, "tf32"), "out": (None, "out"),
     "max_restarts": (None, "max_restarts"), "memory_check": (None, "memory_check"),
     "dry_run": (None, "dry_run"), "init": (None, "init"), "init_ignore": (None, "init_ignore"),
+    "lora": (None, "lora"), "lora_init": (None, "lora_init"),
     **{f.name: ("loop", f.name) for f in dataclasses.fields(LoopConfig)},
     **{f.name: ("optim", f.name) for f in dataclasses.fields(OptimConfig)},
     "data": ("data", "path"), "tokenizer": ("data", "tokenizer"), "val_fraction": ("data", "val_fraction"),

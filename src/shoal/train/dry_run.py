@@ -27,9 +27,10 @@ from shoal.train import memory
 MB = 2**20
 
 
-def live_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """Bytes this rank holds of `params` (the optimizer's), their gradients and the optimizer's
-    state, each storage counted once."""
+def live_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+               frozen: list[torch.nn.Parameter] = ()) -> dict[str, float]:  # type: ignore[assignment]  # read only
+    """Bytes this rank holds of `params` (the optimizer's) and of the `frozen` ones (a low-rank adapters' base:
+    parameters only), their gradients and the optimizer's state, each storage counted once."""
     seen: set[int] = set()
 
     def size(t: torch.Tensor | None) -> int:
@@ -43,7 +44,7 @@ def live_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
         return local.untyped_storage().nbytes()
 
     state = sum(size(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return {"parameters": sum(size(p) for p in params), "gradients": sum(size(p.grad) for p in params),
+    return {"parameters": sum(size(p) for p in [*params, *frozen]), "gradients": sum(size(p.grad) for p in params),
             "optimizer": state}
 
 
@@ -67,7 +68,8 @@ def dry_run(trainer: Any, *, baseline_mb: float = 0.0) -> dict[str, Any]:
     kept = memory.allocator_held_mb()
     with memory.TensorPeak(*trainer.runtime.parts, trainer.optimizer) as tensors:
         float(trainer.train_one(trainer.start + 2).loss)
-    held = live_bytes(list(trainer.runtime.parameters()), trainer.optimizer)
+    frozen = [p for part in trainer.runtime.parts for p in part.parameters() if not p.requires_grad]
+    held = live_bytes(list(trainer.runtime.parameters()), trainer.optimizer, frozen=frozen)
     row = torch.tensor([held["parameters"] / MB, held["gradients"] / MB, held["optimizer"] / MB, baseline_mb,
                         setup_peak, step_peak, math.nan if tensors.peak_mb is None else tensors.peak_mb,
                         math.nan if kept is None else kept], dtype=torch.float64)
@@ -97,12 +99,15 @@ def memory_prediction(trainer: Any, *, compiled: bool | None = None) -> dict[str
     `compiled`: price the blocks compiled or not, whatever the plan says (None: as it says)."""
     from shoal.calibration.auto_plan import memory_cluster
     from shoal.models import ModelConfig
+    from shoal.models.lora_config import LoRAConfig
     from shoal.planner.estimate import Workload, estimate
 
     cluster = memory_cluster(trainer.world, trainer.device.type)
     if cluster is None or not isinstance(trainer.model_cfg, ModelConfig):  # the planner prices transformers
         return None
-    work = Workload(model=trainer.model_cfg, global_batch=trainer.loop.global_batch, seq_len=trainer.loop.seq_len)
+    lora = LoRAConfig.parse(trainer.cfg.lora) if trainer.cfg.lora is not None else None
+    work = Workload(model=trainer.model_cfg, global_batch=trainer.loop.global_batch, seq_len=trainer.loop.seq_len,
+                    lora=lora)
     plan = trainer.plan if compiled is None else dataclasses.replace(trainer.plan, compile=compiled)
     e = estimate(plan, work, cluster, micro_batch=trainer.loop.micro_batch)
     return {**{k: v / MB for k, v in e.memory.items()}, "all gradients": e.gradient_bytes / MB,

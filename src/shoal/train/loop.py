@@ -25,6 +25,7 @@ from shoal.infra import faults, host_memory
 from shoal.infra.watchdog import Watchdog
 from shoal.infra.world import broadcast_from_rank0
 from shoal.loss import LossFn
+from shoal.models import ModelConfig
 from shoal.moe.collect import records as moe_records
 from shoal.optim.builder import build_optimizer
 from shoal.optim.lamb_lars import gather_trust, trust_summary
@@ -34,7 +35,9 @@ from shoal.plan import Plan
 from shoal.train import memory
 from shoal.train.build import (
     build_runtime,
+    check_same_base,
     checkpoint_to_continue,
+    lora_base,
     pretrained_weights,
     resolve_plan,
     restart_count,
@@ -74,8 +77,12 @@ class Trainer:
         self.start, self.restart = 0, restart_count()
         path = checkpoint_to_continue(self.run_dir, restart=self.restart, resume=job.resume,
                                       resume_from=job.resume_from, rank=self.rank)
+        self.lora_base = broadcast_from_rank0(lora_base(cfg, self.loop.seed) if self.rank == 0 else None)
+        if path is not None and self.lora_base is not None:
+            check_same_base(path, self.lora_base)
         weights = pretrained_weights(cfg, self.model_cfg, path)
-        self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed, weights=weights)
+        self.runtime = build_runtime(self.model_cfg, self.plan, device, seed=self.loop.seed, weights=weights,
+                                     lora=cfg.lora, adapters=self._peft_adapters(path))
         dtype = next(self.runtime.parameters()).dtype
         self.init_note = weights.describe(dtype) if weights is not None else None
         self.part = self.runtime.data_rank
@@ -357,12 +364,22 @@ class Trainer:
                 f"Trainer does with accumulation: the loss is one process's with --micro-batch "
                 f"{self.local_batch // mb}, not with the whole batch pooled (mb=1 pools it whole)"]
 
+    def _peft_adapters(self, checkpoint: Path | None) -> dict[str, torch.Tensor] | None:
+        """A new run's adapters from the peft folder it starts from (`--init` of one), full, by shoal name."""
+        if self.cfg.lora_init is None or checkpoint is not None or not isinstance(self.model_cfg, ModelConfig):
+            return None
+        from shoal.train.peft_io import read_peft_adapters
+
+        return read_peft_adapters(self.cfg.lora_init, self.model_cfg)
+
     def _trainer_state(self, step: int) -> dict[str, Any]:
         state = {"step": step, "scheduler": self.scheduler.state_dict(), "plan": str(self.plan),
                  "world_size": self.world, "config": to_flat(self.cfg)}
         scaler = self.runtime.loss_scaler  # fp16: same scale on every rank
         if scaler is not None:
             state["loss_scaler"] = scaler.state_dict()
+        if self.lora_base is not None:  # the checkpoint holds the adapters; the frozen base is this
+            state["lora_base"] = self.lora_base
         return state
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -36,7 +37,13 @@ def sample(run_dir: Path, prompt: str, *, max_new_tokens: int = 200, temperature
     shape = resolve_model(cfg)
     if not isinstance(shape, ModelConfig):
         raise ValueError(task_for(shape).message("sample", run_dir=str(run_dir)))
-    model = Transformer(shape)
+    if cfg.lora is not None:  # the checkpoint holds the adapters: the frozen base comes from its source
+        from shoal.train.build import adapted_model
+        from shoal.train.checkpoint import read_trainer_state
+
+        model = cast(Transformer, adapted_model(shape, cfg.lora, read_trainer_state(path).get("lora_base")))
+    else:
+        model = Transformer(shape)
     load_checkpoint(path, runtime=parallelize(model), optimizer=None)
     model.eval()
     tokenizer = load_tokenizer(cfg.data.tokenizer)

@@ -178,8 +178,17 @@ class Task:
         """The start of a run's description: the model, the data, the batch."""
         m, cfg, loop = _text(trainer.model_cfg), trainer.cfg, trainer.loop
         data = cfg.data.path or "built-in corpus (Python's pydoc topics)"
+        lora = []
+        if cfg.lora is not None:  # low-rank adapters on a frozen base (shoal.models.lora)
+            from shoal.models.lora_config import LoRAConfig, adapted_params, adapter_params
+
+            settings = LoRAConfig.parse(cfg.lora)
+            adapters, adapted = adapter_params(m, settings), adapted_params(m, settings)
+            lora = [f"lora: {settings.text()}: {adapters / 1e6:.2f}M trainable parameters ({adapters / adapted:.2%} of "
+                    f"the {adapted / 1e6:.2f}M they adapt), the rest frozen"
+                    + (f"; adapters from {cfg.lora_init}" if cfg.lora_init else "")]
         return [f"shoal: model {cfg.model}: {m.num_params() / 1e6:.2f}M parameters, {m.num_layers} layers, dim "
-                f"{m.dim}, {m.num_heads} heads, vocab {m.vocab_size}",
+                f"{m.dim}, {m.num_heads} heads, vocab {m.vocab_size}", *lora,
                 f"data: {data}, tokenizer {cfg.data.tokenizer}: {trainer.num_train:,} training tokens, "
                 f"{trainer.num_held_out:,} held out",
                 f"batch: {loop.global_batch} sequences x {loop.seq_len} tokens per step; {trainer.local_batch} per "

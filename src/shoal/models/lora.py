@@ -1,0 +1,155 @@
+"""Low-rank adapters (Hu et al. 2021, LoRA) as a transformation of a model, applied before any parallelism.
+
+`apply_lora(model, lora)` replaces each target projection of shoal's Transformer (an `nn.Linear` (out, in))
+by a `LoRALinear` under the same name: the same `weight` and `bias`, frozen, and two trainable parameters
+`lora_A` (r, in) and `lora_B` (out, r) beside them, in torch's (out, in) layout as peft's. Every other
+parameter is frozen. The model stays an ordinary module of ordinary parameters: every engine shards, reduces
+and checkpoints it by the parameters' `requires_grad`, and tensor parallelism splits each parameter along
+its feature dims (`LoRALinear.feature_dims`): a column-parallel layer's B on dim 0, a row-parallel layer's A
+on dim 1, so that the split layer's output equals the whole one's.
+
+Plain PyTorch: no distributed imports. Settings and counts: shoal.models.lora_config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.models.config import ModelConfig
+from shoal.models.init import InitSpec, fill_slice_
+from shoal.models.lora_config import LoRAConfig, block_targets, check_model
+
+ADAPTER_PARAMS = ("lora_A", "lora_B")
+"""The leaf names of an adapter's parameters."""
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is an adapter's (what a LoRA run trains and checkpoints)."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
+
+
+class LoRALinear(nn.Linear):
+    """A frozen linear layer plus a low-rank update: W x + b + scale * B A drop(x).
+
+    Shape legend: r the adapter's rank; `in` and `out` the layer's features."""
+
+    feature_dims: ClassVar[dict[str, tuple[int | None, int | None]]] = {
+        "weight": (0, 1), "bias": (0, None), "lora_A": (None, 1), "lora_B": (0, None)}
+    """Parameter -> (its output-feature dim, its input-feature dim), None where it has none: what tensor
+    parallelism splits (a column-parallel layer its output features, a row-parallel one its input features);
+    a parameter without the split dim is replicated."""
+
+    def __init__(self, base: nn.Linear, lora: LoRAConfig) -> None:
+        nn.Module.__init__(self)  # the base's weight and bias are kept, not allocated again
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        kwargs: dict[str, Any] = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(lora.r, self.in_features, **kwargs))
+        self.lora_B = nn.Parameter(torch.empty(self.out_features, lora.r, **kwargs))
+        self.scale = lora.scale
+        self.lora_dropout: nn.Module = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
+        return F.linear(x, self.weight, self.bias) + update * self.scale
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.lora_A.shape[0]}, scale={self.scale:g}"
+
+
+def init_specs(model: nn.Module, lora: LoRAConfig) -> dict[str, InitSpec]:
+    """Each adapter parameter's initial values: A as peft's kaiming-uniform's variance (normal, std
+    1 / sqrt(3 in)), B zeros (the adapted model starts equal to the base) unless `init_b_std`."""
+    specs = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            specs[f"{name}.lora_A"] = InitSpec("normal", 1.0 / math.sqrt(3 * module.in_features))
+            specs[f"{name}.lora_B"] = InitSpec("normal", lora.init_b_std) if lora.init_b_std else InitSpec("zeros")
+    return specs
+
+
+class _WithAdapters:
+    """A model's `init_spec` (name, ndim) -> InitSpec, extended by the adapters' (for the meta-device build)."""
+
+    def __init__(self, base: Callable[[str, int], InitSpec], specs: dict[str, InitSpec]) -> None:
+        self.base, self.specs = base, specs
+
+    def __call__(self, name: str, ndim: int) -> InitSpec:
+        spec = self.specs.get(name)
+        return spec if spec is not None else self.base(name, ndim)
+
+
+def apply_lora(model: nn.Module, lora: LoRAConfig, *, seed: int = 0) -> nn.Module:
+    """Give `model` (shoal's Transformer, any of its families) adapters on `lora.targets` and freeze the rest
+    (in place; returns it). On the meta device the adapters stay shapes (materialized with the model, from its
+    `init_spec`, which then knows them); on a real device they are filled here, with the same values: a
+    function of `seed` and each parameter's name. A one-line ValueError for a model the targets do not fit."""
+    cfg = getattr(model, "config", None)
+    if not isinstance(cfg, ModelConfig) or not hasattr(model, "layers"):
+        raise ValueError(f"--lora adapts shoal's Transformer (a preset or an hf: model); {type(model).__name__} "
+                         "is not one")
+    check_model(lora, cfg)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    paths = block_targets(cfg, lora)
+    for block in model.layers.values():  # type: ignore[operator]  # a ModuleDict
+        for path in paths.values():
+            owner_path, _, leaf = path.rpartition(".")
+            owner = block.get_submodule(owner_path)
+            base = getattr(owner, leaf, None)
+            if isinstance(base, nn.Linear):  # an MoE slot holds no dense projections: check_model refused those
+                setattr(owner, leaf, LoRALinear(base, lora))
+    specs = init_specs(model, lora)
+    setattr(model, "init_spec", _WithAdapters(getattr(model, "init_spec"), specs))  # noqa: B009,B010 (the model's own method, extended)
+    for name, param in model.named_parameters():
+        if is_adapter(name):
+            if not param.is_meta:
+                with torch.no_grad():
+                    values = torch.empty(param.shape, dtype=torch.float32)
+                    fill_slice_(values, specs[name], seed=seed, name=name, shape=param.shape, offset=(0,) * param.dim())
+                    param.copy_(values)
+    return model
+
+
+def trainable_share(model: nn.Module) -> tuple[int, int]:
+    """(trainable parameters, all parameters) of `model`."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+class BaseWeights:
+    """Pretrained weights (shoal.parallel.materialize.WeightSource) of the base model (None: the seed's), and the
+    adapters' from `adapters` (full tensors by name: a peft folder's) or else from their own initial values."""
+
+    def __init__(self, weights: Any, adapters: dict[str, torch.Tensor] | None = None) -> None:
+        self.weights, self.adapters = weights, adapters or {}
+
+    def read(self, name: str, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
+        if is_adapter(name):
+            full = self.adapters.get(name)
+            if full is None:
+                return None
+            if tuple(full.shape) != tuple(shape):
+                raise ValueError(f"adapter {name} has shape {tuple(full.shape)}, the model's is {tuple(shape)}; "
+                                 "valid: an adapter of this base with the run's rank")
+            return full[tuple(slice(a, b) for a, b in box)]
+        return None if self.weights is None else self.weights.read(name, shape, box)
+
+
+@torch.no_grad()
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s weights with every adapter merged into its layer (W + scale B A), under the base model's names
+    (no adapter tensors): what a model without adapters loads to compute the adapted model's outputs."""
+    state = {k: v.detach() for k, v in model.state_dict().items() if not is_adapter(k)}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            delta = (module.lora_B.double() @ module.lora_A.double()) * module.scale
+            state[f"{name}.weight"] = (module.weight.double() + delta).to(module.weight.dtype)
+    return state

@@ -1,0 +1,153 @@
+"""Low-rank adapters' settings (Hu et al. 2021, LoRA): which projections, what rank and scale, and how many
+parameters they add. Pure (no torch): the command line, the rules and the planner read it; the transformation
+that adds the adapters to a model is shoal.models.lora.
+
+A target projection W (out, in) gains A (r, in) and B (out, r); the layer computes W x + (alpha / r) B A drop(x),
+with W frozen. Its trainable share is r (in + out) / (in x out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.models.config import ModelConfig
+
+TARGETS: dict[str, str] = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
+                           "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+"""Target name (Hugging Face's projection names, short) -> the module inside each block of shoal's Transformer:
+q_proj, k_proj, v_proj, o_proj, gate_proj (w1), up_proj (w3) and down_proj (w2)."""
+
+FFN_TARGETS = ("gate", "up", "down")
+"""The targets inside the feed-forward slot (the experts' matrices, where the slot holds an MoE layer)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """The adapters of a run (`--lora r=16,alpha=32,dropout=0.05,targets=q,k,v,o,gate,up,down`)."""
+
+    r: int = 16
+    """Rank of each adapter."""
+    alpha: float = 32.0
+    """The update is scaled by alpha / r (peft's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (peft's lora_dropout); the frozen path sees the input unchanged."""
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    """Projections that get an adapter, names of TARGETS."""
+    init_b_std: float = 0.0
+    """B's initial values: zeros (peft's default: the adapted model starts equal to the base), or normal with
+    this std (tests, so that A's first gradients are not zero)."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"--lora r={self.r} is not valid; valid: a whole number >= 1")
+        if self.alpha <= 0:
+            raise ValueError(f"--lora alpha={self.alpha:g} is not valid; valid: a number > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--lora dropout={self.dropout:g} is not valid; valid: 0 <= dropout < 1")
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad or not self.targets:
+            raise ValueError(f"--lora targets={','.join(bad) or '(none)'} is not valid; valid: a comma-separated "
+                             f"subset of {','.join(TARGETS)}")
+
+    @property
+    def scale(self) -> float:
+        """alpha / r: the factor on B A x."""
+        return self.alpha / self.r
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAConfig:
+        """`r=16,alpha=32,dropout=0.05,targets=q,k,v`: keys r, alpha, dropout, targets; a bare word after
+        targets= is one more target. Keys left out keep their defaults. A one-line ValueError otherwise."""
+        values: dict[str, str] = {}
+        targets: list[str] = []
+        key = None
+        for item in (t.strip() for t in text.split(",")):
+            if "=" in item:
+                key, _, value = item.partition("=")
+                key = key.strip()
+                if key not in ("r", "alpha", "dropout", "targets"):
+                    raise ValueError(f"--lora key {key!r} is not valid; valid: r, alpha, dropout, targets "
+                                     "(e.g. r=16,alpha=32,dropout=0.05,targets=q,k,v,o)")
+                if key == "targets":
+                    targets = [value.strip()] if value.strip() else []
+                else:
+                    values[key] = value.strip()
+            elif key == "targets" and item:
+                targets.append(item)
+            elif item:
+                raise ValueError(f"--lora {text!r}: {item!r} is not key=value; valid: r=16,alpha=32,dropout=0.05,"
+                                 "targets=q,k,v,o,gate,up,down")
+        try:
+            kwargs: dict[str, object] = {k: (int(v) if k == "r" else float(v)) for k, v in values.items()}
+        except ValueError:
+            raise ValueError(f"--lora {text!r}: r takes a whole number, alpha and dropout numbers") from None
+        if "targets" in text:
+            kwargs["targets"] = tuple(targets)
+        return cls(**kwargs)  # type: ignore[arg-type]  # keys checked above
+
+    def text(self) -> str:
+        """The form `parse` reads back."""
+        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={','.join(self.targets)}"
+
+
+def block_targets(cfg: ModelConfig, lora: LoRAConfig) -> dict[str, str]:
+    """Target -> module path inside a block, for the targets `cfg` has: a GELU MLP's first projection is its up
+    projection (feed_forward.w1), and it has no gate."""
+    paths = dict(TARGETS)
+    if cfg.activation != "swiglu":
+        paths.pop("gate")
+        paths["up"] = "feed_forward.w1"
+    return {t: paths[t] for t in lora.targets if t in paths}
+
+
+def check_model(lora: LoRAConfig, cfg: ModelConfig) -> None:
+    """A one-line ValueError where `cfg` has none of the targets' projections, or the targets name
+    Mixture-of-Experts experts' matrices (not available: adapters go on dense projections only)."""
+    if cfg.num_experts and any(t in FFN_TARGETS for t in lora.targets):
+        raise ValueError(f"--lora targets={','.join(lora.targets)}: adapters on Mixture-of-Experts experts' "
+                         "matrices are not available; valid: targets among q,k,v,o for an MoE model")
+    if not block_targets(cfg, lora):
+        raise ValueError(f"--lora targets={','.join(lora.targets)}: the model has none of these projections; "
+                         "valid: q,k,v,o,up,down (and gate with a SwiGLU MLP)")
+
+
+def projections(cfg: ModelConfig, lora: LoRAConfig) -> list[tuple[int, int]]:
+    """(in, out) of every projection of the model that gets an adapter (one block's each, times the blocks)."""
+    D, Q, KV, F = cfg.dim, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
+    shapes = {"q": (D, Q), "k": (D, KV), "v": (D, KV), "o": (Q, D), "gate": (D, F), "up": (D, F), "down": (F, D)}
+    return [shapes[t] for t in block_targets(cfg, lora)] * cfg.num_layers
+
+
+def adapter_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
+    """Parameters the adapters add: r (in + out) per adapted projection."""
+    return sum(lora.r * (i + o) for i, o in projections(cfg, lora))
+
+
+def adapted_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
+    """Parameters of the projections that get an adapter (in x out each), whose share the adapters are."""
+    return sum(i * o for i, o in projections(cfg, lora))
+
+
+def check_plan(lora: LoRAConfig, *, tp: int, cp: int) -> None:
+    """A one-line ValueError for adapter dropout under tp or cp: their ranks draw dropout masks from one generator
+    state over their shards of a layer's input (DTensor's offsetting RNG tracker is CUDA-only), which is not shown
+    to equal one process's draw."""
+    if lora.dropout > 0 and (tp > 1 or cp > 1):
+        axes = ", ".join(f"{name}={d}" for name, d in (("tp", tp), ("cp", cp)) if d > 1)
+        raise ValueError(f"--lora dropout={lora.dropout:g} under {axes} is not available; valid: dropout=0 with "
+                         "tp or cp, or a plan without them")
+
+
+ROW_PARALLEL = ("o", "down")
+"""Targets whose layer tensor parallelism splits by input features (the rest by output features)."""
+
+
+def adapter_elements_per_rank(cfg: ModelConfig, lora: LoRAConfig, *, tp: int, layers: int) -> float:
+    """Adapter parameters one tensor-parallel rank holds for `layers` blocks (shoal.parallel.tensor): a
+    column-parallel layer's B (out/tp, r) beside its whole A (r, in), a row-parallel layer's A (r, in/tp) beside
+    its whole B (out, r)."""
+    per_block = 0.0
+    shapes = projections(cfg.replace(num_layers=1), lora)
+    for target, (i, o) in zip(block_targets(cfg, lora), shapes, strict=True):
+        per_block += lora.r * (i / tp + o if target in ROW_PARALLEL else i + o / tp)
+    return per_block * layers

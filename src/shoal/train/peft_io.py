@@ -1,0 +1,196 @@
+"""peft adapter folders in and out: a LoRA run's adapters as `adapter_config.json` and `adapter_model.safetensors`
+under peft's names, which `peft.PeftModel.from_pretrained(base, DIR)` loads onto the Hugging Face base model, and
+such a folder read back as the settings and initial adapters of a run on that base (`shoal train --init DIR`).
+
+peft names an adapter of module M of the transformers model `base_model.model.M.lora_A.weight` (r, in) and
+`...lora_B.weight` (out, r), the layout shoal's adapters have (shoal.models.lora). M is the transformers name of the
+shoal projection, from the family's weight map; the rows of a query or key projection are permuted as its weight's
+are (shoal rotates interleaved pairs, transformers halves), and permuting W's rows permutes B's alone. One process,
+no process group: DCP fills full tensors from the checkpoint as `shoal export` does.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from shoal.models.adapter import adapter_of_config
+from shoal.models.config import ModelConfig
+from shoal.models.lora import is_adapter
+from shoal.models.lora_config import LoRAConfig
+from shoal.train.safe_load import SafeLoadPlanner, SafeReader
+
+PEFT_PREFIX = "base_model.model."
+"""What peft puts before a transformers module's name in an adapter file."""
+
+
+def checkpoint_adapters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of a LoRA run's checkpoint, full, by shoal name."""
+    meta = SafeReader(str(checkpoint)).read_metadata()
+    stored = {k.removeprefix("model."): item for k, item in meta.state_dict_metadata.items()
+              if k.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+    names = [k for k in stored if is_adapter(k)]
+    if not names:
+        raise ValueError(f"checkpoint {checkpoint} holds no low-rank adapters; valid: a checkpoint of a "
+                         "shoal train --lora run")
+    tensors = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in names}
+    with warnings.catch_warnings():  # no process group is intended here; DCP warns about it anyway
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": tensors}, checkpoint_id=str(checkpoint), storage_reader=SafeReader(str(checkpoint)),
+                 planner=SafeLoadPlanner(), no_dist=True)
+    return tensors
+
+
+def hf_module_names(cfg: ModelConfig, modules: list[str]) -> dict[str, str]:
+    """shoal module name (`layers.0.attention.wq`) -> the transformers module it is (`model.layers.0.self_attn.
+    q_proj`), by the family's weight map; a one-line ValueError for a family whose projection is fused or
+    transposed there (GPT-2's Conv1D c_attn), which peft's adapters do not map to one to one."""
+    weight_map = adapter_of_config(cfg).weight_map()
+    by_part = {t.parts[0]: t for t in weight_map.hf_layout(cfg) if len(t.parts) == 1}
+    out = {}
+    for module in modules:
+        entry = by_part.get(f"{module}.weight")
+        if entry is None or entry.transpose or entry.expert is not None:
+            raise ValueError(f"{module} has no transformers projection of its own in the "
+                             f"{weight_map.hf_family(cfg)} layout; valid: a Llama-layout family (llama, mistral, "
+                             "qwen2, qwen3) for a peft adapter")
+        out[module] = entry.name.removesuffix(".weight")
+    return out
+
+
+def peft_state(adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """shoal's adapter tensors under peft's names and layout."""
+    from shoal.models.hf import llama
+
+    modules = sorted({name.rsplit(".", 1)[0] for name in adapters})
+    hf = hf_module_names(cfg, modules)
+    out = {}
+    for name, tensor in adapters.items():
+        module, leaf = name.rsplit(".", 1)
+        if leaf == "lora_B":  # its rows are the weight's: permuted as the weight's
+            tensor = llama.to_halves(tensor, llama.rotated_heads(f"{module}.weight", cfg), cfg.head_dim)
+        out[f"{PEFT_PREFIX}{hf[module]}.{leaf}.weight"] = tensor.contiguous()
+    return out
+
+
+def peft_config(lora: LoRAConfig, hf_modules: list[str], base: str | None) -> dict[str, Any]:
+    """adapter_config.json for peft's LoraConfig: the targets by their transformers leaf names."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.r, "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout, "target_modules": sorted({m.rsplit(".", 1)[-1] for m in hf_modules}),
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+            "modules_to_save": None, "use_rslora": False, "base_model_name_or_path": base}
+
+
+def export_lora_adapter(checkpoint: Path | str, out: Path | str) -> Path:
+    """Folder `out` (created) with a LoRA run checkpoint's adapters as peft writes them; returns it."""
+    from shoal.train.export import _checkpoint_model_config
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    text = state.get("config", {}).get("lora")
+    if text is None:
+        raise ValueError(f"checkpoint {checkpoint} is not of a LoRA run (no lora in its config); valid: a "
+                         "checkpoint of shoal train --lora, or shoal export --out without --lora-adapter")
+    cfg = _checkpoint_model_config(checkpoint)
+    tensors = peft_state(checkpoint_adapters(checkpoint), cfg)
+    modules = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for k in tensors})
+    base = state.get("lora_base", {}).get("init")
+    out.mkdir(parents=True, exist_ok=False)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = peft_config(LoRAConfig.parse(text), modules, base)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    return out
+
+
+
+def export_merged(checkpoint: Path | str, out: Path | str) -> Path:
+    """Hugging Face folder `out` of a LoRA run's checkpoint with its adapters merged into the base weights
+    (`merged_state`), which transformers loads as an ordinary model; returns it. The base is rebuilt from its
+    source (shoal.train.build.adapted_model)."""
+    from shoal.models.lora import merged_state
+    from shoal.train.build import adapted_model
+    from shoal.train.export import (
+        _checkpoint_model_config,
+        _checkpoint_tokenizer,
+        _copy_files,
+        _write_hf,
+        special_token_ids,
+        tokenizer_files,
+    )
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    cfg = _checkpoint_model_config(checkpoint)
+    tokenizer = _checkpoint_tokenizer(checkpoint)
+    extra_files = tokenizer_files(tokenizer)
+    model = adapted_model(cfg, state["config"]["lora"], state.get("lora_base"))
+    model.load_state_dict(checkpoint_adapters(checkpoint), strict=False)
+    folder = _write_hf(merged_state(model), out, cfg, {"source": str(checkpoint)}, special_token_ids(tokenizer))
+    _copy_files(extra_files, folder)
+    return folder
+
+PEFT_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+                "down_proj": "down"}
+"""peft's target module names (transformers' Llama-layout projections) -> shoal's LoRA targets."""
+
+
+def is_peft_folder(path: str | Path) -> bool:
+    """Whether `path` is a peft adapter folder (it holds adapter_config.json)."""
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def read_peft_config(folder: str | Path) -> tuple[LoRAConfig, str]:
+    """(the adapters' settings, the base model's folder) of peft adapter folder `folder`; a one-line ValueError for
+    settings shoal does not train (another peft type, rsLoRA, per-module ranks) or a base that is no local folder."""
+    path = Path(folder) / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--init {folder}: {path.name} is not readable JSON ({exc})") from None
+    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("rank_pattern") \
+            or config.get("alpha_pattern") or config.get("use_dora"):
+        raise ValueError(f"--init {folder}: a peft adapter of type {config.get('peft_type')} with rsLoRA, DoRA or "
+                         "per-module ranks is not available; valid: a plain LoRA adapter")
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unknown = [t for t in targets if t not in PEFT_TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"--init {folder}: target_modules {','.join(unknown) or '(none)'} are not shoal's; valid: "
+                         f"{', '.join(PEFT_TARGETS)}")
+    base = config.get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise ValueError(f"--init {folder}: its base_model_name_or_path {base!r} is not a local folder; valid: an "
+                         "adapter whose adapter_config.json names its base's folder on this machine")
+    lora = LoRAConfig(r=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
+                      dropout=float(config.get("lora_dropout", 0.0)),
+                      targets=tuple(t for t in PEFT_TARGETS.values() if t in {PEFT_TARGETS[x] for x in targets}))
+    return lora, str(Path(base).absolute())
+
+
+def read_peft_adapters(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The adapter tensors of peft folder `folder` under shoal's names and layout (the inverse of `peft_state`)."""
+    from safetensors.torch import load_file
+
+    from shoal.models.hf import llama
+
+    tensors = load_file(str(Path(folder) / "adapter_model.safetensors"))
+    weight_map = adapter_of_config(cfg).weight_map()
+    by_hf = {t.name.removesuffix(".weight"): t.parts[0].removesuffix(".weight")
+             for t in weight_map.hf_layout(cfg) if len(t.parts) == 1 and t.name.endswith(".weight")}
+    out = {}
+    for key, tensor in tensors.items():
+        hf_module, leaf = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rsplit(".", 1)
+        module = by_hf.get(hf_module)
+        if module is None or leaf not in ("lora_A", "lora_B"):
+            raise ValueError(f"--init {folder}: tensor {key} is no adapter of a projection of the base model")
+        if leaf == "lora_B":
+            tensor = llama.to_pairs(tensor, llama.rotated_heads(f"{module}.weight", cfg), cfg.head_dim)
+        out[f"{module}.{leaf}"] = tensor
+    return out
