@@ -146,6 +146,12 @@ class Runtime:
         for name, param in self._engine.named_parameters():
             yield clean_name(name), param
 
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's buffers (under pp its stages'), under the names of the user's module."""
+        for part in self.parts:
+            for name, buffer in part.named_buffers():
+                yield clean_name(name), buffer
+
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, param in self.named_parameters():
             yield param

@@ -28,7 +28,6 @@ from shoal.loss import IGNORE
 from shoal.mesh import build_mesh
 from shoal.models import ModelConfig, ModelShape, build_model
 from shoal.moe.collect import MoECollector
-from shoal.parallel.data import clean_name
 from shoal.plan import Plan
 from shoal.runtime import Runtime
 from shoal.testing.asserts import FLOOR_ULPS, MOVED, SLACK, U32, assert_rounding_close, full_tensors
@@ -148,7 +147,7 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32,
         result["losses"].append(loss_sum)
         result["grad_norms"].append(norm.item())
     result["final_params"] = full_tensors(model)
-    result["router_bias"] = router_biases([model])
+    result["router_bias"] = router_biases(model)
     if after is not None:
         after(model, optimizer)
     return result
@@ -253,13 +252,14 @@ def run_parallel(case: ParityCase) -> dict[str, Any]:
         result["losses"].append(float(out.loss))
         result["grad_norms"].append(float(out.grad_norm))
     result["final_params"] = full_tensors(runtime)
-    result["router_bias"] = router_biases(runtime.parts)
+    result["router_bias"] = router_biases(runtime)
     return result
 
 
-def router_biases(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    """The MoE routers' selection biases these model parts hold (a pipeline stage: its own layers'), by name."""
-    return {clean_name(name): buf.detach().cpu().clone() for part in parts for name, buf in part.named_buffers()
+def router_biases(source: Runtime | nn.Module) -> dict[str, torch.Tensor]:
+    """The MoE routers' selection biases a model or a runtime's rank holds (a pipeline stage: its own layers'),
+    by name."""
+    return {name: buf.detach().cpu().clone() for name, buf in source.named_buffers()
             if name.endswith("router.bias")}
 
 
