@@ -1,0 +1,216 @@
+"""A frozen low-bit base under low-rank adapters (QLoRA-style, `--lora base=nf4|int8`): the layer against the same
+adapters on the dequantised base, the bytes it stores, its refusals, and parity with one process under dp, fsdp
+and pp, and across a checkpoint.
+
+Tolerances: one process against the dequantised base is exact (rtol=atol=0): both compute F.linear with the same
+float32 weight (the quantised layer dequantises to exactly the tensor the reference holds) and the same adapters,
+in the same order. The parallel runs use check_parity's yardsticks (shoal/testing/parity.py): the float32 run's own
+distance from the float64 run of the same quantised model (whose layers dequantise to the same float32 weights,
+then widened exactly to float64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shoal.apply_plan import parallelize
+from shoal.models import build_model
+from shoal.models.lora import LoRALinear, apply_lora, is_adapter
+from shoal.models.lora_config import LoRAConfig, base_bytes, check_plan
+from shoal.testing.parity import SMALL, ParityCase, check_parity, references, run_parallel
+
+NF4 = LoRAConfig(r=4, alpha=8.0, init_b_std=0.02, base="nf4")
+INT8 = dataclasses.replace(NF4, base="int8")
+
+
+def dequantised(w: torch.Tensor, base: str) -> torch.Tensor:
+    """The reference's base: `w` quantised and dequantised with torchao directly (QLoRA's block of 64 weights per
+    NF4 scale; one symmetric int8 scale per row), written out here apart from shoal.models.quantized_base."""
+    if base == "nf4":
+        from torchao.quantization import to_nf4
+
+        return to_nf4(w, 64, min(256, w.numel() // 64)).get_original_weight()
+    from torchao.quantization.quant_primitives import (
+        MappingType,
+        choose_qparams_affine,
+        dequantize_affine,
+        quantize_affine,
+    )
+
+    block = (1, w.shape[1])
+    scale, zero = choose_qparams_affine(w, MappingType.SYMMETRIC, block, torch.int8, eps=torch.finfo(w.dtype).eps,
+                                       scale_dtype=torch.float32, zero_point_dtype=torch.int8)
+    return dequantize_affine(quantize_affine(w, block, scale, zero, torch.int8), block, scale, zero, torch.int8)
+
+
+def pair(lora: LoRAConfig) -> tuple[nn.Module, nn.Module]:
+    """(the model with a quantised base, the same adapters on the dequantised base as plain float32 weights)."""
+    torch.manual_seed(0)
+    plain = apply_lora(build_model(SMALL), dataclasses.replace(lora, base="none"))
+    for m in plain.modules():
+        if isinstance(m, LoRALinear):
+            with torch.no_grad():
+                m.weight.copy_(dequantised(m.weight.detach().clone(), lora.base))
+    torch.manual_seed(0)
+    return apply_lora(build_model(SMALL), lora), plain
+
+
+@pytest.mark.parametrize("lora", [NF4, INT8], ids=["nf4", "int8"])
+def test_equals_the_same_adapters_on_the_dequantised_base(lora):
+    """Logits, loss, every adapter's gradient and three AdamW steps' losses and adapters: exactly equal."""
+    quant, plain = pair(lora)
+    assert {n for n, p in quant.named_parameters() if p.requires_grad} == \
+        {n for n, p in plain.named_parameters() if p.requires_grad}
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (quant, plain)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        seq = torch.randint(0, SMALL.vocab_size, (4, 17), generator=gen)
+        losses = []
+        for model, opt in zip((quant, plain), opts, strict=True):
+            opt.zero_grad()
+            logits = model(seq[:, :-1])
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
+            loss.backward()
+            losses.append(loss)
+            if step == 0:
+                grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+                if model is quant:
+                    first = grads
+                else:
+                    for n, g in grads.items():
+                        torch.testing.assert_close(first[n], g, rtol=0, atol=0, msg=n)
+            opt.step()
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    trained = dict(plain.named_parameters())
+    for n, p in quant.named_parameters():
+        torch.testing.assert_close(p, trained[n], rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("lora", [NF4, INT8], ids=["nf4", "int8"])
+def test_base_is_stored_low_bit_and_adapters_are_not(lora):
+    """Every adapted layer holds its base in low-bit form (no float weight parameter left) of the bytes
+    base_bytes counts; its adapters stay float32 parameters that train. Hand-computed for wq (64, 64): NF4 2048
+    bytes of codes + 64 int8 scales + one float32 factor for the 64 scales (4) + their float32 mean (4) = 2120;
+    int8 4096 codes + 64 rows x (float32 scale + int8 zero point) = 4416."""
+    quant, plain = pair(lora)
+    layer = quant.layers["0"].attention.wq
+    assert isinstance(layer, LoRALinear) and layer.quantized is not None and "weight" not in layer._parameters
+    assert layer.quantized.nbytes() == {"nf4": 2120, "int8": 4416}[lora.base] == base_bytes(64, 64, lora.base)
+    for m in quant.modules():
+        if isinstance(m, LoRALinear):
+            assert m.quantized is not None and m.quantized.nbytes() == base_bytes(m.in_features, m.out_features,
+                                                                                  lora.base)
+            assert m.lora_A.dtype == m.lora_B.dtype == torch.float32 and m.lora_A.requires_grad
+    floats = sum(p.numel() for n, p in plain.named_parameters() if n.endswith("weight") and not p.requires_grad)
+    assert floats > sum(p.numel() for n, p in quant.named_parameters() if n.endswith("weight"))
+    w = plain.layers["0"].attention.wq.weight
+    torch.testing.assert_close(layer.base_weight(), w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("r=4,base=fp4", "base=fp4 is not valid; valid: none, nf4, int8"), ("r=4,base=", "base= is not valid"),
+])
+def test_bad_base_one_line(text, match):
+    with pytest.raises(ValueError, match=match) as info:
+        LoRAConfig.parse(text)
+    assert "\n" not in str(info.value)
+
+
+def test_base_round_trips_and_refusals_one_line():
+    assert LoRAConfig.parse("r=8,base=nf4,targets=q,v") == LoRAConfig(r=8, base="nf4", targets=("q", "v"))
+    assert LoRAConfig.parse(NF4.text()) == dataclasses.replace(NF4, init_b_std=0.0)
+    assert "base" not in LoRAConfig(r=8).text()
+    with pytest.raises(ValueError, match="base=nf4 under tp=2 is not available") as info:
+        check_plan(NF4, tp=2, cp=1)
+    assert "\n" not in str(info.value)
+    check_plan(NF4, tp=1, cp=1)
+    odd = SMALL.replace(dim=33, num_heads=4, num_kv_heads=4, head_size=8)  # wq (32, 33): 16.5 blocks of 64
+    with pytest.raises(ValueError, match=r"base=nf4: attention.wq \(32, 33\) has 1056 weights") as info:
+        apply_lora(build_model(odd), NF4)
+    assert "\n" not in str(info.value)
+    apply_lora(build_model(odd), INT8)
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QLoRACase(ParityCase):
+    """A parity case whose model carries adapters on a low-bit base: what every plan trains is the adapters.
+    `meta`: built on the meta device, as `shoal train` builds (the base quantised once materialized, and left
+    whole by FSDP2); the one-process references then materialize it whole (meta-built weights are drawn per
+    name, not as a real-device build draws them)."""
+
+    lora: LoRAConfig = NF4
+    meta: bool = False
+
+    def build_model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        torch.manual_seed(self.seed)
+        if self.meta:
+            with torch.device("meta"):
+                model = apply_lora(build_model(self.model), self.lora, seed=self.seed)
+            if dist.is_initialized():
+                return model  # parallelize materializes it
+            parallelize(model, seed=self.seed)
+            return model.to(dtype)
+        return apply_lora(build_model(self.model), self.lora, seed=self.seed).to(dtype)
+
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        return super().optimizer([p for p in params if p.requires_grad])
+
+
+CASES = [QLoRACase(plan=p) for p in ("dp2", "fsdp2", "fsdp2,zero=2")] + [
+    QLoRACase(plan="pp2,mb=2", num_micro=2), QLoRACase(plan="fsdp2", meta=True), QLoRACase(plan="dp2", meta=True),
+    QLoRACase(plan="fsdp2", lora=INT8), QLoRACase(plan="pp2,mb=2", num_micro=2, lora=INT8, meta=True)]
+
+
+def _run_cases(cases: list[QLoRACase]) -> list[dict[str, Any]]:
+    return [run_parallel(c) for c in cases]
+
+
+def test_parity_under_dp_fsdp_pp(pools):
+    """dp2, fsdp2 (zero 3 and 2), pp2 with NF4, built on a real device and on the meta device (fsdp2, dp2); int8
+    under fsdp2 and pp2: logits, every adapter's first-step gradient, the first step, the losses of every step and
+    the final adapters against one process (check_parity)."""
+    results = pools(2).run(_run_cases, CASES)
+    failed: list[str] = []
+    for i, c in enumerate(CASES):
+        rank_results = [r[i] for r in results]
+        assert all(is_adapter(n) for res in rank_results for n in res["grads"]), c
+        try:
+            check_parity(rank_results, c)
+        except AssertionError as e:
+            failed.append(f"{c.plan} {c.lora.base} meta={c.meta}: {str(e)[:200]}")
+    assert not failed, "\n".join(failed)
+
+
+def test_checkpoint_requantizes_the_base_on_resume(pools, tmp_path):
+    """Steps 0-1 under fsdp2 (meta-built), 2-3 under dp2, 4 in one process, each resumed from the last one's
+    checkpoint, which holds the adapters only: the base quantised again from its source gives the losses and
+    gradient norms of an unbroken single-process run."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shoal.testing.asserts import assert_rounding_close
+    from shoal.testing.parity import assert_trained_close, train_segment
+    from shoal.train.checkpoint import latest_checkpoint
+
+    run = QLoRACase(steps=5, meta=True)
+    ref32, ref64 = references(run)
+    for plan_text, start, end in (("fsdp2", 0, 2), ("dp2", 2, 4), ("single", 4, 5)):
+        if plan_text == "single":
+            results = [train_segment(run, str(tmp_path), plan_text, start, end)]
+        else:
+            results = pools(2).run(train_segment, run, str(tmp_path), plan_text, start, end)
+        for rank, res in enumerate(results):
+            assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
+                                  what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")
+        saved = FileSystemReader(str(latest_checkpoint(tmp_path))).read_metadata().state_dict_metadata
+        models = [k.removeprefix("model.") for k in saved if k.startswith("model.")]
+        assert models and all(is_adapter(k) for k in models), [k for k in models if not is_adapter(k)][:3]
+    assert_trained_close(results[0]["params"], ref32, ref64)
