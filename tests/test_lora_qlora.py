@@ -214,3 +214,54 @@ def test_checkpoint_requantizes_the_base_on_resume(pools, tmp_path):
         models = [k.removeprefix("model.") for k in saved if k.startswith("model.")]
         assert models and all(is_adapter(k) for k in models), [k for k in models if not is_adapter(k)][:3]
     assert_trained_close(results[0]["params"], ref32, ref64)
+
+
+@pytest.mark.parametrize("lora", [NF4, INT8], ids=["nf4", "int8"])
+def test_backward_keeps_the_low_bit_weight_not_its_float_copy(lora):
+    """Between forward and backward autograd holds no float (out, in) weight of a low-bit layer (it dequantises
+    again in backward), and the input's gradient is the dequantised base's (exact, as above)."""
+    quant, plain = pair(lora)
+    layer, ref = quant.layers["0"].feed_forward.w1, plain.layers["0"].feed_forward.w1
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    x = torch.randn(2, 5, layer.in_features, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    assert not {(layer.out_features, layer.in_features), (layer.in_features, layer.out_features)} & set(saved), saved
+    out.square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    ref(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("plan_text", ["fsdp8", "dp8"])
+def test_planner_prices_the_base_at_its_low_bit_bytes(plan_text):
+    """`shoal plan` for llama3-8b QLoRA r=16 nf4: the parameters term trades the adapted projections' fp32 bytes
+    (sharded as the plan shards parameters) for their NF4 bytes, whole on every rank; gradients and optimizer state
+    are unchanged. Hand count per block: q, o (4096, 4096), k, v (1024, 4096), gate, up, down (14336, 4096): 218.1M
+    weights; NF4 stores 1/2 byte each + an int8 scale per 64 + a float32 factor per 256 scales + a float32 mean."""
+    from shoal import rules
+    from shoal.models.config import get_preset
+    from shoal.plan import Plan
+    from shoal.planner.cluster_file import parse_cluster
+    from shoal.planner.estimate import Workload, estimate
+
+    cfg = get_preset("llama3-8b")
+    cluster = parse_cluster("8xH100")
+    plan = rules.resolve(Plan.parse(plan_text + ",precision=fp32"), world_size=8, device="cuda")
+    work = Workload(model=cfg, global_batch=64, seq_len=2048, lora=LoRAConfig(r=16))
+    plain = estimate(plan, work, cluster)
+    quant = estimate(plan, dataclasses.replace(work, lora=LoRAConfig(r=16, base="nf4")), cluster)
+    shapes = [(4096, 4096)] * 2 + [(4096, 1024)] * 2 + [(4096, 14336)] * 3
+    weights = sum(i * o for i, o in shapes)
+    assert weights == 218_103_808
+    nf4 = sum(i * o / 2 + i * o / 64 + 4 * i * o / 64 / 256 + 4 for i, o in shapes)
+    layers = cfg.num_layers
+    shards = 8 if plan.fsdp > 1 and plan.zero >= 3 else 1
+    want = plain.memory["parameters"] - layers * (4 * weights / shards - nf4)
+    assert quant.memory["parameters"] == pytest.approx(want, rel=1e-9)
+    assert quant.memory["optimizer"] == plain.memory["optimizer"]

@@ -24,7 +24,7 @@ from torch import nn
 from shoal.models.config import ModelConfig
 from shoal.models.init import InitSpec, fill_slice_
 from shoal.models.lora_config import LoRAConfig, block_targets, check_model, check_quantizable
-from shoal.models.quantized_base import QuantizedWeight
+from shoal.models.quantized_base import QuantizedWeight, low_bit_linear
 
 ADAPTER_PARAMS = ("lora_A", "lora_B")
 """The leaf names of an adapter's parameters."""
@@ -80,8 +80,9 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
-        weight = self.weight if self.quantized is None else self.quantized.dequantize(x.dtype)
-        return F.linear(x, weight, self.bias) + update * self.scale
+        if self.quantized is None:
+            return F.linear(x, self.weight, self.bias) + update * self.scale
+        return low_bit_linear(x, self.quantized, self.bias) + update * self.scale
 
     def extra_repr(self) -> str:
         base = f", base={self.base}" if self.base != "none" else ""

@@ -171,6 +171,17 @@ def adapter_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
     return sum(lora.r * (i + o) for i, o in projections(cfg, lora))
 
 
+def quantized_base_per_rank(cfg: ModelConfig, lora: LoRAConfig, *, layers: int) -> tuple[float, float]:
+    """(weights, bytes) of the adapted projections' frozen weights one rank holds for `layers` blocks when the base
+    is low-bit (base_bytes each): whole on every rank, as no engine shards them (tp is refused; FSDP leaves them
+    whole); (0, 0) for base none."""
+    if lora.base == "none":
+        return 0.0, 0.0
+    shapes = projections(cfg.replace(num_layers=1), lora)
+    return (float(sum(i * o for i, o in shapes) * layers),
+            sum(base_bytes(i, o, lora.base) for i, o in shapes) * layers)
+
+
 def adapted_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
     """Parameters of the projections that get an adapter (in x out each), whose share the adapters are."""
     return sum(i * o for i, o in projections(cfg, lora))

@@ -62,3 +62,26 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.base}, {self.shape})"
+
+
+class _LowBitLinear(torch.autograd.Function):
+    """x W^T + b with W dequantised in forward and again in backward: autograd keeps the low-bit weight between
+    them, not its float copy (QLoRA's memory: torchao's linear_nf4 does the same for NF4)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, weight: QuantizedWeight) -> torch.Tensor:
+        ctx.weight = weight
+        return torch.nn.functional.linear(x, weight.dequantize(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        return grad @ ctx.weight.dequantize(grad.dtype), None, None
+
+
+def low_bit_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight dequantised, bias) for a frozen weight and bias (no gradient reaches either)."""
+    assert bias is None or not bias.requires_grad, "a low-bit layer's bias is frozen with its weight"
+    out: torch.Tensor = _LowBitLinear.apply(x, bias, weight)
+    return out
