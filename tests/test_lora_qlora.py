@@ -265,3 +265,38 @@ def test_planner_prices_the_base_at_its_low_bit_bytes(plan_text):
     want = plain.memory["parameters"] - layers * (4 * weights / shards - nf4)
     assert quant.memory["parameters"] == pytest.approx(want, rel=1e-9)
     assert quant.memory["optimizer"] == plain.memory["optimizer"]
+
+
+SMALL_RUN = ["--device", "cpu", "--set", "num_layers=2", "--set", "dim=64", "--set", "ffn_dim=128", "--global-batch",
+             "4", "--seq-len", "16", "--eval-batches", "1", "--eval-every", "0"]
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["--lora", "r=4,base=fp4"], ["--lora base=fp4", "none, nf4, int8"]),
+    (["--lora", "r=4,base=nf4", "--plan", "tp2"], ["--lora base=nf4 under tp=2", "dp, fsdp, pp"]),
+])
+def test_bad_base_flags_one_line(capsys, tmp_path, argv, names):
+    from shoal.testing.asserts import assert_user_error
+
+    assert_user_error(capsys, ["train", "--out", str(tmp_path / "run"), *SMALL_RUN, *argv], *names)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_and_resume_with_an_nf4_base(tmp_path):
+    """`shoal train --lora r=4,base=nf4` (one process): 2 steps, then --resume to 3; the resumed run quantises its
+    base again from the seed and its third loss equals an unbroken 3-step run's (exactly: the same arithmetic)."""
+    import json
+
+    from shoal import cli
+
+    def losses(run, steps):
+        assert cli.main(["train", "--out", str(run), "--steps", str(steps), "--nproc", "1", "--lora", "r=4,base=nf4",
+                         "--ckpt-every", "2", "--decay-steps", "3", *SMALL_RUN]) == 0
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    whole = losses(tmp_path / "whole", 3)
+    losses(tmp_path / "parts", 2)
+    assert cli.main(["train", "--resume", str(tmp_path / "parts"), "--steps", "3"]) == 0
+    resumed = [json.loads(line)["loss"] for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
+    assert len(whole) == 3 and resumed[-1] == whole[-1], (whole, resumed)
+    assert cli.main(["sample", "--run", str(tmp_path / "parts"), "--prompt", "def", "--max-new-tokens", "4"]) == 0
