@@ -144,20 +144,25 @@ def test_base_round_trips_and_refusals_one_line():
 class QLoRACase(ParityCase):
     """A parity case whose model carries adapters on a low-bit base: what every plan trains is the adapters.
     `meta`: built on the meta device, as `shoal train` builds (the base quantised once materialized, and left
-    whole by FSDP2); the one-process references then materialize it whole (meta-built weights are drawn per
-    name, not as a real-device build draws them)."""
+    whole by FSDP2); the one-process references are then the same adapters on the dequantised base, built the same
+    way (meta-built weights are drawn per name, not as a real-device build draws them)."""
 
     lora: LoRAConfig = NF4
     meta: bool = False
 
     def build_model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         torch.manual_seed(self.seed)
-        if self.meta:
+        if self.meta and dist.is_initialized():
             with torch.device("meta"):
-                model = apply_lora(build_model(self.model), self.lora, seed=self.seed)
-            if dist.is_initialized():
-                return model  # parallelize materializes it
+                return apply_lora(build_model(self.model), self.lora, seed=self.seed)  # parallelize materializes it
+        if self.meta:  # the reference: the same adapters on the dequantised base, as plain float weights
+            with torch.device("meta"):
+                model = apply_lora(build_model(self.model), dataclasses.replace(self.lora, base="none"), seed=self.seed)
             parallelize(model, seed=self.seed)
+            for m in model.modules():
+                if isinstance(m, LoRALinear):
+                    with torch.no_grad():
+                        m.weight.copy_(dequantised(m.weight.detach().clone(), self.lora.base))
             return model.to(dtype)
         return apply_lora(build_model(self.model), self.lora, seed=self.seed).to(dtype)
 
