@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shoal import rules
 from shoal.models.adapter import family_of_config
+from shoal.models.lora import unquantized_bases
 from shoal.moe.layer import MoELayer
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.context import ContextSplit, apply_context_parallel
@@ -107,8 +108,13 @@ def _data_parallel(model: nn.Module, mesh: DeviceMesh, plan: Plan, choice: Engin
     """The data engine over `model`; a meta-built model materialized where each engine needs it:
     after FSDP2 has sharded it (each rank then allocates its shards only), before the engines
     that keep full parameters (DDP, shoal's ZeRO-1/2, none)."""
-    ignore = experts.params if experts is not None else ()
+    ignore = list(experts.params) if experts is not None else []
     meta = on_meta([model])
+    if meta and choice.kind == "fsdp2":
+        # A low-bit LoRA base (shoal.models.quantized_base) is quantised once its values are in, which here is after
+        # fully_shard: FSDP2 would shard the float weight, and torchao's NF4 tensor shards only when made before
+        # fully_shard. So FSDP2 leaves these frozen weights whole on every rank (0.5 byte a weight as NF4).
+        ignore += unquantized_bases(model)
     if meta and choice.kind != "fsdp2":
         materialize(model, seed=seed, device=_device(mesh), weights=weights)
     elif choice.kind == "autocast":  # FSDP2 moved a model built elsewhere to the device; autocast does not

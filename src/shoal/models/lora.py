@@ -23,7 +23,8 @@ from torch import nn
 
 from shoal.models.config import ModelConfig
 from shoal.models.init import InitSpec, fill_slice_
-from shoal.models.lora_config import LoRAConfig, block_targets, check_model
+from shoal.models.lora_config import LoRAConfig, block_targets, check_model, check_quantizable
+from shoal.models.quantized_base import QuantizedWeight, low_bit_linear
 
 ADAPTER_PARAMS = ("lora_A", "lora_B")
 """The leaf names of an adapter's parameters."""
@@ -55,13 +56,37 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Parameter(torch.empty(self.out_features, lora.r, **kwargs))
         self.scale = lora.scale
         self.lora_dropout: nn.Module = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+        self.base = lora.base
+        self.quantized: QuantizedWeight | None = None
+        """The frozen weight in low-bit form (`base` nf4 or int8), once quantised; `weight` is then gone."""
+
+    def quantize_base_(self) -> None:
+        """Store the frozen weight as `base` (nf4, int8) in place of its float parameter, once it holds its
+        values; nothing for base none, a meta weight or one already quantised."""
+        weight = self._parameters.get("weight")
+        if self.base == "none" or weight is None or weight.is_meta:
+            return
+        self.quantized = QuantizedWeight(weight.detach(), self.base)
+        del self.weight  # the float weight is freed: the layer computes with the quantised one's dequantisation
+
+    init_buffers = quantize_base_
+    """Called by shoal.parallel.materialize once a meta-built model's parameters hold their values."""
+
+    def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The frozen weight (out, in) the layer computes with: `weight`, or the quantised one dequantised."""
+        if self.quantized is None:
+            return self.weight if dtype is None else self.weight.to(dtype)
+        return self.quantized.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
-        return F.linear(x, self.weight, self.bias) + update * self.scale
+        if self.quantized is None:
+            return F.linear(x, self.weight, self.bias) + update * self.scale
+        return low_bit_linear(x, self.quantized, self.bias) + update * self.scale
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, r={self.lora_A.shape[0]}, scale={self.scale:g}"
+        base = f", base={self.base}" if self.base != "none" else ""
+        return f"{super().extra_repr()}, r={self.lora_A.shape[0]}, scale={self.scale:g}{base}"
 
 
 def init_specs(model: nn.Module, lora: LoRAConfig) -> dict[str, InitSpec]:
@@ -105,6 +130,7 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, *, seed: int = 0) -> nn.Modul
             owner = block.get_submodule(owner_path)
             base = getattr(owner, leaf, None)
             if isinstance(base, nn.Linear):  # an MoE slot holds no dense projections: check_model refused those
+                check_quantizable(path, tuple(base.weight.shape), lora.base)
                 setattr(owner, leaf, LoRALinear(base, lora))
     specs = init_specs(model, lora)
     setattr(model, "init_spec", _WithAdapters(getattr(model, "init_spec"), specs))  # noqa: B009,B010 (the model's own method, extended)
@@ -115,7 +141,17 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, *, seed: int = 0) -> nn.Modul
                     values = torch.empty(param.shape, dtype=torch.float32)
                     fill_slice_(values, specs[name], seed=seed, name=name, shape=param.shape, offset=(0,) * param.dim())
                     param.copy_(values)
+    for module in model.modules():  # a real-device base is quantised now; a meta one once materialized
+        if isinstance(module, LoRALinear):
+            module.quantize_base_()
     return model
+
+
+def unquantized_bases(model: nn.Module) -> list[nn.Parameter]:
+    """The float weights of layers that store their base in low-bit form and have not quantised it yet (a model
+    on the meta device): what sharded data parallelism must leave whole (shoal.apply_plan)."""
+    return [m.get_parameter("weight") for m in model.modules() if isinstance(m, LoRALinear) and m.base != "none"
+            and m.quantized is None]
 
 
 def trainable_share(model: nn.Module) -> tuple[int, int]:
@@ -151,5 +187,6 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
             delta = (module.lora_B.double() @ module.lora_A.double()) * module.scale
-            state[f"{name}.weight"] = (module.weight.double() + delta).to(module.weight.dtype)
+            weight = module.base_weight()
+            state[f"{name}.weight"] = (weight.double() + delta).to(weight.dtype)
     return state

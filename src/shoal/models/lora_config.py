@@ -17,6 +17,46 @@ TARGETS: dict[str, str] = {"q": "attention.wq", "k": "attention.wk", "v": "atten
 """Target name (Hugging Face's projection names, short) -> the module inside each block of shoal's Transformer:
 q_proj, k_proj, v_proj, o_proj, gate_proj (w1), up_proj (w3) and down_proj (w2)."""
 
+BASES = ("none", "nf4", "int8")
+"""The forms a LoRA run's frozen base can be stored in (`--lora base=...`); none: the weights' own dtype."""
+
+NF4_BLOCK = 64
+"""Weights per NF4 scale (QLoRA's block size)."""
+NF4_SCALER_BLOCK = 256
+"""Scales per int8 block of the double quantisation (QLoRA's); smaller where a weight has fewer blocks."""
+
+
+def nf4_scaler_block(numel: int) -> int:
+    """The scaler block size a weight of `numel` elements takes: NF4_SCALER_BLOCK, or its number of blocks
+    where that is fewer (a small weight's scales are one block)."""
+    return max(1, min(NF4_SCALER_BLOCK, numel // NF4_BLOCK))
+
+
+def check_quantizable(name: str, shape: tuple[int, ...], base: str) -> None:
+    """A one-line ValueError where weight `name` of `shape` cannot be stored as `base`: NF4 needs whole blocks
+    of NF4_BLOCK weights, and whole blocks of scales."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if base == "nf4" and (numel % NF4_BLOCK or numel // NF4_BLOCK % nf4_scaler_block(numel)):
+        raise ValueError(f"--lora base=nf4: {name} {tuple(shape)} has {numel} weights, not whole blocks of "
+                         f"{NF4_BLOCK} (and of {NF4_SCALER_BLOCK} blocks above that); valid: base=int8 or "
+                         "base=none for this model")
+
+
+def base_bytes(in_features: int, out_features: int, base: str) -> float:
+    """Bytes a frozen (out, in) weight takes stored as `base` (none: float32): the codes plus their scales
+    (nf4: an int8 scale per block, a float32 factor per scaler block and their float32 mean; int8: a float32
+    scale and an int8 zero point per row)."""
+    numel = in_features * out_features
+    if base == "nf4":
+        blocks = numel / NF4_BLOCK
+        return numel / 2 + blocks + 4 * blocks / nf4_scaler_block(numel) + 4
+    if base == "int8":
+        return numel + 5 * out_features
+    return 4.0 * numel
+
+
 FFN_TARGETS = ("gate", "up", "down")
 """The targets inside the feed-forward slot (the experts' matrices, where the slot holds an MoE layer)."""
 
@@ -36,6 +76,10 @@ class LoRAConfig:
     init_b_std: float = 0.0
     """B's initial values: zeros (peft's default: the adapted model starts equal to the base), or normal with
     this std (tests, so that A's first gradients are not zero)."""
+    base: str = "none"
+    """How the frozen weights of the adapted projections are stored (QLoRA-style, shoal.models.quantized_base):
+    none (their own dtype), nf4 (4-bit NormalFloat in blocks of 64) or int8 (a scale per row), dequantised in
+    forward."""
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -48,6 +92,8 @@ class LoRAConfig:
         if bad or not self.targets:
             raise ValueError(f"--lora targets={','.join(bad) or '(none)'} is not valid; valid: a comma-separated "
                              f"subset of {','.join(TARGETS)}")
+        if self.base not in BASES:
+            raise ValueError(f"--lora base={self.base} is not valid; valid: {', '.join(BASES)}")
 
     @property
     def scale(self) -> float:
@@ -65,9 +111,9 @@ class LoRAConfig:
             if "=" in item:
                 key, _, value = item.partition("=")
                 key = key.strip()
-                if key not in ("r", "alpha", "dropout", "targets"):
-                    raise ValueError(f"--lora key {key!r} is not valid; valid: r, alpha, dropout, targets "
-                                     "(e.g. r=16,alpha=32,dropout=0.05,targets=q,k,v,o)")
+                if key not in ("r", "alpha", "dropout", "base", "targets"):
+                    raise ValueError(f"--lora key {key!r} is not valid; valid: r, alpha, dropout, base, targets "
+                                     "(e.g. r=16,alpha=32,dropout=0.05,base=nf4,targets=q,k,v,o)")
                 if key == "targets":
                     targets = [value.strip()] if value.strip() else []
                 else:
@@ -78,7 +124,8 @@ class LoRAConfig:
                 raise ValueError(f"--lora {text!r}: {item!r} is not key=value; valid: r=16,alpha=32,dropout=0.05,"
                                  "targets=q,k,v,o,gate,up,down")
         try:
-            kwargs: dict[str, object] = {k: (int(v) if k == "r" else float(v)) for k, v in values.items()}
+            kwargs: dict[str, object] = {k: (int(v) if k == "r" else v if k == "base" else float(v))
+                                         for k, v in values.items()}
         except ValueError:
             raise ValueError(f"--lora {text!r}: r takes a whole number, alpha and dropout numbers") from None
         if "targets" in text:
@@ -86,8 +133,9 @@ class LoRAConfig:
         return cls(**kwargs)  # type: ignore[arg-type]  # keys checked above
 
     def text(self) -> str:
-        """The form `parse` reads back."""
-        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={','.join(self.targets)}"
+        """The form `parse` reads back (base= where it is not none)."""
+        base = f",base={self.base}" if self.base != "none" else ""
+        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g}{base},targets={','.join(self.targets)}"
 
 
 def block_targets(cfg: ModelConfig, lora: LoRAConfig) -> dict[str, str]:
@@ -123,6 +171,17 @@ def adapter_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
     return sum(lora.r * (i + o) for i, o in projections(cfg, lora))
 
 
+def quantized_base_per_rank(cfg: ModelConfig, lora: LoRAConfig, *, layers: int) -> tuple[float, float]:
+    """(weights, bytes) of the adapted projections' frozen weights one rank holds for `layers` blocks when the base
+    is low-bit (base_bytes each): whole on every rank, as no engine shards them (tp is refused; FSDP leaves them
+    whole); (0, 0) for base none."""
+    if lora.base == "none":
+        return 0.0, 0.0
+    shapes = projections(cfg.replace(num_layers=1), lora)
+    return (float(sum(i * o for i, o in shapes) * layers),
+            sum(base_bytes(i, o, lora.base) for i, o in shapes) * layers)
+
+
 def adapted_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
     """Parameters of the projections that get an adapter (in x out each), whose share the adapters are."""
     return sum(i * o for i, o in projections(cfg, lora))
@@ -131,7 +190,11 @@ def adapted_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
 def check_plan(lora: LoRAConfig, *, tp: int, cp: int) -> None:
     """A one-line ValueError for adapter dropout under tp or cp: their ranks draw dropout masks from one generator
     state over their shards of a layer's input (DTensor's offsetting RNG tracker is CUDA-only), which is not shown
-    to equal one process's draw."""
+    to equal one process's draw; and for a low-bit base under tp (its quantised weights are not split by
+    features: an NF4 block or an int8 row's scale would have to be cut along the split, not shown right)."""
+    if lora.base != "none" and tp > 1:
+        raise ValueError(f"--lora base={lora.base} under tp={tp} is not available; valid: base=none with tp, or a "
+                         "plan without tp (dp, fsdp, pp)")
     if lora.dropout > 0 and (tp > 1 or cp > 1):
         axes = ", ".join(f"{name}={d}" for name, d in (("tp", tp), ("cp", cp)) if d > 1)
         raise ValueError(f"--lora dropout={lora.dropout:g} under {axes} is not available; valid: dropout=0 with "

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.models.config import ModelConfig
-from shoal.models.lora_config import LoRAConfig, adapter_elements_per_rank
+from shoal.models.lora_config import LoRAConfig, adapter_elements_per_rank, quantized_base_per_rank
 from shoal.plan import Plan
 from shoal.planner import compute, memory, peak
 from shoal.planner.comm import Network, RingNetwork
@@ -233,9 +233,11 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
             + optimizer_wait)
     trainable = None if work.lora is None else \
         adapter_elements_per_rank(cfg, work.lora, tp=plan.tp, layers=max(first, last))
+    quantized = (0.0, 0.0) if work.lora is None else quantized_base_per_rank(cfg, work.lora, layers=max(first, last))
     mem, gradient_bytes = peak.peak_terms(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts,
                                           micro, stages, unsharded_accumulation=gradients.unsharded_accumulation,
-                                          fp32_gradient_buffer=gradients.fp32_buffer, trainable=trainable)
+                                          fp32_gradient_buffer=gradients.fp32_buffer, trainable=trainable,
+                                          quantized=quantized)
     on_cpu = cluster.device_type == "cpu"
     need = sum(mem.values()) * memory.FRAGMENTATION + (peak.CPU_STEP_BYTES if on_cpu else 0.0)
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)

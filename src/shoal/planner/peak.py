@@ -62,13 +62,15 @@ def zero_bucket_bytes(numel: float, *, shards: int, reduce_bytes: float, on_cpu:
 def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: int, bucket: int, params: float,
             experts: float, micro: int, stages: list[tuple[int, int, bool]], *,
             unsharded_accumulation: bool = False, fp32_gradient_buffer: bool = False,
-            trainable: float | None = None) -> tuple[dict[str, float], float]:
+            trainable: float | None = None,
+            quantized: tuple[float, float] = (0.0, 0.0)) -> tuple[dict[str, float], float]:
     """The busiest device's memory terms in bytes, and all its gradients' bytes. `unsharded_accumulation` and
     `fp32_gradient_buffer`: the trainer's data engine accumulates FSDP2's gradients unsharded, and holds an fp32
     buffer of the rank's whole gradients beside them, the whole step (shoal.planner.costs.GradientReduction).
     `trainable`: the rank's trainable parameters beside `params` frozen ones (low-rank adapters on a frozen
     base, shoal.models.lora): only they have gradients, optimizer state and gradient buffers; None: every
-    parameter trains."""
+    parameter trains. `quantized`: (weights, bytes) of the frozen ones stored low-bit and whole on the rank (a
+    QLoRA-style base, shoal.models.lora_config.quantized_base_per_rank), priced at those bytes."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     pe = pb  # an expert's parameter bytes
     casts = rules.under_autocast(kind, plan.precision or "fp32")
@@ -88,7 +90,9 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     if trainable is not None:  # the adapters' states, beside the frozen base's parameters
         adapters = memory.model_state_bytes(trainable, shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb,
                                             optim_bytes=ob)
-        dense = (dense[0] + adapters[0], adapters[1], adapters[2])
+        low_bit = memory.model_state_bytes(quantized[0], shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb,
+                                           optim_bytes=ob)[0]
+        dense = (dense[0] - low_bit + quantized[1] + adapters[0], adapters[1], adapters[2])
     # Under sharded data the experts are also split over the data ranks outside ep, gathered per
     # layer in forward (shoal/parallel/expert.py): ZeRO-3 over those replicas.
     replicas = plan.data_ranks // plan.ep if plan.fsdp > 1 else 1

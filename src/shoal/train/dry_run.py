@@ -22,15 +22,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shoal.infra import host_memory
+from shoal.models.lora import LoRALinear
 from shoal.train import memory
 
 MB = 2**20
 
 
 def live_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-               frozen: list[torch.nn.Parameter] = ()) -> dict[str, float]:  # type: ignore[assignment]  # read only
+               frozen: list[torch.nn.Parameter] = (), low_bit: int = 0) -> dict[str, float]:  # type: ignore[assignment]  # read only
     """Bytes this rank holds of `params` (the optimizer's) and of the `frozen` ones (a low-rank adapters' base:
-    parameters only), their gradients and the optimizer's state, each storage counted once."""
+    parameters only) plus `low_bit` bytes of a low-bit base (not parameters), their gradients and the optimizer's
+    state, each storage counted once."""
     seen: set[int] = set()
 
     def size(t: torch.Tensor | None) -> int:
@@ -44,7 +46,8 @@ def live_bytes(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimize
         return local.untyped_storage().nbytes()
 
     state = sum(size(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return {"parameters": sum(size(p) for p in [*params, *frozen]), "gradients": sum(size(p.grad) for p in params),
+    return {"parameters": sum(size(p) for p in [*params, *frozen]) + low_bit,
+            "gradients": sum(size(p.grad) for p in params),
             "optimizer": state}
 
 
@@ -69,7 +72,9 @@ def dry_run(trainer: Any, *, baseline_mb: float = 0.0) -> dict[str, Any]:
     with memory.TensorPeak(*trainer.runtime.parts, trainer.optimizer) as tensors:
         float(trainer.train_one(trainer.start + 2).loss)
     frozen = [p for part in trainer.runtime.parts for p in part.parameters() if not p.requires_grad]
-    held = live_bytes(list(trainer.runtime.parameters()), trainer.optimizer, frozen=frozen)
+    low_bit = sum(m.quantized.nbytes() for part in trainer.runtime.parts for m in part.modules()
+                  if isinstance(m, LoRALinear) and m.quantized is not None)
+    held = live_bytes(list(trainer.runtime.parameters()), trainer.optimizer, frozen=frozen, low_bit=low_bit)
     row = torch.tensor([held["parameters"] / MB, held["gradients"] / MB, held["optimizer"] / MB, baseline_mb,
                         setup_peak, step_peak, math.nan if tensors.peak_mb is None else tensors.peak_mb,
                         math.nan if kept is None else kept], dtype=torch.float64)
