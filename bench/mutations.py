@@ -91,7 +91,7 @@ MUTATIONS: list[Mutation] = [
              "self.windows(step * size + index * local + index, local)",
              "rank i's slice of the global batch starts i samples late (a shard offset off by one)",
              _k("tests/test_data.py", "rank_slices_tile")),
-    Mutation("mistral-window-wide", "models/transformer.py",
+    Mutation("mistral-window-wide", "models/attention.py",
              "band_TT = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)",
              "band_TT = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window)",
              "the sliding window's mask one key too wide (Mistral)",
