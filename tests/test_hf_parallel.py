@@ -92,6 +92,17 @@ def test_router_loss_under_plan_matches_single_process(pools, family, plan):
     check_parity(pools(world).run(run_parallel, c), c)
 
 
+@pytest.mark.parametrize("plan", ["ep2", pytest.param("tp2,ep2", marks=pytest.mark.slow),
+                                  pytest.param("pp2,ep2", marks=pytest.mark.slow)])
+def test_deepseek_v3_with_a_moving_selection_bias_matches_single_process(pools, plan):
+    """The family's selection bias starts at 0 (transformers' init); moved by the sign rule after the first step
+    (router_bias_rate, large so that the second step's choices differ), the second step routes with it under the
+    plan as in one process, and the biases themselves are compared (check_parity)."""
+    c = hf_case("deepseek_v3", plan)
+    c = case(plan=plan, model=c.model.replace(router_bias_rate=0.05), steps=2, num_micro=c.num_micro)
+    check_parity(pools(HF_PLANS[plan]).run(run_parallel, c), c)
+
+
 def test_sliding_window_without_sequence_parallelism_matches_single_process(pools):
     c = case(plan="tp2,sp=off", model=FAMILIES["mistral"], steps=2)
     check_parity(pools(2).run(run_parallel, c), c)
