@@ -1101,3 +1101,13 @@ def test_one_process_mixed_precision_is_priced_as_autocast():
     bandwidth = parse_cluster("1xH100").device.memory_bw
     assert mixed.traffic["autocast_casts"] == pytest.approx(params * AUTOCAST_CAST_BYTES / bandwidth)
     assert mixed.time["dp_sync_exposed"] == pytest.approx(mixed.traffic["autocast_casts"])
+
+
+@pytest.mark.slow
+def test_shoal_plan_answers_for_deepseek_v3_on_1024_h100(capsys):
+    """`shoal plan --model deepseek-v3 --cluster 1024xH100-80GB` with a pretraining batch (1024 sequences of 4096)
+    ranks plans that fit, with expert parallelism."""
+    model = ["plan", "--model", "deepseek-v3", "--cluster", "1024xH100-80GB"]
+    assert main([*model, "--global-batch", "1024", "--seq-len", "4096", "--top", "1", "--json"]) == 0
+    (best,) = json.loads(capsys.readouterr().out)
+    assert best["fits"] and best["mem_per_device_gb"] < 80 and "ep" in best["plan"], best
