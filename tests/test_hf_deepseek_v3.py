@@ -1,7 +1,7 @@
 """DeepSeek-V3 through the file paths: a folder transformers saves (a tiny random DeepseekV3ForCausalLM,
-no download) loads with `--init` (read box by box) into exactly the tensors `shoal.from_hf` gives, the
-routers' selection biases (e_score_correction_bias, buffers) included, and the model's logits equal
-transformers'. The whole model against transformers (logits, loss, gradients) and the export back are
+no download) loads with `--init` (read box by box), in one process and under ep2 and tp2, into exactly
+the tensors `shoal.from_hf` gives, the routers' selection biases (e_score_correction_bias, buffers)
+included, and the model's logits equal transformers'. The whole model against transformers (logits, loss, gradients) and the export back are
 tests/test_hf_families.py's; the family under every plan, tests/test_hf_parallel.py's.
 
 Tolerance: the loaded tensors are the file's, copied: equal bitwise. Logits: rtol = atol = 1e-5, as
@@ -55,3 +55,37 @@ def test_the_shared_mlp_and_the_dense_layers_take_their_own_widths():
     state = model.state_dict()
     assert state["model.layers.1.mlp.shared_experts.gate_proj.weight"].shape == (32, 64)
     assert state["model.layers.0.mlp.gate_proj.weight"].shape == (96, 64)
+
+
+def _load(path: str, plan_text: str) -> dict[str, torch.Tensor]:
+    """Worker: the model built on meta under `plan_text`, filled from `path`; its full weights and the routers'
+    selection biases."""
+    import torch.distributed as dist
+
+    from shoal import rules
+    from shoal.mesh import build_mesh
+    from shoal.plan import Plan
+    from shoal.testing.asserts import full_tensors
+
+    cfg = load_model_config(f"hf:{path}")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    plan = rules.resolve(Plan.parse(plan_text), world_size=dist.get_world_size(), model=cfg)
+    runtime = parallelize(model, plan, build_mesh(plan), weights=open_pretrained(path, cfg))
+    out = full_tensors(runtime)
+    for part in runtime.parts:
+        for name, buffer in part.named_buffers():
+            if name.endswith("router.bias"):
+                out[name] = buffer.full_tensor() if hasattr(buffer, "full_tensor") else buffer.detach().clone()
+    return out
+
+
+def test_init_under_ep2_and_tp2_reads_the_same_tensors(pools, tmp_path):
+    """Each rank reads its slices (the experts its ep rank holds, its tp rows) and every router's bias whole."""
+    _hf_model("deepseek_v3").save_pretrained(str(tmp_path))
+    want = shoal.from_hf(tmp_path).state_dict()
+    for plan in ("ep2", "tp2"):
+        for got in pools(2).run(_load, str(tmp_path), plan):
+            assert sum(k.endswith("router.bias") for k in got) == 2, plan
+            for name, value in got.items():
+                assert torch.equal(value, want[name]), (plan, name)
