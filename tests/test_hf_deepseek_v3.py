@@ -1,8 +1,9 @@
 """DeepSeek-V3 through the file paths: a folder transformers saves (a tiny random DeepseekV3ForCausalLM,
 no download) loads with `--init` (read box by box), in one process and under ep2 and tp2, into exactly
 the tensors `shoal.from_hf` gives, the routers' selection biases (e_score_correction_bias, buffers)
-included, and the model's logits equal transformers'. The whole model against transformers (logits, loss, gradients) and the export back are
-tests/test_hf_families.py's; the family under every plan, tests/test_hf_parallel.py's.
+included, and the model's logits equal transformers'. The whole model against transformers (logits,
+loss, gradients) and the export back are tests/test_hf_families.py's; the family under every plan,
+tests/test_hf_parallel.py's.
 
 Tolerance: the loaded tensors are the file's, copied: equal bitwise. Logits: rtol = atol = 1e-5, as
 tests/test_hf_families.py derives (the same float32 arithmetic in another order, measured ~5e-7).
