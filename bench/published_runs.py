@@ -405,6 +405,28 @@ _TORCHTITAN = (
     ),
 )
 
+_BRIDGE_2509 = ("https://github.com/NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (commit 00b7660b), "
+                "section '25.09 NeMo Container', table 'System: DGX-H100', row 'DeepSeekV3 (dropless)'; also "
+                "https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html")
+
+_DEEPSEEK_V3 = PublishedRun(
+    tp_engine="megatron", pipe_scatter=True, checked=False,
+    name="Megatron-Bridge DeepSeek-V3, TP2 x PP8 (VP4) x EP64 on 1024 H100",
+    model=PRESETS["deepseek-v3"], cluster="1024xH100-80GB",
+    plan="dp64,tp2,pp8,ep64,mb=128,sched=interleaved,vpp=4,precision=bf16",
+    global_batch=8192, seq_len=4096, micro_batch_size=1,
+    reported=1297, unit="tokens_per_s_per_gpu", tokens_per_s_per_device=1297,
+    source=_BRIDGE_2509,
+    note="1024 GPUs, GBS 8192, MBS 1, sequence 4096, FSDP 0 (DDP), TP 2, PP 8, CP 1, VP 4, EP 64, GA 128: "
+         "1297 tokens/s/GPU, 338 model TFLOP/s/GPU (330 with 128x128 weight / 1x128 activation fp8 blocks, the "
+         "table's footnote). Dropless, the tokens force-balanced among the experts (footnote), without the "
+         "multi-token-prediction module (the preset). The 25.09 table has no precision column: bf16 is recorded, "
+         "not read (the later tables, which have one, hold no H100 DeepSeek-V3 row), hence checked=False. DDP is "
+         "recorded as dp64 (whether the recipe shards the optimizer, Megatron's distributed optimizer, is not "
+         "stated); the recompute policy is not stated (none recorded). EP 64 within the 64-way data axis, as "
+         "Megatron-Core lays expert parallelism over the data ranks.",
+)
+
 PUBLISHED: tuple[PublishedRun, ...] = (
-    *_MEGATRON21, *_KORTHIKANTI, *_MTNLG, _BLOOM, _OPT, *_LLAMA3, *_TORCHTITAN,
+    *_MEGATRON21, *_KORTHIKANTI, *_MTNLG, _BLOOM, _OPT, *_LLAMA3, *_TORCHTITAN, _DEEPSEEK_V3,
 )

@@ -190,9 +190,9 @@ def test_bad_configs_give_one_line_errors(tmp_path):
         (tmp_path / "empty", "holds no config.json"),
         (tmp_path / "bad.json", "is not valid JSON"),
         (tmp_path / "list.json", "not an object"),
-        (tmp_path / "bert.json", "model_type 'bert'; supported: gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, "
-                                 "qwen3"),
-        (tmp_path / "neox.json", "model_type 'gpt_neox'; supported: gpt2, llama"),
+        (tmp_path / "bert.json", "model_type 'bert'; supported: deepseek_v3, gpt2, llama, mistral, mixtral, qwen2, "
+                                 "qwen2_moe, qwen3"),
+        (tmp_path / "neox.json", "model_type 'gpt_neox'; supported: deepseek_v3, gpt2, llama"),
         (tmp_path / "gelu.json", "hidden_act='gelu', which shoal does not compute exactly; valid: silu"),
         (tmp_path / "bias.json", "attention_bias=True with mlp_bias=False"),
         (tmp_path / "rope.json", "rope_type='longrope'"),

@@ -50,6 +50,12 @@ _QWEN2_MOE = dict(_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate
                   shared_expert_intermediate_size=48, norm_topk_prob=False)
 _QWEN3_MOE = dict(_LLAMA, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, intermediate_size=48,
                   head_dim=32, norm_topk_prob=True)
+# DeepSeek-V3: latent attention, layer 0 dense at intermediate_size, layers 1-2 MoE of 8 experts of 16 in 4
+# groups (top-2 groups, top-3 experts), two experts' width of shared MLP (one MLP of 32), scaled weights.
+_DEEPSEEK_V3 = dict(_LLAMA, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8,
+                    moe_intermediate_size=16, n_shared_experts=2, n_group=4, topk_group=2, num_experts_per_tok=3,
+                    routed_scaling_factor=1.5, norm_topk_prob=True, num_nextn_predict_layers=0)
 
 FAMILIES = {
     # Every field the mapping reads is off its default in some case (tests/test_config_mapping.py walks them).
@@ -92,6 +98,16 @@ FAMILIES = {
                                                          intermediate_size=32, num_hidden_layers=3, head_dim=8,
                                                          use_sliding_window=True, sliding_window=8,
                                                          tie_word_embeddings=True, hidden_act="swish")),
+    "deepseek_v3": (transformers.DeepseekV3Config, _DEEPSEEK_V3),
+    # One query projection, raw top-k scores, no groups, one shared expert, yarn with mscale_all_dim, tied.
+    "deepseek_v3-plain": (transformers.DeepseekV3Config, dict(
+        _DEEPSEEK_V3, q_lora_rank=None, norm_topk_prob=False, n_group=1, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=2, intermediate_size=32, tie_word_embeddings=True, hidden_act="swish",
+        **_rope("yarn", factor=2.0, original_max_position_embeddings=16, beta_fast=2.0, beta_slow=0.5,
+                truncate=False, attention_factor=1.2, mscale_all_dim=0.8))),
+    "deepseek_v3-llama3": (transformers.DeepseekV3Config, dict(
+        _DEEPSEEK_V3, **_rope("llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0,
+                              original_max_position_embeddings=16))),
     "gpt2": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "gpt2-untied": (transformers.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=48,
@@ -119,12 +135,15 @@ def _hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.empty_like(p).uniform_(-0.5, 0.5))
+        for name, b in model.named_buffers():  # DeepSeek-V3's selection bias, a buffer: comparable to the scores
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
     return model.eval()
 
 
 def _file_layout(name: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' in-memory names -> its files' (the MoE families fuse their experts in memory only)."""
-    if name not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if name not in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
         return state
     prefix, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if name == "mixtral"
                                 else ("mlp", ("gate_proj", "up_proj", "down_proj")))
@@ -184,7 +203,10 @@ def test_logits_loss_and_gradients_equal_transformers(family):
 @pytest.mark.parametrize("name, off", [("llama3", dict(rope_type="default")), ("linear", dict(rope_type="default")),
                                        ("yarn", dict(rope_type="default")), ("mistral", dict(sliding_window=0)),
                                        ("qwen2", dict(qkv_bias=False)), ("qwen3", dict(qk_norm=False)),
-                                       ("qwen2_moe", dict(shared_gate=False)), ("qwen3_moe", dict(norm_topk=False))])
+                                       ("qwen2_moe", dict(shared_gate=False)), ("qwen3_moe", dict(norm_topk=False)),
+                                       ("deepseek_v3", dict(router_bias=False)),
+                                       ("deepseek_v3", dict(router_groups=0, router_topk_groups=0)),
+                                       ("deepseek_v3", dict(router_scale=1.0))])
 def test_each_feature_changes_the_logits(name, off, tmp_path):
     """The checks above are not vacuous: the same weights without the family's feature differ from
     transformers by far more than the tolerance."""

@@ -37,6 +37,9 @@ MATRIX = [
     ("qwen3_moe", "tp2"), ("qwen3_moe", "ep2"), ("qwen3_moe", "fsdp2"), ("qwen3_moe", "pp2"),
     ("qwen3_moe", "fsdp2,ep2"), ("qwen3_moe", "tp2,ep2"), ("qwen3_moe", "pp2,ep2"),
     ("mixtral", "tp2,ep2"), ("mixtral", "pp2,ep2"),
+    ("deepseek_v3", "tp2"), ("deepseek_v3", "fsdp2"), ("deepseek_v3", "pp2"), ("deepseek_v3", "ep2"),
+    ("deepseek_v3-dense", "cp2"), ("deepseek_v3-dense", "cp2,cp_mode=a2a"), ("deepseek_v3", "tp2,ep2"),
+    ("deepseek_v3", "fsdp2,ep2"), ("deepseek_v3", "pp2,ep2"),
 ]
 """The CI's share of the family x plan matrix (bench/hf_matrix.py runs all of it, docs/hf_matrix.md):
 every family under at least three plans, every plan under at least two families, each feature
@@ -45,7 +48,7 @@ q/k norms and qkv biases split over tp, a gated shared expert under fsdp,tp)."""
 
 
 def test_matrix_covers_every_family_and_plan():
-    family_of = {name: "llama" if name in LLAMA else name for name in FAMILIES}
+    family_of = {name: "llama" if name in LLAMA else name.split("-")[0] for name in FAMILIES}
     plans_of: dict[str, set[str]] = {f: set() for f in family_of.values()}
     families_of: dict[str, set[str]] = {p: set() for p in HF_PLANS}
     for name, plan in MATRIX:
@@ -56,7 +59,9 @@ def test_matrix_covers_every_family_and_plan():
 
 
 SLOW = {("qwen3_moe", "fsdp2"), ("qwen3_moe", "pp2"), ("qwen3_moe", "fsdp2,ep2"), ("qwen3_moe", "tp2,ep2"),
-        ("qwen3_moe", "pp2,ep2"), ("mixtral", "tp2,ep2"), ("mixtral", "pp2,ep2")}
+        ("qwen3_moe", "pp2,ep2"), ("mixtral", "tp2,ep2"), ("mixtral", "pp2,ep2"),
+        *(("deepseek_v3", p) for p in ("fsdp2", "pp2", "tp2,ep2", "fsdp2,ep2", "pp2,ep2")),
+        ("deepseek_v3-dense", "cp2,cp_mode=a2a")}
 """Cells `make test` leaves out (marked slow): every axis keeps a representative cell in it."""
 
 
@@ -87,6 +92,17 @@ def test_router_loss_under_plan_matches_single_process(pools, family, plan):
     check_parity(pools(world).run(run_parallel, c), c)
 
 
+@pytest.mark.parametrize("plan", ["ep2", pytest.param("tp2,ep2", marks=pytest.mark.slow),
+                                  pytest.param("pp2,ep2", marks=pytest.mark.slow)])
+def test_deepseek_v3_with_a_moving_selection_bias_matches_single_process(pools, plan):
+    """The family's selection bias starts at 0 (transformers' init); moved by the sign rule after the first step
+    (router_bias_rate, large so that the second step's choices differ), the second step routes with it under the
+    plan as in one process, and the biases themselves are compared (check_parity)."""
+    c = hf_case("deepseek_v3", plan)
+    c = case(plan=plan, model=c.model.replace(router_bias_rate=0.05), steps=2, num_micro=c.num_micro)
+    check_parity(pools(HF_PLANS[plan]).run(run_parallel, c), c)
+
+
 def test_sliding_window_without_sequence_parallelism_matches_single_process(pools):
     c = case(plan="tp2,sp=off", model=FAMILIES["mistral"], steps=2)
     check_parity(pools(2).run(run_parallel, c), c)
@@ -97,6 +113,7 @@ def test_sliding_window_without_sequence_parallelism_matches_single_process(pool
     ("gpt2", "cp2,cp_mode=a2a", ["pos_emb='learned'", "RoPE only", "valid: a RoPE model"]),
     ("mixtral", "cp2", ["num_experts=4", "valid: dp, fsdp, tp, pp and ep"]),
     ("qwen3_moe", "cp2", ["num_experts=8", "valid: dp, fsdp, tp, pp and ep"]),
+    ("deepseek_v3", "cp2", ["num_experts=8", "valid: dp, fsdp, tp, pp and ep"]),
     ("qwen2", "fsdp2,ep2", ["ep=2 needs a Mixture-of-Experts model"]),
 ])
 def test_a_feature_an_axis_cannot_take_is_refused_in_one_line(family, plan, words):

@@ -114,10 +114,18 @@ def test_dense_deepseek_v3_equals_transformers(case):
         torch.testing.assert_close(p.grad, grads[name], **GRAD_TOL, msg=name)
 
 
-def test_a_routed_layer_is_refused_in_one_line():
-    raw = _hf_config(first_k_dense_replace=1).to_dict()
-    message = one_line_error(lambda: deepseek_v3.config_in(Fields("cfg.json", {**deepseek_v3.DEFAULTS, **raw})))
-    assert "first_k_dense_replace=1" in message
+def test_routed_layers_take_their_widths():
+    """The shared MLP is moe_intermediate_size x n_shared_experts wide (transformers' DeepseekV3MoE builds the
+    n_shared_experts as one MLP), the first_k_dense_replace dense layers intermediate_size, the experts
+    moe_intermediate_size; the router sigmoid with the selection bias, groups and scale (the whole model
+    against transformers: tests/test_hf_families.py)."""
+    cfg = _shoal_config(_hf_config(first_k_dense_replace=1, n_shared_experts=3, n_group=2, topk_group=1,
+                                   routed_scaling_factor=2.5))
+    assert (cfg.num_experts, cfg.ffn_dim, cfg.dense_width, cfg.moe_first_dense) == (4, 16, 96, 1)
+    assert (cfg.num_shared_experts, cfg.shared_ffn_dim) == (1, 48)
+    assert (cfg.router_score, cfg.router_bias, cfg.router_groups, cfg.router_topk_groups, cfg.router_scale) == (
+        "sigmoid", True, 2, 1, 2.5)
+    assert [cfg.is_moe_layer(i) for i in range(2)] == [False, True]
 
 
 def test_mtp_layers_are_left_out_with_a_warning():
@@ -191,12 +199,18 @@ def test_plans_of_a_latent_attention_model_are_priced(plan):
     assert result.step_time_s > 0 and result.mem_per_device_bytes > 0 and result.fits
 
 
-def test_export_of_a_latent_attention_model_is_refused_in_one_line():
-    """No Hugging Face family in FAMILIES holds latent attention yet (deepseek_v3 is a draft): a Llama-style
-    export would drop it."""
-    from shoal.models.hf.families import hf_family
+def test_a_latent_attention_model_exports_as_deepseek_v3_or_is_refused_in_one_line():
+    """Latent attention is DeepSeek-V3's family; an MoE router transformers' DeepSeek-V3 lacks (softmax, no
+    selection bias), or several shared experts, cannot be written as it."""
+    from shoal.models.hf.families import hf_config, hf_family
 
-    assert "kv_lora_rank=16" in one_line_error(hf_family, ModelConfig(**MLA))
+    assert hf_family(ModelConfig(**MLA)) == "deepseek_v3"
+    moe = ModelConfig(**MLA).replace(num_experts=4, top_k=2, capacity_factor=0.0, router_score="sigmoid",
+                                     router_bias=True)
+    assert hf_config(moe)["n_routed_experts"] == 4
+    assert "router_score='softmax'" in one_line_error(hf_config, moe.replace(router_score="softmax"))
+    assert "num_shared_experts=2" in one_line_error(hf_config, moe.replace(num_shared_experts=2))
+    assert "capacity_factor=1.25" in one_line_error(hf_config, moe.replace(capacity_factor=1.25))
 
 
 def test_document_masks_keep_latent_attention_inside_each_document():

@@ -186,6 +186,24 @@ def test_shared_experts_count_at_their_own_width():
     assert dense + experts == QWEN2_MOE.num_params() - QWEN2_MOE.dim
 
 
+def test_experts_are_counted_at_their_own_width():
+    """The routed experts are ffn_dim wide whatever the dense layers' width (dense_ffn_dim, DeepSeek-V3's first
+    three layers): one MoE layer of 4 experts of 3 x 64 x 8 under ep2 is 4 x 1,536 / 2 = 3,072 a rank; the
+    whole count, one process, is the model's own (ModelConfig.num_params) less the final norm."""
+    from shoal.planner.costs import Costs
+
+    cfg = ModelConfig(num_layers=2, dim=64, num_heads=4, ffn_dim=8, dense_ffn_dim=96, vocab_size=128, num_experts=4,
+                      top_k=2, moe_first_dense=1)
+    cluster = parse_cluster("2xA100-80GB")
+    for text, world in (("dp1", 1), ("ep2", 2)):
+        plan = rules.resolve(Plan.parse(text), world_size=world, device="cuda", model=cfg)
+        cost = Costs(plan, cfg, cluster, RingNetwork(cluster), tokens=16, seq_len=16, fused=True)
+        dense, experts = cost.params_per_rank(2, head=True)
+        assert experts == 4 * 3 * 64 * 8 / plan.ep
+        if plan.ep == 1:
+            assert dense + experts == cfg.num_params() - cfg.dim
+
+
 def test_a_tied_head_under_pp_is_a_copy():
     """Under pp the last stage keeps a copy of a tied embedding for its head: it holds V x D as an
     untied head's stage does (one process holds the tied table once)."""
@@ -507,14 +525,14 @@ def test_auto_refuses_an_unknown_gpu_in_one_line():
 def test_every_published_run_is_a_plan_shoal_accepts():
     """The held-out published runs (bench/planner_at_scale.py) stay priceable: each names a cluster
     and a plan that parse, resolve and validate against its model; the one layout shoal's runtime
-    does not run (interleaved chunks beside a data axis: torchtitan's 405B, Megatron-LM 2021's 76.1B to 529.6B) is
-    priced as it ran, and the rules say why."""
+    does not run (interleaved chunks beside a data axis: torchtitan's 405B, Megatron-LM 2021's 76.1B to 529.6B,
+    Megatron-Bridge's DeepSeek-V3) is priced as it ran, and the rules say why."""
     from bench.published_runs import PUBLISHED
     from shoal import rules
 
     assert len(PUBLISHED) >= 10
     not_run = {run.plan for run in PUBLISHED if "sched=interleaved" in run.plan}
-    assert len(not_run) == 5
+    assert len(not_run) == 6
     for run in PUBLISHED:
         cluster = parse_cluster(run.cluster)
         facts = rules.RunFacts(world_size=cluster.world_size, device="cuda", model=run.model,
@@ -1083,3 +1101,13 @@ def test_one_process_mixed_precision_is_priced_as_autocast():
     bandwidth = parse_cluster("1xH100").device.memory_bw
     assert mixed.traffic["autocast_casts"] == pytest.approx(params * AUTOCAST_CAST_BYTES / bandwidth)
     assert mixed.time["dp_sync_exposed"] == pytest.approx(mixed.traffic["autocast_casts"])
+
+
+@pytest.mark.slow
+def test_shoal_plan_answers_for_deepseek_v3_on_1024_h100(capsys):
+    """`shoal plan --model deepseek-v3 --cluster 1024xH100-80GB` with a pretraining batch (1024 sequences of 4096)
+    ranks plans that fit, with expert parallelism."""
+    model = ["plan", "--model", "deepseek-v3", "--cluster", "1024xH100-80GB"]
+    assert main([*model, "--global-batch", "1024", "--seq-len", "4096", "--top", "1", "--json"]) == 0
+    (best,) = json.loads(capsys.readouterr().out)
+    assert best["fits"] and best["mem_per_device_gb"] < 80 and "ep" in best["plan"], best

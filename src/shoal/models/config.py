@@ -456,6 +456,20 @@ PRESETS: dict[str, ModelConfig] = {
     # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2, in every layer.
     "mixtral-8x7b": ModelConfig(num_layers=32, dim=4096, num_heads=32, num_kv_heads=8, ffn_dim=14336, vocab_size=32000,
                                 max_seq_len=32768, rope_theta=1e6, num_experts=8, top_k=2),
+    # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, section 4.2; its config.json): latent attention, 3 dense
+    # layers, then 256 routed experts (top-8 of 8 groups' best 4, sigmoid, bias-balanced) and one shared expert;
+    # the 4K pretraining context. The multi-token-prediction module is not counted (shoal does not build it).
+    "deepseek-v3": ModelConfig(num_layers=61, dim=7168, num_heads=128, ffn_dim=2048, vocab_size=129280,
+                               max_seq_len=4096, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                               qk_nope_head_dim=128, v_head_dim=128, moe_first_dense=3, dense_ffn_dim=18432,
+                               num_experts=256, top_k=8, capacity_factor=0.0, router_score="sigmoid",
+                               router_groups=8, router_topk_groups=4, router_scale=2.5, router_bias=True,
+                               router_bias_rate=1e-3, seq_aux_coef=1e-4, aux_loss_coef=0.0, z_loss_coef=0.0,
+                               num_shared_experts=1, shared_ffn_dim=2048),
+    # Qwen3-235B-A22B (Qwen 2025, arXiv 2505.09388, tables 1-2; its config.json): 128 experts, top-8, q/k norms.
+    "qwen3-235b-a22b": ModelConfig(num_layers=94, dim=4096, num_heads=64, num_kv_heads=4, head_size=128, qk_norm=True,
+                                   ffn_dim=1536, vocab_size=151936, max_seq_len=40960, rope_theta=1e6,
+                                   num_experts=128, top_k=8, capacity_factor=0.0),
 }
 
 

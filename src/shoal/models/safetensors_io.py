@@ -188,16 +188,18 @@ def open_pretrained(path: str | Path, cfg: ModelConfig, *, ignore: Sequence[str]
     except ValueError as exc:
         raise WeightsMismatch(f"--init {path} holds {layout.name} weights, but {exc}") from None
     with torch.device("meta"):
-        shapes = {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
+        built = Transformer(cfg)
+        shapes = {name: tuple(p.shape) for name, p in built.named_parameters()}
+        buffers = {name: tuple(b.shape) for name, b in built.state_dict().items() if name not in shapes}
     skipped: set[str] = set()
     used: set[str] = set()
     missing: list[str] = []
-    for name, shape in shapes.items():
+    for name, shape in {**shapes, **buffers}.items():
         for key, want in layout.sources(cfg, name, shape).items():
             used.add(key)
             ignored = _matches(patterns, name, key)
             if key not in headers:
-                if ignored:
+                if ignored or name in buffers:  # a buffer the files lack keeps its initial values
                     skipped.add(name)
                 else:
                     missing.append(key)

@@ -41,7 +41,8 @@ class WeightSource(Protocol):
 
     def read(self, name: str, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
         """The `box` ((start, stop) per dim) of full parameter `name` of `shape`; None: not in the
-        files (the user chose to ignore it), drawn from the generator instead."""
+        files (the user chose to ignore it, or a buffer the files do not hold), drawn from the
+        generator (a buffer: its own initial values) instead."""
         ...
 
 
@@ -53,7 +54,8 @@ def on_meta(modules: Iterable[nn.Module]) -> bool:
 @torch.no_grad()
 def materialize(module: nn.Module, *, seed: int, device: torch.device, weights: WeightSource | None = None) -> None:
     """Allocate `module`'s parameters and buffers on `device` (this rank's shards only) and fill
-    them with their initial values, or with `weights`' values where it has them."""
+    them with their initial values, or with `weights`' values where it has them (parameters, and
+    the persistent buffers a checkpoint holds: a router's selection bias, whole on every rank)."""
     spec = getattr(module, "init_spec", None)
     if spec is None and weights is not None:
         raise ValueError(f"pretrained weights load into a model with init_spec (shoal's models); "
@@ -91,6 +93,19 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device, weights: 
         init_buffers = getattr(sub, "init_buffers", None)
         if init_buffers is not None:
             init_buffers()
+    if weights is not None:
+        _load_buffers(module, weights)
+
+
+def _load_buffers(module: nn.Module, weights: WeightSource) -> None:
+    """The persistent buffers `weights` holds, whole (no plan shards a buffer)."""
+    for name, buffer in module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf in module.get_submodule(owner)._non_persistent_buffers_set:
+            continue
+        loaded = weights.read(clean_name(name), tuple(buffer.shape), tuple((0, n) for n in buffer.shape))
+        if loaded is not None:
+            buffer.copy_(loaded)
 
 
 def _second_names(module: nn.Module) -> list[tuple[str, str]]:

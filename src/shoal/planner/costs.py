@@ -307,7 +307,7 @@ class Costs:
         embed = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
         # Under pp the last stage holds the head's table: its own, or a copy of a tied embedding's.
         dense += embed if p.pp == 1 else cfg.vocab_size * D * (int(head) + int(embedding))
-        experts = moe_sets * cfg.num_experts * mlp / p.ep
+        experts = moe_sets * cfg.num_experts * compute.mlp_matmul_flops(cfg, cfg.ffn_dim) / 2 / p.ep  # ffn_dim wide
         return dense / p.tp, experts / p.tp
 
     def vocab_traffic(self, micro: int) -> dict[str, float]:

@@ -59,7 +59,19 @@ HF_FAMILIES: dict[str, ModelConfig] = {
                                   shared_ffn_dim=48, shared_gate=True),
     "qwen3_moe": _HF_BASE.replace(**{**_HF_MOE, "num_experts": 8}, ffn_dim=32, dense_ffn_dim=48, moe_dense_layers=(0,),
                                   qk_norm=True, head_size=32, num_layers=3),
+    # latent attention; layer 0 dense at its own width, then 8 experts of 16 in 4 groups (top-2 groups, top-3
+    # experts), sigmoid scores scaled by 1.5 with a selection bias, one shared MLP two experts wide
+    "deepseek_v3": _HF_BASE.replace(**{**_HF_MOE, "num_experts": 8, "top_k": 3}, num_kv_heads=None, kv_lora_rank=16,
+                                    q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, ffn_dim=16,
+                                    dense_ffn_dim=96, moe_first_dense=1, num_layers=3, router_score="sigmoid",
+                                    router_bias=True, router_groups=4, router_topk_groups=2, router_scale=1.5,
+                                    num_shared_experts=1, shared_ffn_dim=32),
 }
+HF_FAMILIES["deepseek_v3-dense"] = HF_FAMILIES["deepseek_v3"].replace(num_experts=0, moe_first_dense=0, ffn_dim=96,
+                                                                      dense_ffn_dim=0, num_shared_experts=0,
+                                                                      shared_ffn_dim=0)
+"""(DeepSeek-V3 with every layer dense, first_k_dense_replace >= num_hidden_layers: its latent attention under
+context parallelism, which shoal does not run with experts.)"""
 """Tiny shapes of what shoal.from_hf makes of each Hugging Face family's config (tests/test_hf.py
 checks that mapping; tests/test_hf_families.py checks each against transformers' model): the
 parallel tests' and bench/hf_matrix.py's families. The rotary theta is small so that the scalings

@@ -28,6 +28,9 @@ class HFTensor:
     cat_dim: int = 0
     expert: int | None = None
     """The HF tensor is this expert's slice (dim 0) of the one stacked shoal tensor in `parts`."""
+    sizes: tuple[int, ...] = ()
+    """The parts' extents along `cat_dim` where they differ (DeepSeek's kv_a_proj_with_mqa: the latent's
+    rows over the rotary key's); empty: equal parts."""
 
 
 class Fields:

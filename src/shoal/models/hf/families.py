@@ -3,7 +3,7 @@ adapter's weight map (shoal.models.adapter, `weight_map()`), which `shoal.from_h
 `--init` and `shoal export --hf` ask.
 
 Each family is one module (shoal.models.hf.llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe,
-gpt2)
+deepseek_v3, gpt2)
 holding its config in and out, its weight names and layouts, and its refusals; this module finds the
 family of a config.json (by `model_type`) or of a shoal config (`hf_family`), and runs the mapping
 both ways. Field names and defaults follow transformers' configuration classes (5.x, which also
@@ -30,11 +30,11 @@ import torch
 from torch import Tensor
 
 from shoal.models.config import ModelConfig, ModelWarning, get_preset
-from shoal.models.hf import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from shoal.models.hf import deepseek_v3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from shoal.models.hf.common import Box, Family, Fields, HFTensor, OpenKey, SliceLayout, read_box
 
-FAMILIES: tuple[Family, ...] = (gpt2.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, qwen3.FAMILY,
-                                qwen2.FAMILY, mistral.FAMILY, llama.FAMILY)
+FAMILIES: tuple[Family, ...] = (deepseek_v3.FAMILY, gpt2.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY,
+                                qwen3.FAMILY, qwen2.FAMILY, mistral.FAMILY, llama.FAMILY)
 """Every family, in the order `hf_family` asks them whether a shoal config is theirs (the first wins)."""
 BY_TYPE = {family.model_type: family for family in FAMILIES}
 """The family of a config.json's `model_type`."""
@@ -139,11 +139,16 @@ def hf_shape(entry: HFTensor, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
 def shoal_to_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """shoal parameter names -> the family's Hugging Face names and layouts.
 
-    With tied embeddings `lm_head.weight` is left out: transformers re-ties it on load.
+    With tied embeddings `lm_head.weight` is left out: transformers re-ties it on load. The routers'
+    selection biases (buffers, DeepSeek-V3's e_score_correction_bias) are written when `state` holds
+    them (a state dict) and left out when it does not (gradients).
     """
     layout = hf_layout(cfg)
-    _check_keys(state, {p for t in layout for p in t.parts}, optional={"output.weight"}, layout="shoal")
-    return {t.name: to_hf_tensor(t, [state[p] for p in t.parts], cfg) for t in layout}
+    buffers = {p for t in layout for p in t.parts if p.endswith(deepseek_v3.ROUTER_BIAS)}
+    _check_keys(state, {p for t in layout for p in t.parts} - buffers, optional={"output.weight"} | buffers,
+                layout="shoal")
+    return {t.name: to_hf_tensor(t, [state[p] for p in t.parts], cfg) for t in layout
+            if all(p in state for p in t.parts)}
 
 
 def to_hf_tensor(entry: HFTensor, parts: list[Tensor], cfg: ModelConfig) -> Tensor:
@@ -172,7 +177,8 @@ def hf_to_shoal(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]
     experts: dict[str, list[Tensor]] = {}
     for t in layout:
         w = state[t.name]
-        pieces = w.chunk(len(t.parts), dim=t.cat_dim) if len(t.parts) > 1 else (w,)
+        pieces = w.split(list(t.sizes), dim=t.cat_dim) if t.sizes else (
+            w.chunk(len(t.parts), dim=t.cat_dim) if len(t.parts) > 1 else (w,))
         for name, piece in zip(t.parts, pieces, strict=True):
             piece = llama.to_pairs((piece.t() if t.transpose else piece).contiguous(), llama.rotated_heads(name, cfg),
                                    cfg.head_dim)
@@ -214,7 +220,7 @@ def _hf_sources(cfg: ModelConfig, shoal_name: str, shape: tuple[int, ...]) -> di
         return {t.name: shape[1:] for t, _ in entries}
     t, _ = entries[0]
     full = list(shape[::-1] if t.transpose else shape)
-    full[t.cat_dim] *= len(t.parts)
+    full[t.cat_dim] = sum(t.sizes) if t.sizes else full[t.cat_dim] * len(t.parts)
     return {t.name: tuple(full)}
 
 
@@ -239,7 +245,8 @@ def _hf_read(cfg: ModelConfig, shoal_name: str, shape: tuple[int, ...], box: Box
     file_box = list(box[::-1] if t.transpose else box)
     extent = (shape[::-1] if t.transpose else shape)[t.cat_dim]
     start, stop = file_box[t.cat_dim]
-    file_box[t.cat_dim] = (part * extent + start, part * extent + stop)
+    offset = sum(t.sizes[:part]) if t.sizes else part * extent
+    file_box[t.cat_dim] = (offset + start, offset + stop)
     piece = read_box(open_key, t.name, tuple(file_box))
     return piece.t() if t.transpose else piece
 
@@ -249,7 +256,8 @@ def _hf_optional(cfg: ModelConfig, key: str) -> bool:
     return key.endswith(family_of(cfg).buffers) or (cfg.tie_embeddings and key == "lm_head.weight")
 
 
-HF_LLAMA = SliceLayout(name="Hugging Face Llama-layout (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe)",
+HF_LLAMA = SliceLayout(name="Hugging Face Llama-layout (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, "
+                            "deepseek_v3)",
                        marker=llama.EMBED_KEY, sources=_hf_sources, read_slice=_hf_read, optional=_hf_optional,
                        check=hf_family)
 HF_GPT2 = SliceLayout(name="Hugging Face GPT-2", marker=gpt2.EMBED_KEY, sources=_hf_sources, read_slice=_hf_read,

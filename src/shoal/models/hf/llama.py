@@ -217,8 +217,9 @@ def dense_mlp(cfg: ModelConfig, i: int, s: str, h: str) -> list[HFTensor]:
 
 def rotated_heads(shoal_name: str, cfg: ModelConfig) -> int:
     """Heads whose rows are rotated in this tensor: H for wq, K for wk (weights and biases), 1 for a
-    q/k norm's weight (one head's features), 0 for everything else and for models without RoPE."""
-    if cfg.pos_emb != "rope":
+    q/k norm's weight (one head's features), 0 for everything else and for models without RoPE or with
+    latent attention (shoal.models.hf.deepseek_v3: its published files rotate pairs, as shoal does)."""
+    if cfg.pos_emb != "rope" or cfg.latent_attention:
         return 0
     if ".attention.wq." in shoal_name:
         return cfg.num_heads
