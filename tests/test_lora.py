@@ -305,16 +305,13 @@ def test_checkpoint_holds_adapters_and_reshards(pools, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from shoal.testing.asserts import assert_rounding_close
-    from shoal.testing.parity import assert_trained_close, references, train_segment
+    from shoal.testing.parity import assert_trained_close, references, train_segments
     from shoal.train.checkpoint import latest_checkpoint
 
     run = LoRACase(steps=5)
     ref32, ref64 = references(run)
-    for plan_text, start, end in (("fsdp2", 0, 2), ("tp2", 2, 4), ("single", 4, 5)):
-        if plan_text == "single":
-            results = [train_segment(run, str(tmp_path), plan_text, start, end)]
-        else:
-            results = pools(2).run(train_segment, run, str(tmp_path), plan_text, start, end)
+    segments = (("fsdp2", 0, 2), ("tp2", 2, 4), ("single", 4, 5))
+    for plan_text, start, end, results in train_segments(pools, run, str(tmp_path), segments):
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")

@@ -202,16 +202,13 @@ def test_checkpoint_requantizes_the_base_on_resume(pools, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from shoal.testing.asserts import assert_rounding_close
-    from shoal.testing.parity import assert_trained_close, train_segment
+    from shoal.testing.parity import assert_trained_close, train_segments
     from shoal.train.checkpoint import latest_checkpoint
 
     run = QLoRACase(steps=5, meta=True)
     ref32, ref64 = references(run)
-    for plan_text, start, end in (("fsdp2", 0, 2), ("dp2", 2, 4), ("single", 4, 5)):
-        if plan_text == "single":
-            results = [train_segment(run, str(tmp_path), plan_text, start, end)]
-        else:
-            results = pools(2).run(train_segment, run, str(tmp_path), plan_text, start, end)
+    segments = (("fsdp2", 0, 2), ("dp2", 2, 4), ("single", 4, 5))
+    for plan_text, start, end, results in train_segments(pools, run, str(tmp_path), segments):
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{plan_text} rank {rank} losses of steps {start}..{end - 1}")

@@ -347,16 +347,13 @@ def test_state_resumes_and_reshards(pools, tmp_path):
     """Steps 0-1 under fsdp2, 2-3 under tp2, 4 in one process, each resumed from the last one's checkpoint: the
     momentum buffers and AdamW moments reshard, so the losses are those of an unbroken single-process run (the
     bounds of `_check`)."""
-    from shoal.testing.parity import train_segment
+    from shoal.testing.parity import train_segments
 
     run = MuonCase(steps=5)
     ref32, ref64 = references(run)
     yard = _yardstick(run)
-    for plan_text, start, end in (("fsdp2", 0, 2), ("tp2", 2, 4), ("single", 4, 5)):
-        if plan_text == "single":
-            results = [train_segment(run, str(tmp_path), plan_text, start, end)]
-        else:
-            results = pools(2).run(train_segment, run, str(tmp_path), plan_text, start, end)
+    segments = (("fsdp2", 0, 2), ("tp2", 2, 4), ("single", 4, 5))
+    for plan_text, start, end, results in train_segments(pools, run, str(tmp_path), segments):
         for rank, res in enumerate(results):
             got = torch.tensor(res["losses"], dtype=torch.float64)
             truth = torch.tensor(ref64["losses"][start:end])

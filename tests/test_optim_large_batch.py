@@ -407,15 +407,12 @@ def test_parity_ep_pp_cp(pools):
 def test_state_resumes_and_reshards(pools, tmp_path, opt_name):
     """Steps 0-1 under fsdp2, 2-3 under dp2, 4 in one process, each resumed from the last one's
     checkpoint: the losses, gradient norms and final weights of an unbroken single-process run."""
-    from shoal.testing.parity import train_segment
+    from shoal.testing.parity import train_segments
 
     run = OptCase(opt=opt_name, steps=5, lr=0.01 if opt_name == "lamb" else 0.5)
     ref32, ref64 = references(run)
-    for plan_text, start, end in (("fsdp2", 0, 2), ("dp2", 2, 4), ("single", 4, 5)):
-        if plan_text == "single":
-            results = [train_segment(run, str(tmp_path), plan_text, start, end)]
-        else:
-            results = pools(2).run(train_segment, run, str(tmp_path), plan_text, start, end)
+    segments = (("fsdp2", 0, 2), ("dp2", 2, 4), ("single", 4, 5))
+    for plan_text, start, end, results in train_segments(pools, run, str(tmp_path), segments):
         for rank, res in enumerate(results):
             assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
                                   what=f"{opt_name} {plan_text} rank {rank} losses of steps {start}..{end - 1}")

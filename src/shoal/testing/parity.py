@@ -12,7 +12,7 @@ its tolerances follow from the arithmetic: `check_parity`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,6 +364,19 @@ def assert_trained_close(final: dict[str, torch.Tensor], ref32: dict[str, Any], 
         assert off <= bound, (f"{what}[{name}]: {off:.3g} from the float64 run > {bound:.3g} ({MOVED:.0%} of the "
                               f"{moved:.3g} training moved them + {SLACK:g} x the single-process float32 "
                               f"run's {single:.3g})")
+
+
+def train_segments(pools: Callable[[int], Any], case: ParityCase, run_dir: str,
+                   segments: tuple[tuple[str, int, int], ...]) -> Iterator[tuple[str, int, int, list[dict[str, Any]]]]:
+    """Each (plan, start, end) of `segments` in turn through `train_segment`, each resuming from the last one's
+    checkpoint in `run_dir`: "single" in this process, any other plan on every rank of `pools(2)` (the tests'
+    worker pools). Yields the segment with every rank's result."""
+    for plan_text, start, end in segments:
+        if plan_text == "single":
+            results = [train_segment(case, run_dir, plan_text, start, end)]
+        else:
+            results = pools(2).run(train_segment, case, run_dir, plan_text, start, end)
+        yield plan_text, start, end, results
 
 
 def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, end: int,
