@@ -126,27 +126,30 @@ def _split_features(module: nn.Module, mesh: DeviceMesh, side: int, src_data_ran
         module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
 
 
+def _partition_features(partition: Any, name: str, module: nn.Module, mesh: DeviceMesh, dim: int,
+                        src_data_rank: int | None) -> None:
+    """A layer with `feature_dims` splits each parameter on its `dim`-th feature dim (0 output, 1 input); a
+    plain linear layer goes to torch's `partition`; a submodule without parameters is left alone."""
+    if not hasattr(module, "feature_dims"):
+        if any(True for _ in module.parameters(recurse=False)):
+            partition(name, module, mesh)
+        return
+    _split_features(module, mesh, dim, src_data_rank)
+
+
 class FeatureColwise(ColwiseParallel):
     """torch's ColwiseParallel; a linear layer that names its parameters' feature dims (`feature_dims`: a
     low-rank adapter's A (r, in) and B (out, r)) splits each on its output-feature dim, or replicates it."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        if not hasattr(module, "feature_dims"):  # a plain linear layer, or a submodule without parameters
-            if any(True for _ in module.parameters(recurse=False)):
-                super()._partition_linear_fn(name, module, device_mesh)
-            return
-        _split_features(module, device_mesh, 0, self.src_data_rank)
+        _partition_features(super()._partition_linear_fn, name, module, device_mesh, 0, self.src_data_rank)
 
 
 class FeatureRowwise(RowwiseParallel):
     """torch's RowwiseParallel; a layer with `feature_dims` splits each parameter on its input-feature dim."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        if not hasattr(module, "feature_dims"):  # a plain linear layer, or a submodule without parameters
-            if any(True for _ in module.parameters(recurse=False)):
-                super()._partition_linear_fn(name, module, device_mesh)
-            return
-        _split_features(module, device_mesh, 1, self.src_data_rank)
+        _partition_features(super()._partition_linear_fn, name, module, device_mesh, 1, self.src_data_rank)
 
 
 def _heads_to_shard(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
