@@ -1,7 +1,7 @@
 """Auxiliary-loss-free balancing against a balance loss and against none, on a small
 DeepSeek-style MoE (DeepSeek-V3, arXiv 2412.19437, section 2.1.2; Wang et al. 2024, arXiv 2408.15664).
 
-The model is the `tiny` shape (4 layers, dim 128) with every block an MoE of fine-grained
+The model is the `tiny` shape cut to 2 layers (dim 128) with every block an MoE of fine-grained
 experts (16 experts of width 64, top-4) beside one shared expert of width 128, routed as
 DeepSeek-V3 routes: a sigmoid score per expert, 4 groups of 4 experts of which each token
 chooses among its 2 best, the top-4 weights normalised and scaled by 2.5. Every method trains
@@ -20,7 +20,7 @@ Prints one table (median over seeds and the range; also bench/results/moe_balanc
 writes docs/moe_balance.png: held-out loss and max/mean load over steps per method. A run whose
 folder holds a finished run of the same command is read, not retrained (`--fresh` retrains).
 
-    python -m bench.moe_balance [--steps 100] [--seeds 0 1 2] [--jobs 1] [--only aux-free none]
+    python -m bench.moe_balance [--steps 48] [--seeds 0 1 2] [--jobs 1] [--only aux-free none]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from shoal.train.metrics import read_metrics
 
 PRESET = "tiny"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-MODEL = dict(num_experts="16", top_k="4", ffn_dim="64", num_shared_experts="1", shared_ffn_dim="128",
+MODEL = dict(num_layers="2", num_experts="16", top_k="4", ffn_dim="64", num_shared_experts="1", shared_ffn_dim="128",
              router_score="sigmoid", router_groups="4", router_topk_groups="2", router_scale="2.5",
              norm_topk="true", aux_loss_coef="0", z_loss_coef="0")
 """The DeepSeek-style MoE every method shares (`--set` overrides of the preset)."""
@@ -154,18 +154,18 @@ def plot(runs: dict[str, list[list[dict[str, Any]]]], path: Path, window: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--eval-every", type=int, default=16)
+    parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--gamma", type=float, default=1e-3, help="the bias update rate of aux-free (DeepSeek-V3's)")
     parser.add_argument("--coefs", type=float, nargs="+", default=[1e-2, 1e-3],
                         help="coefficients of the sequence-wise balance loss")
     parser.add_argument("--capacity", type=float, default=0.0, help="capacity_factor of every run (0: dropless)")
     parser.add_argument("--only", nargs="+", default=None, help="run only these methods (by name)")
-    parser.add_argument("--window", type=int, default=20, help="steps of the end-of-training figures and smoothing")
+    parser.add_argument("--window", type=int, default=16, help="steps of the end-of-training figures and smoothing")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once (one process each)")
     parser.add_argument("--out", type=Path, default=RESULTS / "moe_balance", help="folder of the run folders")
     parser.add_argument("--plot", type=Path, default=DOCS / "moe_balance.png")
