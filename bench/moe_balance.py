@@ -170,6 +170,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "moe_balance", help="folder of the run folders")
     parser.add_argument("--plot", type=Path, default=DOCS / "moe_balance.png")
     parser.add_argument("--fresh", action="store_true", help="retrain runs already finished")
+    parser.add_argument("--read-only", action="store_true",
+                        help="train nothing: report the steps the run folders hold (finished or not), every run "
+                             "cut to the last evaluation all of them reached")
     args = parser.parse_args()
     chosen = [m for m in methods(args.gamma, args.coefs) if args.only is None or m.name in args.only]
     if not chosen:
@@ -182,16 +185,26 @@ def main() -> None:
                          fresh=args.fresh)[0]
 
     jobs = [(m, s) for s in args.seeds for m in chosen]  # every method's first seed first
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        folders = list(pool.map(lambda job: train(*job), jobs))
-    runs: dict[str, list[list[dict[str, Any]]]] = {m.name: [] for m in chosen}
-    for (method, _), folder in zip(jobs, folders):
-        runs[method.name].append(read_metrics(folder / "metrics.jsonl"))
+    if args.read_only:
+        found = [(m, args.out / f"{m.name}_seed{s}" / "metrics.jsonl") for m, s in jobs]
+        found = [(m, path) for m, path in found if path.is_file() and path.stat().st_size]
+    else:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            found = [(m, folder / "metrics.jsonl") for (m, _), folder in zip(jobs, pool.map(lambda j: train(*j), jobs))]
+    records = [(m, read_metrics(path)) for m, path in found]
+    last_eval = min((max((r["step"] for r in rs if "eval_loss" in r), default=0) for _, rs in records), default=0)
+    if not last_eval:  # every run is cut to the last evaluation all reached: equal steps
+        parser.error(f"not every run in {args.out} has reached an evaluation yet")
+    runs: dict[str, list[list[dict[str, Any]]]] = {}
+    for method, rs in records:
+        runs.setdefault(method.name, []).append([r for r in rs if r["step"] <= last_eval])
+    chosen = [m for m in chosen if m.name in runs]
     rows = [row(m, [run_figures(r, args.window) for r in runs[m.name]]) for m in chosen]
     report("moe_balance", rows, notes=(
         f"preset {PRESET} + {' '.join(f'{k}={v}' for k, v in MODEL.items())}, capacity_factor={args.capacity:g}; "
-        f"{args.steps} steps, seeds {args.seeds}, {args.global_batch} x {args.seq_len} tokens per step; medians over "
-        f"seeds, _range: max - min over seeds; heldout: at the last step ({args.eval_batches} batches); maxmean: "
+        f"{last_eval} of {args.steps} steps, seeds per method {({k: len(v) for k, v in runs.items()})}, "
+        f"{args.global_batch} x {args.seq_len} tokens per step; medians over seeds, _range: max - min over seeds; "
+        f"heldout: at the last step ({args.eval_batches} batches); maxmean: "
         f"tokens_max / tokens_mean averaged over the MoE layers, over all steps (_all) or the last {args.window} "
         f"(_end); load_cv_end: std/mean of routed tokens per expert, last {args.window} steps"))
     print(f"wrote {plot(runs, args.plot, args.window)}")
