@@ -174,7 +174,7 @@ MUTATIONS: list[Mutation] = [
              "a checkpoint file's checksum not compared (same size, different bytes loads)",
              _k("tests/test_checkpoint.py", "byte_flipped_in_the_weights")),
     Mutation("pooled-probs-doubled", "moe/layer.py",
-             "routing.probs_NE.float().sum(0), N)", "2 * routing.probs_NE.float().sum(0), N)",
+             "shares_NE.float().sum(0), N)", "2 * shares_NE.float().sum(0), N)",
              "an MoE layer's summed router probabilities for the pooled load-balancing loss doubled (every "
              "plan's collector reads them; the one-process reference writes the loss out from the gate logits)",
              _k("tests/test_moe_parallel.py", "pooled_router_loss_in_a_pipeline and zb")),

@@ -132,6 +132,24 @@ def test_sequence_balance_loss_is_the_papers():
     assert abs(got.item() - want) <= 8 * EPS32 * abs(want), (got.item(), want)
 
 
+def test_sigmoid_scores_enter_the_balance_loss_as_shares_of_each_token():
+    """Switch's loss E sum_e f_e P_e is 1 at a uniform router whatever the score: with every sigmoid score
+    equal (a zero gate: each is 0.5), each token's shares are 1/E, so the loss is sum_e f_e = 1. Raw sigmoid
+    scores would give E/2 (8 here), and a loss that falls when every score shrinks, no choice moving."""
+    cfg = ModelConfig(num_layers=1, dim=32, num_heads=4, ffn_dim=16, vocab_size=64, max_seq_len=16, num_experts=16,
+                      top_k=4, capacity_factor=0.0, router_score="sigmoid", aux_loss_pooled=False)
+    torch.manual_seed(0)
+    layer = Transformer(cfg).layers["0"].feed_forward
+    assert isinstance(layer, MoELayer)
+    with torch.no_grad():
+        layer.router.gate.weight.zero_()
+    layer(torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)))
+    assert layer.aux_loss is not None and abs(layer.aux_loss.item() - 1.0) <= 8 * EPS32, layer.aux_loss
+    balance = layer.balance
+    assert balance is not None
+    torch.testing.assert_close(balance[1], torch.full((16,), 16 / 16.0), rtol=8 * EPS32, atol=0.0)  # 16 rows x 1/E
+
+
 def _biased_model(rate: float = 0.01) -> Transformer:
     cfg = ModelConfig(num_layers=2, dim=32, num_heads=4, ffn_dim=16, vocab_size=64, max_seq_len=16, num_experts=8,
                       top_k=2, capacity_factor=0.0, router_score="sigmoid", router_groups=4, router_topk_groups=2,

@@ -132,13 +132,18 @@ class MoELayer(nn.Module):
                 shared_ND = torch.sigmoid(self.shared_gate(x_ND)) * shared_ND
             y_ND = y_ND + shared_ND
 
-        self.aux_loss = load_balancing_loss(routing.probs_NE, routing.experts_NK, num_groups=self.router.num_groups,
+        # The balance losses read each token's scores as shares of 1: a softmax's are; sigmoid scores are
+        # divided by their token's sum (as DeepSeek-V3's sequence-wise loss does), else shrinking every
+        # score at once would lower the loss without moving a single choice.
+        shares_NE = routing.probs_NE if self.router.score == "softmax" else \
+            routing.probs_NE / routing.probs_NE.sum(dim=-1, keepdim=True)
+        self.aux_loss = load_balancing_loss(shares_NE, routing.experts_NK, num_groups=self.router.num_groups,
                                             group_N=group_N, num_routing_groups=groups.num_groups)
         self.z_loss = router_z_loss(routing.logits_NE)
         if self.seq_aux_coef:
             self.seq_loss = sequence_balance_loss(routing.probs_NE, routing.experts_NK, sum(groups.spans))
         self.load = plan.routed_per_expert
-        self.balance = (expert_counts(routing.experts_NK, E).float(), routing.probs_NE.float().sum(0), N)
+        self.balance = (expert_counts(routing.experts_NK, E).float(), shares_NE.float().sum(0), N)
         self.stats = self._stats(plan.tokens_per_expert, plan.routed_per_expert, N)
         return y_ND.view_as(x_BTD)
 
