@@ -174,3 +174,11 @@ def train_run(name: str, command: list[str], run_dir: Path, *, fresh: bool,
     record_path.write_text(json.dumps({"command": command, "wall_s": wall}))
     print(f"{name}: {wall:.0f} s", flush=True)
     return run_dir, wall
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """`fig` laid out and written to `path` (its folder made), at the docs' resolution."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path

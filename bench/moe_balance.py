@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, report, train_run
+from bench.common import RESULTS, report, save_figure, train_run
 from shoal.train.metrics import read_metrics
 
 PRESET = "tiny"
@@ -146,10 +146,7 @@ def plot(runs: dict[str, list[list[dict[str, Any]]]], path: Path, window: int) -
     if evals_y:  # the first evaluations, still near the initial loss, would flatten the rest
         margin = 0.1 * (max(evals_y) - min(evals_y)) or 0.05
         loss_ax.set_ylim(min(evals_y) - margin, max(evals_y) + margin)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return path
+    return save_figure(fig, path)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, report, train_run
+from bench.common import RESULTS, report, save_figure, train_run
 from shoal.models.config import ModelConfig, get_preset
 from shoal.train.metrics import read_metrics
 
@@ -154,7 +154,7 @@ def plot(runs: list[tuple[Variant, list[dict[str, Any]]]], out_dir: Path, window
         ax.grid(alpha=0.3)
         _zoom(ax)
     eval_ax.legend(fontsize=7, ncol=2)
-    loss_path = _save(fig, out_dir / "moe_experiment_loss.png")
+    loss_path = save_figure(fig, out_dir / "moe_experiment_loss.png")
 
     fig, (cv_ax, drop_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for variant, records in runs:
@@ -169,7 +169,7 @@ def plot(runs: list[tuple[Variant, list[dict[str, Any]]]], out_dir: Path, window
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     drop_ax.legend(fontsize=7, ncol=2)
-    return [loss_path, _save(fig, out_dir / "moe_experiment_load.png")]
+    return [loss_path, save_figure(fig, out_dir / "moe_experiment_load.png")]
 
 
 def _zoom(ax: Any) -> None:
@@ -180,13 +180,6 @@ def _zoom(ax: Any) -> None:
     if ys:
         margin = 0.05 * (max(ys) - min(ys)) or 0.05
         ax.set_ylim(min(ys) - margin, max(ys) + margin)
-
-
-def _save(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return path
 
 
 def main() -> None:
