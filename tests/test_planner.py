@@ -1103,6 +1103,14 @@ def test_one_process_mixed_precision_is_priced_as_autocast():
     assert mixed.time["dp_sync_exposed"] == pytest.approx(mixed.traffic["autocast_casts"])
 
 
+def test_shoal_plan_for_deepseek_v3_on_1024_h100_names_the_batch_when_none_runs(capsys):
+    """At the default batch (16 sequences) no layout reaches 1024 devices: the one line says that the global
+    batch is what is short, not only that nothing runs."""
+    assert main(["plan", "--model", "deepseek-v3", "--cluster", "1024xH100-80GB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "at a global batch of 16 sequences" in err, err
+
+
 @pytest.mark.slow
 def test_shoal_plan_answers_for_deepseek_v3_on_1024_h100(capsys):
     """`shoal plan --model deepseek-v3 --cluster 1024xH100-80GB` with a pretraining batch (1024 sequences of 4096)

@@ -57,10 +57,14 @@ def no_fit(work: Workload, cluster: Cluster, *, said: bool = False) -> str:
     unit, units = ("process", "processes") if cluster.device_type == "cpu" else ("device", "devices")
     least = smallest_need(work, cluster)
     need = f"{least.plan_text}, about {_gb(_per_process(least, cluster))} GB per {unit}" if least is not None else ""
+    none_runs = f"no plan runs on {cluster.world_size}"
+    if work.global_batch < cluster.world_size:  # the data and pipeline axes want a sequence per rank and stage
+        none_runs += (f" {units} at a global batch of {work.global_batch} sequences (a larger global batch gives "
+                      "the data and pipeline axes work)")
     if said:
-        here = f"the least any plan needs: {need}" if need else f"no plan runs on {cluster.world_size}"
+        here = f"the least any plan needs: {need}" if need else none_runs
     else:
-        here = f"no plan fits (the least: {need})" if need else f"no plan runs on {cluster.world_size}"
+        here = f"no plan fits (the least: {need})" if need else none_runs
     count, last = devices_needed(work, cluster)
     size = _gb(cluster.device.memory_bytes)
     if count is not None:
