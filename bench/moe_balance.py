@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, report, save_figure, train_run
+from bench.moe_experiment import smooth
 from shoal.train.metrics import read_metrics
 
 PRESET = "tiny"
@@ -101,15 +102,6 @@ def row(method: Method, per_seed: list[dict[str, float]]) -> dict[str, Any]:
         values = [f[key] for f in per_seed]
         out[key] = statistics.median(values)
         out[f"{key}_range"] = max(values) - min(values)
-    return out
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    """Trailing moving average (shorter at the start)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
     return out
 
 
