@@ -7,7 +7,10 @@ Each run is a real `shoal train` in its own process tree (the launcher and its w
   tiny MoE; each plan's runs must agree with each other bit for bit too.
 With `--load`, a second `shoal train` loop runs beside them the whole time (the crashes this bench hunts
 appeared under load). With `--tests N`, the multi-process test files run N times under the same load, and
-every task the suite reran after a worker crash (tests/conftest.py) is counted as a crash.
+every task the suite reran after a worker crash (tests/conftest.py) is counted as a crash. With
+`--malloc-check`, those test runs load glibc's checking allocator (libc_malloc_debug.so.0 with MALLOC_CHECK_=3:
+a corrupt heap aborts at the first check that sees it, nearer its cause); the pool workers run on glibc, so the
+check covers them.
 
 A run is a crash when its process tree ends by a signal or the launcher names a worker killed by one; a
 hang when it outlives `--timeout` (killed, counted, the next run starts); wrong when it exits 0 with a final
@@ -18,6 +21,7 @@ Goal: 0 crashes, 0 hangs and 0 wrong losses in 30 default runs and 10 runs of ea
 and in 3 runs of the multi-process test files under load.
 
     python -m bench.soak [--runs 30] [--other-runs 10] [--plans fsdp2,tp2,pp2,ep2] [--load] [--tests 3]
+                         [--malloc-check]
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ MULTI_PROCESS_TESTS = ("tests/test_parity_zero.py", "tests/test_parity_tp.py", "
 """Test files whose tasks run on the gloo worker pools (where the heap corruptions were seen)."""
 CRASH_WORDS = re.compile(r"Fatal Python error|Segmentation fault|killed by signal|SIGSEGV|SIGABRT|SIGBUS|"
                          r"malloc\(\)|double free|corrupted", re.IGNORECASE)
+MALLOC_DEBUG = "libc_malloc_debug.so.0"
+"""glibc's checking allocator (glibc >= 2.34 moved MALLOC_CHECK_ into it); the loader finds it by name."""
 RERUN_SECTION = "tasks rerun after a worker crashed in C"
 """The heading tests/conftest.py prints above the tasks it reran after a worker crash."""
 
@@ -117,14 +123,16 @@ def soak_plan(name: str, flags: list[str], runs: int, timeout_s: float) -> Tally
     return tally
 
 
-def soak_tests(times: int, timeout_s: float) -> Tally:
-    """The multi-process test files `times` times; each task conftest reran after a worker crash is a crash."""
+def soak_tests(times: int, timeout_s: float, malloc_check: bool = False) -> Tally:
+    """The multi-process test files `times` times; each task conftest reran after a worker crash is a crash.
+    malloc_check: under glibc's checking allocator (MALLOC_DEBUG)."""
     tally = Tally()
+    checks = {"LD_PRELOAD": MALLOC_DEBUG, "MALLOC_CHECK_": "3"} if malloc_check else {}
     for i in range(times):
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MULTI_PROCESS_TESTS]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False,
-                                  env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1", **checks})
             output = done.stdout + done.stderr
         except subprocess.TimeoutExpired:
             tally.runs, tally.hangs = tally.runs + 1, tally.hangs + 1
@@ -186,6 +194,8 @@ def main() -> None:
     parser.add_argument("--plans", default=",".join(OTHER_PLANS), help=f"of {', '.join(OTHER_PLANS)}; '' for none")
     parser.add_argument("--load", action="store_true", help="a second shoal train loop beside the soak")
     parser.add_argument("--tests", type=int, default=0, help="runs of the multi-process test files")
+    parser.add_argument("--malloc-check", action="store_true",
+                        help=f"the test files' runs under glibc's checking allocator ({MALLOC_DEBUG})")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds after which a run is a hang")
     args = parser.parse_args()
     plans = [p for p in args.plans.split(",") if p]
@@ -201,12 +211,13 @@ def main() -> None:
         for plan in plans:
             tallies[plan] = soak_plan(plan, [*OTHER_PLANS[plan], *SHORT], args.other_runs, args.timeout)
         if args.tests:
-            tallies["tests"] = soak_tests(args.tests, args.timeout * 4)
+            tallies["tests"] = soak_tests(args.tests, args.timeout * 4, args.malloc_check)
     rows = [{"kind": kind, "runs": t.runs, "crashes": t.crashes, "hangs": t.hangs, "wrong_losses": t.wrong,
              "other_failures": t.failures,
              "final_losses": ", ".join(f"{loss!r} x{n}" for loss, n in Counter(t.losses).items())}
             for kind, t in tallies.items()]
     report("soak", rows, notes=f"load: {'on' if load else 'off'}"
+           + ("; tests under glibc's malloc checks" if args.malloc_check else "")
            + (f" ({load.runs} load runs)" if load else "") + f"; {time.monotonic() - started:.0f} s")
     for kind, t in tallies.items():
         for dump in t.dumps:
