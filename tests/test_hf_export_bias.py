@@ -104,3 +104,35 @@ def test_a_family_without_the_bias_takes_a_zero_one_and_refuses_a_moved_one(fami
         message = one_line_error(fn, *args, hf=True, **kwargs)
         assert "router_bias=True" in message and family in message and "0.01" in message, f"{what}: {message}"
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def export_under_pp2(folder: str, moved: bool) -> str | None:
+    """Worker (2 ranks, pp2: layer 1 on rank 1 only): the live export's verdict on every rank, with layer 1's bias
+    zero or moved; the refusal's message, or the folder rank 0 wrote."""
+    from shoal import rules
+    from shoal.mesh import build_mesh
+    from shoal.plan import Plan
+
+    plan = rules.resolve(Plan.parse("pp2"), world_size=2)
+    torch.manual_seed(0)
+    runtime = parallelize(Transformer(UNBIASED_FAMILIES["mixtral"]), plan, build_mesh(plan))
+    for part in runtime.parts:
+        for name, bias in part.named_buffers():
+            if moved and name.endswith("layers.1.feed_forward.router.bias"):
+                bias[2] = -BIAS_RATE
+    try:
+        out = export_model(runtime, folder, hf=True)
+    except ValueError as exc:
+        return str(exc)
+    return None if out is None else str(out)
+
+
+@pytest.mark.slow
+def test_every_pipeline_stage_refuses_alike(pools, tmp_path):
+    """Under pp2 only the last stage holds layer 1's router: a bias moved there is refused on both ranks (the
+    largest |bias| is reduced over the ranks before any weight is gathered), and a zero one exports on both."""
+    written = pools(2).run(export_under_pp2, str(tmp_path / "zero"), False)
+    assert written == [str(tmp_path / "zero"), None]
+    refused = pools(2).run(export_under_pp2, str(tmp_path / "moved"), True)
+    assert all(message is not None and "router_bias=True" in message for message in refused), refused
+    assert not (tmp_path / "moved").exists()
