@@ -419,11 +419,20 @@ _DEEPSEEK_V3 = PublishedRun(
     source=_BRIDGE_2509,
     note="1024 GPUs, GBS 8192, MBS 1, sequence 4096, FSDP 0 (DDP), TP 2, PP 8, CP 1, VP 4, EP 64, GA 128: "
          "1297 tokens/s/GPU, 338 model TFLOP/s/GPU (330 with 128x128 weight / 1x128 activation fp8 blocks, the "
-         "table's footnote). Dropless, the tokens force-balanced among the experts (footnote), without the "
-         "multi-token-prediction module (the preset). The 25.09 table has no precision column: bf16 is recorded, "
-         "not read (the later tables, which have one, hold no H100 DeepSeek-V3 row), hence checked=False. DDP is "
-         "recorded as dp64 (whether the recipe shards the optimizer, Megatron's distributed optimizer, is not "
-         "stated); the recompute policy is not stated (none recorded). EP 64 within the 64-way data axis, as "
+         "table's footnote). Dropless, the tokens force-balanced among the experts (footnote). The 25.09 table has "
+         "no precision column: bf16 is recorded, not read (the later tables, which have one, hold no H100 "
+         "DeepSeek-V3 row), hence checked=False. How the run ran, from the release branch of that container "
+         "(r0.1.0, 68c25f591: scripts/performance/run_script.py, configs/deepseek/deepseek_v3_llm_pretrain.yaml, "
+         "src/megatron/bridge/recipes/deepseek/deepseek_v3.py): on H100 DeepEP (moe_token_dispatcher_type flex, "
+         "each token sent once per destination node across InfiniBand, then over NVLink), "
+         "moe_router_force_load_balancing, the expert all-to-all overlapped with another micro-batch's compute "
+         "(overlap_moe_expert_parallel_comm, delay_wgrad_compute), selective recompute of the modules mla_up_proj "
+         "and mlp, sequence parallelism with expert tensor parallelism 1 (each tensor-parallel rank dispatches "
+         "its own sequence shard), the pipeline layout Et|(tt|)*30mL (one multi-token-prediction layer, "
+         "mtp_num_layers 1, in the last virtual stage, which the preset leaves out), the distributed optimizer "
+         "with bf16 moments, overlap_grad_reduce off. Of these the plan records none (shoal has no DeepEP, no "
+         "all-to-all overlap, no MTP, and its ac=selective is its own policy): the breakdown in "
+         "docs/planner_at_scale.md prices each. DDP is recorded as dp64; EP 64 within the 64-way data axis, as "
          "Megatron-Core lays expert parallelism over the data ranks.",
 )
 

@@ -204,6 +204,53 @@ def test_experts_are_counted_at_their_own_width():
             assert dense + experts == cfg.num_params() - cfg.dim
 
 
+def _distinct_ranks_by_enumeration(num_experts: int, k: int, ep: int, groups: int = 0, topk_groups: int = 0) -> float:
+    """The mean number of ranks (E/ep consecutive experts each) among k distinct experts, over every choice a token
+    may make with equal weight: any k experts, or any k among the experts of any topk_groups of the groups."""
+    import itertools
+
+    size = num_experts // ep
+    pools = ([list(range(num_experts))] if groups <= 1 else
+             [[e for g in chosen for e in range(g * num_experts // groups, (g + 1) * num_experts // groups)]
+              for chosen in itertools.combinations(range(groups), topk_groups)])
+    counts = [len({e // size for e in choice}) for pool in pools for choice in itertools.combinations(pool, k)]
+    return sum(counts) / len(counts)
+
+
+@pytest.mark.parametrize("experts, k, ep, groups, topk_groups", [(8, 2, 4, 0, 0), (8, 3, 2, 0, 0), (16, 3, 8, 0, 0),
+                                                                 (16, 3, 8, 4, 2), (16, 2, 4, 4, 1)])
+def test_expert_ranks_per_token_is_the_mean_over_every_choice(experts, k, ep, groups, topk_groups):
+    """shoal's all-to-all sends a token once per rank holding any of its choices: the expected count equals the mean
+    over every choice enumerated (each equally likely), with and without group-limited routing; by hand for E = 8,
+    k = 2, ep = 4: a pair shares a rank in 4 of C(8, 2) = 28 pairs, so 2 - 4/28 = 13/7."""
+    cfg = ModelConfig(num_layers=1, dim=8, num_heads=2, ffn_dim=8, vocab_size=8, num_experts=experts, top_k=k,
+                      router_score="sigmoid", router_groups=groups, router_topk_groups=topk_groups)
+    want = _distinct_ranks_by_enumeration(experts, k, ep, groups, topk_groups)
+    assert compute.expert_ranks_per_token(cfg, ep) == pytest.approx(want, rel=1e-12)
+    if (experts, k, ep) == (8, 2, 4):
+        assert want == pytest.approx(13 / 7)
+
+
+def test_expert_all_to_all_is_priced_per_destination_rank():
+    """DeepSeek-V3 at ep64 (256 experts, 4 a rank; top-8 within 4 of 8 groups of 32 experts, 8 ranks each): by hand
+    32 (1 - C(124, 8) / C(128, 8)) = 7.359 ranks a token, not 8 copies, and the ep term of a stage prices
+    4 all-to-alls (dispatch and combine, forward and backward) of that many rows a token, per MoE block."""
+    from shoal.planner.costs import Costs
+
+    ds = get_preset("deepseek-v3")
+    by_hand = 32 * (1 - math.comb(124, 8) / math.comb(128, 8))
+    assert compute.expert_ranks_per_token(ds, 64) == pytest.approx(by_hand) == pytest.approx(7.359, abs=1e-3)
+    cfg = ModelConfig(num_layers=2, dim=64, num_heads=4, ffn_dim=32, vocab_size=128, num_experts=8, top_k=2,
+                      capacity_factor=0.0)
+    cluster = parse_cluster("4xH100-80GB")
+    plan = rules.resolve(Plan.parse("ep4"), world_size=4, device="cuda", model=cfg)
+    net = RingNetwork(cluster)
+    cost = Costs(plan, cfg, cluster, net, tokens=1024, seq_len=1024, fused=True)
+    _, _, terms = cost.stage(0, 2, head=True)
+    act = 1024 * 64 * 2  # tokens x dim x bf16 bytes
+    assert terms["ep_comm"] == pytest.approx(2 * 4 * net.time("all_to_all", 4, 13 / 7 * act, stride=1))
+
+
 def test_a_tied_head_under_pp_is_a_copy():
     """Under pp the last stage keeps a copy of a tied embedding for its head: it holds V x D as an
     untied head's stage does (one process holds the tied table once)."""

@@ -252,6 +252,45 @@ def test_bias_and_training_under_plan_equal_one_process(pools, plan, world):
             assert torch.equal(got[name], want[name]), (name, got[name], want[name])
 
 
+RESHARD_SEGMENTS = [("fsdp2,ep2", 0, 2), ("pp2,mb=2", 2, 3), ("single", 3, 4), ("tp2", 4, 5)]
+"""A biased run's checkpoints across plans (plan, first step, end step; two processes but "single"): written
+under fsdp x ep, resumed under a pipeline, in one process, then under tp, which comes last because its bias
+may differ (TP_BOUND) and the steps after it would then route differently."""
+
+
+@pytest.mark.slow
+def test_a_trained_bias_reshards_across_plans(pools, tmp_path):
+    """The selection bias, a buffer of every checkpoint, resumes under another plan: after every segment each
+    rank's biases equal the unbroken one-process run's bit for bit (within 2 gamma per tp step under tp), and
+    the losses, gradient norms and final weights are that run's, as tests/test_reshard.py holds them."""
+    from shoal.testing.asserts import assert_rounding_close
+    from shoal.testing.parity import assert_trained_close, case, references, train_segment
+
+    c = case(model=_BIASED, steps=RESHARD_SEGMENTS[-1][2], num_micro=2)
+    ref32, ref64 = references(c)
+    for plan_text, start, end in RESHARD_SEGMENTS:
+        if plan_text == "single":
+            results = [train_segment(c, str(tmp_path), plan_text, start, end, c.num_micro)]
+        else:
+            results = pools(2).run(train_segment, c, str(tmp_path), plan_text, start, end, c.num_micro)
+        want = ref32["step_router_bias"][end - 1]
+        assert want and any(b.abs().max() > 0 for b in want.values())  # training moved them
+        bound = 2 * _BIASED.router_bias_rate * (end - start) if plan_text.startswith("tp") else 0.0
+        held: set[str] = set()
+        for rank, res in enumerate(results):
+            what = f"{plan_text} rank {rank} steps {start}..{end - 1}"
+            for name, bias in res["router_bias"].items():
+                held.add(name)
+                worst = (bias - want[name]).abs().max().item()
+                assert worst <= bound if bound else torch.equal(bias, want[name]), (what, name, bias, want[name])
+            assert_rounding_close(res["losses"], ref32["losses"][start:end], ref64["losses"][start:end],
+                                  what=f"{what} losses")
+            assert_rounding_close(res["grad_norms"], ref32["grad_norms"][start:end], ref64["grad_norms"][start:end],
+                                  what=f"{what} gradient norms")
+        assert held == set(want), plan_text  # every layer's bias on some rank (a pipeline stage holds its own)
+    assert_trained_close(results[0]["params"], ref32, ref64)
+
+
 def test_biased_router_through_the_trainer_records_and_resumes(tmp_path):
     """`shoal train` with a moving selection bias: metrics.jsonl holds each layer's bias and the per-expert
     bias averaged over layers (moe_bias, beside moe_load), the heatmap has its second panel, and a run resumed

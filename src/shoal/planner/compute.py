@@ -120,6 +120,33 @@ def experts_per_token(cfg: ModelConfig) -> float:
     return routed + cfg.num_shared_experts
 
 
+def expert_ranks_per_token(cfg: ModelConfig, ep: int) -> float:
+    """Expected number of distinct expert-parallel ranks among a token's routed choices: what shoal's all-to-all
+    sends each token to (once per rank that holds any of its choices, shoal.parallel.expert), its own rank included.
+
+    Rank r of `ep` holds the m = E/ep consecutive experts r*m .. r*m+m-1. The k choices are taken as k distinct
+    experts drawn uniformly from the P experts the token may choose, which span R ranks: every expert (P = E,
+    R = ep), or, under group-limited routing whose groups each fill whole ranks (ep a multiple of router_groups),
+    the experts of its router_topk_groups groups (P = topk_groups x E/groups, R = P/m). A rank holds none of the k
+    with probability C(P - m, k) / C(P, k) (hypergeometric), so the expectation is R (1 - C(P - m, k) / C(P, k)).
+    Groups smaller than a rank, and prototype groups, are priced as if every expert could be chosen (P = E), which
+    spreads the choices at least as wide. Balanced routing is the premise, as everywhere in the cost model."""
+    k = cfg.num_prototypes if cfg.num_prototypes else cfg.top_k
+    if ep <= 1:
+        return 1.0
+    E = cfg.num_experts
+    m = E // ep
+    groups, chosen = cfg.router_groups, cfg.router_topk_groups
+    pool = E
+    if groups > 1 and 0 < chosen < groups and ep % groups == 0:
+        pool = chosen * (E // groups)
+    ranks = pool // m
+    missed = 1.0
+    for i in range(k):  # C(P - m, k) / C(P, k) as a product of k ratios
+        missed *= max(pool - m - i, 0) / (pool - i)
+    return ranks * (1.0 - missed)
+
+
 def block_work(cfg: ModelConfig, index: int, *, seq_len: int, causal_skip: bool, fused_attention: bool,
                compiled: bool = True, element_bytes: float = 2.0) -> BlockWork:
     """Forward work per token of block `index` (MoE or dense FFN) at sequence length `seq_len`.

@@ -209,8 +209,8 @@ class Costs:
         if tp > 1 and head:  # vocabulary-parallel embedding and loss: ~2 collectives each way, small
             tp_comm += 4 * self.net.time("all_reduce", tp, T * 4.0, stride=1)
         cp_comm = n * self._ring(attn / max(n, 1))
-        routed = compute.experts_per_token(self.cfg) - self.cfg.num_shared_experts
-        ep_comm = (moe * 4 * self.net.time("all_to_all", p.ep, routed * act, stride=self.stride["ep"])
+        ranks = compute.expert_ranks_per_token(self.cfg, p.ep)  # each token once per rank holding its choices
+        ep_comm = (moe * 4 * self.net.time("all_to_all", p.ep, ranks * act, stride=self.stride["ep"])
                    if p.ep > 1 else 0.0)
         p2p = 0.0
         if p.pp > 1:  # a sequence-parallel activation is a 1/tp shard; a scattered one is gathered on arrival

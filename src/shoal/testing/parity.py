@@ -122,14 +122,16 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32,
                   after: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None) -> dict[str, Any]:
     """Train `case` in plain PyTorch in this process, in `dtype` (float64: the truth); `after(model,
     optimizer)`, when given, sees them once the last step is done. The result holds every step's loss and
-    global gradient norm before clipping ("losses", "grad_norms"), and the first step's gradients, norm and
-    parameters after the update ("grads", "grad_norm", "params")."""
+    global gradient norm before clipping ("losses", "grad_norms"), the routers' selection biases after every step
+    ("step_router_bias"), and the first step's gradients, norm and parameters after the update ("grads",
+    "grad_norm", "params")."""
     torch.set_num_threads(1)
     model = case.build_model(dtype)
     optimizer = case.optimizer_for(model)
     # float inputs (images) in the run's dtype; token ids stay integers
     batches = [(x.to(dtype) if x.is_floating_point() else x, y) for x, y in case.batches()]
-    result: dict[str, Any] = {"losses": [], "grad_norms": [], "init_params": full_tensors(model)}
+    result: dict[str, Any] = {"losses": [], "grad_norms": [], "init_params": full_tensors(model),
+                              "step_router_bias": []}
     moe: MoECollector | PlainRouterLosses = (PlainRouterLosses(model) if PlainRouterLosses.wanted(model)
                                               else MoECollector(model))  # an MoE model's losses join the training loss
     micro = case.num_micro  # one process's accumulation over the whole global batch
@@ -153,6 +155,7 @@ def run_reference(case: ParityCase, dtype: torch.dtype = torch.float32,
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.grad_clip or float("inf"))
         optimizer.step()
         moe.update_bias()  # an MoE router's selection bias, by the step's loads (none: nothing)
+        result["step_router_bias"].append(router_biases(model))
         if step == 0:
             result["params"] = full_tensors(model)
             result["grad_norm"] = norm.item()
@@ -384,7 +387,7 @@ def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, en
     """Steps start..end-1 of `case` under `plan_text` ("single": one process, no process group),
     resumed from the latest checkpoint in `run_dir` when start > 0 and saved there at the end:
     the checkpoint-resharding tests' segment. Returns the losses, the gradient norms before clipping and the
-    final parameters."""
+    final parameters and the routers' selection biases this rank holds."""
     from shoal.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     if plan_text == "single":
@@ -407,7 +410,8 @@ def train_segment(case: ParityCase, run_dir: str, plan_text: str, start: int, en
         losses.append(float(out.loss))
         norms.append(float(out.grad_norm))
     save_checkpoint(run_dir, end, runtime=runtime, optimizer=optimizer, extra={"step": end, "plan": plan_text})
-    return {"losses": losses, "grad_norms": norms, "params": full_tensors(runtime)}
+    return {"losses": losses, "grad_norms": norms, "params": full_tensors(runtime),
+            "router_bias": router_biases(runtime)}
 
 
 def _only(values: dict[str, Any], names: set[str]) -> dict[str, Any]:

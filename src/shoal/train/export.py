@@ -29,10 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError  # the library's own spelling
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from shoal.infra.world import rank
 from shoal.models.adapter import TRANSFORMER, adapter_of_config
@@ -56,9 +58,6 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
     if hf and tokenizer is None and config is None:
         tokenizer = _checkpoint_tokenizer(checkpoint)
     extra_files = tokenizer_files(tokenizer) if hf else []  # before any tensor is written
-    if cfg is not None:
-        weight_map = adapter_of_config(cfg).weight_map()
-        weight_map.hf_family(cfg)  # refused before reading any tensor
     try:
         meta = SafeReader(str(checkpoint)).read_metadata()
     except UnsafeCheckpointError as exc:
@@ -71,11 +70,6 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
               if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
     if not stored:
         raise ValueError(f"checkpoint {checkpoint} holds no '{MODEL_KEY}.*' tensors; is it a shoal checkpoint?")
-    layout = weight_map.hf_layout(cfg) if cfg is not None else []
-    needed = [p for t in layout for p in t.parts] if cfg is not None else list(stored)
-    missing = [k for k in needed if k not in stored]
-    if missing:
-        raise ValueError(f"checkpoint {checkpoint} lacks {missing[0]!r}, which the model config needs")
 
     def fetch(name: str) -> torch.Tensor:  # one tensor at a time: the export's peak is the largest tensor
         item = stored[name]
@@ -85,6 +79,17 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, *, metadata: dict
             dcp.load({MODEL_KEY: {name: tensor}}, checkpoint_id=str(checkpoint),
                      storage_reader=SafeReader(str(checkpoint)), planner=SafeLoadPlanner(), no_dist=True)
         return tensor
+
+    if cfg is not None:  # refused before reading any weight (a selection bias is read to see whether it is zero)
+        weight_map = adapter_of_config(cfg).weight_map()
+        biases = [k for k in stored if k.endswith(weight_map.SELECTION_BIAS)]
+        cfg = weight_map.writable_config(cfg, lambda: max((fetch(k).abs().max().item() for k in biases), default=0.0))
+        weight_map.hf_family(cfg)
+    layout = weight_map.hf_layout(cfg) if cfg is not None else []
+    needed = [p for t in layout for p in t.parts] if cfg is not None else list(stored)
+    missing = [k for k in needed if k not in stored]
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint} lacks {missing[0]!r}, which the model config needs")
 
     info = {"format": "pt", "source": str(checkpoint), **{k: str(v) for k, v in (metadata or {}).items()}}
     if cfg is None:
@@ -116,13 +121,16 @@ def export_model(runtime: Runtime, out: Path | str, *, metadata: dict[str, str] 
     hf: `out` is a Hugging Face folder instead (shape from the model's own config), with the
     files of the tokenizer folder `tokenizer` copied in when one is given."""
     cfg = _live_model_config(runtime) if hf else None
-    if cfg is not None:
-        adapter_of_config(cfg).weight_map().hf_family(cfg)  # every rank refuses alike, before any collective
+    if cfg is not None:  # every rank refuses alike, before the weights are gathered
+        weight_map = adapter_of_config(cfg).weight_map()
+        cfg = weight_map.writable_config(cfg, lambda: _largest_live_bias(runtime, weight_map.SELECTION_BIAS))
+        weight_map.hf_family(cfg)
     extra_files = tokenizer_files(tokenizer) if hf else []
     weights = runtime.full_weights()
     if rank() != 0:
         return None
-    weights = {k: v.detach() for k, v in weights.items()}
+    weights = {k: v.detach() for k, v in weights.items()
+               if cfg is None or cfg.router_bias or not k.endswith(weight_map.SELECTION_BIAS)}
     if cfg is not None:
         folder = _write_hf(weights, Path(out), cfg, metadata or {}, special_token_ids(tokenizer))
         _copy_files(extra_files, folder)
@@ -248,6 +256,19 @@ def _copy_files(files: list[Path], folder: Path) -> None:
         shutil.copyfile(source, tmp)
         _usual_permissions(tmp)
         os.replace(tmp, folder / source.name)
+
+
+def _largest_live_bias(runtime: Runtime, suffix: str) -> float:
+    """The largest |selection bias| (buffers named `...suffix`) in the whole model. Every rank holds its layers'
+    biases whole (a router is replicated); under a pipeline each holds its stage's, hence the reduction over
+    the default process group, which every rank of a sharded runtime joins."""
+    local = [b.to_local() if isinstance(b, DTensor) else b
+             for part in runtime.parts for name, b in part.named_buffers() if name.endswith(suffix)]
+    largest = torch.stack([b.detach().abs().max().float().cpu() for b in local]).max() if local else torch.zeros(())
+    if runtime.mesh is not None:
+        largest = largest.to(runtime.mesh.device_type)  # NCCL reduces only GPU tensors
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return float(largest)
 
 
 def _live_model_config(runtime: Runtime) -> ModelConfig:

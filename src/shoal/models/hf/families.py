@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Container
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,36 @@ def hf_family(cfg: ModelConfig) -> str:
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json transformers builds the family's model from (read by 4.x and 5.x alike)."""
     return family_of(cfg).config_out(cfg)
+
+
+SELECTION_BIAS = deepseek_v3.ROUTER_BIAS
+"""The name ending of a router's selection bias (a buffer; `ModelConfig.router_bias`) in shoal's state dict."""
+
+
+def writable_config(cfg: ModelConfig, largest_bias: Callable[[], float]) -> ModelConfig:
+    """The config a Hugging Face folder of `cfg`'s weights is written as; `largest_bias()` is the largest
+    |selection bias| among those weights (asked only when it matters).
+
+    A router's selection bias travels in the family whose model holds one (deepseek_v3's
+    e_score_correction_bias). A family without one (mixtral, qwen2_moe, qwen3_moe) takes a model with
+    router_bias on only while that bias is zero everywhere, which routes exactly as no bias does: the
+    folder is written as `cfg` without it (its weights leave the biases out); a bias that training moved
+    is refused in one line, never dropped."""
+    if not cfg.router_bias:
+        return cfg
+    try:
+        family_of(cfg)
+        return cfg
+    except ValueError:
+        unbiased = cfg.replace(router_bias=False, router_bias_rate=0.0)
+        family = family_of(unbiased)  # whatever else does not fit is refused by its own line
+    largest = largest_bias()
+    if largest != 0.0:
+        raise ValueError(f"model field router_bias=True (moved by router_bias_rate={cfg.router_bias_rate}, largest "
+                         f"|bias| {largest:.3g}) cannot be written as a Hugging Face {family.model_type} model, whose "
+                         "router has no selection bias; valid: a deepseek_v3-family model (latent attention), or "
+                         "a bias that stays zero (router_bias_rate=0)")
+    return unbiased
 
 
 # ----------------------------------------------------------------------------- weights
