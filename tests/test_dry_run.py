@@ -51,6 +51,26 @@ def test_dry_run_prints_each_rank_beside_the_prediction_and_saves_nothing(tmp_pa
     assert not (out / "checkpoints").exists()
 
 
+def test_dry_run_of_muon_prices_one_moment_on_the_matrices(tmp_path, capfd):
+    """--optimizer muon under fsdp2: the live optimizer state (one fp32 momentum on the blocks' matrices, AdamW's
+    two on the tables and norms) is the planner's to the 0.1 MB printed, as AdamW's is above, and about half
+    AdamW's; the step's temporaries (the owner design's gathers, peak.MUON_OWNER_STEP_BYTES) are priced: the
+    terms within 10% of the live tensors, as above."""
+    argv = ["train", "--dry-run", "--nproc", "2", "--plan", "fsdp2", "--device", "cpu", "--set", "num_layers=2",
+            "--global-batch", "4", "--seq-len", "32", "--optimizer", "muon", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 0
+    text = capfd.readouterr().out
+    rows = [line.split() for line in text.splitlines() if re.match(r"\s+[01]\s+\d", line)]
+    states = text.split("planner, busiest")[1].split("the step's peak")[0]
+    predicted = dict(re.findall(r"(parameters|gradients|optimizer) ([\d.]+)", states))
+    for row in rows:
+        params, optim = float(row[1]), float(row[3])
+        assert abs(optim - float(predicted["optimizer"])) <= 0.1
+        assert optim < 1.5 * params  # AdamW's would be twice the parameters
+    assert "optimizer_step" in text.split("the step's peak: ")[1].splitlines()[0]
+    assert abs(_terms_error(text)) <= 10
+
+
 def test_the_allocator_s_kept_memory_counts_freed_blocks():
     """glibc keeps freed blocks below its mmap threshold (128 KiB at first) in the heap: freeing 100
     blocks of 64 KiB, each between two that stay, cannot coalesce them or hand them back, so the

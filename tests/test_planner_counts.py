@@ -314,6 +314,31 @@ def test_cpu_adamw_step_temporaries():
     assert optimizer_step_bytes(cfg, tp=1, ep=1, shards=1, on_cpu=False) == 0
 
 
+def test_cpu_muon_step_temporaries():
+    """peak.MUON_STEP_BYTES and MUON_NEWTON_SCHULZ_BYTES, recounted: a one-process Muon step over eight (F, D)
+    matrices holds, beside the model states (weights, gradients, one momentum), 10 bytes per parameter and 8 per
+    element of one matrix (the Newton-Schulz temporaries), to 1% (what else the step holds: scalars)."""
+    import torch
+
+    from shoal.optim.muon import Muon
+    from shoal.planner.peak import optimizer_step_bytes
+    from shoal.train.memory import TensorPeak
+
+    cfg = TINY.replace(dim=128, ffn_dim=512)
+    params = [torch.nn.Parameter(torch.randn(cfg.ffn_dim, cfg.dim)) for _ in range(8)]
+    optimizer = Muon([{"params": params}], lr=0.01)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # makes the state
+    with TensorPeak(*params, *[p.grad for p in params], optimizer) as peak:
+        optimizer.step()
+    assert peak.peak_mb is not None
+    count = sum(p.numel() for p in params)
+    extra = peak.peak_mb * 2**20 - 3 * 4 * count
+    priced = optimizer_step_bytes(cfg, tp=1, ep=1, shards=1, on_cpu=True, orthogonalised=count)
+    assert abs(extra - priced) <= 0.01 * priced, (extra, priced)
+
+
 @pytest.mark.parametrize(("plan", "world"), [("tp2", 2), ("tp2,sp=off", 2), ("tp4", 4)])
 def test_tensor_parallel_activation_count(pools, plan, world):
     """memory.activation_elements under tensor parallelism, recounted: what autograd saves on a rank in
@@ -543,3 +568,60 @@ def test_autocast_activation_count(model):
     assert per_block == 2 * (priced + memory.autocast_extra_elements(cfg, 0, ac="none"))
     fp32 = [saved_activation_elements(Transformer(cfg.replace(num_layers=n)), inputs) / inputs.numel() for n in (2, 4)]
     assert (fp32[1] - fp32[0]) / 2 == priced  # the same blocks in fp32, element for element
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb", "lars", "cowclip", "muon"])
+def test_optimizer_state_per_parameter(optimizer, experts):
+    """memory.OPTIMIZER_MOMENTS, recounted: the bytes of every state tensor each optimizer of `shoal train` holds
+    after one step of a small dense and MoE model in one process, against the planner's optimizer term. Exact,
+    less what the planner leaves out: the final norm's moments (D parameters at the rest's moments) and the step
+    counters (0-d tensors). Muon holds one fp32 moment on the blocks' matrices and stacked experts, AdamW's two on
+    the embeddings, head and norms; LARS one everywhere."""
+    import torch
+
+    from shoal import parallelize
+    from shoal.models import Transformer
+    from shoal.optim.builder import build_optimizer
+    from shoal.optim.config import OPTIMIZERS, OptimConfig
+    from shoal.planner import memory
+    from shoal.planner.cluster_file import parse_cluster
+    from shoal.planner.estimate import Workload, estimate
+
+    assert set(memory.OPTIMIZER_MOMENTS) == set(OPTIMIZERS)
+    cfg = TINY.replace(num_layers=2, vocab_size=256, **({"num_experts": experts, "top_k": 2, "ffn_dim": 64}
+                                                          if experts else {}))
+    torch.manual_seed(0)
+    runtime = parallelize(Transformer(cfg))
+    opt = build_optimizer(runtime, OptimConfig(optimizer=optimizer))
+    logits = runtime.parts[0](torch.randint(0, cfg.vocab_size, (2, 16)))
+    logits.float().square().mean().backward()
+    opt.step()
+    tensors = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    held = sum(v.numel() * v.element_size() for v in tensors)
+    counters = sum(v.numel() * v.element_size() for v in tensors if v.dim() == 0)
+    plan = rules.resolve(Plan.parse("dp1"), world_size=1, device="cpu")
+    priced = estimate(plan, Workload(model=cfg, global_batch=2, seq_len=16, optimizer=optimizer),
+                      parse_cluster("1xcpu")).memory["optimizer"]
+    final_norm = memory.MOMENT_BYTES * memory.OPTIMIZER_MOMENTS[optimizer][1] * cfg.dim
+    assert held == priced + final_norm + counters
+
+
+def test_shoal_plan_prices_the_optimizer_s_state(capsys):
+    """`shoal plan --optimizer muon` prices one moment on the blocks' matrices (the optimizer term falls below
+    AdamW's, above LARS's one moment everywhere), prints the train line with the flag; a bad name is one line."""
+    import json
+
+    from shoal import cli
+    from shoal.testing.asserts import assert_user_error
+
+    terms = {}
+    for optimizer in ("adamw", "muon", "lars"):
+        argv = ["plan", "--model", "small", "--cluster", "8xA100-80GB", "--plan", "fsdp8", "--json"]
+        assert cli.main([*argv, "--optimizer", optimizer]) == 0
+        terms[optimizer] = json.loads(capsys.readouterr().out)[0]["breakdown"]["optimizer_gb"]
+    assert terms["lars"] < terms["muon"] < terms["adamw"]
+    assert cli.main(["plan", "--model", "small", "--cluster", "8xA100-80GB", "--plan", "fsdp8",
+                     "--optimizer", "muon"]) == 0
+    assert "--optimizer muon" in capsys.readouterr().out.splitlines()[-1]
+    assert_user_error(capsys, ["plan", "--optimizer", "sgd"], "--optimizer 'sgd'", "adamw, lamb")

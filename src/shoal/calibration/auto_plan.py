@@ -48,12 +48,14 @@ class AutoChoice:
                 f"{e.mem_per_device_bytes / 1e9:.3g} GB per device")
 
 
-def choose(model: ModelConfig, *, global_batch: int, seq_len: int, world_size: int, device: str) -> AutoChoice:
-    """The fastest plan that fits, for `world_size` processes on `device` (ValueError if none does). Whether any
-    plan fits is known from memory alone, before a CPU's calibration (a minute) is measured for the times."""
+def choose(model: ModelConfig, *, global_batch: int, seq_len: int, world_size: int, device: str,
+           optimizer: str = "adamw") -> AutoChoice:
+    """The fastest plan that fits, for `world_size` processes on `device` (ValueError if none does), its memory
+    priced with `optimizer`'s state. Whether any plan fits is known from memory alone, before a CPU's calibration
+    (a minute) is measured for the times."""
     from shoal.planner.fit import no_fit
 
-    work = Workload(model=model, global_batch=global_batch, seq_len=seq_len)
+    work = Workload(model=model, global_batch=global_batch, seq_len=seq_len, optimizer=optimizer)
     what = (f"plan auto: no plan for {world_size} {device} process(es) fits this model's "
             f"{parameters_text(model.num_params())} parameters with global batch {global_batch} x {seq_len}")
     memory = memory_cluster(world_size, device)

@@ -21,6 +21,7 @@ from shoal.planner.cluster_file import parse_cluster
 from shoal.planner.comm import CalibratedNetwork, Network
 from shoal.planner.estimate import Estimate, Workload, estimate
 from shoal.planner.hardware import Cluster
+from shoal.planner.memory import OPTIMIZER_MOMENTS
 from shoal.planner.search import search
 
 GiB = 2**30  # the table's memory, in the unit device memory is sized in (an "80GB" H100 holds 80 GiB)
@@ -45,6 +46,9 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--lora", default=None, metavar="SETTINGS", help="price low-rank adapters on a frozen base, "
                       "as shoal train --lora takes them (r=16,alpha=32,targets=q,k,v,o,gate,up,down): gradients and "
                       "optimizer state for the adapters only [off: every weight trains]")
+    plan.add_argument("--optimizer", default="adamw", help="price this optimizer's state, as shoal train "
+                      "--optimizer takes it: adamw, lamb, cowclip (two moments a parameter), lars (one), muon (one "
+                      "on the hidden matrices, two on the rest) [adamw]")
     plan.add_argument("--top", type=int, default=10, help="plans to show [10]")
     plan.add_argument("--json", action="store_true", help="print a JSON list of plans, best first")
     plan.add_argument("--explain", action="store_true", help="print each plan's time and memory terms")
@@ -80,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     work = workload(args.model, args.set, global_batch=args.global_batch, seq_len=args.seq_len)
     if args.lora is not None:
         work = dataclasses.replace(work, lora=_lora(args.lora, work.model))
+    if args.optimizer not in OPTIMIZER_MOMENTS:
+        raise ValueError(f"--optimizer {args.optimizer!r} is not valid; valid: {', '.join(OPTIMIZER_MOMENTS)}")
+    work = dataclasses.replace(work, optimizer=args.optimizer)
     cluster, network = resolve_cluster(args.cluster, args.nproc)
     started = time.perf_counter()
     if args.plan is not None and args.plan.strip() != "auto":  # auto: the search below, as with no --plan
@@ -216,6 +223,8 @@ def train_line(args: argparse.Namespace, e: Estimate, cluster: Cluster) -> str:
         flags.append(f"--micro-batch {e.micro_batch}")
     if args.lora is not None:
         flags.append(f"--lora {args.lora}")
+    if args.optimizer != "adamw":
+        flags.append(f"--optimizer {args.optimizer}")
     if cluster.num_nodes > 1:
         return f"torchrun --nnodes {cluster.num_nodes} --nproc-per-node {cluster.per_node} ... -m shoal train " \
                + " ".join(flags)

@@ -258,7 +258,7 @@ def auto_plan(cfg: Any, device: str) -> tuple[Any, dict[str, Any]]:
         raise UserError(f"--micro-batch {cfg.loop.micro_batch} with --plan auto: the planner chooses the "
                         "micro-batch with the plan; valid: leave --micro-batch out, or give a --plan")
     choice = choose(cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len,
-                    world_size=world_size(cfg, device), device=device)
+                    world_size=world_size(cfg, device), device=device, optimizer=cfg.optim.optimizer)
     if os.environ.get("RANK", "0") == "0":
         print(choice.describe(), flush=True)
     e = choice.estimate
@@ -424,7 +424,7 @@ def _check_memory(cfg: Any, plan: Any, device: str) -> None:
         return
     lora = LoRAConfig.parse(cfg.lora) if cfg.lora is not None else None
     work = Workload(model=cfg.model_config, global_batch=cfg.loop.global_batch, seq_len=cfg.loop.seq_len,
-                    tf32=cfg.tf32, lora=lora)
+                    tf32=cfg.tf32, lora=lora, optimizer=cfg.optim.optimizer)
     reason = memory_refusal(plan, work, cluster, micro_batch=cfg.loop.micro_batch)
     if reason is not None:
         raise UserError(reason + " (--no-memory-check runs it anyway)")

@@ -16,10 +16,14 @@ collective per matrix) and orthogonalises all of them. It is the benchmark's pee
 
 What is local needs no collective: a plain tensor (dp, pp, cp: whole on every rank), a DTensor replicated, and a
 stacked expert weight (E, a, b) split along its experts only (ep): each expert is one matrix (`newton_schulz`
-runs per leading index). A tensor split over two mesh dims at once (fsdp over tp) is gathered whole on every
-rank of its mesh (the naive way, through DTensor) and each rank keeps its slice.
+runs per leading index). A matrix split over several mesh dims at once (fsdp over tp: W = fsdp x tp holders)
+has one owner among all of them, as one split over one dim does: the group is the ranks of those dims that
+share this rank's coordinates on the others (a process group made once), and the owner places each holder's
+slice by its flat indices in the whole matrix (`shard_indices`: DTensor's own splits, strided ones included),
+so the gathered matrix is the unsharded one, bit for bit. Any other placement (none in shoal's plans) is
+gathered whole on every rank, the naive way.
 
-Shapes: u_N is a local (sharded) update, full_N the whole matrix (or E stacked matrices) it is a slice of.
+Shapes: a local update is this rank's shard; `full` the whole matrix (or E stacked matrices) it is a slice of.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 MODES = ("owner", "naive")
@@ -45,48 +51,107 @@ def newton_schulz(full: torch.Tensor, coefficients: tuple[float, float, float], 
     return torch.stack([_zeropower_via_newtonschulz(m, coefficients, steps, eps) for m in flat]).reshape(full.shape)
 
 
-def chunk_sizes(n: int, parts: int) -> list[int]:
-    """How DTensor's Shard (torch.chunk) splits n rows over `parts` ranks: ceil(n / parts) each, the last
-    ones shorter or empty."""
-    size = -(-n // parts)
-    return [max(0, min(n, (i + 1) * size) - i * size) for i in range(parts)]
+def shard_indices(shape: Sequence[int], placements: Sequence[Placement], sizes: Sequence[int],
+                  coord: Sequence[int]) -> torch.Tensor:
+    """The flat (row-major) indices into a whole tensor of `shape` of the local shard that the rank at mesh
+    coordinate `coord` (of a mesh of `sizes`) holds under `placements`, in the local shard's own row-major
+    order: each mesh dim's Shard or _StridedShard split applied in mesh order, as distribute_tensor applies them,
+    so that uneven and strided (fsdp over tp) splits come out as DTensor's."""
+    index = torch.arange(int(torch.Size(shape).numel())).reshape(*shape)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard | _StridedShard):
+            pieces, _ = placement._split_tensor(index, sizes[mesh_dim], with_padding=False)
+            index = pieces[coord[mesh_dim]]
+    return index.reshape(-1)
+
+
+@dataclass(kw_only=True)
+class _Layout:
+    """How one whole matrix (or stack) is split over a group of W ranks, the group's members in order: the mesh
+    dims that split it (`dims`) and each member's flat indices into it (lazily: only its owner asks)."""
+
+    shape: torch.Size
+    placements: tuple[Placement, ...]
+    sizes: tuple[int, ...]  # the mesh's
+    coords: list[tuple[int, ...]]  # each member's mesh coordinate
+    group: dist.ProcessGroup
+    position: int  # this rank's among the members
+    _indices: dict[int, torch.Tensor]
+
+    @property
+    def size(self) -> int:
+        return len(self.coords)
+
+    def indices(self, member: int) -> torch.Tensor:
+        if member not in self._indices:
+            self._indices[member] = shard_indices(self.shape, self.placements, self.sizes, self.coords[member])
+        return self._indices[member]
+
+    def numel(self, member: int) -> int:
+        return int(self.indices(member).numel())
 
 
 @dataclass(kw_only=True)
 class _Split:
-    """One matrix (or stack) split along `dim` over `group` (W ranks, this rank at `coord`)."""
+    """One matrix (or stack) whose update is orthogonalised by one owner among the ranks holding its slices."""
 
     index: int  # position in the caller's list
-    local: torch.Tensor  # this rank's slice, bfloat16
-    shape: torch.Size  # the whole tensor's
-    dim: int
-    group: dist.ProcessGroup
-    size: int
-    coord: int
-
-    def slice_shape(self, coord: int) -> list[int]:
-        shape = list(self.shape)
-        shape[self.dim] = chunk_sizes(self.shape[self.dim], self.size)[coord]
-        return shape
-
-    def slice_numel(self, coord: int) -> int:
-        return int(torch.Size(self.slice_shape(coord)).numel())
+    local: torch.Tensor  # this rank's slice, bfloat16, flat
+    local_shape: torch.Size
+    layout: _Layout
 
 
-def _route(param: torch.Tensor) -> tuple[int, int] | str:
+def _route(param: torch.Tensor) -> tuple[int, ...] | str:
     """Where `param`'s update is orthogonalised: "local" (whole on this rank: a plain tensor, a replicated
-    DTensor, experts split along their stack only), (mesh dim, tensor dim) for a DTensor split over exactly one
-    mesh dim by a plain Shard (the owner design), or "everywhere" (any other split: gathered on every rank)."""
+    DTensor, experts split along their stack only), the mesh dims that split it where each does so by a Shard or
+    _StridedShard (the owner design: one owner among the ranks of those dims), or "everywhere" (any other
+    placement: gathered on every rank)."""
     if not isinstance(param, DTensor):
         return "local"
     split = [(m, p) for m, p in enumerate(param.placements) if not isinstance(p, Replicate)]
     if all(param.dim() >= 3 and getattr(p, "dim", None) == 0 for _, p in split):
         return "local"
-    if len(split) == 1 and type(split[0][1]) is Shard:
-        placement = split[0][1]
-        assert isinstance(placement, Shard)
-        return split[0][0], placement.dim
+    if all(isinstance(p, Shard | _StridedShard) for _, p in split):
+        return tuple(m for m, _ in split)
     return "everywhere"
+
+
+class _Layouts:
+    """Each split parameter's _Layout, kept: its group is the mesh's own for one split dim; for several, one process
+    group over the ranks of those dims that share this rank's coordinates on the others, made once by its members
+    alone (members in the order of their global ranks, which is their order in the group)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[object, ...], tuple[dist.ProcessGroup, list[tuple[int, ...]]]] = {}
+        self._layouts: dict[tuple[object, ...], _Layout] = {}
+
+    def __call__(self, param: DTensor, dims: tuple[int, ...]) -> _Layout:
+        mesh = param.device_mesh
+        where = (tuple(mesh.mesh.reshape(-1).tolist()), tuple(mesh.mesh.shape), dims)
+        key = (*where, tuple(param.shape), tuple(param.placements))
+        if key not in self._layouts:
+            if where not in self._groups:
+                self._groups[where] = self._group(mesh, dims)
+            group, members = self._groups[where]
+            here = mesh.get_coordinate()
+            assert here is not None
+            self._layouts[key] = _Layout(shape=param.shape, placements=tuple(param.placements),
+                                         sizes=tuple(mesh.mesh.shape), coords=members, group=group,
+                                         position=members.index(tuple(here)), _indices={})
+        return self._layouts[key]
+
+    @staticmethod
+    def _group(mesh: DeviceMesh, dims: tuple[int, ...]) -> tuple[dist.ProcessGroup, list[tuple[int, ...]]]:
+        here = mesh.get_coordinate()
+        assert here is not None
+        members = [tuple(here)]
+        for m in dims:  # every coordinate along the split dims, the others this rank's
+            members = [c[:m] + (k,) + c[m + 1:] for c in members for k in range(mesh.size(m))]
+        members.sort(key=lambda c: int(mesh.mesh[c].item()))
+        if len(dims) == 1:
+            return mesh.get_group(dims[0]), members
+        ranks = [int(mesh.mesh[c].item()) for c in members]
+        return dist.new_group(ranks, use_local_synchronization=True), members
 
 
 class Orthogonalizer:
@@ -103,6 +168,7 @@ class Orthogonalizer:
         self.ns: Callable[[torch.Tensor], torch.Tensor] = lambda m: newton_schulz(m, coefficients, steps, eps)
         self.mode = mode
         self.batch_elems = batch_elems
+        self.layouts = _Layouts()
         self.bytes_sent = self.min_bytes = self.collectives = 0
 
     def __call__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -119,12 +185,10 @@ class Orthogonalizer:
                 out[i] = self._gathered_everywhere(param, u)
                 continue
             assert isinstance(route, tuple)
-            mesh_dim, dim = route
-            mesh = param.device_mesh
-            entry = _Split(index=i, local=u.bfloat16(), shape=param.shape, dim=dim, group=mesh.get_group(mesh_dim),
-                           size=mesh.size(mesh_dim), coord=mesh.get_local_rank(mesh_dim))
-            assert list(u.shape) == entry.slice_shape(entry.coord), (tuple(u.shape), entry.slice_shape(entry.coord))
-            by_group.setdefault(id(entry.group), []).append(entry)
+            entry = _Split(index=i, local=u.bfloat16().reshape(-1), local_shape=u.shape,
+                           layout=self.layouts(param, route))
+            assert u.numel() == entry.layout.numel(entry.layout.position), (tuple(u.shape), route)
+            by_group.setdefault(id(entry.layout.group), []).append(entry)
         for entries in by_group.values():
             start = 0
             for batch in _batches(entries, self.batch_elems):
@@ -149,49 +213,44 @@ class Orthogonalizer:
     def _owner_batch(self, batch: list[_Split], start: int) -> list[torch.Tensor]:
         """One batch of matrices split over the same group, the first the group's `start`-th: slices to their
         owners (one all-to-all), the owners' Newton-Schulz, slices of the results back (one all-to-all)."""
-        first = batch[0]
-        size, coord, group = first.size, first.coord, first.group
+        layouts = [e.layout for e in batch]
+        size, me, group = layouts[0].size, layouts[0].position, layouts[0].group
         owner = [(start + j) % size for j in range(len(batch))]  # round-robin over the group's ranks
-        mine = [j for j in range(len(batch)) if owner[j] == coord]
+        mine = [j for j in range(len(batch)) if owner[j] == me]
         # slices to their owners: to rank r, this rank's slices of r's matrices, in order
-        send = [torch.cat([batch[j].local.reshape(-1) for j in range(len(batch)) if owner[j] == r] or
-                          [first.local.new_empty(0)]) for r in range(size)]
-        recv_sizes = [sum(batch[j].slice_numel(r) for j in mine) for r in range(size)]
-        received = self._all_to_all(send, recv_sizes, group, coord)
-        offsets = [0] * size
+        send = [[batch[j].local for j in range(len(batch)) if owner[j] == r] for r in range(size)]
+        received = self._all_to_all(send, [[layouts[j].numel(r) for j in mine] for r in range(size)], group, me)
         results: dict[int, torch.Tensor] = {}
-        for j in mine:
-            pieces = []
+        for k, j in enumerate(mine):
+            full = received[0][k].new_empty(layouts[j].shape.numel())
             for r in range(size):
-                n = batch[j].slice_numel(r)
-                pieces.append(received[r][offsets[r]:offsets[r] + n].reshape(batch[j].slice_shape(r)))
-                offsets[r] += n
-            results[j] = self.ns(torch.cat(pieces, dim=batch[j].dim))
-            whole = batch[j].shape.numel()
-            self.min_bytes += 2 * 2 * (whole - batch[j].slice_numel(coord))
+                full[layouts[j].indices(r)] = received[r][k]
+            results[j] = self.ns(full.reshape(layouts[j].shape)).reshape(-1)
+            self.min_bytes += 2 * 2 * (full.numel() - layouts[j].numel(me))
+        del received
         # results back: to rank r, its slices of this rank's matrices, in order
-        back = [torch.cat([results[j].split(chunk_sizes(batch[j].shape[batch[j].dim], size), dim=batch[j].dim)[r]
-                           .reshape(-1) for j in mine] or [first.local.new_empty(0)]) for r in range(size)]
-        back_sizes = [sum(batch[j].slice_numel(coord) for j in range(len(batch)) if owner[j] == r) for r in range(size)]
-        returned = self._all_to_all(back, back_sizes, group, coord)
-        offsets = [0] * size
+        back = [[results[j][layouts[j].indices(r)] for j in mine] for r in range(size)]
+        del results
+        returned = self._all_to_all(back, [[layouts[j].numel(me) for j in range(len(batch)) if owner[j] == r]
+                                           for r in range(size)], group, me)
+        taken = [0] * size
         out = []
         for j, entry in enumerate(batch):
-            n, r = entry.slice_numel(coord), owner[j]
-            out.append(returned[r][offsets[r]:offsets[r] + n].reshape(entry.slice_shape(coord)))
-            offsets[r] += n
+            out.append(returned[owner[j]][taken[owner[j]]].reshape(entry.local_shape))
+            taken[owner[j]] += 1
         return out
 
-    def _all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int], group: dist.ProcessGroup,
-                    coord: int) -> list[torch.Tensor]:
-        """One all_to_all_single of bfloat16 pieces (send[r] to rank r of `group`); the pieces received."""
-        flat = torch.cat(send)
-        out = flat.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(out, flat, output_split_sizes=recv_sizes,
-                               input_split_sizes=[s.numel() for s in send], group=group)
+    def _all_to_all(self, send: list[list[torch.Tensor]], recv: list[list[int]], group: dist.ProcessGroup,
+                    me: int) -> list[list[torch.Tensor]]:
+        """One all_to_all_single of flat bfloat16 pieces (send[r], to rank r of `group`, in one buffer); the
+        pieces received (recv[r]: their sizes, from rank r), views of one buffer."""
+        flat = torch.cat([t for pieces in send for t in pieces] or [torch.empty(0, dtype=torch.bfloat16)])
+        out = flat.new_empty(sum(map(sum, recv)))
+        dist.all_to_all_single(out, flat, output_split_sizes=[sum(n) for n in recv],
+                               input_split_sizes=[sum(t.numel() for t in pieces) for pieces in send], group=group)
         self.collectives += 1
-        self.bytes_sent += 2 * sum(s.numel() for r, s in enumerate(send) if r != coord)
-        return list(out.split(recv_sizes))
+        self.bytes_sent += 2 * sum(t.numel() for r, pieces in enumerate(send) if r != me for t in pieces)
+        return [list(chunk.split(sizes)) for chunk, sizes in zip(out.split([sum(n) for n in recv]), recv)]
 
 
 def _batches(entries: list[_Split], limit: int) -> list[list[_Split]]:
@@ -199,7 +258,7 @@ def _batches(entries: list[_Split], limit: int) -> list[list[_Split]]:
     batches: list[list[_Split]] = [[]]
     total = 0
     for entry in entries:
-        n = entry.shape.numel()
+        n = entry.layout.shape.numel()
         if batches[-1] and total + n > limit:
             batches.append([])
             total = 0

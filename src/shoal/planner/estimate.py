@@ -122,6 +122,13 @@ class Workload:
     lora: LoRAConfig | None = None
     """Low-rank adapters on a frozen base (shoal.models.lora): only the adapters have gradients and optimizer
     state; None: every parameter trains."""
+    optimizer: str = "adamw"
+    """`shoal train --optimizer`: how many fp32 moments its state holds per parameter (memory.OPTIMIZER_MOMENTS)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in memory.OPTIMIZER_MOMENTS:
+            raise ValueError(f"optimizer {self.optimizer!r} is not valid; valid: "
+                             f"{', '.join(memory.OPTIMIZER_MOMENTS)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +244,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     mem, gradient_bytes = peak.peak_terms(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts,
                                           micro, stages, unsharded_accumulation=gradients.unsharded_accumulation,
                                           fp32_gradient_buffer=gradients.fp32_buffer, trainable=trainable,
-                                          quantized=quantized)
+                                          quantized=quantized, moments=memory.OPTIMIZER_MOMENTS[work.optimizer])
     on_cpu = cluster.device_type == "cpu"
     need = sum(mem.values()) * memory.FRAGMENTATION + (peak.CPU_STEP_BYTES if on_cpu else 0.0)
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)

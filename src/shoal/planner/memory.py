@@ -109,6 +109,30 @@ def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
     return (4.0, 4.0, 8.0) if precision == "fp32" else (2.0, 2.0, 12.0)
 
 
+MOMENT_BYTES = 4.0
+"""Bytes of one fp32 moment (momentum or variance) per parameter: the optimizer states' unit beside the master
+copy."""
+
+OPTIMIZER_MOMENTS = {"adamw": (2, 2), "lamb": (2, 2), "cowclip": (2, 2), "lars": (1, 1), "muon": (1, 2)}
+"""fp32 moments each optimizer of `shoal train --optimizer` holds per parameter: (the hidden layers' matrices and
+stacked experts, the rest: embeddings, head, norms). AdamW, LAMB and CowClip (over AdamW) keep momentum and
+variance on every parameter; LARS (over momentum SGD) one momentum buffer; Muon one momentum buffer on the
+matrices it orthogonalises and AdamW's two on the rest (shoal.optim.builder.build_muon)."""
+
+
+def optimizer_bytes(adam_bytes: float, moments: int) -> float:
+    """Optimizer bytes per parameter holding `moments` fp32 moments, from Adam's (`adam_bytes`, two moments and
+    any master copy: state_bytes_per_param)."""
+    return adam_bytes - MOMENT_BYTES * (2 - moments)
+
+
+def vector_params(cfg: ModelConfig, *, blocks: int, tp: int) -> float:
+    """Parameters of the norms of `blocks` blocks on one tensor-parallel rank (two of width D each), as
+    shoal.planner.costs.Costs.params_per_rank counts them: the 1-D tensors every optimizer's split sends to its
+    element-wise rule."""
+    return blocks * 2 * cfg.dim / tp
+
+
 def activation_elements(cfg: ModelConfig, index: int, *, seq_len: int, tp: int, sp: bool, ac: str,
                         fused_attention: bool, policy: RecomputePolicy = SHOAL_SELECTIVE,
                         sp_layout: SequenceParallelLayout = DTENSOR, on_cpu: bool = False,

@@ -63,14 +63,17 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
             experts: float, micro: int, stages: list[tuple[int, int, bool]], *,
             unsharded_accumulation: bool = False, fp32_gradient_buffer: bool = False,
             trainable: float | None = None,
-            quantized: tuple[float, float] = (0.0, 0.0)) -> tuple[dict[str, float], float]:
+            quantized: tuple[float, float] = (0.0, 0.0),
+            moments: tuple[int, int] = (2, 2)) -> tuple[dict[str, float], float]:
     """The busiest device's memory terms in bytes, and all its gradients' bytes. `unsharded_accumulation` and
     `fp32_gradient_buffer`: the trainer's data engine accumulates FSDP2's gradients unsharded, and holds an fp32
     buffer of the rank's whole gradients beside them, the whole step (shoal.planner.costs.GradientReduction).
     `trainable`: the rank's trainable parameters beside `params` frozen ones (low-rank adapters on a frozen
     base, shoal.models.lora): only they have gradients, optimizer state and gradient buffers; None: every
     parameter trains. `quantized`: (weights, bytes) of the frozen ones stored low-bit and whole on the rank (a
-    QLoRA-style base, shoal.models.lora_config.quantized_base_per_rank), priced at those bytes."""
+    QLoRA-style base, shoal.models.lora_config.quantized_base_per_rank), priced at those bytes. `moments`: the
+    optimizer's fp32 moments per parameter of the hidden layers' matrices (stacked experts and adapters included)
+    and of the rest (memory.OPTIMIZER_MOMENTS)."""
     pb, gb, ob = memory.state_bytes_per_param(plan.precision or "fp32")
     pe = pb  # an expert's parameter bytes
     casts = rules.under_autocast(kind, plan.precision or "fp32")
@@ -84,12 +87,22 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     # pipeline it reduces each bucket into its shard at once, as ZeRO-2 does (shoal/parallel/zero.py).
     full_grads = kind != "zero" or zero != 1 or micro > 1 or plan.pp > 1
     stage = zero if full_grads else 2
-    dense = memory.model_state_bytes(params, shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb, optim_bytes=ob)
+    # One block's parameters: the rank's, less the vocabulary tables it holds (both without pp; under pp the
+    # busier stage holds one, the embedding or the head), which are units of their own.
+    tables = cfg.vocab_size * cfg.dim / plan.tp * ((1 if cfg.tie_embeddings else 2) if plan.pp == 1 else 1)
+    stage_blocks = max(1, cfg.num_layers // plan.pp)
+    # The optimizer's state: the hidden matrices' moments and the rest's (tables and norms) may differ (Muon, LARS).
+    oh, orest = (memory.optimizer_bytes(ob, m) for m in moments)
+    hidden = max(0.0, params - tables - memory.vector_params(cfg, blocks=stage_blocks, tp=plan.tp))
+    dense = memory.model_state_bytes(params, shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb,
+                                     optim_bytes=orest)
+    dense = (*dense[:2], dense[2] + memory.model_state_bytes(hidden, shards=shards, stage=stage, param_bytes=0.0,
+                                                             grad_bytes=0.0, optim_bytes=oh - orest)[2])
     frozen = trainable is not None
     share = 1.0 if trainable is None else trainable / params if params else 0.0  # of the parameters, trained
     if trainable is not None:  # the adapters' states, beside the frozen base's parameters
         adapters = memory.model_state_bytes(trainable, shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb,
-                                            optim_bytes=ob)
+                                            optim_bytes=oh)
         low_bit = memory.model_state_bytes(quantized[0], shards=shards, stage=stage, param_bytes=pb, grad_bytes=gb,
                                            optim_bytes=ob)[0]
         dense = (dense[0] - low_bit + quantized[1] + adapters[0], adapters[1], adapters[2])
@@ -97,7 +110,7 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
     # layer in forward (shoal/parallel/expert.py): ZeRO-3 over those replicas.
     replicas = plan.data_ranks // plan.ep if plan.fsdp > 1 else 1
     expert = memory.model_state_bytes(experts, shards=replicas, stage=3 if replicas > 1 else 0, param_bytes=pe,
-                                      grad_bytes=gb, optim_bytes=ob)
+                                      grad_bytes=gb, optim_bytes=oh)
     if frozen:
         expert = (expert[0], 0.0, 0.0)
     tokens = cost.tokens  # of one micro-batch on this rank
@@ -150,10 +163,7 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
         accumulated = max(0.0, table - logits)
         if held + logits + accumulated > sum(worst.values()):
             worst = {"activations": held, "logits": logits, "accumulation": accumulated}
-    # One block's parameters: the rank's, less the vocabulary tables it holds (both without pp; under pp the
-    # busier stage holds one, the embedding or the head), which are units of their own.
-    tables = cfg.vocab_size * cfg.dim / plan.tp * ((1 if cfg.tie_embeddings else 2) if plan.pp == 1 else 1)
-    layer = max(0.0, params - tables) / max(1, cfg.num_layers // plan.pp)
+    layer = max(0.0, params - tables) / stage_blocks
     transient = 0.0
     if kind == "fsdp2" and zero == 3:
         transient = 2 * bucket * layer * cost.bytes + bucket * layer * 4 * share  # gathered units, one unit's grads
@@ -180,7 +190,9 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
         transient = params * share * gb  # DDP's bucket copies of the gradients
     # The optimizer step holds the model states and its own temporaries, after the backward's are freed: a
     # stage holds the larger of the two (as with the accumulated table above), so only the excess is a term.
-    step = optimizer_step_bytes(cfg, tp=plan.tp, ep=plan.ep, shards=shards if zero >= 1 else 1, on_cpu=cost.on_cpu)
+    step = optimizer_step_bytes(cfg, tp=plan.tp, ep=plan.ep, shards=shards if zero >= 1 else 1, on_cpu=cost.on_cpu,
+                                orthogonalised=(hidden / (shards if stage >= 1 else 1) + experts) * share
+                                if moments[0] < moments[1] else 0.0)
     # The step's peak is the larger of its backward's (activations, logits, transients and the gradients made
     # by then) and its optimizer step's (every gradient and the step's temporaries); each term below is what
     # its phase adds, so that the terms add up to that peak. With one micro-batch and no pipeline the backward
@@ -206,9 +218,33 @@ def peak_terms(plan: Plan, cfg: ModelConfig, cost: MicroBatch, kind: str, zero: 
             "optimizer_step": max(0.0, gradients + step - max(backward, gradients))}, gradients
 
 
-def optimizer_step_bytes(cfg: ModelConfig, *, tp: int, ep: int, shards: int, on_cpu: bool) -> float:
-    """The temporaries of an AdamW step beside the model states: none. shoal takes torch's fused AdamW on GPUs and
-    CPUs alike (shoal.optim.builder.adamw_kernel), whose kernel updates each tensor in place. Measured:
-    tests/test_planner_counts.py. (The parameters stay in the signature for optimizers that would keep some.)"""
-    del cfg, tp, ep, shards, on_cpu
-    return 0.0
+MUON_STEP_BYTES = 10.0
+"""Bytes per orthogonalised parameter a Muon step holds beside the model states (shoal.optim.muon.Muon.step),
+each matrix whole on its rank: the new momentum and the Nesterov update of every matrix (fp32, 4 + 4), made
+before the first Newton-Schulz so that the owners' gathers go in one batch, and every matrix's bfloat16 result
+(2) until the weights take them."""
+
+MUON_OWNER_STEP_BYTES = 16.0
+"""The same per parameter of a local shard, the matrices split over ranks (shoal.optim.orthogonalize, the owner
+design), at the results' all-to-all, its peak: MUON_STEP_BYTES' fp32 pair (8), and in bfloat16 (2 each) the
+update's cast, the results' slices for every holder (a whole matrix for every W slices, on average one element
+per parameter) and their flat send buffer, and what comes back."""
+
+MUON_NEWTON_SCHULZ_BYTES = 8.0
+"""Bytes per element of the largest whole matrix that Newton-Schulz's temporaries hold (bfloat16 copies of the
+iterate, its Gram matrix and the products: torch.optim._muon._zeropower_via_newtonschulz)."""
+
+
+def optimizer_step_bytes(cfg: ModelConfig, *, tp: int, ep: int, shards: int, on_cpu: bool,
+                         orthogonalised: float = 0.0) -> float:
+    """The temporaries of an optimizer step beside the model states. AdamW's: none. shoal takes torch's fused
+    AdamW on GPUs and CPUs alike (shoal.optim.builder.adamw_kernel), whose kernel updates each tensor in place.
+    Muon's (`orthogonalised`: the parameters it orthogonalises on this rank, local shards): MUON_STEP_BYTES per
+    parameter (MUON_OWNER_STEP_BYTES where fsdp or tp split the matrices) and MUON_NEWTON_SCHULZ_BYTES per element
+    of the largest whole hidden matrix. Measured: tests/test_planner_counts.py, tests/test_dry_run.py."""
+    del ep, on_cpu
+    if not orthogonalised:
+        return 0.0
+    largest = cfg.dim * max(cfg.dim, cfg.ffn_dim)  # a block's projections: (D, D) attention, (D, F) feed-forward
+    per_param = MUON_OWNER_STEP_BYTES if shards > 1 or tp > 1 else MUON_STEP_BYTES
+    return per_param * orthogonalised + MUON_NEWTON_SCHULZ_BYTES * largest

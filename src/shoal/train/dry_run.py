@@ -112,7 +112,7 @@ def memory_prediction(trainer: Any, *, compiled: bool | None = None) -> dict[str
         return None
     lora = LoRAConfig.parse(trainer.cfg.lora) if trainer.cfg.lora is not None else None
     work = Workload(model=trainer.model_cfg, global_batch=trainer.loop.global_batch, seq_len=trainer.loop.seq_len,
-                    lora=lora)
+                    lora=lora, optimizer=trainer.cfg.optim.optimizer)
     plan = trainer.plan if compiled is None else dataclasses.replace(trainer.plan, compile=compiled)
     e = estimate(plan, work, cluster, micro_batch=trainer.loop.micro_batch)
     return {**{k: v / MB for k, v in e.memory.items()}, "all gradients": e.gradient_bytes / MB,
