@@ -90,6 +90,15 @@ def test_adapters_per_rank_under_ep_and_tp():
     assert adapter_elements_per_rank(MOE, LORA, tp=2, layers=2, ep=2) == 7424
 
 
+def test_adapter_flops_count_the_experts_a_token_passes():
+    """Forward FLOPs per token of MOE's adapters: 2 r (in + out) per matrix a token passes, the routed experts'
+    top-k (2 of 4) times: per block attention 8 x (128 + 96 + 96 + 128) = 3584 and 2 x 3 x 8 x 128 = 6144; two
+    blocks 19456."""
+    from shoal.planner.compute import adapter_flops
+
+    assert adapter_flops(MOE, LORA) == 19456
+
+
 def test_merged_experts_equal_the_adapted_model():
     """merged_state folds scale B_e A_e into each expert's matrix: a model without adapters loading it gives the
     adapted model's logits (float64: 1e-10)."""

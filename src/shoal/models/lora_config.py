@@ -182,6 +182,8 @@ class Adapted:
     count: int
     routed: bool = False
     """A routed expert's matrix (split over ep); else a dense projection or a shared expert's."""
+    layer: int = 0
+    """The block it is in."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -198,14 +200,14 @@ def adapted_matrices(cfg: ModelConfig, lora: LoRAConfig) -> tuple[Adapted, ...]:
     for index in range(cfg.num_layers):
         for target in block_targets(cfg, lora):
             if target in attention:
-                out.append(Adapted(target, *attention[target], 1))
+                out.append(Adapted(target, *attention[target], 1, layer=index))
             elif not cfg.is_moe_layer(index):
-                out.append(Adapted(target, *ffn(cfg.dense_width)[target], 1))
+                out.append(Adapted(target, *ffn(cfg.dense_width)[target], 1, layer=index))
             else:
-                out.append(Adapted(target, *ffn(cfg.ffn_dim)[target], cfg.num_experts, routed=True))
+                out.append(Adapted(target, *ffn(cfg.ffn_dim)[target], cfg.num_experts, routed=True, layer=index))
                 if cfg.num_shared_experts:
                     out.append(Adapted(target, *ffn(cfg.shared_ffn_dim or cfg.ffn_dim)[target],
-                                       cfg.num_shared_experts))
+                                       cfg.num_shared_experts, layer=index))
     return tuple(out)
 
 
