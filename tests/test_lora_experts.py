@@ -130,17 +130,32 @@ class ExpertCase(ParityCase):
     """A parity case whose MoE model carries adapters on attention and every expert's matrices."""
 
     lora: LoRAConfig = LORA
+    meta: bool = False
+    """Built on the meta device, as `shoal train` builds (parallelize materializes each rank's shards from the seed
+    and each parameter's name); the reference is built so too, then materialized whole in one process."""
 
     def build_model(self, dtype: torch.dtype = torch.float32) -> nn.Module:
         torch.manual_seed(self.seed)
-        return apply_lora(build_model(self.model).to(dtype), self.lora, seed=self.seed)
+        if not self.meta:
+            return apply_lora(build_model(self.model).to(dtype), self.lora, seed=self.seed)
+        import torch.distributed as dist
+
+        from shoal.apply_plan import parallelize
+
+        with torch.device("meta"):
+            model = apply_lora(build_model(self.model), self.lora, seed=self.seed)
+        if dist.is_initialized():
+            return model  # parallelize materializes it
+        parallelize(model, seed=self.seed)
+        return model.to(dtype)
 
     def optimizer(self, params: Any) -> torch.optim.Optimizer:
         return super().optimizer([p for p in params if p.requires_grad])
 
 
 TWO = [ExpertCase(plan=p, model=MOE, steps=3) for p in ("ep2", "tp2", "fsdp2", "fsdp2,ep2")] + [
-    ExpertCase(plan="tp2", model=SHARED, steps=3)]
+    ExpertCase(plan="tp2", model=SHARED, steps=3)] + [
+    ExpertCase(plan=p, model=MOE, steps=3, meta=True) for p in ("ep2", "tp2,sp=off")]
 FOUR = [ExpertCase(plan=p, model=MOE, steps=3) for p in ("fsdp4,ep2", "tp2,ep2")]
 
 
@@ -164,8 +179,9 @@ def _check(results: list[list[dict[str, Any]]], cases: list[ExpertCase]) -> None
 def test_parity_two_processes(pools):
     """ep2 (each rank its two experts' adapters), tp2 (each expert's adapters split as its matrices, the whole
     factors' gradients summed over tp), fsdp2 (the adapters sharded like any parameter), fsdp2,ep2; tp2 with a
-    gated shared expert: logits, every adapter's first-step gradient, the first step, three steps' losses and the
-    final adapters against one process (check_parity)."""
+    gated shared expert; ep2 and tp2 without sequence parallelism on a meta-built model (as shoal train builds):
+    logits, every adapter's first-step gradient, the first step, three steps' losses and the final adapters against
+    one process (check_parity)."""
     _check(pools(2).run(_run, TWO), TWO)
 
 
