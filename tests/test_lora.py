@@ -337,6 +337,10 @@ def test_dry_run_gradient_and_optimizer_memory_is_the_adapters_share(tmp_path, c
 
     printed = dict(re.findall(r"(gradients|optimizer) ([\d.]+)", text.split("planner, busiest")[1]))
     assert abs(float(printed["gradients"]) + float(printed["optimizer"]) - formula) <= 0.1 * formula
+    from shoal.planner.compute import step_weight_flops
+
+    ratio = step_weight_flops(cfg, LoRAConfig(r=16)) / step_weight_flops(cfg)
+    assert f"the step's weight products {ratio:.3f} of a full fine-tune's" in text
 
 
 # ----------------------------------------------------------------------------- checkpoints
