@@ -281,3 +281,17 @@ def test_expert_adapters_peft_cannot_name_refused_one_line(family, words):
     with pytest.raises(ValueError, match=re.escape(words)) as info:
         peft_state(adapters, cfg, LORA)
     assert "\n" not in str(info.value)
+
+
+def test_init_of_an_expert_adapter_folder_refused_one_line(tmp_path):
+    """`shoal train --init DIR` of a peft folder that adapts parameters (experts' matrices): not read back."""
+    import json
+
+    from shoal.train.peft_io import read_peft_config
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": [],
+        "target_parameters": ["mlp.experts.down_proj"], "base_model_name_or_path": str(tmp_path)}))
+    with pytest.raises(ValueError, match="target_parameters") as info:
+        read_peft_config(tmp_path)
+    assert "\n" not in str(info.value)
