@@ -337,15 +337,19 @@ class Costs:
                                                           stride=stride)}
 
     def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
-                  fwd: float, bwd: float, gradients: GradientReduction = SHOAL_GRADIENTS
-                  ) -> tuple[float, dict[str, float]]:
+                  fwd: float, bwd: float, gradients: GradientReduction = SHOAL_GRADIENTS,
+                  trainable: float | None = None) -> tuple[float, dict[str, float]]:
         """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic, given one
         micro-batch's forward and backward seconds on this rank: each collective hides only behind the
         pass it is issued in (`data_schedule`), all but its last unit's piece (`overlap_exposed`). `gradients`:
         what the trainer's engine reduces with which collective, and what it moves on the compute stream for it
-        (all of that waited for at once)."""
+        (all of that waited for at once). `trainable`: of `params` and `experts`, the parameters that have
+        gradients (low-rank adapters on a frozen base); None: all. Only their gradients are reduced and accumulated;
+        the frozen ones are gathered as any."""
         p = self.plan
-        grad = 4.0 if p.reduce == "fp32" else 2.0
+        # Gradient bytes per parameter, spread over every parameter: a frozen one has none to reduce.
+        share = 1.0 if trainable is None else min(1.0, trainable / max(params + experts, 1.0))
+        grad = (4.0 if p.reduce == "fp32" else 2.0) * share
         # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
         dp, fsdp = (p.dp or 1) * p.cp, p.fsdp
         calls = units + 1  # one collective per bucket or unit, plus the rest of the model
@@ -388,7 +392,7 @@ class Costs:
                                                         reduces=reduces) / self.mem_bw
         accumulated = micro * gradients.accumulation_bytes + gradients.reduction_copy_bytes
         if accumulated:
-            terms["fp32_accumulation"] = accumulated * (params + experts) / self.mem_bw
+            terms["fp32_accumulation"] = accumulated * (params + experts) * share / self.mem_bw
         # Under autocast each micro-batch casts every weight for its products and each gradient back,
         if rules.under_autocast(kind, p.precision or "fp32"):
             recast = 4 + 2 if p.ac != "none" else 0  # and a recomputed block its weights once more

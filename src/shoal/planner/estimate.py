@@ -208,15 +208,17 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     else:  # the busier of the first stage (its blocks and the embedding) and the last (its blocks and the head)
         params, experts = max(cost.params_per_rank(first, head=False, embedding=True),
                               cost.params_per_rank(last, head=True), key=sum)
+    trainable = None if work.lora is None else \
+        adapter_elements_per_rank(cfg, work.lora, tp=plan.tp, layers=max(first, last), ep=plan.ep)
     grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
-                                           units=_units(engine.kind, engine.units, params),
+                                           units=_units(engine.kind, engine.units,
+                                                        params if trainable is None else trainable),
                                            fwd=fwd if gradients.overlaps else 0.0,
-                                           bwd=bwd if gradients.overlaps else 0.0, gradients=gradients)
+                                           bwd=bwd if gradients.overlaps else 0.0, gradients=gradients,
+                                           trainable=trainable)
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts
-    trainable = None if work.lora is None else \
-        adapter_elements_per_rank(cfg, work.lora, tp=plan.tp, layers=max(first, last), ep=plan.ep)
     if trainable is not None:  # the optimizer steps the adapters alone
         stored = trainable / (shards if engine.zero >= 1 else 1)
     # Sharded engines and tensor parallelism hand the optimizer DTensors: each per-tensor op pays DTensor's dispatch.
@@ -310,7 +312,8 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 
 def _units(kind: str, units: int, params: float) -> int:
-    """Gather/reduce units besides the rest of the model: the engine's, or DDP's 25 MB buckets."""
+    """Gather/reduce units besides the rest of the model: the engine's, or DDP's 25 MB buckets of the `params` that
+    have gradients."""
     if kind in ("ddp", "none", "autocast"):
         return max(1, math.ceil(params * 4 / DDP_BUCKET_BYTES)) - 1
     return units
