@@ -195,6 +195,35 @@ def test_parity_under_dp_fsdp_pp(pools):
     assert not failed, "\n".join(failed)
 
 
+MOE = SMALL.replace(num_experts=4, top_k=2, ffn_dim=64)
+SPLIT = [QLoRACase(plan="cp2"), QLoRACase(plan="cp2,cp_mode=a2a", lora=INT8),
+         QLoRACase(plan="ep2", model=MOE, lora=dataclasses.replace(NF4, targets=("q", "k", "v", "o")), steps=3,
+                   meta=True)]
+COMPILED = [QLoRACase(plan="dp2,compile=on", steps=2), QLoRACase(plan="fsdp2,compile=on", steps=2, lora=INT8,
+                                                                  meta=True)]
+
+
+def _check_cases(results: list[list[dict[str, Any]]], cases: list[QLoRACase]) -> None:
+    failed: list[str] = []
+    for i, c in enumerate(cases):
+        try:
+            check_parity([r[i] for r in results], c)
+        except AssertionError as e:
+            failed.append(f"{c.plan} {c.lora.base} meta={c.meta}: {str(e)[:200]}")
+    assert not failed, "\n".join(failed)
+
+
+def test_parity_under_cp_and_ep(pools):
+    """cp2 (ring with NF4, all-to-all with int8) and ep2 (an MoE model built on the meta device, NF4 attention
+    projections beside the frozen experts): the same checks as above."""
+    _check_cases(pools(2).run(_run_cases, SPLIT), SPLIT)
+
+
+def test_parity_compiled(pools):
+    """compile=on under dp2 (NF4) and a meta-built fsdp2 (int8): the same checks as above."""
+    _check_cases(pools(2).run(_run_cases, COMPILED), COMPILED)
+
+
 def test_checkpoint_requantizes_the_base_on_resume(pools, tmp_path):
     """Steps 0-1 under fsdp2 (meta-built), 2-3 under dp2, 4 in one process, each resumed from the last one's
     checkpoint, which holds the adapters only: the base quantised again from its source gives the losses and

@@ -148,10 +148,14 @@ def _lora(text: str, model: ModelConfig) -> LoRAConfig:
 def lora_line(lora: LoRAConfig, model: ModelConfig) -> str:
     """What the adapters train: their parameters, their share r (in + out) / (in x out) of the projections they
     adapt, and of the whole model."""
+    from shoal.planner.compute import step_weight_flops
+
     adapters, adapted = adapter_params(model, lora), adapted_params(model, lora)
+    ratio = step_weight_flops(model, lora) / step_weight_flops(model)
     return (f"LoRA {lora.text()}: {parameters_text(adapters)} trainable parameters, {adapters / adapted:.2%} of the "
             f"{parameters_text(adapted)} they adapt, {adapters / model.num_params():.2%} of the model; gradients "
-            "and optimizer state priced for them alone")
+            f"and optimizer state priced for them alone; the step's weight products {ratio:.3f} of a full "
+            "fine-tune's (frozen weights: no weight gradient; the adapters' products beside)")
 
 
 def _unpriced_model(model: str, sets: list[str]) -> Any:

@@ -2,11 +2,12 @@
 
 `apply_lora(model, lora)` replaces each target projection of shoal's Transformer (an `nn.Linear` (out, in))
 by a `LoRALinear` under the same name: the same `weight` and `bias`, frozen, and two trainable parameters
-`lora_A` (r, in) and `lora_B` (out, r) beside them, in torch's (out, in) layout as peft's. Every other
-parameter is frozen. The model stays an ordinary module of ordinary parameters: every engine shards, reduces
-and checkpoints it by the parameters' `requires_grad`, and tensor parallelism splits each parameter along
-its feature dims (`LoRALinear.feature_dims`): a column-parallel layer's B on dim 0, a row-parallel layer's A
-on dim 1, so that the split layer's output equals the whole one's.
+`lora_A` (r, in) and `lora_B` (out, r) beside them, in torch's (out, in) layout as peft's; an MoE slot's experts
+by a `LoRAExperts`, the same pair per expert stacked like its weights. Every other parameter is frozen. The
+model stays an ordinary module of ordinary parameters: every engine shards, reduces and checkpoints it by the
+parameters' `requires_grad`, and tensor parallelism splits each parameter along its feature dims
+(`LoRALinear.feature_dims`; the experts' in shoal.parallel.expert): a column-parallel layer's B on dim 0, a
+row-parallel layer's A on dim 1, so that the split layer's output equals the whole one's.
 
 Plain PyTorch: no distributed imports. Settings and counts: shoal.models.lora_config.
 """
@@ -23,16 +24,18 @@ from torch import nn
 
 from shoal.models.config import ModelConfig
 from shoal.models.init import InitSpec, fill_slice_
-from shoal.models.lora_config import LoRAConfig, block_targets, check_model, check_quantizable
+from shoal.models.lora_config import LoRAConfig, block_targets, check_model, check_quantizable, expert_matrices
 from shoal.models.quantized_base import QuantizedWeight, low_bit_linear
+from shoal.moe.experts import WEIGHT_NAMES, Experts, Linear, Weights
 
 ADAPTER_PARAMS = ("lora_A", "lora_B")
 """The leaf names of an adapter's parameters."""
 
 
 def is_adapter(name: str) -> bool:
-    """Whether parameter `name` is an adapter's (what a LoRA run trains and checkpoints)."""
-    return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
+    """Whether parameter `name` is an adapter's (what a LoRA run trains and checkpoints): a linear layer's `lora_A`,
+    `lora_B`, or an experts' matrix's (`w1_lora_A`, ...)."""
+    return name.rsplit(".", 1)[-1].endswith(ADAPTER_PARAMS)
 
 
 class LoRALinear(nn.Linear):
@@ -89,14 +92,67 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, r={self.lora_A.shape[0]}, scale={self.scale:g}{base}"
 
 
+class LoRAExperts(Experts):
+    """Frozen Mixture-of-Experts experts plus a low-rank update per expert on each adapted matrix m (w1, w2, w3):
+    `{m}_lora_A` (E, r, in) and `{m}_lora_B` (E, out, r), stacked like the weights (expert e's A and B are row e),
+    so that expert parallelism splits them by expert and tensor parallelism by the matrix's features as it splits
+    the weights (shoal.parallel.expert). Expert e computes m_e x + scale B_e A_e x; peft's adapter of a 3-D
+    expert parameter (its ParamWrapper) is the same per-expert pair (shoal.train.peft_io)."""
+
+    def __init__(self, base: Experts, lora: LoRAConfig, matrices: tuple[str, ...]) -> None:
+        nn.Module.__init__(self)  # the base's weights are kept, not allocated again
+        self.num_experts, self.path = base.num_experts, base.path
+        for name in WEIGHT_NAMES:
+            self.register_parameter(name, getattr(base, name))
+        self.matrices = matrices
+        """The adapted matrices, of w1, w2, w3."""
+        E = base.num_experts
+        for m in matrices:
+            _, out_features, in_features = getattr(base, m).shape
+            kwargs: dict[str, Any] = {"device": base.w1.device, "dtype": base.w1.dtype}
+            self.register_parameter(f"{m}_lora_A", nn.Parameter(torch.empty(E, lora.r, in_features, **kwargs)))
+            self.register_parameter(f"{m}_lora_B", nn.Parameter(torch.empty(E, out_features, lora.r, **kwargs)))
+        self.scale = lora.scale
+
+    def _weights(self) -> Weights:
+        weights = super()._weights()
+        for m in self.matrices:
+            weights[f"{m}_lora_A"], weights[f"{m}_lora_B"] = getattr(self, f"{m}_lora_A"), getattr(self, f"{m}_lora_B")
+        return weights
+
+    def _project(self, linear: Linear, x: torch.Tensor, weights: Weights, matrix: str) -> torch.Tensor:
+        y = super()._project(linear, x, weights, matrix)
+        a = weights.get(f"{matrix}_lora_A")
+        if a is None:
+            return y
+        return y + linear(linear(x, a, None), weights[f"{matrix}_lora_B"], None) * self.scale
+
+    def choose_path(self, tokens_MD: torch.Tensor) -> str:
+        path = super().choose_path(tokens_MD)  # the grouped kernel also wants the rank's rows 16-byte aligned
+        rank = self.adapter_pairs()[0][1].shape[1]
+        return "padded" if path == "grouped" and rank % 8 else path
+
+    def adapter_pairs(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(matrix, A (E, r, in), B (E, out, r)) of each adapted matrix."""
+        return [(m, getattr(self, f"{m}_lora_A"), getattr(self, f"{m}_lora_B")) for m in self.matrices]
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, adapted={','.join(self.matrices)}, scale={self.scale:g}"
+
+
 def init_specs(model: nn.Module, lora: LoRAConfig) -> dict[str, InitSpec]:
     """Each adapter parameter's initial values: A as peft's kaiming-uniform's variance (normal, std
     1 / sqrt(3 in)), B zeros (the adapted model starts equal to the base) unless `init_b_std`."""
+    b = InitSpec("normal", lora.init_b_std) if lora.init_b_std else InitSpec("zeros")
     specs = {}
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
             specs[f"{name}.lora_A"] = InitSpec("normal", 1.0 / math.sqrt(3 * module.in_features))
-            specs[f"{name}.lora_B"] = InitSpec("normal", lora.init_b_std) if lora.init_b_std else InitSpec("zeros")
+            specs[f"{name}.lora_B"] = b
+        elif isinstance(module, LoRAExperts):
+            for m, a, _ in module.adapter_pairs():
+                specs[f"{name}.{m}_lora_A"] = InitSpec("normal", 1.0 / math.sqrt(3 * a.shape[-1]))
+                specs[f"{name}.{m}_lora_B"] = b
     return specs
 
 
@@ -124,14 +180,20 @@ def apply_lora(model: nn.Module, lora: LoRAConfig, *, seed: int = 0) -> nn.Modul
     for p in model.parameters():
         p.requires_grad_(False)
     paths = block_targets(cfg, lora)
+    matrices = tuple(sorted(set(expert_matrices(cfg, lora).values())))
     for block in model.layers.values():  # type: ignore[operator]  # a ModuleDict
         for path in paths.values():
             owner_path, _, leaf = path.rpartition(".")
             owner = block.get_submodule(owner_path)
             base = getattr(owner, leaf, None)
-            if isinstance(base, nn.Linear):  # an MoE slot holds no dense projections: check_model refused those
+            if isinstance(base, nn.Linear):  # an MoE slot holds no dense projections: its experts are below
                 check_quantizable(path, tuple(base.weight.shape), lora.base)
                 setattr(owner, leaf, LoRALinear(base, lora))
+        ffn = block.get_submodule("feed_forward")
+        for slot in ("experts", "shared"):  # an MoE slot's routed and shared experts
+            experts = getattr(ffn, slot, None)
+            if matrices and isinstance(experts, Experts):
+                setattr(ffn, slot, LoRAExperts(experts, lora, matrices))
     specs = init_specs(model, lora)
     setattr(model, "init_spec", _WithAdapters(getattr(model, "init_spec"), specs))  # noqa: B009,B010 (the model's own method, extended)
     for name, param in model.named_parameters():
@@ -189,4 +251,9 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
             delta = (module.lora_B.double() @ module.lora_A.double()) * module.scale
             weight = module.base_weight()
             state[f"{name}.weight"] = (weight.double() + delta).to(weight.dtype)
+        elif isinstance(module, LoRAExperts):
+            for m, a, b in module.adapter_pairs():
+                weight = getattr(module, m)
+                delta = torch.bmm(b.double(), a.double()) * module.scale  # (E, out, in)
+                state[f"{name}.{m}"] = (weight.double() + delta).to(weight.dtype)
     return state

@@ -8,6 +8,7 @@ with W frozen. Its trainable share is r (in + out) / (in x out).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from shoal.models.config import ModelConfig
@@ -148,43 +149,93 @@ def block_targets(cfg: ModelConfig, lora: LoRAConfig) -> dict[str, str]:
     return {t: paths[t] for t in lora.targets if t in paths}
 
 
+def expert_matrices(cfg: ModelConfig, lora: LoRAConfig) -> dict[str, str]:
+    """FFN target -> the experts' stacked matrix it names (shoal.moe.experts.Experts: w1, w3 (E, F, D) and w2
+    (E, D, F)), for the FFN targets `cfg` has."""
+    return {t: path.rsplit(".", 1)[-1] for t, path in block_targets(cfg, lora).items() if t in FFN_TARGETS}
+
+
 def check_model(lora: LoRAConfig, cfg: ModelConfig) -> None:
-    """A one-line ValueError where `cfg` has none of the targets' projections, or the targets name
-    Mixture-of-Experts experts' matrices (not available: adapters go on dense projections only)."""
-    if cfg.num_experts and any(t in FFN_TARGETS for t in lora.targets):
-        raise ValueError(f"--lora targets={','.join(lora.targets)}: adapters on Mixture-of-Experts experts' "
-                         "matrices are not available; valid: targets among q,k,v,o for an MoE model")
+    """A one-line ValueError where `cfg` has none of the targets' projections, or the targets name Mixture-of-Experts
+    experts' matrices with settings they do not take: dropout (peft's adapters of 3-D expert weights have none), a
+    low-bit base, or experts shared across blocks (share_moe)."""
     if not block_targets(cfg, lora):
         raise ValueError(f"--lora targets={','.join(lora.targets)}: the model has none of these projections; "
                          "valid: q,k,v,o,up,down (and gate with a SwiGLU MLP)")
+    if not (cfg.num_experts and expert_matrices(cfg, lora)):
+        return
+    bad = ("share_moe" if cfg.share_moe else f"dropout={lora.dropout:g}" if lora.dropout
+           else f"base={lora.base}" if lora.base != "none" else None)
+    if bad is not None:
+        raise ValueError(f"--lora targets={','.join(lora.targets)} with {bad}: adapters on Mixture-of-Experts experts' "
+                         "matrices take no dropout, a base of their own dtype and experts of their own in each block; "
+                         "valid: dropout=0,base=none, or targets among q,k,v,o")
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """One kind of adapted matrix of a model: `count` copies (blocks, times experts) of an (out, in) weight."""
+
+    target: str
+    in_features: int
+    out_features: int
+    count: int
+    routed: bool = False
+    """A routed expert's matrix (split over ep); else a dense projection or a shared expert's."""
+    layer: int = 0
+    """The block it is in."""
+
+
+@functools.lru_cache(maxsize=256)
+def adapted_matrices(cfg: ModelConfig, lora: LoRAConfig) -> tuple[Adapted, ...]:
+    """Every matrix of the model that gets an adapter: attention projections and dense FFNs per block, and in an MoE
+    block each routed and shared expert's matrices."""
+    D, Q, KV = cfg.dim, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+
+    def ffn(F: int) -> dict[str, tuple[int, int]]:
+        return {"gate": (D, F), "up": (D, F), "down": (F, D)}
+
+    attention = {"q": (D, Q), "k": (D, KV), "v": (D, KV), "o": (Q, D)}
+    out: list[Adapted] = []
+    for index in range(cfg.num_layers):
+        for target in block_targets(cfg, lora):
+            if target in attention:
+                out.append(Adapted(target, *attention[target], 1, layer=index))
+            elif not cfg.is_moe_layer(index):
+                out.append(Adapted(target, *ffn(cfg.dense_width)[target], 1, layer=index))
+            else:
+                out.append(Adapted(target, *ffn(cfg.ffn_dim)[target], cfg.num_experts, routed=True, layer=index))
+                if cfg.num_shared_experts:
+                    out.append(Adapted(target, *ffn(cfg.shared_ffn_dim or cfg.ffn_dim)[target],
+                                       cfg.num_shared_experts, layer=index))
+    return tuple(out)
 
 
 def projections(cfg: ModelConfig, lora: LoRAConfig) -> list[tuple[int, int]]:
-    """(in, out) of every projection of the model that gets an adapter (one block's each, times the blocks)."""
-    D, Q, KV, F = cfg.dim, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
-    shapes = {"q": (D, Q), "k": (D, KV), "v": (D, KV), "o": (Q, D), "gate": (D, F), "up": (D, F), "down": (F, D)}
-    return [shapes[t] for t in block_targets(cfg, lora)] * cfg.num_layers
+    """(in, out) of every projection of the model that gets an adapter (an expert's matrices once per expert)."""
+    return [(a.in_features, a.out_features) for a in adapted_matrices(cfg, lora) for _ in range(a.count)]
 
 
 def adapter_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
     """Parameters the adapters add: r (in + out) per adapted projection."""
-    return sum(lora.r * (i + o) for i, o in projections(cfg, lora))
+    return sum(a.count * lora.r * (a.in_features + a.out_features) for a in adapted_matrices(cfg, lora))
 
 
 def quantized_base_per_rank(cfg: ModelConfig, lora: LoRAConfig, *, layers: int) -> tuple[float, float]:
     """(weights, bytes) of the adapted projections' frozen weights one rank holds for `layers` blocks when the base
     is low-bit (base_bytes each): whole on every rank, as no engine shards them (tp is refused; FSDP leaves them
-    whole); (0, 0) for base none."""
+    whole); (0, 0) for base none. Experts' matrices are never low-bit (check_model)."""
     if lora.base == "none":
         return 0.0, 0.0
-    shapes = projections(cfg.replace(num_layers=1), lora)
-    return (float(sum(i * o for i, o in shapes) * layers),
-            sum(base_bytes(i, o, lora.base) for i, o in shapes) * layers)
+    shapes = projections(cfg, lora)
+    per_block = layers / cfg.num_layers
+    return (float(sum(i * o for i, o in shapes) * per_block),
+            sum(base_bytes(i, o, lora.base) for i, o in shapes) * per_block)
 
 
 def adapted_params(cfg: ModelConfig, lora: LoRAConfig) -> int:
     """Parameters of the projections that get an adapter (in x out each), whose share the adapters are."""
-    return sum(i * o for i, o in projections(cfg, lora))
+    return sum(a.count * a.in_features * a.out_features for a in adapted_matrices(cfg, lora))
 
 
 def check_plan(lora: LoRAConfig, *, tp: int, cp: int) -> None:
@@ -205,12 +256,13 @@ ROW_PARALLEL = ("o", "down")
 """Targets whose layer tensor parallelism splits by input features (the rest by output features)."""
 
 
-def adapter_elements_per_rank(cfg: ModelConfig, lora: LoRAConfig, *, tp: int, layers: int) -> float:
-    """Adapter parameters one tensor-parallel rank holds for `layers` blocks (shoal.parallel.tensor): a
-    column-parallel layer's B (out/tp, r) beside its whole A (r, in), a row-parallel layer's A (r, in/tp) beside
-    its whole B (out, r)."""
-    per_block = 0.0
-    shapes = projections(cfg.replace(num_layers=1), lora)
-    for target, (i, o) in zip(block_targets(cfg, lora), shapes, strict=True):
-        per_block += lora.r * (i / tp + o if target in ROW_PARALLEL else i + o / tp)
-    return per_block * layers
+def adapter_elements_per_rank(cfg: ModelConfig, lora: LoRAConfig, *, tp: int, layers: int, ep: int = 1) -> float:
+    """Adapter parameters one rank holds for `layers` blocks (a model's mean block; shoal.parallel.tensor,
+    shoal.parallel.expert): a column-parallel layer's B (out/tp, r) beside its whole A (r, in), a row-parallel
+    layer's A (r, in/tp) beside its whole B (out, r); a routed expert's on one ep rank in E/ep."""
+    total = 0.0
+    for a in adapted_matrices(cfg, lora):
+        i, o = a.in_features, a.out_features
+        each = lora.r * (i / tp + o if a.target in ROW_PARALLEL else i + o / tp)
+        total += each * a.count / (ep if a.routed else 1)
+    return total * layers / cfg.num_layers

@@ -31,9 +31,10 @@ aligned rows."""
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-Weights = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None",
-                "torch.Tensor | None"]
-"""(w1, w2, w3, b1, b2, b3): the stacked weights (the padded and grouped paths) or one expert's."""
+Weights = dict[str, torch.Tensor]
+"""Name -> the stacked tensor (the padded and grouped paths) or one expert's slice of it (the loop): w1 and w2
+always, w3 and the biases b1, b2, b3 where the experts have them (and what a subclass adds, shoal.models.lora)."""
+WEIGHT_NAMES = ("w1", "w2", "w3", "b1", "b2", "b3")
 
 
 class Experts(nn.Module):
@@ -106,25 +107,30 @@ class Experts(nn.Module):
         raise ValueError(f"Experts.path={self.path!r}; valid: {', '.join(PATHS)}")
 
     def _weights(self) -> Weights:
-        return self.w1, self.w2, self.w3, self.b1, self.b2, self.b3
+        """The tensors the experts compute with, by name (a local view where expert parallelism set one)."""
+        return {name: w for name in WEIGHT_NAMES if (w := getattr(self, name)) is not None}
 
-    @staticmethod
-    def _mlp(linear: Linear, x: torch.Tensor, weights: Weights) -> torch.Tensor:
-        w1, w2, w3, b1, b2, b3 = weights
-        h = linear(x, w1, b1)
-        h = F.gelu(h, approximate="tanh") if w3 is None else F.silu(h) * linear(x, w3, b3)
-        return linear(h, w2, b2)
+    def _mlp(self, linear: Linear, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        h = self._project(linear, x, weights, "w1")
+        if "w3" in weights:
+            h = F.silu(h) * self._project(linear, x, weights, "w3")
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self._project(linear, h, weights, "w2")
+
+    def _project(self, linear: Linear, x: torch.Tensor, weights: Weights, matrix: str) -> torch.Tensor:
+        """x through matrix `matrix` (w1, w2 or w3) and its bias."""
+        return linear(x, weights[matrix], weights.get("b" + matrix[1:]))
 
     def _loop(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         counts = counts_E.tolist()  # host sync on CUDA: the split sizes
         # Each stacked weight split into its experts once (unbind): indexing w[e] per expert would
         # write, in backward, every expert's gradient into zeros the size of the whole stack and add
         # those E tensors up (E times the stack's memory traffic, per matrix and layer).
-        split = [None if w is None else w.to(x_MD.dtype).unbind(0) for w in self._weights()]
+        split = {name: w.to(x_MD.dtype).unbind(0) for name, w in self._weights().items()}
         outputs = []
         for e, x_e in enumerate(x_MD[:sum(counts)].split(counts)):
-            mine = tuple(None if w is None else w[e] for w in split)
-            outputs.append(self._mlp(F.linear, x_e, mine))  # type: ignore[arg-type]  # w1, w2: never None
+            outputs.append(self._mlp(F.linear, x_e, {name: w[e] for name, w in split.items()}))
         # The tail in the products' dtype (autocast may have changed it), so cat keeps that dtype.
         outputs.append(outputs[-1].new_zeros(x_MD.shape[0] - sum(counts), x_MD.shape[1]))
         return torch.cat(outputs)

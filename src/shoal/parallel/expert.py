@@ -68,9 +68,15 @@ from shoal.moe.dispatch import Dispatcher, DispatchPlan
 from shoal.moe.experts import Experts
 from shoal.moe.layer import MoELayer
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3", "b1", "b2", "b3")
-_TP_DIM = {"w1": 1, "w3": 1, "b1": 1, "b3": 1, "w2": 2}
-"""The dim tp splits (F: w1/w3 (E, F, D) column-parallel, w2 (E, D, F) row-parallel); b2 (E, D) is whole."""
+EXPERT_WEIGHTS = ("w1", "w2", "w3", "b1", "b2", "b3", *(f"{m}_lora_{x}" for m in ("w1", "w2", "w3") for x in "AB"))
+"""The experts' parameters: weights, biases, and low-rank adapters' factors where they have them
+(shoal.models.lora.LoRAExperts: A (E, r, in) and B (E, out, r) per matrix)."""
+_TP_DIM = {"w1": 1, "w3": 1, "b1": 1, "b3": 1, "w2": 2, "w1_lora_B": 1, "w3_lora_B": 1, "w2_lora_A": 2}
+"""The dim tp splits (F: w1/w3 (E, F, D) column-parallel, w2 (E, D, F) row-parallel); b2 (E, D) is whole. An
+adapter splits as its matrix: a column-parallel matrix's B by its rows F, a row-parallel one's A by its columns F."""
+_TP_PARTIAL = ("w1_lora_A", "w3_lora_A", "w2_lora_B")
+"""The adapters' factors that tp leaves whole but whose gradient each tp rank computes for its own features only
+(A of w1 and w3 from its F rows of B; B of w2 from its F columns of A): summed over tp in backward."""
 _REPLICA_DIM = {"w1": 2, "w3": 2, "w2": 1}
 """The dim the replicas shard under sharded data parallelism (D); biases stay whole (they are small)."""
 
@@ -123,7 +129,7 @@ def _register_views(experts: Experts, tp_group: dist.ProcessGroup | None) -> Non
     its input's gradient and its output summed over tp (Megatron's f and g)."""
 
     def before(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        _local_views(module)
+        _local_views(module, tp_group)
         return (_CopyToTP.apply(args[0], tp_group), *args[1:]) if tp_group is not None else args
 
     def after(module: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
@@ -134,10 +140,11 @@ def _register_views(experts: Experts, tp_group: dist.ProcessGroup | None) -> Non
     experts.register_forward_hook(after)
 
 
-def _local_views(module: nn.Module) -> None:
+def _local_views(module: nn.Module, tp_group: dist.ProcessGroup | None = None) -> None:
     """An instance attribute shadows each DTensor parameter for the length of the forward: its
     local rows, all-gathered over the replicas where they shard it (to_local and the gather are
-    differentiable; the gather's backward reduce-scatters the gradient)."""
+    differentiable; the gather's backward reduce-scatters the gradient); with `tp_group`, an
+    adapter's factor of _TP_PARTIAL through _CopyToTP (its gradient summed over tp)."""
     for name, param in module._parameters.items():
         if not isinstance(param, DTensor):
             continue
@@ -148,6 +155,8 @@ def _local_views(module: nn.Module) -> None:
                 group = param.device_mesh.get_group(dim_name)
                 moved = local.movedim(placement.dim, 0).contiguous()  # funcol gathers along dim 0
                 local = _all_gather(moved, 0, group).movedim(0, placement.dim)
+        if tp_group is not None and name in _TP_PARTIAL:
+            local = _CopyToTP.apply(local, tp_group)
         module.__dict__[name] = local
 
 

@@ -9,6 +9,10 @@ D_attn FLOPs per token over the whole context; a causal kernel that skips masked
 block under full recompute (Korthikanti et al. 2022, "Reducing Activation Recomputation", section 5);
 under selective recompute what shoal's policy does not keep (`recomputed`).
 
+Low-rank adapters (LoRA, Hu et al. 2021) freeze the weights: a frozen weight's backward computes the input's
+gradient alone, one product per forward product, not two; the adapters' own products run all three
+(`step_weight_flops`).
+
 Elementwise work (norms, residual adds, RoPE, the gated activation, softmax when it is not
 fused) is memory-bound: its cost is the bytes it reads and writes over the memory bandwidth
 (the roofline, Williams et al. 2009). Counts below are per token and per element read or written.
@@ -19,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.models.config import ModelConfig
+from shoal.models.lora_config import ROW_PARALLEL, LoRAConfig, adapted_matrices
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,6 +310,39 @@ def train_multiplier(ac: str, *, part: str) -> float:
     recompute: full repeats every forward part, selective only the attention core."""
     recompute = ac == "full" or (ac == "selective" and part == "attention")
     return 3.0 + (1.0 if recompute else 0.0)
+
+
+def adapter_flops(cfg: ModelConfig, lora: LoRAConfig, index: int | None = None, *, tp: int = 1) -> float:
+    """Forward FLOPs per token of the low-rank adapters (shoal.models.lora) of block `index` (None: every block) on
+    one tensor-parallel rank: x A^T, then B times that, 2 r (in + out) per adapted matrix a token passes through (a
+    routed expert's top-k times, or once per prototype group; a shared expert's once each). Under tp the factor on
+    the matrix's split features is split, the other whole on every rank (lora_config.ROW_PARALLEL)."""
+    routed = cfg.num_prototypes if cfg.num_prototypes else cfg.top_k
+    total = 0.0
+    for a in adapted_matrices(cfg, lora):
+        if index is not None and a.layer != index:
+            continue
+        i, o = a.in_features, a.out_features
+        each = 2.0 * lora.r * (i / tp + o if a.target in ROW_PARALLEL else i + o / tp)
+        total += each * (routed if a.routed else a.count)
+    return total
+
+
+def weight_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of the model's weight products: every block's (block_work's matmul) and the head's."""
+    blocks = sum(block_work(cfg, i, seq_len=1, causal_skip=True, fused_attention=True).matmul
+                 for i in range(cfg.num_layers))
+    return blocks + head_flops(cfg)
+
+
+def step_weight_flops(cfg: ModelConfig, lora: LoRAConfig | None = None) -> float:
+    """FLOPs per token of a training step's weight products: 3 x their forward (the forward, the input's gradient
+    and the weight's gradient, as much work each); with low-rank adapters on a frozen base, 2 x (a frozen weight
+    has no weight gradient, and every weight is frozen: a weight the adapters leave alone too, the head included)
+    plus 3 x the adapters' (adapter_flops). The embedding's lookup is no product and has no gradient either way."""
+    if lora is None:
+        return 3.0 * weight_flops(cfg)
+    return 2.0 * weight_flops(cfg) + 3.0 * adapter_flops(cfg, lora)
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

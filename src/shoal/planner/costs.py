@@ -16,6 +16,7 @@ from typing import Any
 
 from shoal import rules
 from shoal.models.config import ModelConfig
+from shoal.models.lora_config import ROW_PARALLEL, LoRAConfig, adapted_matrices
 from shoal.plan import Plan
 from shoal.planner import compute, memory
 from shoal.planner.comm import Network
@@ -112,8 +113,11 @@ class Costs:
     def __init__(self, plan: Plan, cfg: ModelConfig, cluster: Cluster, net: Network, *, tokens: float,
                  seq_len: int, fused: bool, recompute: memory.RecomputePolicy = memory.SHOAL_SELECTIVE,
                  sp_layout: memory.SequenceParallelLayout = memory.DTENSOR, tf32: bool = False,
-                 fused_qkv: bool = False, pipe_scatter: bool = False) -> None:
+                 fused_qkv: bool = False, pipe_scatter: bool = False, lora: LoRAConfig | None = None) -> None:
         self.fused, self.recompute, self.sp_layout, self.pipe_scatter = fused, recompute, sp_layout, pipe_scatter
+        self.lora = lora
+        """Low-rank adapters on a frozen base: the weights' backward is their input's gradient alone, and the
+        adapters' products are priced apart (compute.step_weight_flops)."""
         self.plan, self.cfg, self.net, self.tokens, self.seq_len = plan, cfg, net, tokens, seq_len
         self.rate = cluster.device.flops(matmul_dtype(plan, cluster, tf32=tf32))
         # fp8: the dense blocks' linear layers at the float8 rate; the head, attention's products, MoE blocks: bf16.
@@ -151,6 +155,10 @@ class Costs:
                                              causal_skip=fused, fused_attention=fused, compiled=bool(plan.compile),
                                              element_bytes=self.bytes)
                      for moe in (False, True)}
+        # Seconds per token of one block's adapters (forward; a tp rank's), each product held to its memory floor:
+        # rank-r products are skinny (_training_gemm_time).
+        self.adapter_time = {moe: _adapter_time(cluster.device, cfg, lora, tokens, plan.tp, moe=moe, ridge=ridge)
+                             / self.rate if lora is not None else 0.0 for moe in (False, True)}
         # The share of a block's weight-product work selective recompute reruns (none under shoal's policy).
         self.selective_share = {moe: (recompute.rerun_matmul(cfg, moe=moe) / self.work[moe].matmul
                                       if plan.ac == "selective" else 0.0)
@@ -219,11 +227,16 @@ class Costs:
                                          stride=self.stride["pp"])
                            + (self.net.time("all_gather", tp, act, stride=1) if scattered else 0.0))
         attention_bwd = self.attention_bwd * self.attention_bwd_time * attn
-        terms = {"compute_matmul": 3 * mm, "compute_attention": attn + attention_bwd,
+        adapters = (self.adapter_time[True] * moe + self.adapter_time[False] * (hi - lo - moe)) * T
+        if p.ac == "full":
+            recompute += adapters
+        weight_passes = 3 if self.lora is None else 2  # a frozen weight: no weight gradient
+        terms = {"compute_matmul": weight_passes * mm, **({"compute_adapters": 3 * adapters} if self.lora else {}),
+                 "compute_attention": attn + attention_bwd,
                  "compute_elementwise": elem + elem_bwd,
                  "recompute": recompute, "tp_comm": tp_comm, "cp_comm_exposed": cp_comm, "ep_comm": ep_comm,
                  "pp_p2p": 2 * p2p, "host_overhead": host}
-        fwd = mm + attn + elem + n * tp_fwd + cp_comm / 3 + ep_comm / 2 + p2p + host / 3
+        fwd = mm + adapters + attn + elem + n * tp_fwd + cp_comm / 3 + ep_comm / 2 + p2p + host / 3
         return fwd, sum(terms.values()) - fwd, terms
 
     def stage_host(self, lo: int, hi: int, *, head: bool) -> float:
@@ -324,15 +337,19 @@ class Costs:
                                                           stride=stride)}
 
     def data_sync(self, kind: str, zero: int, params: float, experts: float, *, micro: int, units: int,
-                  fwd: float, bwd: float, gradients: GradientReduction = SHOAL_GRADIENTS
-                  ) -> tuple[float, dict[str, float]]:
+                  fwd: float, bwd: float, gradients: GradientReduction = SHOAL_GRADIENTS,
+                  trainable: float | None = None) -> tuple[float, dict[str, float]]:
         """(exposed seconds, {term: seconds}) of the data axes' gradient and parameter traffic, given one
         micro-batch's forward and backward seconds on this rank: each collective hides only behind the
         pass it is issued in (`data_schedule`), all but its last unit's piece (`overlap_exposed`). `gradients`:
         what the trainer's engine reduces with which collective, and what it moves on the compute stream for it
-        (all of that waited for at once)."""
+        (all of that waited for at once). `trainable`: of `params` and `experts`, the parameters that have
+        gradients (low-rank adapters on a frozen base); None: all. Only their gradients are reduced and accumulated;
+        the frozen ones are gathered as any."""
         p = self.plan
-        grad = 4.0 if p.reduce == "fp32" else 2.0
+        # Gradient bytes per parameter, spread over every parameter: a frozen one has none to reduce.
+        share = 1.0 if trainable is None else min(1.0, trainable / max(params + experts, 1.0))
+        grad = (4.0 if p.reduce == "fp32" else 2.0) * share
         # Context-parallel ranks see other tokens with the same weights: they join the gradient reduction.
         dp, fsdp = (p.dp or 1) * p.cp, p.fsdp
         calls = units + 1  # one collective per bucket or unit, plus the rest of the model
@@ -375,7 +392,7 @@ class Costs:
                                                         reduces=reduces) / self.mem_bw
         accumulated = micro * gradients.accumulation_bytes + gradients.reduction_copy_bytes
         if accumulated:
-            terms["fp32_accumulation"] = accumulated * (params + experts) / self.mem_bw
+            terms["fp32_accumulation"] = accumulated * (params + experts) * share / self.mem_bw
         # Under autocast each micro-batch casts every weight for its products and each gradient back,
         if rules.under_autocast(kind, p.precision or "fp32"):
             recast = 4 + 2 if p.ac != "none" else 0  # and a recomputed block its weights once more
@@ -469,6 +486,25 @@ def _product_time(device: Any, m: float, n: float, k: float, *, ridge: float) ->
     an H100's ridge of ~535 (its large bf16 GEMM rate over its memory bandwidth, 2 bytes an element)."""
     shaped = 1 / device.gemm_factor(m, n, k)
     return max(shaped, ridge * (m * k + k * n + m * n) / (2 * m * n * k))
+
+
+def _adapter_time(device: Any, cfg: ModelConfig, lora: LoRAConfig, tokens: float, tp: int, *, moe: bool,
+                  ridge: float) -> float:
+    """FLOPs per token of one block's adapters on a tp rank (compute.adapter_flops), each product weighted by its
+    time over time-at-the-large-GEMM-rate (_training_gemm_time): A (r, in) and B (out, r) of each adapted matrix, a
+    routed expert's over its share of the tokens."""
+    index = compute.block_index(cfg, moe=moe)
+    routed = cfg.num_prototypes if cfg.num_prototypes else cfg.top_k
+    total = 0.0
+    for a in adapted_matrices(cfg, lora):
+        if a.layer != index:
+            continue
+        row = a.target in ROW_PARALLEL
+        i, o = (a.in_features / tp, a.out_features) if row else (a.in_features, a.out_features / tp)
+        copies, m = (routed, tokens * routed / a.count) if a.routed else (a.count, tokens)
+        for n, k in ((lora.r, i), (o, lora.r)):
+            total += copies * 2.0 * n * k * _training_gemm_time(device, m, n, k, ridge=ridge)
+    return total
 
 
 def _gemm_scale(device: Any, cfg: ModelConfig, tokens: float, tp: int, *, moe: bool, fused_qkv: bool = False,

@@ -198,7 +198,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     engine = gradients.engine(plan, choose_engine(plan, num_layers=cfg.num_layers))
     cost = Costs(plan, cfg, cluster, net, tokens=b * S / plan.cp, seq_len=S, fused=frame.fused_attention,
                  recompute=frame.recompute, sp_layout=frame.sequence_parallel, tf32=work.tf32,
-                 fused_qkv=frame.fused_qkv, pipe_scatter=frame.pipe_scatter)
+                 fused_qkv=frame.fused_qkv, pipe_scatter=frame.pipe_scatter, lora=work.lora)
     first, last = _stage_layers(cfg.num_layers, plan.pp, head_blocks=cost.head_in_blocks())
     stages = [(0, first, plan.pp == 1), (cfg.num_layers - last, cfg.num_layers, True)]
     tensors = 9 * cfg.num_layers / plan.pp + 3  # parameter tensors on a rank: 9 per block, embeddings, norm, head
@@ -215,13 +215,19 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     else:  # the busier of the first stage (its blocks and the embedding) and the last (its blocks and the head)
         params, experts = max(cost.params_per_rank(first, head=False, embedding=True),
                               cost.params_per_rank(last, head=True), key=sum)
+    trainable = None if work.lora is None else \
+        adapter_elements_per_rank(cfg, work.lora, tp=plan.tp, layers=max(first, last), ep=plan.ep)
     grads_exposed, sync = cost.data_sync(engine.kind, engine.zero, params, experts, micro=micro,
-                                           units=_units(engine.kind, engine.units, params),
+                                           units=_units(engine.kind, engine.units,
+                                                        params if trainable is None else trainable),
                                            fwd=fwd if gradients.overlaps else 0.0,
-                                           bwd=bwd if gradients.overlaps else 0.0, gradients=gradients)
+                                           bwd=bwd if gradients.overlaps else 0.0, gradients=gradients,
+                                           trainable=trainable)
     time["dp_sync_exposed"] = grads_exposed
     shards = plan.fsdp if engine.kind in ("zero", "fsdp2") else 1
     stored = params / (shards if engine.zero >= 1 else 1) + experts
+    if trainable is not None:  # the optimizer steps the adapters alone
+        stored = trainable / (shards if engine.zero >= 1 else 1)
     # Sharded engines and tensor parallelism hand the optimizer DTensors: each per-tensor op pays DTensor's dispatch.
     dtensors = engine.kind in ("zero", "fsdp2") or plan.tp > 1
     per_op = cost.dtensor_overhead if dtensors else cost.op_overhead
@@ -238,8 +244,6 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     time["step_sync"] = cost.step_sync(engine.kind)
     step = (steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
             + optimizer_wait)
-    trainable = None if work.lora is None else \
-        adapter_elements_per_rank(cfg, work.lora, tp=plan.tp, layers=max(first, last))
     quantized = (0.0, 0.0) if work.lora is None else quantized_base_per_rank(cfg, work.lora, layers=max(first, last))
     mem, gradient_bytes = peak.peak_terms(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts,
                                           micro, stages, unsharded_accumulation=gradients.unsharded_accumulation,
@@ -249,7 +253,7 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
     need = sum(mem.values()) * memory.FRAGMENTATION + (peak.CPU_STEP_BYTES if on_cpu else 0.0)
     usable = cluster.device.memory_bytes - (CPU_PROCESS_BYTES if on_cpu else RESERVED_BYTES)
     tokens = work.global_batch * S
-    flops = _model_flops(cfg, S) * tokens / step / plan.world_size
+    flops = _model_flops(cfg, S, work.lora) * tokens / step / plan.world_size
     peak_rate = cluster.device.peak_flops[matmul_dtype(plan, cluster, tf32=work.tf32)]
     return Estimate(plan=plan, device_type=cluster.device_type, micro_batch=b, engine=engine.kind, step_time_s=step,
                     tokens_per_s=tokens / step, tflops_per_device=flops / 1e12, mfu=flops / peak_rate,
@@ -274,8 +278,13 @@ def host_phases(fwd: float, bwd: float, terms: dict[str, float], host: float, *,
 
 
 @functools.lru_cache(maxsize=256)
-def _model_flops(cfg: ModelConfig, seq_len: int) -> float:
-    return compute.model_flops_per_token(cfg, seq_len)
+def _model_flops(cfg: ModelConfig, seq_len: int, lora: LoRAConfig | None = None) -> float:
+    """The FLOPs per token a step is credited with (compute.model_flops_per_token); a LoRA step's weight products
+    as compute.step_weight_flops counts them in place of a full fine-tune's."""
+    flops = compute.model_flops_per_token(cfg, seq_len)
+    if lora is not None:
+        flops += compute.step_weight_flops(cfg, lora) - compute.step_weight_flops(cfg)
+    return flops
 
 
 @functools.lru_cache(maxsize=4096)
@@ -310,7 +319,8 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 
 def _units(kind: str, units: int, params: float) -> int:
-    """Gather/reduce units besides the rest of the model: the engine's, or DDP's 25 MB buckets."""
+    """Gather/reduce units besides the rest of the model: the engine's, or DDP's 25 MB buckets of the `params` that
+    have gradients."""
     if kind in ("ddp", "none", "autocast"):
         return max(1, math.ceil(params * 4 / DDP_BUCKET_BYTES)) - 1
     return units

@@ -119,6 +119,18 @@ def memory_prediction(trainer: Any, *, compiled: bool | None = None) -> dict[str
             "total": e.mem_per_device_bytes / MB}
 
 
+def _lora_line(trainer: Any) -> str:
+    """What the planner prices differently for a LoRA run (shoal.planner.compute.step_weight_flops)."""
+    from shoal.models.lora_config import LoRAConfig
+    from shoal.planner.compute import step_weight_flops
+
+    lora, cfg = LoRAConfig.parse(trainer.cfg.lora), trainer.model_cfg
+    ratio = step_weight_flops(cfg, lora) / step_weight_flops(cfg)
+    return (f"planner, LoRA {lora.text()}: gradients and optimizer state for the adapters alone; the step's weight "
+            f"products {ratio:.3f} of a full fine-tune's (frozen weights: no weight gradient; the adapters' products "
+            "beside)")
+
+
 def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | None, loss: float, *,
            eager_terms: dict[str, float] | None = None) -> str:
     """The dry run's printout; `eager_terms`: the planner's terms with the blocks run op by op, which the live
@@ -144,6 +156,8 @@ def _table(trainer: Any, rows: list[list[float]], predicted: dict[str, float] | 
                      f"the step's peak: {', '.join(f'{k} {v:.1f}' for k, v in peak.items())}; total with the "
                      f"fragmentation margin{' and the step runtime' if trainer.device.type == 'cpu' else ''} "
                      f"{predicted['total']:.1f} (the interpreter and libraries not included)")
+        if trainer.cfg.lora is not None:
+            lines.append(_lora_line(trainer))
         total = predicted["total"]
         above = max(step - base for *_, base, _, step, _, _ in rows)
         lines.append(f"step peak above the baseline, busiest rank: {above:.0f} MB; the planner's "

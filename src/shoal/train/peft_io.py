@@ -65,27 +65,98 @@ def hf_module_names(cfg: ModelConfig, modules: list[str]) -> dict[str, str]:
     return out
 
 
-def peft_state(adapters: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """shoal's adapter tensors under peft's names and layout."""
+EXPERT_FAMILIES = ("mixtral", "qwen3_moe")
+"""Families whose experts' adapters export: transformers holds their routed experts as `model.layers.{i}.mlp.experts`
+with fused 3-D parameters gate_up_proj (E, 2F, D) (gate rows first) and down_proj (E, D, F), and no shared expert."""
+
+
+def peft_state(adapters: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoRAConfig
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """shoal's adapter tensors under peft's names and layout, and the adapter_config.json fields that say what they
+    adapt (target_modules; for experts' matrices target_parameters, rank_pattern and alpha_pattern)."""
     from shoal.models.hf import llama
 
-    modules = sorted({name.rsplit(".", 1)[0] for name in adapters})
-    hf = hf_module_names(cfg, modules)
+    dense = {k: v for k, v in adapters.items() if k.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
+    hf = hf_module_names(cfg, sorted({name.rsplit(".", 1)[0] for name in dense}))
     out = {}
-    for name, tensor in adapters.items():
+    for name, tensor in dense.items():
         module, leaf = name.rsplit(".", 1)
         if leaf == "lora_B":  # its rows are the weight's: permuted as the weight's
             tensor = llama.to_halves(tensor, llama.rotated_heads(f"{module}.weight", cfg), cfg.head_dim)
         out[f"{PEFT_PREFIX}{hf[module]}.{leaf}.weight"] = tensor.contiguous()
-    return out
+    fields: dict[str, Any] = {"target_modules": sorted({hf[m].rsplit(".", 1)[-1] for m in hf})}
+    dense_ffn = sorted(set(fields["target_modules"]) & {"gate_proj", "up_proj", "down_proj"})
+    if dense_ffn and cfg.num_experts and adapter_of_config(cfg).weight_map().hf_family(cfg) in EXPERT_FAMILIES:
+        raise ValueError(f"the adapters of this MoE model's dense MLP blocks ({','.join(dense_ffn)}) do not export to "
+                         "peft: on transformers 5 it reads those target_modules as the experts' fused parameters; "
+                         "valid: targets among q,k,v,o, or a model whose every block has experts")
+    experts = {k: v for k, v in adapters.items() if k not in dense}
+    if experts:
+        tensors, expert_fields = _peft_experts(experts, cfg, lora)
+        out.update(tensors)
+        fields.update(expert_fields)
+    return out, fields
 
 
-def peft_config(lora: LoRAConfig, hf_modules: list[str], base: str | None) -> dict[str, Any]:
-    """adapter_config.json for peft's LoraConfig: the targets by their transformers leaf names."""
+def _peft_experts(adapters: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoRAConfig
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The experts' adapters (shoal.models.lora.LoRAExperts: per matrix A (E, r, in), B (E, out, r)) as peft's
+    adapters of transformers' fused 3-D parameters (peft.tuners.lora.ParamWrapper). peft's adapter of a parameter
+    (E, out, in) holds lora_A.weight (E r', in), expert e's A the rows e r' .. (e + 1) r', and lora_B.weight
+    (out, r' E), expert e's B the columns k E + e. gate_up_proj fuses gate (w1) over up (w3): their two adapters are
+    one of rank 2r, A stacked and B block-diagonal, at alpha 2 alpha (the same scale); one of them alone is rank r
+    with the other's rows of B zero. peft nests one wrapper per parameter, the last (down_proj) outermost: an
+    inner one's names hold `base_layer.` once per wrapper around it."""
+    family = adapter_of_config(cfg).weight_map().hf_family(cfg)
+    if family not in EXPERT_FAMILIES or cfg.num_shared_experts:
+        raise ValueError(f"adapters on the experts of a {family} model do not export to peft; valid: a "
+                         f"{' or '.join(EXPERT_FAMILIES)} model, or targets among q,k,v,o")
+    matrices = sorted({k.rsplit(".", 1)[-1].split("_")[0] for k in adapters})
+    params: list[tuple[str, int, str]] = []  # (transformers parameter, its adapter's rank, shoal matrices)
+    if {"w1", "w3"} & set(matrices):
+        fused = [m for m in ("w1", "w3") if m in matrices]
+        params.append(("gate_up_proj", lora.r * len(fused), ",".join(fused)))
+    if "w2" in matrices:
+        params.append(("down_proj", lora.r, "w2"))
+    layers = sorted({int(k.split(".")[1]) for k in adapters})
+    out = {}
+    for layer in layers:
+        prefix = f"layers.{layer}.feed_forward.experts."
+        for depth, (_, rank, which) in enumerate(params):
+            a, b = _fused_pair(adapters, prefix, which.split(","))
+            E = a.shape[0]
+            module = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts." + "base_layer." * (len(params) - 1 - depth)
+            out[f"{module}lora_A.weight"] = a.reshape(E * rank, a.shape[-1]).contiguous()
+            out[f"{module}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * E).contiguous()
+    wide = {f"mlp.experts.{p}": (rank, rank // lora.r) for p, rank, _ in params if rank != lora.r}
+    return out, {"target_parameters": [f"mlp.experts.{p}" for p, _, _ in params],
+                 "rank_pattern": {k: r for k, (r, _) in wide.items()},
+                 "alpha_pattern": {k: lora.alpha * n for k, (_, n) in wide.items()}}
+
+
+def _fused_pair(adapters: dict[str, torch.Tensor], prefix: str, matrices: list[str]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A (E, r', in), B (E, out, r')) of one transformers parameter: w2's own pair, or gate_up_proj's from w1's and
+    w3's (A stacked, B block-diagonal; a matrix not adapted has zero rows of B)."""
+    if matrices == ["w2"]:
+        return adapters[prefix + "w2_lora_A"], adapters[prefix + "w2_lora_B"]
+    some = adapters[prefix + f"{matrices[0]}_lora_B"]
+    E, F, r = some.shape
+    a = torch.cat([adapters[prefix + f"{m}_lora_A"] for m in matrices], dim=1)
+    b = some.new_zeros(E, 2 * F, r * len(matrices))
+    for k, m in enumerate(matrices):
+        rows = slice(0, F) if m == "w1" else slice(F, 2 * F)
+        b[:, rows, k * r:(k + 1) * r] = adapters[prefix + f"{m}_lora_B"]
+    return a, b
+
+
+def peft_config(lora: LoRAConfig, fields: dict[str, Any], base: str | None) -> dict[str, Any]:
+    """adapter_config.json for peft's LoraConfig: the targets by their transformers leaf names (`fields`, from
+    peft_state)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.r, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": sorted({m.rsplit(".", 1)[-1] for m in hf_modules}),
-            "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-            "modules_to_save": None, "use_rslora": False, "base_model_name_or_path": base}
+            "lora_dropout": lora.dropout, "target_modules": [], "bias": "none", "fan_in_fan_out": False,
+            "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
+            "base_model_name_or_path": base, **fields}
 
 
 def export_lora_adapter(checkpoint: Path | str, out: Path | str) -> Path:
@@ -99,12 +170,12 @@ def export_lora_adapter(checkpoint: Path | str, out: Path | str) -> Path:
         raise ValueError(f"checkpoint {checkpoint} is not of a LoRA run (no lora in its config); valid: a "
                          "checkpoint of shoal train --lora, or shoal export --out without --lora-adapter")
     cfg = _checkpoint_model_config(checkpoint)
-    tensors = peft_state(checkpoint_adapters(checkpoint), cfg)
-    modules = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for k in tensors})
+    lora = LoRAConfig.parse(text)
+    tensors, fields = peft_state(checkpoint_adapters(checkpoint), cfg, lora)
     base = state.get("lora_base", {}).get("init")
     out.mkdir(parents=True, exist_ok=False)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = peft_config(LoRAConfig.parse(text), modules, base)
+    config = peft_config(lora, fields, base)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
     return out
 
@@ -154,6 +225,9 @@ def read_peft_config(folder: str | Path) -> tuple[LoRAConfig, str]:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--init {folder}: {path.name} is not readable JSON ({exc})") from None
+    if config.get("target_parameters"):
+        raise ValueError(f"--init {folder}: a peft adapter of parameters (target_parameters: experts' matrices) is "
+                         "not read back; valid: an adapter of target_modules (q_proj, ..., down_proj)")
     if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("rank_pattern") \
             or config.get("alpha_pattern") or config.get("use_dora"):
         raise ValueError(f"--init {folder}: a peft adapter of type {config.get('peft_type')} with rsLoRA, DoRA or "

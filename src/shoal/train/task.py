@@ -181,11 +181,14 @@ class Task:
         lora = []
         if cfg.lora is not None:  # low-rank adapters on a frozen base (shoal.models.lora)
             from shoal.models.lora_config import LoRAConfig, adapted_params, adapter_params
+            from shoal.planner.compute import step_weight_flops
 
             settings = LoRAConfig.parse(cfg.lora)
             adapters, adapted = adapter_params(m, settings), adapted_params(m, settings)
+            ratio = step_weight_flops(m, settings) / step_weight_flops(m)
             lora = [f"lora: {settings.text()}: {adapters / 1e6:.2f}M trainable parameters ({adapters / adapted:.2%} of "
-                    f"the {adapted / 1e6:.2f}M they adapt), the rest frozen"
+                    f"the {adapted / 1e6:.2f}M they adapt), the rest frozen; the step's weight products "
+                    f"{ratio:.3f} of a full fine-tune's (no weight gradient for frozen weights)"
                     + (f"; adapters from {cfg.lora_init}" if cfg.lora_init else "")]
         return [f"shoal: model {cfg.model}: {m.num_params() / 1e6:.2f}M parameters, {m.num_layers} layers, dim "
                 f"{m.dim}, {m.num_heads} heads, vocab {m.vocab_size}", *lora,
