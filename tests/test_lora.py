@@ -471,7 +471,11 @@ def test_peft_loads_the_exported_adapter_and_transformers_the_merged_model(tmp_p
     assert cli.main(["train", "--init", str(base), "--lora", settings, "--out", str(run), "--steps", "3", "--lr",
                      "0.05", "--warmup-steps", "0", "--device", "cpu", "--nproc", "1", "--global-batch", "4",
                      "--seq-len", "16", "--eval-every", "0", "--eval-batches", "1"]) == 0
-    assert cli.main(["export", "--run", str(run), "--lora-adapter", str(adapter)]) == 0
+    (adapter / "stale.txt").parent.mkdir()
+    (adapter / "stale.txt").write_text("an older export")
+    assert cli.main(["export", "--run", str(run), "--lora-adapter", str(adapter)]) == 2  # exists: refused
+    assert cli.main(["export", "--run", str(run), "--lora-adapter", str(adapter), "--force"]) == 0
+    assert not (adapter / "stale.txt").exists()  # replaced whole, not merged into
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and set(config["target_modules"]) == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

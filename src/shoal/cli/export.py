@@ -29,7 +29,8 @@ def add_parser(sub: Any) -> None:
     export.add_argument("--hf", action="store_true", help="write a folder transformers loads (model.safetensors + "
                         "config.json in the model's family, and the run's tokenizer files when it had a Hugging Face "
                         "tokenizer) [off]")
-    export.add_argument("--force", action="store_true", help="replace --out if it exists [off]")
+    export.add_argument("--force", action="store_true",
+                        help="replace --out (or the --lora-adapter folder) if it exists [off]")
     export.set_defaults(func=run)
 
 
@@ -82,11 +83,15 @@ def _lora_adapter(args: argparse.Namespace, run: Path) -> int:
 
     target = Path(args.lora_adapter)
     _outside_run(target, run, checkpoint_dir(run), argparse.Namespace(**{**vars(args), "out": args.lora_adapter}))
-    if target.exists():
-        raise UserError(f"--lora-adapter {args.lora_adapter!r} already exists; valid: a new folder")
+    if target.exists() and not (args.force and target.is_dir()):
+        raise UserError(f"--lora-adapter {args.lora_adapter!r} already exists; valid: a new folder, or --force to "
+                        "replace a folder")
     path = good_checkpoint(run) if args.step is None else checkpoint_dir(run) / f"step_{args.step:08d}"
     read_trainer_state(path, checksums=True)
-    out = export_lora_adapter(path, target)
+    if target.exists():  # --force: the new folder replaces the old whole, never merged into it
+        out = _replace_folder(target, lambda staging: export_lora_adapter(path, staging))
+    else:
+        out = export_lora_adapter(path, target)
     print(f"wrote {out} (peft adapter folder, from {path})", flush=True)
     return 0
 
