@@ -265,6 +265,74 @@ def test_peft_loads_the_exported_expert_adapters(tmp_path, family, targets):
         merged_logits = auto.from_pretrained(str(merged), dtype=torch.float32).eval()(tokens).logits
     torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
 
+    # `shoal train --init ADAPTER`: gate_up_proj's adapter is gate's and up's at its rank (8 with both, the other
+    # targets padded to it; 4 with up alone, gate's B zero), the scale 2 kept: peft's logits again.
+    lora = _init_logits_equal_peft(adapter, base, tokens, peft_logits)
+    assert (lora.r, lora.scale, set(lora.targets)) == (8 if both else 4, 2.0, {*targets.split(","), "gate"})
+    _continue_one_step(adapter, base, tmp_path / "again")
+
+
+def _init_logits_equal_peft(adapter: Any, base: Any, tokens: torch.Tensor, peft_logits: torch.Tensor) -> LoRAConfig:
+    """shoal's model as `--init ADAPTER` builds it (the folder's settings, its adapters read back onto the base) gives
+    peft's logits within the export's 1e-5 float32 bound (the same products in another order); its settings."""
+    from shoal.models.hf.families import config_from_hf
+    from shoal.models.hf_folder import from_hf
+    from shoal.train.peft_io import read_peft_adapters, read_peft_config
+
+    lora, _ = read_peft_config(adapter)
+    model = apply_lora(from_hf(base), lora)
+    keys = model.load_state_dict(read_peft_adapters(adapter, config_from_hf(base)), strict=False)
+    assert not keys.unexpected_keys and not [k for k in keys.missing_keys if is_adapter(k)]
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(tokens), peft_logits, rtol=1e-5, atol=1e-5)
+    return lora
+
+
+def _continue_one_step(adapter: Any, base: Any, out: Any) -> None:
+    """One step of `shoal train --init ADAPTER` at lr 1e-9 (AdamW moves an entry by at most ~1e-9): the checkpoint's
+    adapters are the folder's read back, within 1e-7."""
+    from shoal import cli
+    from shoal.models.hf.families import config_from_hf
+    from shoal.train.checkpoint import latest_checkpoint
+    from shoal.train.peft_io import checkpoint_adapters, read_peft_adapters
+
+    assert cli.main(["train", "--init", str(adapter), "--out", str(out), "--steps", "1", "--lr", "1e-9",
+                     "--warmup-steps", "0", "--device", "cpu", "--nproc", "1", "--global-batch", "4", "--seq-len",
+                     "16", "--eval-every", "0", "--eval-batches", "1"]) == 0
+    want, got = read_peft_adapters(adapter, config_from_hf(base)), checkpoint_adapters(latest_checkpoint(out))
+    assert set(want) == set(got)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-7)
+
+
+def test_init_of_an_adapter_peft_made_on_experts(tmp_path):
+    """A peft folder made by peft itself: get_peft_model on a tiny Mixtral with target_modules q_proj, v_proj and
+    target_parameters the experts' gate_up_proj and down_proj, r 4, every B drawn non-zero (std 0.05, so the
+    adapters move the logits by over 1e-3): `--init` of it gives peft's logits within 1e-5, and one step runs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = _hf_moe(tmp_path / "base", "mixtral")
+    hf_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = hf_base.eval()(tokens).logits
+    peft_model = get_peft_model(hf_base, LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+        peft_logits = peft_model.eval()(tokens).logits
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(str(adapter))
+    assert (peft_logits - base_logits).abs().max() > 1e-3
+    lora = _init_logits_equal_peft(adapter, base, tokens, peft_logits)
+    assert (lora.r, lora.scale, lora.targets) == (4, 2.0, ("q", "v", "gate", "up", "down"))
+    _continue_one_step(adapter, base, tmp_path / "again")
+
 
 @pytest.mark.parametrize(("family", "words"), [("qwen2_moe", "experts of a qwen2_moe model"),
                                                ("qwen3_moe", "dense MLP blocks (down_proj,gate_proj,up_proj)")])
@@ -283,15 +351,26 @@ def test_expert_adapters_peft_cannot_name_refused_one_line(family, words):
     assert "\n" not in str(info.value)
 
 
-def test_init_of_an_expert_adapter_folder_refused_one_line(tmp_path):
-    """`shoal train --init DIR` of a peft folder that adapts parameters (experts' matrices): not read back."""
+@pytest.mark.parametrize(("change", "words"), [
+    ({"rank_pattern": {"mlp.experts.gate_up_proj": 8}}, "scales lora_alpha / r differ"),
+    ({"target_parameters": ["mlp.experts.w1"]}, "target parameters mlp.experts.w1"),
+    ({"rank_pattern": {"q_proj": 8}}, "per-module ranks or target parameters q_proj")])
+def test_init_of_expert_adapter_folders_shoal_cannot_hold_refused_one_line(tmp_path, change, words):
+    """`shoal train --init DIR` of a peft folder whose targets' scales alpha / r differ (shoal's run has one), or
+    whose parameters or per-module ranks are not the experts' gate_up_proj and down_proj: refused in one line.
+    Different ranks at one scale read back (the lower padded)."""
     import json
 
     from shoal.train.peft_io import read_peft_config
 
-    (tmp_path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": [],
-        "target_parameters": ["mlp.experts.down_proj"], "base_model_name_or_path": str(tmp_path)}))
-    with pytest.raises(ValueError, match="target_parameters") as info:
+    good = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            "base_model_name_or_path": str(tmp_path)}
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**good, **change}))
+    with pytest.raises(ValueError, match=re.escape(words)) as info:
         read_peft_config(tmp_path)
     assert "\n" not in str(info.value)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {**good, "rank_pattern": {"mlp.experts.gate_up_proj": 8}, "alpha_pattern": {"mlp.experts.gate_up_proj": 16}}))
+    lora, _ = read_peft_config(tmp_path)
+    assert (lora.r, lora.alpha, lora.targets) == (8, 16.0, ("q", "gate", "up", "down"))

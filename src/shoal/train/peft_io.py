@@ -5,13 +5,17 @@ such a folder read back as the settings and initial adapters of a run on that ba
 peft names an adapter of module M of the transformers model `base_model.model.M.lora_A.weight` (r, in) and
 `...lora_B.weight` (out, r), the layout shoal's adapters have (shoal.models.lora). M is the transformers name of the
 shoal projection, from the family's weight map; the rows of a query or key projection are permuted as its weight's
-are (shoal rotates interleaved pairs, transformers halves), and permuting W's rows permutes B's alone. One process,
-no process group: DCP fills full tensors from the checkpoint as `shoal export` does.
+are (shoal rotates interleaved pairs, transformers halves), and permuting W's rows permutes B's alone. Mixtral's
+and Qwen3-MoE's experts' adapters go out and come back as peft's adapters of transformers' fused 3-D parameters
+(target_parameters). One process, no process group: DCP fills full tensors from the checkpoint as `shoal export`
+does.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -217,54 +221,130 @@ def is_peft_folder(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
+EXPERT_PARAMETERS = {"mlp.experts.gate_up_proj": ("gate", "up"), "mlp.experts.down_proj": ("down",)}
+"""peft's target parameters of transformers' fused experts (EXPERT_FAMILIES) -> the shoal targets they hold."""
+
+
 def read_peft_config(folder: str | Path) -> tuple[LoRAConfig, str]:
     """(the adapters' settings, the base model's folder) of peft adapter folder `folder`; a one-line ValueError for
-    settings shoal does not train (another peft type, rsLoRA, per-module ranks) or a base that is no local folder."""
+    settings shoal does not train (another peft type, rsLoRA, DoRA, per-module ranks other than the experts'
+    parameters', scales alpha / r that differ across targets) or a base that is no local folder.
+
+    shoal's run takes one rank and one scale for every target: its r is the folder's largest rank R and its alpha
+    scale x R; a target of lower rank is padded to R (read_peft_adapters). An adapter of `mlp.experts.gate_up_proj`
+    of rank R becomes the targets gate and up, each of rank R."""
     path = Path(folder) / "adapter_config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--init {folder}: {path.name} is not readable JSON ({exc})") from None
-    if config.get("target_parameters"):
-        raise ValueError(f"--init {folder}: a peft adapter of parameters (target_parameters: experts' matrices) is "
-                         "not read back; valid: an adapter of target_modules (q_proj, ..., down_proj)")
-    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("rank_pattern") \
-            or config.get("alpha_pattern") or config.get("use_dora"):
-        raise ValueError(f"--init {folder}: a peft adapter of type {config.get('peft_type')} with rsLoRA, DoRA or "
-                         "per-module ranks is not available; valid: a plain LoRA adapter")
+    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
+        raise ValueError(f"--init {folder}: a peft adapter of type {config.get('peft_type')} with rsLoRA or DoRA is "
+                         "not available; valid: a plain LoRA adapter")
+    params = list(config.get("target_parameters") or [])
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    odd = [p for p in [*params, *ranks, *alphas] if p not in EXPERT_PARAMETERS]
+    if odd:
+        raise ValueError(f"--init {folder}: per-module ranks or target parameters {','.join(odd)} are not shoal's; "
+                         f"valid: target_parameters and rank_pattern among {', '.join(EXPERT_PARAMETERS)}")
     targets = config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     unknown = [t for t in targets if t not in PEFT_TARGETS]
-    if unknown or not targets:
+    if unknown or not (targets or params):
         raise ValueError(f"--init {folder}: target_modules {','.join(unknown) or '(none)'} are not shoal's; valid: "
                          f"{', '.join(PEFT_TARGETS)}")
+    r, alpha = int(config["r"]), float(config.get("lora_alpha", 8))
+    pairs = {t: (r, alpha) for t in targets} | {p: (int(ranks.get(p, r)), float(alphas.get(p, alpha))) for p in params}
+    scales = {name: a / rank for name, (rank, a) in pairs.items()}
+    if max(scales.values()) - min(scales.values()) > 1e-12 * max(scales.values()):
+        raise ValueError(f"--init {folder}: its adapters' scales lora_alpha / r differ across targets ("
+                         f"{', '.join(f'{n} {s:g}' for n, s in scales.items())}); valid: one scale for every target, "
+                         "which shoal's --lora holds")
+    rank = max(rank for rank, _ in pairs.values())
     base = config.get("base_model_name_or_path")
     if not base or not Path(base).is_dir():
         raise ValueError(f"--init {folder}: its base_model_name_or_path {base!r} is not a local folder; valid: an "
                          "adapter whose adapter_config.json names its base's folder on this machine")
-    lora = LoRAConfig(r=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
+    named = {PEFT_TARGETS[t] for t in targets} | {t for p in params for t in EXPERT_PARAMETERS[p]}
+    lora = LoRAConfig(r=rank, alpha=next(iter(scales.values())) * rank,
                       dropout=float(config.get("lora_dropout", 0.0)),
-                      targets=tuple(t for t in PEFT_TARGETS.values() if t in {PEFT_TARGETS[x] for x in targets}))
+                      targets=tuple(t for t in PEFT_TARGETS.values() if t in named))
     return lora, str(Path(base).absolute())
 
 
 def read_peft_adapters(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The adapter tensors of peft folder `folder` under shoal's names and layout (the inverse of `peft_state`)."""
+    """The adapter tensors of peft folder `folder` under shoal's names and layout (the inverse of `peft_state`), each
+    of the run's rank (read_peft_config): a pair of lower rank gains rows of A drawn as a new adapter's A (normal,
+    std 1 / sqrt(3 in), from a fixed seed) and zero columns of B, which leave B A unchanged."""
     from safetensors.torch import load_file
 
     from shoal.models.hf import llama
 
+    rank = read_peft_config(folder)[0].r
     tensors = load_file(str(Path(folder) / "adapter_model.safetensors"))
     weight_map = adapter_of_config(cfg).weight_map()
     by_hf = {t.name.removesuffix(".weight"): t.parts[0].removesuffix(".weight")
              for t in weight_map.hf_layout(cfg) if len(t.parts) == 1 and t.name.endswith(".weight")}
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        hf_module, leaf = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rsplit(".", 1)
+        wrapper, leaf = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rsplit(".", 1)
+        hf_module = wrapper.replace(".base_layer", "")
         module = by_hf.get(hf_module)
+        if re.fullmatch(r"model\.layers\.\d+\.mlp\.experts", hf_module) and leaf in ("lora_A", "lora_B"):
+            experts.setdefault(wrapper, {})[leaf] = tensor
+            continue
         if module is None or leaf not in ("lora_A", "lora_B"):
             raise ValueError(f"--init {folder}: tensor {key} is no adapter of a projection of the base model")
         if leaf == "lora_B":
             tensor = llama.to_pairs(tensor, llama.rotated_heads(f"{module}.weight", cfg), cfg.head_dim)
         out[f"{module}.{leaf}"] = tensor
-    return out
+    if experts:
+        out.update(_shoal_experts(experts, cfg, folder))
+    return {name: _padded(t, rank, name) for name, t in out.items()}
+
+
+def _shoal_experts(wrappers: dict[str, dict[str, torch.Tensor]], cfg: ModelConfig, folder: str | Path
+                   ) -> dict[str, torch.Tensor]:
+    """peft's adapters of transformers' fused expert parameters (by wrapper module: its lora_A and lora_B) as
+    shoal's LoRAExperts tensors, the inverse of `_peft_experts`. gate_up_proj's adapter of rank R, A shared by its
+    gate rows (w1) and up rows (w3), is two adapters of rank R: w1 (A, B's gate rows) and w3 (A, B's up rows), the
+    same function; training then moves the two A's apart. Which parameter a wrapper adapts is read from its shapes
+    (gate_up: A (E R, D), B (2F, R E); down: A (E R, F), B (D, R E)), not from the wrappers' nesting order."""
+    family = adapter_of_config(cfg).weight_map().hf_family(cfg)
+    if family not in EXPERT_FAMILIES or cfg.num_shared_experts:
+        raise ValueError(f"--init {folder}: adapters of experts' parameters (target_parameters) do not map onto a "
+                         f"{family} model; valid: a {' or '.join(EXPERT_FAMILIES)} model without shared experts")
+    E, D, F = cfg.num_experts, cfg.dim, cfg.ffn_dim
+    out = {}
+    for wrapper, pair in wrappers.items():
+        layer = int(wrapper.split(".")[2])
+        a, b = pair.get("lora_A"), pair.get("lora_B")
+        shapes = None if a is None or b is None else (a.shape[-1], b.shape[0])
+        if shapes not in ((D, 2 * F), (F, D)) or a is None or b is None or a.shape[0] % E:
+            raise ValueError(f"--init {folder}: {PEFT_PREFIX}{wrapper} holds no adapter of the experts' gate_up_proj "
+                             f"or down_proj of this base ({E} experts, dim {D}, ffn {F})")
+        R = a.shape[0] // E
+        a_ERI = a.reshape(E, R, a.shape[-1])
+        b_EOR = b.reshape(b.shape[0], R, E).permute(2, 0, 1)
+        prefix = f"layers.{layer}.feed_forward.experts."
+        if shapes == (F, D):
+            out[prefix + "w2_lora_A"], out[prefix + "w2_lora_B"] = a_ERI, b_EOR
+            continue
+        for m, rows in (("w1", slice(0, F)), ("w3", slice(F, 2 * F))):
+            out[prefix + f"{m}_lora_A"], out[prefix + f"{m}_lora_B"] = a_ERI.clone(), b_EOR[:, rows]
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def _padded(tensor: torch.Tensor, rank: int, name: str) -> torch.Tensor:
+    """Adapter tensor `name` (A (..., r, in) or B (..., out, r)) at rank `rank` >= r: A's new rows normal with std
+    1 / sqrt(3 in) from a generator seeded 0, B's new columns zero."""
+    is_a = name.endswith("lora_A")
+    r = tensor.shape[-2] if is_a else tensor.shape[-1]
+    if r == rank:
+        return tensor
+    if is_a:
+        shape = (*tensor.shape[:-2], rank - r, tensor.shape[-1])
+        new = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        return torch.cat([tensor, (new / math.sqrt(3 * tensor.shape[-1])).to(tensor.dtype)], dim=-2)
+    return torch.cat([tensor, tensor.new_zeros(*tensor.shape[:-1], rank - r)], dim=-1)
