@@ -420,6 +420,33 @@ def test_expert_paths_match_a_per_token_loop(path, activation, bias):
         torch.testing.assert_close(got, want, **TOL)
 
 
+def test_grouped_path_takes_every_expert_in_one_call_per_matrix(monkeypatch):
+    """Fine-grained experts (DeepSeek-V3's 256 over 4 ranks: 64 per rank, 8 chosen per token) on the grouped
+    path: one grouped_mm per matrix for all 64 experts, forward and backward (the backward's products are the
+    kernel's own autograd, not Python), so the hot path has no loop over experts however many there are."""
+    import shoal.moe.experts as experts_module
+
+    calls = []
+    kernel = experts_module._grouped_mm
+    assert kernel is not None, "torch has grouped_mm (2.8+)"
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(experts_module, "_grouped_mm", counted)
+    torch.manual_seed(0)
+    E, D, F_, M = 64, 16, 8, 256
+    experts = Experts(E, D, F_, init_std=0.5).to(torch.bfloat16)
+    experts.path = "grouped"
+    counts = torch.bincount(torch.randint(0, E, (M - 8,)), minlength=E)  # 8 tail rows of no expert
+    x_MD = torch.randn(M, D, dtype=torch.bfloat16, requires_grad=True)
+    y_MD = experts(x_MD, counts)
+    assert len(calls) == 3 and {shape[0] for shape in calls} == {E}  # w1, w3, w2: each over all 64 at once
+    y_MD.float().square().sum().backward()
+    assert len(calls) == 3 and x_MD.grad is not None and experts.w1.grad is not None
+
+
 def test_experts_init_scales_the_output_projection():
     torch.manual_seed(0)
     experts = Experts(4, 64, 128, init_std=0.02, num_layers=8)
