@@ -451,17 +451,46 @@ def _hf_llama(folder):
     return folder
 
 
-def test_peft_loads_the_exported_adapter_and_transformers_the_merged_model(tmp_path):
-    """A tiny Hugging Face Llama made here, 3 steps of `shoal train --init it --lora ...` (lr high enough that the
-    adapters move the logits), `shoal export --lora-adapter DIR`: peft's PeftModel.from_pretrained(base, DIR) gives
-    the logits of shoal's model with the same adapters. Tolerance rtol = atol = 1e-5 in float32, as
-    tests/test_hf_weights.py's for the base alone (the same numbers in another order: rotate_half against
-    interleaved pairs, the adapter's two products), far below the adapters' own effect, checked to be over 1e-3."""
+def exported_logits_agree(base, run, adapter, settings, merged):
+    """The three views of a LoRA run agree: peft's PeftModel.from_pretrained(base, adapter), shoal's model with the
+    run's latest adapters, and transformers' model of the run's `shoal export --hf` (the adapters merged into the
+    base weights), within rtol = atol = 1e-5 in float32 (see the callers), far below the adapters' own effect,
+    checked to be over 1e-3. Returns (tokens, peft's logits)."""
     import transformers
     from peft import PeftModel
 
     from shoal import cli
     from shoal.models.hf_folder import from_hf
+    from shoal.train.checkpoint import latest_checkpoint
+    from shoal.train.peft_io import checkpoint_adapters
+
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    auto = transformers.AutoModelForCausalLM
+    hf_base = auto.from_pretrained(str(base), dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = hf_base.eval()(tokens).logits
+        peft_logits = PeftModel.from_pretrained(hf_base, str(adapter)).eval()(tokens).logits
+    ours = apply_lora(from_hf(base), LoRAConfig.parse(settings))
+    ours.load_state_dict(checkpoint_adapters(latest_checkpoint(run)), strict=False)
+    with torch.no_grad():
+        shoal_logits = ours.eval()(tokens)
+    assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters change the model
+    torch.testing.assert_close(peft_logits, shoal_logits, rtol=1e-5, atol=1e-5)
+    # the merge's W + scale B A rounds once more in float32: the same tolerance
+    assert cli.main(["export", "--run", str(run), "--out", str(merged), "--hf"]) == 0
+    with torch.no_grad():
+        merged_logits = auto.from_pretrained(str(merged), dtype=torch.float32).eval()(tokens).logits
+    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
+    return tokens, peft_logits
+
+
+def test_peft_loads_the_exported_adapter_and_transformers_the_merged_model(tmp_path):
+    """A tiny Hugging Face Llama made here, 3 steps of `shoal train --init it --lora ...` (lr high enough that the
+    adapters move the logits), `shoal export --lora-adapter DIR`: peft's PeftModel.from_pretrained(base, DIR) gives
+    the logits of shoal's model with the same adapters, and `shoal export --hf` the merged model's. Tolerance
+    rtol = atol = 1e-5 in float32, as tests/test_hf_weights.py's for the base alone (the same numbers in another
+    order: rotate_half against interleaved pairs, the adapter's two products)."""
+    from shoal import cli
     from shoal.train.checkpoint import latest_checkpoint
     from shoal.train.peft_io import checkpoint_adapters
 
@@ -480,26 +509,7 @@ def test_peft_loads_the_exported_adapter_and_transformers_the_merged_model(tmp_p
     assert config["r"] == 4 and config["lora_alpha"] == 8 and set(config["target_modules"]) == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    hf_base = transformers.LlamaForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    with torch.no_grad():
-        base_logits = hf_base.eval()(tokens).logits
-        peft_logits = PeftModel.from_pretrained(hf_base, str(adapter)).eval()(tokens).logits
-    ours = apply_lora(from_hf(base), LoRAConfig.parse(settings))
-    ours.load_state_dict(checkpoint_adapters(latest_checkpoint(run)), strict=False)
-    with torch.no_grad():
-        shoal_logits = ours.eval()(tokens)
-    assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters change the model
-    torch.testing.assert_close(peft_logits, shoal_logits, rtol=1e-5, atol=1e-5)
-
-    # `shoal export --hf` of the run: the adapters merged into the base weights, loaded by transformers alone
-    # (the merge's W + scale B A rounds once more in float32: the same tolerance)
-    merged = tmp_path / "merged"
-    assert cli.main(["export", "--run", str(run), "--out", str(merged), "--hf"]) == 0
-    with torch.no_grad():
-        merged_logits = transformers.LlamaForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()(
-            tokens).logits
-    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
+    exported_logits_agree(base, run, adapter, settings, tmp_path / "merged")
 
     # `shoal train --init ADAPTER`: the adapters continue from the folder's, on the base it names. One step at lr
     # 1e-9 moves an AdamW entry by at most ~1e-9: the checkpoint's adapters are the folder's within 1e-7.

@@ -23,6 +23,7 @@ from shoal.models import build_model
 from shoal.models.lora import LoRAExperts, apply_lora, is_adapter, merged_state, trainable_share
 from shoal.models.lora_config import LoRAConfig, adapted_params, adapter_elements_per_rank, adapter_params
 from shoal.testing.parity import HF_FAMILIES, SMALL, ParityCase, check_parity, run_parallel
+from test_lora import exported_logits_agree
 
 LORA = LoRAConfig(r=4, alpha=8.0, init_b_std=0.02)
 MOE = SMALL.replace(num_experts=4, top_k=2, ffn_dim=64)
@@ -226,13 +227,7 @@ def test_peft_loads_the_exported_expert_adapters(tmp_path, family, targets):
     zero."""
     import json
 
-    import transformers
-    from peft import PeftModel
-
     from shoal import cli
-    from shoal.models.hf_folder import from_hf
-    from shoal.train.checkpoint import latest_checkpoint
-    from shoal.train.peft_io import checkpoint_adapters
 
     base = _hf_moe(tmp_path / "base", family)
     run, adapter = tmp_path / "run", tmp_path / "adapter"
@@ -246,24 +241,7 @@ def test_peft_loads_the_exported_expert_adapters(tmp_path, family, targets):
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert config["rank_pattern"] == ({"mlp.experts.gate_up_proj": 8} if both else {})
 
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    auto = transformers.AutoModelForCausalLM
-    hf_base = auto.from_pretrained(str(base), dtype=torch.float32)
-    with torch.no_grad():
-        base_logits = hf_base.eval()(tokens).logits
-        peft_logits = PeftModel.from_pretrained(hf_base, str(adapter)).eval()(tokens).logits
-    ours = apply_lora(from_hf(base), LoRAConfig.parse(settings))
-    ours.load_state_dict(checkpoint_adapters(latest_checkpoint(run)), strict=False)
-    with torch.no_grad():
-        shoal_logits = ours.eval()(tokens)
-    assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters change the model
-    torch.testing.assert_close(peft_logits, shoal_logits, rtol=1e-5, atol=1e-5)
-
-    merged = tmp_path / "merged"
-    assert cli.main(["export", "--run", str(run), "--out", str(merged), "--hf"]) == 0
-    with torch.no_grad():
-        merged_logits = auto.from_pretrained(str(merged), dtype=torch.float32).eval()(tokens).logits
-    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-5, atol=1e-5)
+    tokens, peft_logits = exported_logits_agree(base, run, adapter, settings, tmp_path / "merged")
 
     # `shoal train --init ADAPTER`: gate_up_proj's adapter is gate's and up's at its rank (8 with both, the other
     # targets padded to it; 4 with up alone, gate's B zero), the scale 2 kept: peft's logits again.
