@@ -182,6 +182,49 @@ def _share_doc(shares: list[dict[str, Any]]) -> str:
     return "\n".join(lines + [""])
 
 
+def _priced(model_name: str, plan_text: str, world: int, batch: int, seq_len: int) -> dict[str, Any]:
+    """The planner's optimizer seconds for Muon (the AdamW-like elementwise update, Newton-Schulz and the owners'
+    exchange) and for AdamW on this plan, on this machine's calibrated profile (`shoal plan --calibrate`) where it
+    has one, else on the planner's placeholder CPU."""
+    import dataclasses
+
+    from shoal import rules
+    from shoal.models.config import PRESETS
+    from shoal.plan import Plan
+    from shoal.planner.cluster_file import parse_cluster
+    from shoal.planner.comm import CalibratedNetwork
+    from shoal.planner.estimate import Workload, estimate
+    from shoal.planner.profile import load_profile, local_cluster
+
+    cfg = PRESETS[model_name]
+    profile = load_profile()
+    cluster = local_cluster(profile, world) if profile else parse_cluster(f"{world}xcpu")
+    network = CalibratedNetwork(profile, world) if profile else None
+    work = Workload(model=cfg, global_batch=batch, seq_len=seq_len)
+    plan = rules.resolve(Plan.parse(plan_text), world_size=world, model=cfg, global_batch=batch, seq_len=seq_len)
+    out: dict[str, Any] = {"cluster": "calibrated" if profile else "placeholder"}
+    for name in ("muon", "adamw"):
+        time = estimate(plan, dataclasses.replace(work, optimizer=name), cluster, network=network).time
+        out[name] = time["optimizer"] + time.get("muon_newton_schulz", 0.0) + time.get("muon_exchange", 0.0)
+    return out
+
+
+def _priced_doc(rows: list[dict[str, Any]], priced: dict[str, dict[str, Any]]) -> str:
+    lines = ["## The planner's price beside the measurement", "",
+             "`shoal plan --optimizer muon` prices Newton-Schulz on the matrices each rank owns and the owners' "
+             "exchange (shoal.planner.costs.Costs.muon_step) on top of the elementwise update it prices for AdamW. "
+             "Its optimizer seconds for this plan and batch against the measured optimizer.step (the first table's "
+             "medians):", "",
+             "| plan | profile | Muon priced ms | Muon measured ms | AdamW priced ms | AdamW measured ms | "
+             "Muon / AdamW priced | measured |", "|---|---|---|---|---|---|---|---|"]
+    for plan, p in priced.items():
+        by = {r["optimizer"]: r["ms"] for r in rows if r["plan"] == plan}
+        lines.append(f"| {plan} | {p['cluster']} | {1e3 * p['muon']:.1f} | {by['muon owner']:.1f} | "
+                     f"{1e3 * p['adamw']:.2f} | {by['adamw']:.1f} | {p['muon'] / p['adamw']:.1f} | "
+                     f"{by['muon owner'] / by['adamw']:.1f} |")
+    return "\n".join(lines + [""])
+
+
 def _world(plan_text: str) -> int:
     """The processes a plan's degrees multiply to, at least 2 (dp takes up the rest)."""
     from shoal.plan import Plan
@@ -203,9 +246,11 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     shares: list[dict[str, Any]] = []
     before = os.getloadavg()[0]
+    priced: dict[str, dict[str, Any]] = {}
     for plan in args.plans:
-        per_rank = launch(_rank, args.nproc or _world(plan), args.model, plan, args.repeats, args.batch,
-                          args.seq_len)
+        world = args.nproc or _world(plan)
+        priced[plan] = _priced(args.model, plan, world, args.batch, args.seq_len)
+        per_rank = launch(_rank, world, args.model, plan, args.repeats, args.batch, args.seq_len)
         least = sum(r["counts"]["muon owner"]["min"] for r in per_rank)  # the owner design's minimum
         # a round's time is its slowest rank's (the step ends when every rank has its weights)
         rounds = {name: [max(r["samples"][name][i] for r in per_rank) for i in range(args.repeats)]
@@ -231,7 +276,7 @@ def main() -> None:
            "round's figures are its slowest rank's; share: optimizer.step over the whole step, per round")
     args.load = (before, os.getloadavg()[0])
     if not args.no_doc:
-        DOC.write_text(_doc(rows, args, environment()) + _share_doc(shares))
+        DOC.write_text(_doc(rows, args, environment()) + _share_doc(shares) + "\n" + _priced_doc(rows, priced))
         print(f"wrote {DOC}")
 
 

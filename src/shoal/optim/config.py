@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from shoal.planner.compute import NEWTON_SCHULZ_STEPS
+
 OPTIMIZERS = ("adamw", "lamb", "lars", "cowclip", "muon")
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_GATHER = ("owner", "naive")
@@ -58,8 +60,8 @@ class OptimConfig:
     """Muon: momentum of the hidden matrices' buffer (torch.optim.Muon's)."""
     muon_nesterov: bool = True
     """Muon: Nesterov momentum (torch.optim.Muon's)."""
-    muon_ns_steps: int = 5
-    """Muon: Newton-Schulz iterations."""
+    muon_ns_steps: int = NEWTON_SCHULZ_STEPS
+    """Muon: Newton-Schulz iterations (torch.optim.Muon's 5; the planner prices that many)."""
     muon_adjust_lr: str = "match_rms_adamw"
     """Muon: the lr's adjustment by a matrix's shape (torch.optim.Muon's adjust_lr_fn): match_rms_adamw
     (0.2 sqrt(max(a, b)), Moonlight's: the update's RMS near AdamW's, so lr and weight decay carry over from

@@ -277,6 +277,48 @@ def attention_backward_multiplier(*, fused_kernel: bool) -> float:
     return FUSED_BACKWARD if fused_kernel else 2.0
 
 
+NEWTON_SCHULZ_STEPS = 5
+"""torch.optim.Muon's default ns_steps (`shoal train --muon-ns-steps`)."""
+
+
+def newton_schulz_products(rows: int, cols: int) -> tuple[tuple[int, int, int], ...]:
+    """One iteration of torch.optim.Muon's Newton-Schulz on a (rows, cols) matrix as (m, n, k) products, each an
+    (m x k) @ (k x n). It works on the wide orientation, X of (a, b) with a = min(rows, cols): A = X X^T, then
+    A A for B = b A + c A A, then B X for X = a X + B X (torch.optim._muon._zeropower_via_newtonschulz)."""
+    a, b = min(rows, cols), max(rows, cols)
+    return (a, a, b), (a, a, a), (a, b, a)
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = NEWTON_SCHULZ_STEPS) -> float:
+    """FLOPs of `steps` Newton-Schulz iterations on one (rows, cols) matrix: 2 m n k per product."""
+    return steps * sum(2.0 * m * n * k for m, n, k in newton_schulz_products(rows, cols))
+
+
+def hidden_matrices(cfg: ModelConfig, index: int) -> tuple[tuple[int, int, int, bool], ...]:
+    """The 2-D weights of block `index` that Muon orthogonalises (shoal.optim.builder.build_muon: every matrix of
+    the blocks), as (rows, cols, how many, routed expert): attention's projections (latent attention's own,
+    shoal.models.mla), then a dense FFN's matrices, or an MoE block's router, its shared experts (and their gate)
+    and each routed expert's matrices, one matrix per expert (shoal.optim.orthogonalize.newton_schulz)."""
+    D, H = cfg.dim, cfg.num_heads
+    if cfg.latent_attention:
+        C, L, R, V = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+        nope = cfg.qk_nope_head_dim
+        queries = [(D, H * C)] if not cfg.q_lora_rank else [(D, cfg.q_lora_rank), (cfg.q_lora_rank, H * C)]
+        attention = [*queries, (D, L), (L, H * (nope + V)), (D, R), (H * V, D)]
+    else:
+        attention = [(i, o) for _, i, o, _ in block_matmuls(cfg)[:4]]
+    out = [(o, i, 1, False) for i, o in attention]  # nn.Linear's (out, in) layout
+    per_ffn = 3 if cfg.activation == "swiglu" else 2
+    if not cfg.is_moe_layer(index):
+        return (*out, *((D, cfg.dense_width, per_ffn, False),))
+    out.append((cfg.num_experts, D, 1, False))  # the router
+    if cfg.num_shared_experts:
+        out.append((D, shared_width(cfg), per_ffn * cfg.num_shared_experts, False))
+        out += [(1, D, 1, False)] if cfg.shared_gate else []
+    out.append((D, cfg.ffn_dim, per_ffn * cfg.num_experts, True))
+    return tuple(out)
+
+
 def block_matmuls(cfg: ModelConfig) -> tuple[tuple[str, int, int, bool], ...]:
     """A dense block's weight products in the order its forward calls them, as (name, input width, output width,
     column-parallel): attention's wq, wk, wv, then wo; a SwiGLU FFN's w1, then w3, then w2 (`w2(silu(w1(x)) *

@@ -133,6 +133,7 @@ class Costs:
         # A GPU's fused kernel recomputes the scores in backward (the calibrated CPU profile times its own kernel).
         self.attention_bwd = compute.attention_backward_multiplier(fused_kernel=fused and cluster.device_type == "cuda")
         self.mem_bw = cluster.device.memory_bw
+        self.device = cluster.device
         self.bytes = 4.0 if plan.precision == "fp32" else 2.0
         on_cpu = self.on_cpu = cluster.device_type == "cpu"
         # Collectives on a CPU share its cores with compute (gloo's threads): little of them hides.
@@ -322,6 +323,40 @@ class Costs:
         dense += embed if p.pp == 1 else cfg.vocab_size * D * (int(head) + int(embedding))
         experts = moe_sets * cfg.num_experts * compute.mlp_matmul_flops(cfg, cfg.ffn_dim) / 2 / p.ep  # ffn_dim wide
         return dense / p.tp, experts / p.tp
+
+    def muon_step(self, blocks: int, *, shards: int) -> dict[str, float]:
+        """Seconds of one Muon step's Newton-Schulz iterations and of the owners' exchange on a rank of a stage of
+        `blocks` blocks (shoal.optim.orthogonalize, the owner design), beside the update's elementwise work, which
+        estimate prices as AdamW's. A matrix split over W = `shards` x tp holders is orthogonalised whole by one of
+        them, the matrices dealt round-robin: each rank runs 1/W of the iterations (compute.newton_schulz_products, in
+        bfloat16, each product at its shape's rate) and sends its slices to the owners and takes its slices of the
+        results back: one all-to-all each way of its local shards in bfloat16. A routed expert's matrices live on
+        their ep rank whole except for tp's split. Replicas (dp, cp, pp's other stages' ranks) orthogonalise their
+        own copies: no exchange, none of the work shared."""
+        cfg, p = self.cfg, self.plan
+        moe = round(blocks * self.moe_count(0, cfg.num_layers) / cfg.num_layers)
+        moe_sets = 1 if cfg.share_moe and moe else moe
+        dense_index, moe_index = (compute.block_index(cfg, moe=m) for m in (False, True))
+        holders = {False: shards * p.tp, True: p.tp}  # a dense matrix's holders; a routed expert's
+        flops = {False: 0.0, True: 0.0}
+        elements = {False: 0.0, True: 0.0}
+        for index, copies in ((dense_index, blocks - moe), (moe_index, moe_sets)):
+            if not copies:
+                continue
+            for rows, cols, count, routed in compute.hidden_matrices(cfg, index):
+                n = count * copies / (p.ep if routed else 1)
+                products = compute.newton_schulz_products(rows, cols)  # each at its shape's rate
+                flops[routed] += n * compute.NEWTON_SCHULZ_STEPS * sum(
+                    2.0 * m * nn * k / self.device.gemm_factor(m, nn, k) for m, nn, k in products)
+                elements[routed] += n * rows * cols
+        # A calibrated CPU profile keeps no bf16 rate below fp32's quarter (shoal.calibration.measure): at most that.
+        has_16 = any(d in self.device.peak_flops for d in ("bf16", "fp16"))
+        rate = self.device.flops("bf16") if has_16 else self.device.flops("fp32") / 4
+        newton_schulz = sum(flops[r] / holders[r] for r in flops) / rate
+        stride = 1 if p.tp > 1 else self.stride["fsdp"]
+        exchange = sum(2 * self.net.time("all_to_all", holders[r], 2.0 * elements[r] / holders[r], stride=stride)
+                       for r in elements if holders[r] > 1)
+        return {"muon_newton_schulz": newton_schulz, "muon_exchange": exchange}
 
     def vocab_traffic(self, micro: int) -> dict[str, float]:
         """vocab=sharded, one step's seconds of moving the tables' activations instead of the tables: per

@@ -19,7 +19,9 @@ so what is priced is what will run. Times are per step on the busiest rank:
 - data axes: gradients reduced (and ZeRO-3 parameters gathered) over the data ranks, each collective
   hidden, on devices whose collectives overlap compute, only behind the pass its engine issues it in
   (shoal.planner.costs.data_schedule, overlap_exposed), then the optimizer step, which
-  is memory-bound (Adam reads and writes 28 bytes per parameter, the norm for clipping 4 more);
+  is memory-bound (Adam reads and writes 28 bytes per parameter, the norm for clipping 4 more); Muon adds
+  Newton-Schulz on the hidden matrices and, where fsdp or tp split them, the owners' exchange
+  (Costs.muon_step);
 - the step's own small collectives (loss, gradient norm, stop signals), each a latency;
 - the host's work: each op's dispatch (DTensor's under tensor parallelism), the data engine's per-parameter
   ops and the optimizer's. On a CPU the same cores run the ops, so it adds to the step; on a GPU the host
@@ -242,8 +244,10 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
         time["host_bound"] += optimizer_wait
     time["engine_overhead"] = micro * cost.op_overhead * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors
     time["step_sync"] = cost.step_sync(engine.kind)
+    if work.optimizer == "muon" and work.lora is None:  # Newton-Schulz on the hidden matrices, and its exchange
+        time.update(cost.muon_step(max(first, last), shards=shards if engine.zero >= 1 else 1))
     step = (steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
-            + optimizer_wait)
+            + optimizer_wait + time.get("muon_newton_schulz", 0.0) + time.get("muon_exchange", 0.0))
     quantized = (0.0, 0.0) if work.lora is None else quantized_base_per_rank(cfg, work.lora, layers=max(first, last))
     mem, gradient_bytes = peak.peak_terms(plan, cfg, cost, engine.kind, engine.zero, engine.bucket, params, experts,
                                           micro, stages, unsharded_accumulation=gradients.unsharded_accumulation,
