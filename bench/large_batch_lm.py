@@ -10,20 +10,21 @@ by sqrt(batch / base) (the survey's rule for adaptive methods, LAMB's paper), LA
 the run. The held-out loss is measured once, after the last step, on the same number of held-out
 sequences for every batch size.
 
-Prints one table (also written to bench/results/large_batch_lm.json) and writes the plot
-docs/large_batch_lm.png. A run whose folder already holds a finished run of the same command is
-read, not retrained (`--fresh` retrains).
+Prints one table (also written to bench/results/<name>.json), records its rows in docs/<name>.json beside
+every run of the sweep recorded before (`merged`), and plots them all in docs/<name>.png. A run whose folder
+already holds a finished run of the same command is read, not retrained (`--fresh` retrains).
 
     python -m bench.large_batch_lm [--batches 256 64 16] [--tokens 65536] [--only lamb ...]
     python -m bench.large_batch_lm --model small --batches 1024 256 64 16 --tokens 1048576 \
         --seq-len 64 --micro-batch 64 --eval-sequences 1024 --only adamw lamb-lr0.03 lars --name large_batch_small
-    python -m bench.large_batch_lm --model small --batches 1024 16 --tokens 1048576 --seq-len 64 --micro-batch 64 \
-        --eval-sequences 1024 --only muon-lr1e-3 muon muon-lr1e-2 muon-lr3e-2 --name large_batch_small
+    python -m bench.large_batch_lm --model small --batches 1024 256 --tokens 1048576 --seq-len 64 --micro-batch 64 \
+        --eval-sequences 1024 --only muon-lr1e-2 muon-lr3e-2 --name large_batch_small
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -140,9 +141,21 @@ def main() -> None:
         for opt in args.only:
             run_dir, wall = run_one(opt, batch, args)
             rows.append(row(opt, batch, read_metrics(run_dir / "metrics.jsonl"), wall, args))
-    rows.sort(key=lambda r: (r["optimizer"], r["global_batch"]))
     report(args.name, rows, notes=f"model {args.model}, {args.tokens} training tokens per run, seq {args.seq_len}")
-    print(f"plot: {plot(rows, args.plot or DOCS / f'{args.name}.png', args.seq_len)}")
+    rows = merged(DOCS / f"{args.name}.json", rows)
+    print(f"plot of every recorded run: {plot(rows, args.plot or DOCS / f'{args.name}.png', args.seq_len)}")
+
+
+def merged(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows recorded in `path` (docs/<name>.json: every run of this sweep so far, over sessions and machines,
+    whose run folders bench/results may no longer hold), this invocation's replacing those of the same optimizer
+    and batch; written back and returned, sorted."""
+    recorded = json.loads(path.read_text())["rows"] if path.exists() else []
+    key = lambda r: (r["optimizer"], r["global_batch"])  # noqa: E731
+    fresh = {key(r) for r in rows}
+    out = sorted([r for r in recorded if key(r) not in fresh] + rows, key=key)
+    path.write_text(json.dumps({"rows": out}, indent=1) + "\n")
+    return out
 
 
 if __name__ == "__main__":
