@@ -244,7 +244,8 @@ def estimate(plan: Plan, work: Workload, cluster: Cluster, *, micro_batch: int |
         time["host_bound"] += optimizer_wait
     time["engine_overhead"] = micro * cost.op_overhead * ENGINE_OPS_PER_PARAMETER[engine.kind] * tensors
     time["step_sync"] = cost.step_sync(engine.kind)
-    if work.optimizer == "muon" and work.lora is None:  # Newton-Schulz on the hidden matrices, and its exchange
+    # Newton-Schulz on the hidden matrices and its exchange; a LoRA run's rank-r adapters are left unpriced
+    if work.optimizer == "muon" and work.lora is None:
         time.update(cost.muon_step(max(first, last), shards=shards if engine.zero >= 1 else 1))
     step = (steady + bubble + grads_exposed + time["optimizer"] + time["engine_overhead"] + time["step_sync"]
             + optimizer_wait + time.get("muon_newton_schulz", 0.0) + time.get("muon_exchange", 0.0))
