@@ -180,8 +180,8 @@ MUTATIONS: list[Mutation] = [
              _k("tests/test_moe_parallel.py", "pooled_router_loss_in_a_pipeline and zb")),
     # ---------------------------------------------------------------- Muon
     Mutation("muon-scatter-wrong-slice", "optim/orthogonalize.py",
-             "back = [[results[j][layouts[j].indices(r)] for j in mine] for r in range(size)]",
-             "back = [[results[j][layouts[j].indices(r)] for j in mine] for r in reversed(range(size))]",
+             "back = [[layouts[j].take(results[j], r) for j in mine] for r in range(size)]",
+             "back = [[layouts[j].take(results[j], r) for j in mine] for r in reversed(range(size))]",
              "Muon's owner sends each rank another rank's slice of the orthogonalised matrix",
              _k("tests/test_muon.py", "parity_with_one_process")),
     Mutation("muon-lr-by-shard-shape", "optim/muon.py",
