@@ -222,6 +222,12 @@ def _priced_doc(rows: list[dict[str, Any]], priced: dict[str, dict[str, Any]]) -
         lines.append(f"| {plan} | {p['cluster']} | {1e3 * p['muon']:.1f} | {by['muon owner']:.1f} | "
                      f"{1e3 * p['adamw']:.2f} | {by['adamw']:.1f} | {p['muon'] / p['adamw']:.1f} | "
                      f"{by['muon owner'] / by['adamw']:.1f} |")
+    lines += ["", "The price counts Newton-Schulz's products at the profile's matmul rate for their shapes, the "
+              "exchange at its all-to-all rate and the rest as AdamW's elementwise update. It leaves out what a "
+              "profile of the measured step (torch.profiler) shows beside those: the per-op dispatch of the "
+              "products (15 calls per matrix and step at 5 iterations), Muon's two fp32 momentum lerps and its "
+              "bfloat16 casts, which weigh more than AdamW's one fused kernel, and the wait of the rank whose owned "
+              "matrices finish first."]
     return "\n".join(lines + [""])
 
 
