@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,12 @@ OPTIMIZERS: dict[str, tuple[str, float, str, list[str]]] = {
     "lamb-lr0.03": ("lamb", 3e-2, "sqrt", []),
     # Muon adjusts its lr to AdamW's update RMS (match_rms_adamw): AdamW's lr first, then a grid around it
     "muon": ("muon", 3e-3, "sqrt", []),
+    "muon-lr3e-4": ("muon", 3e-4, "sqrt", []),
     "muon-lr1e-3": ("muon", 1e-3, "sqrt", []),
     "muon-lr1e-2": ("muon", 1e-2, "sqrt", []),
     "muon-lr3e-2": ("muon", 3e-2, "sqrt", []),
 }
-LR_GRID = ("muon-lr1e-3", "muon-lr1e-2", "muon-lr3e-2")
+LR_GRID = ("muon-lr3e-4", "muon-lr1e-3", "muon-lr1e-2", "muon-lr3e-2")
 """Labels run only when named (--only): Muon's lr grid, at two batch sizes."""
 
 
@@ -89,6 +91,9 @@ def row(opt: str, batch: int, records: list[dict[str, Any]], wall_s: float, args
         "heldout_loss": records[-1]["eval_loss"],
         "train_loss_last": records[-1]["loss"],
         "wall_s": round(wall_s, 1),
+        # the median of the logged step times (each a mean over its log interval): the step's cost without
+        # start-up and evaluation, comparable between runs only on an equally loaded machine
+        "step_s_median": round(statistics.median(r["step_time_s"] for r in records if "step_time_s" in r), 4),
     }
 
 
