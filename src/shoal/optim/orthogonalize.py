@@ -88,7 +88,7 @@ class _Layout:
         when the slice is one, in the box's row-major order (a Shard of rows or columns, fsdp over tp's rows of a
         tp chunk), else its flat indices. A box is kept as its slices, not as an int64 index per element (4x a
         bfloat16 matrix's bytes), and copying it is a strided copy where scattering by indices is an index_put,
-        about 40x slower per element on a CPU."""
+        many times slower per element on a CPU."""
         if member not in self._places:
             self._places[member] = _box(shard_indices(self.shape, self.placements, self.sizes, self.coords[member]),
                                         self.shape)
@@ -98,7 +98,7 @@ class _Layout:
         where = self.place(member)
         if isinstance(where, torch.Tensor):
             return int(where.numel())
-        return int(torch.Size(len(range(*s.indices(n))) for s, n in zip(where, self.shape)).numel())
+        return int(torch.Size(s.stop - s.start for s in where).numel())
 
     def put(self, full: torch.Tensor, member: int, piece: torch.Tensor) -> None:
         """Writes a member's flat slice `piece` into the flat whole matrix `full`."""
@@ -124,7 +124,7 @@ def _box(indices: torch.Tensor, shape: torch.Size) -> tuple[slice, ...] | torch.
     lows, highs = coords.amin(0).tolist(), (coords.amax(0) + 1).tolist()
     flat = torch.zeros((), dtype=torch.long)
     for lo, hi, stride in zip(lows, highs, strides):  # the box's flat indices, row-major
-        flat = (flat[..., None] + torch.arange(lo, hi) * stride)
+        flat = flat[..., None] + torch.arange(lo, hi) * stride
     if flat.numel() != indices.numel() or not torch.equal(flat.reshape(-1), indices):
         return indices
     return tuple(slice(lo, hi) for lo, hi in zip(lows, highs))
