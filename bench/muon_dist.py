@@ -225,7 +225,7 @@ def _priced_doc(rows: list[dict[str, Any]], priced: dict[str, dict[str, Any]]) -
     lines += ["", "The price counts Newton-Schulz's products at the profile's matmul rate for their shapes, the "
               "exchange at its all-to-all rate and the rest as AdamW's elementwise update. It leaves out what a "
               "profile of the measured step (torch.profiler) shows beside those: the per-op dispatch of the "
-              "products (15 calls per matrix and step at 5 iterations), Muon's two fp32 momentum lerps and its "
+              "products (three calls per matrix and iteration), Muon's two fp32 momentum lerps and its "
               "bfloat16 casts, which weigh more than AdamW's one fused kernel, and the wait of the rank whose owned "
               "matrices finish first."]
     return "\n".join(lines + [""])

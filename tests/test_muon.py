@@ -160,23 +160,30 @@ def test_shard_indices_of_fsdp_over_tp(rows):
 def test_a_slice_that_is_a_box_is_copied_as_one_and_any_other_by_its_indices():
     """_Layout.put/take copy a member's slice as a box of the matrix where its flat indices form one (a Shard of
     rows or columns, fsdp over tp's rows of a tp chunk), and scatter by the indices otherwise (rows interleaved by
-    a _StridedShard alone, an empty slice); either way the slice is the one shard_indices names, in its order."""
+    a _StridedShard alone, an empty slice); either way they write and read the elements shard_indices names, in
+    its order (the reference: plain indexing by those indices)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from shoal.optim.orthogonalize import _box, shard_indices
+    from shoal.optim.orthogonalize import _Layout, shard_indices
 
     cases = [((8, 6), [Shard(0)], [2], [1], True), ((8, 6), [Shard(1)], [2], [0], True),
              ((7, 6), [Shard(1)], [4], [2], True), ((2, 6, 6), [Shard(1)], [2], [1], True),
              ((8, 6), [_StridedShard(0, split_factor=2), Shard(0)], [2, 2], [1, 0], True),
              ((7, 6), [Shard(1)], [4], [3], False), ((8, 6), [_StridedShard(0, split_factor=2)], [2], [0], False)]
     for shape, placements, sizes, coord, is_box in cases:
+        layout = _Layout(shape=torch.Size(shape), placements=tuple(placements), sizes=tuple(sizes), coords=[coord],
+                         group=None, position=0)  # type: ignore[arg-type]  # no collective runs here
         indices = shard_indices(shape, placements, sizes, coord)
-        where = _box(indices, torch.Size(shape))
-        assert isinstance(where, tuple) == is_box, (shape, placements)
-        whole = torch.arange(int(torch.Size(shape).numel()))
-        taken = whole[where] if not is_box else whole.view(shape)[where].reshape(-1)
-        assert torch.equal(taken, indices), (shape, placements)
+        assert isinstance(layout.place(0), tuple) == is_box, (shape, placements)
+        assert layout.numel(0) == indices.numel()
+        whole = torch.randn(int(torch.Size(shape).numel()))
+        assert torch.equal(layout.take(whole, 0), whole[indices]), (shape, placements)
+        full = torch.zeros_like(whole)
+        layout.put(full, 0, whole[indices])
+        want = torch.zeros_like(whole)
+        want[indices] = whole[indices]
+        assert torch.equal(full, want), (shape, placements)
 
 
 # ----------------------------------------------------------------------------- bad input

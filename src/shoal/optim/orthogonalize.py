@@ -21,8 +21,7 @@ has one owner among all of them, as one split over one dim does: the group is th
 share this rank's coordinates on the others (a process group made once), and the owner places each holder's
 slice by its flat indices in the whole matrix (`shard_indices`: DTensor's own splits, strided ones included; a
 slice that is a box of the matrix, as most are, is copied as one), so the gathered matrix is the unsharded one,
-bit for bit. Any other placement (none in shoal's plans) is
-gathered whole on every rank, the naive way.
+bit for bit. Any other placement (none in shoal's plans) is gathered whole on every rank, the naive way.
 
 Shapes: a local update is this rank's shard; `full` the whole matrix (or E stacked matrices) it is a slice of.
 """
